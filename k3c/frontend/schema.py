@@ -1,0 +1,447 @@
+"""YAML schema: validates a located mapping into a ModelSpec, with errors naming file, line and field.
+
+Schema (every section but `model`, `layers` and `mlp` is optional):
+
+    name: k3-tiny
+    model:     {hidden_size, vocab_size, rms_norm_eps, max_context, tie_word_embeddings}
+    layers:    {count, and one of: kinds [list] | pattern [list, repeated] | mla_layers / kda_layers [indices]}
+               index_base: 0 | 1   (for index lists copied from published configs, which are 1-based)
+    kda:       {num_heads, head_dim, conv_kernel, gate: softplus|safe, gate_lower_bound, gate_rank,
+                output_gate: low_rank|full_rank, output_gate_rank}
+    mla:       {num_heads, q_lora_rank (null = none), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                v_head_dim, rope: none, output_gate}
+    attn_res:  {block_size}  or  attn_res: off
+    mlp:       {dense_layers [indices] | first_k_dense, dense_intermediate_size,
+                activation: situ|swiglu, situ_beta_gate, situ_beta_up}
+    moe:       {num_experts, top_k, num_shared_experts, expert_intermediate_size, shared_intermediate_size,
+                latent_dim (null = none), latent_norm, router_activation: sigmoid|softmax, router_bias,
+                renormalize, routed_scaling_factor}
+    precision: {weights: {format: bf16|mxfp4, include [patterns], exclude [patterns], scale_rule: floor|rceil},
+                activations: bf16|mxfp8}
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from typing import Any
+
+from ..errors import SpecError
+from .spec import (DEFAULT_MXFP4_INCLUDE, LAYER_KINDS, ActivationSpec, AttnResSpec, KDASpec, MLASpec, MLPSpec,
+                   ModelSpec, MoESpec, PrecisionSpec, WeightPrecisionSpec)
+from .yaml_loader import LocDict, LocList
+
+MAX_DIM = 1 << 20          # widths (hidden, intermediate, ranks)
+MAX_COUNT = 1 << 16        # layers, heads, experts
+MAX_VOCAB = 1 << 24
+MAX_CONTEXT = 1 << 26
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+PATTERN_RE = re.compile(r"^[A-Za-z0-9_.*?\[\]\-]{1,256}$")
+
+_MISSING = object()
+
+
+class Section:
+    """Typed access to one mapping of the spec; records which keys were used to flag unknown ones."""
+
+    def __init__(self, data: Any, path: str, file: str, line: int | None, record: dict[str, int]):
+        if not isinstance(data, dict):
+            raise SpecError(f"must be a mapping, got {_type_name(data)}", file=file, line=line, field=path or None)
+        self.data = data
+        self.path = path
+        self.file = file
+        self.line = getattr(data, "line", None) or line
+        self.used: set[str] = set()
+        self.record = record
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def field(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def key_line(self, key: str) -> int | None:
+        lines = getattr(self.data, "key_lines", {})
+        return lines.get(key, self.line)
+
+    def error(self, key: str | None, message: str, line: int | None = None) -> SpecError:
+        if line is None:
+            line = self.key_line(key) if key else self.line
+        return SpecError(message, file=self.file, line=line, field=self.field(key) if key else (self.path or None))
+
+    def raw(self, key: str, default: Any = _MISSING) -> Any:
+        self.used.add(key)
+        if key not in self.data:
+            if default is _MISSING:
+                raise self.error(None, f"missing required field '{self.field(key)}'")
+            return default
+        self.record[self.field(key)] = self.key_line(key)
+        return self.data[key]
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    # -- typed getters -----------------------------------------------------------------------------------
+    def int(self, key: str, default: Any = _MISSING, *, lo: int = 1, hi: int = MAX_DIM,
+            allow_none: bool = False) -> int | None:
+        value = self.raw(key, default)
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"must be an integer{' or null' if allow_none else ''}, got {_show(value)}")
+        if not lo <= value <= hi:
+            raise self.error(key, f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    def float(self, key: str, default: Any = _MISSING, *, lo: float = -math.inf, hi: float = math.inf,
+              open_lo: bool = False) -> float:
+        value = self.raw(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"must be a number, got {_show(value)}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise self.error(key, f"must be finite, got {value}")
+        if value < lo or value > hi or (open_lo and value == lo):
+            bound = f"({lo}, {hi}]" if open_lo else f"[{lo}, {hi}]"
+            raise self.error(key, f"must be in {bound}, got {value}")
+        return value
+
+    def bool(self, key: str, default: Any = _MISSING) -> bool:
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {_show(value)}")
+        return value
+
+    def choice(self, key: str, options: tuple[str, ...], default: Any = _MISSING) -> str:
+        value = self.raw(key, default)
+        if not isinstance(value, str) or value not in options:
+            hint = _did_you_mean(value, options) if isinstance(value, str) else ""
+            raise self.error(key, f"must be one of {', '.join(options)}, got {_show(value)}{hint}")
+        return value
+
+    def str(self, key: str, default: Any = _MISSING, *, pattern: re.Pattern = NAME_RE) -> str:
+        value = self.raw(key, default)
+        if not isinstance(value, str) or not pattern.match(value):
+            raise self.error(key, f"must be a name matching {pattern.pattern}, got {_show(value)}")
+        return value
+
+    def list(self, key: str, default: Any = _MISSING) -> list | None:
+        value = self.raw(key, default)
+        if value is None or value is default:
+            return value
+        if not isinstance(value, list):
+            raise self.error(key, f"must be a list, got {_show(value)}")
+        return value
+
+    def item_line(self, key: str, index: int) -> int | None:
+        value = self.data.get(key)
+        lines = getattr(value, "item_lines", None)
+        if lines and index < len(lines):
+            return lines[index]
+        return self.key_line(key)
+
+    def sub(self, key: str, default: Any = _MISSING) -> "Section | None":
+        value = self.raw(key, default)
+        if value is None:
+            return None
+        return Section(value, self.field(key), self.file, self.key_line(key), self.record)
+
+    def finish(self) -> None:
+        """Reject keys nobody asked for, suggesting the closest known one."""
+        for key in self.data:
+            if key not in self.used:
+                raise self.error(key, f"unknown key '{key}'{_did_you_mean(key, sorted(self.used))}")
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {"LocDict": "mapping", "LocList": "list", "dict": "mapping", "str": "string"}.get(
+        type(value).__name__, type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{_type_name(value)} {text}" if not isinstance(value, (int, float)) or isinstance(value, bool) else text
+
+
+def _did_you_mean(word: str, options) -> str:
+    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# ----------------------------------------------------------------------------------------------------------
+TOP_LEVEL = ("name", "model", "layers", "kda", "mla", "attn_res", "mlp", "moe", "precision")
+
+
+def spec_from_data(data: LocDict, file: str) -> ModelSpec:
+    record: dict[str, int] = {}
+    top = Section(data, "", file, 1, record)
+    name = top.str("name", "model")
+    model = top.sub("model")
+    hidden = model.int("hidden_size")
+    vocab = model.int("vocab_size", hi=MAX_VOCAB)
+    eps = model.float("rms_norm_eps", 1e-5, lo=0.0, hi=1.0, open_lo=True)
+    max_context = model.int("max_context", 4096, hi=MAX_CONTEXT)
+    tie = model.bool("tie_word_embeddings", False)
+    model.finish()
+
+    layer_kinds = _layer_kinds(top.sub("layers"))
+    n_layers = len(layer_kinds)
+
+    kda = _kda(top.sub("kda", None), hidden)
+    mla = _mla(top.sub("mla", None))
+    for kind, section_value, key in (("kda", kda, "kda"), ("mla", mla, "mla")):
+        if kind in layer_kinds and section_value is None:
+            first = layer_kinds.index(kind)
+            raise top.error("layers", f"layer {first} is '{kind}' but the spec has no '{key}' section")
+
+    attn_res = _attn_res(top, n_layers)
+    mlp = _mlp(top.sub("mlp"), top.sub("moe", None), n_layers, hidden)
+    precision = _precision(top.sub("precision", None), mlp)
+    top.finish()
+    return ModelSpec(name=name, hidden_size=hidden, vocab_size=vocab, layer_kinds=layer_kinds, mlp=mlp, kda=kda,
+                     mla=mla, attn_res=attn_res, precision=precision, rms_norm_eps=eps, max_context=max_context,
+                     tie_word_embeddings=tie, source=file, locations=tuple(sorted(record.items())))
+
+
+def _index_list(sec: Section, key: str, n_layers: int, base: int) -> list[int]:
+    items = sec.list(key)
+    out: list[int] = []
+    for i, item in enumerate(items):
+        line = sec.item_line(key, i)
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise sec.error(key, f"item {i} must be a layer index, got {_show(item)}", line)
+        idx = item - base
+        if not 0 <= idx < n_layers:
+            raise sec.error(key, f"layer index {item} out of range for {n_layers} layers "
+                                 f"(index_base {base})", line)
+        if idx in out:
+            raise sec.error(key, f"layer index {item} listed twice", line)
+        out.append(idx)
+    return out
+
+
+def _layer_kinds(sec: Section) -> tuple[str, ...]:
+    given = [k for k in ("kinds", "pattern", "mla_layers", "kda_layers") if sec.has(k)]
+    count = sec.int("count", None if given and given[0] == "kinds" else _MISSING, hi=4096, allow_none=True)
+    base = sec.int("index_base", 0, lo=0, hi=1)
+    if not given:
+        raise sec.error(None, "give one of 'kinds', 'pattern', 'mla_layers' or 'kda_layers'")
+    if "kinds" in given and len(given) > 1:
+        raise sec.error(given[1], f"'kinds' lists every layer; do not combine it with '{given[1]}'")
+    if "pattern" in given and len(given) > 1:
+        raise sec.error(given[1], f"'pattern' defines every layer; do not combine it with '{given[1]}'")
+
+    def check_kinds(key: str) -> list[str]:
+        items = sec.list(key)
+        if not items:
+            raise sec.error(key, "must not be empty")
+        for i, item in enumerate(items):
+            if item not in LAYER_KINDS:
+                hint = _did_you_mean(item, LAYER_KINDS) if isinstance(item, str) else ""
+                raise sec.error(key, f"item {i} must be one of {', '.join(LAYER_KINDS)}, got {_show(item)}{hint}",
+                                sec.item_line(key, i))
+        return list(items)
+
+    if "kinds" in given:
+        kinds = check_kinds("kinds")
+        if count is not None and count != len(kinds):
+            raise sec.error("kinds", f"lists {len(kinds)} layers but count is {count}")
+    elif "pattern" in given:
+        pattern = check_kinds("pattern")
+        kinds = [pattern[i % len(pattern)] for i in range(count)]
+    else:
+        mla = _index_list(sec, "mla_layers", count, base) if sec.has("mla_layers") else None
+        kda = _index_list(sec, "kda_layers", count, base) if sec.has("kda_layers") else None
+        if mla is not None and kda is not None:
+            overlap = sorted(set(mla) & set(kda))
+            if overlap:
+                raise sec.error("kda_layers", f"layer {overlap[0] + base} is listed as both kda and mla")
+            missing = sorted(set(range(count)) - set(mla) - set(kda))
+            if missing:
+                raise sec.error("kda_layers", f"layer {missing[0] + base} is in neither kda_layers nor mla_layers")
+        if mla is not None:
+            kinds = ["mla" if i in mla else "kda" for i in range(count)]
+        else:
+            kinds = ["kda" if i in kda else "mla" for i in range(count)]
+    sec.finish()
+    return tuple(kinds)
+
+
+def _kda(sec: Section | None, hidden: int) -> KDASpec | None:
+    if sec is None:
+        return None
+    heads = sec.int("num_heads", hi=MAX_COUNT)
+    head_dim = sec.int("head_dim", hi=4096)
+    conv = sec.int("conv_kernel", 4, hi=64)
+    gate = sec.choice("gate", ("softplus", "safe"), "safe")
+    lb = sec.float("gate_lower_bound", -5.0, lo=-1e4, hi=0.0, open_lo=False)
+    if gate == "safe" and lb == 0.0:
+        raise sec.error("gate_lower_bound", "must be negative for the safe gate (0 means no decay at all)")
+    gate_rank = sec.int("gate_rank", None, allow_none=True)
+    out_gate = sec.choice("output_gate", ("low_rank", "full_rank"), "full_rank")
+    out_rank = sec.int("output_gate_rank", None, allow_none=True)
+    if out_gate == "full_rank" and out_rank is not None:
+        raise sec.error("output_gate_rank", "only applies to output_gate: low_rank")
+    sec.finish()
+    return KDASpec(num_heads=heads, head_dim=head_dim, conv_kernel=conv, gate=gate, gate_lower_bound=lb,
+                   gate_rank=gate_rank, output_gate=out_gate, output_gate_rank=out_rank)
+
+
+def _mla(sec: Section | None) -> MLASpec | None:
+    if sec is None:
+        return None
+    out = MLASpec(num_heads=sec.int("num_heads", hi=MAX_COUNT),
+                  q_lora_rank=sec.int("q_lora_rank", None, allow_none=True),
+                  kv_lora_rank=sec.int("kv_lora_rank"),
+                  qk_nope_head_dim=sec.int("qk_nope_head_dim", hi=4096),
+                  qk_rope_head_dim=sec.int("qk_rope_head_dim", lo=0, hi=4096),
+                  v_head_dim=sec.int("v_head_dim", hi=4096),
+                  rope=sec.choice("rope", ("none",), "none"),
+                  output_gate=sec.bool("output_gate", True))
+    sec.finish()
+    return out
+
+
+def _attn_res(top: Section, n_layers: int) -> AttnResSpec | None:
+    value = top.raw("attn_res", None)
+    if value is None or value is False or value == "off":
+        return None
+    sec = Section(value, "attn_res", top.file, top.key_line("attn_res"), top.record)
+    size = sec.int("block_size", hi=4096)
+    sec.finish()
+    if size > n_layers:
+        raise sec.error("block_size", f"block size {size} exceeds the {n_layers} layers (use attn_res: off)")
+    return AttnResSpec(block_size=size)
+
+
+def _mlp(sec: Section, moe_sec: Section | None, n_layers: int, hidden: int) -> MLPSpec:
+    if sec.has("dense_layers") and sec.has("first_k_dense"):
+        raise sec.error("first_k_dense", "give either dense_layers or first_k_dense, not both")
+    if sec.has("first_k_dense"):
+        k = sec.int("first_k_dense", lo=0, hi=n_layers)
+        dense = tuple(range(k))
+    elif sec.has("dense_layers"):
+        base = sec.int("index_base", 0, lo=0, hi=1)
+        dense = tuple(sorted(_index_list(sec, "dense_layers", n_layers, base)))
+    else:
+        dense = tuple(range(n_layers)) if moe_sec is None else ()
+    needs_dense = bool(dense) or moe_sec is None
+    dense_size = sec.int("dense_intermediate_size", _MISSING if needs_dense else None, allow_none=not needs_dense)
+    kind = sec.choice("activation", ("situ", "swiglu"), "swiglu")
+    beta_g = sec.float("situ_beta_gate", 4.0, lo=0.0, hi=1e6, open_lo=True)
+    beta_u = sec.float("situ_beta_up", 25.0, lo=0.0, hi=1e6, open_lo=True)
+    if kind == "swiglu":
+        for key in ("situ_beta_gate", "situ_beta_up"):
+            if sec.has(key):
+                raise sec.error(key, "only applies to activation: situ")
+    sec.finish()
+    act = ActivationSpec(kind=kind, situ_beta_gate=beta_g, situ_beta_up=beta_u)
+
+    moe = None
+    if moe_sec is not None:
+        experts = moe_sec.int("num_experts", hi=MAX_COUNT)
+        top_k = moe_sec.int("top_k", hi=MAX_COUNT)
+        if top_k > experts:
+            raise moe_sec.error("top_k", f"top_k {top_k} exceeds num_experts {experts}")
+        moe = MoESpec(num_experts=experts, top_k=top_k,
+                      expert_intermediate_size=moe_sec.int("expert_intermediate_size"),
+                      num_shared_experts=moe_sec.int("num_shared_experts", 0, lo=0, hi=MAX_COUNT),
+                      shared_intermediate_size=moe_sec.int("shared_intermediate_size", None, allow_none=True),
+                      latent_dim=moe_sec.int("latent_dim", None, allow_none=True),
+                      latent_norm=moe_sec.bool("latent_norm", False),
+                      router_activation=moe_sec.choice("router_activation", ("sigmoid", "softmax"), "sigmoid"),
+                      router_bias=moe_sec.bool("router_bias", True),
+                      renormalize=moe_sec.bool("renormalize", True),
+                      routed_scaling_factor=moe_sec.float("routed_scaling_factor", 1.0, lo=0.0, hi=1e4,
+                                                          open_lo=True))
+        if moe.latent_norm and moe.latent_dim is None:
+            raise moe_sec.error("latent_norm", "needs latent_dim (the norm sits before the latent up projection)")
+        if moe.latent_dim is not None and moe.latent_dim > hidden:
+            raise moe_sec.error("latent_dim", f"latent_dim {moe.latent_dim} exceeds hidden_size {hidden}")
+        if moe.shared_intermediate_size is not None and moe.num_shared_experts == 0:
+            raise moe_sec.error("shared_intermediate_size", "given but num_shared_experts is 0")
+        moe_sec.finish()
+        if len(dense) == n_layers:
+            raise sec.error("dense_layers", "every layer is dense, yet a 'moe' section is given")
+    return MLPSpec(dense_layers=dense, dense_intermediate_size=dense_size or 0, activation=act, moe=moe)
+
+
+def _precision(sec: Section | None, mlp: MLPSpec) -> PrecisionSpec:
+    if sec is None:
+        return PrecisionSpec()
+    w = sec.sub("weights", None)
+    weights = WeightPrecisionSpec()
+    if w is not None:
+        fmt = w.choice("format", ("bf16", "mxfp4"), "bf16")
+
+        def patterns(key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+            items = w.list(key, None)
+            if items is None:
+                return default
+            for i, item in enumerate(items):
+                if not isinstance(item, str) or not PATTERN_RE.match(item):
+                    raise w.error(key, f"item {i} must be a weight-name pattern (letters, digits, _ . * ? [ ] -), "
+                                       f"got {_show(item)}", w.item_line(key, i))
+            return tuple(items)
+
+        include = patterns("include", DEFAULT_MXFP4_INCLUDE if fmt == "mxfp4" else ())
+        exclude = patterns("exclude", ())
+        rule = w.choice("scale_rule", ("floor", "rceil"), "floor")
+        w.finish()
+        if fmt == "bf16" and include:
+            raise w.error("include", "patterns only apply to format: mxfp4")
+        weights = WeightPrecisionSpec(format=fmt, include=include, exclude=exclude, scale_rule=rule)
+    acts = sec.choice("activations", ("bf16", "mxfp8"), "bf16")
+    sec.finish()
+    return PrecisionSpec(weights=weights, activations=acts)
+
+
+# ----------------------------------------------------------------------------------------------------------
+def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
+    """The spec in the YAML schema's shape; `spec_from_data(spec_to_dict(s)) == s`."""
+    out: dict[str, Any] = {
+        "name": spec.name,
+        "model": {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
+                  "rms_norm_eps": spec.rms_norm_eps, "max_context": spec.max_context,
+                  "tie_word_embeddings": spec.tie_word_embeddings},
+        "layers": {"count": spec.num_layers, "kinds": list(spec.layer_kinds)},
+    }
+    if spec.kda is not None:
+        k = spec.kda
+        out["kda"] = {"num_heads": k.num_heads, "head_dim": k.head_dim, "conv_kernel": k.conv_kernel,
+                      "gate": k.gate, "gate_lower_bound": k.gate_lower_bound, "gate_rank": k.gate_rank,
+                      "output_gate": k.output_gate}
+        if k.output_gate == "low_rank":
+            out["kda"]["output_gate_rank"] = k.output_gate_rank
+    if spec.mla is not None:
+        m = spec.mla
+        out["mla"] = {"num_heads": m.num_heads, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+                      "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+                      "v_head_dim": m.v_head_dim, "rope": m.rope, "output_gate": m.output_gate}
+    out["attn_res"] = {"block_size": spec.attn_res.block_size} if spec.attn_res else "off"
+    mlp = spec.mlp
+    out["mlp"] = {"dense_layers": list(mlp.dense_layers), "activation": mlp.activation.kind}
+    if mlp.dense_layers or mlp.moe is None:
+        out["mlp"]["dense_intermediate_size"] = mlp.dense_intermediate_size
+    if mlp.activation.kind == "situ":
+        out["mlp"]["situ_beta_gate"] = mlp.activation.situ_beta_gate
+        out["mlp"]["situ_beta_up"] = mlp.activation.situ_beta_up
+    if mlp.moe is not None:
+        e = mlp.moe
+        out["moe"] = {"num_experts": e.num_experts, "top_k": e.top_k,
+                      "expert_intermediate_size": e.expert_intermediate_size,
+                      "num_shared_experts": e.num_shared_experts, "latent_dim": e.latent_dim,
+                      "latent_norm": e.latent_norm, "router_activation": e.router_activation,
+                      "router_bias": e.router_bias, "renormalize": e.renormalize,
+                      "routed_scaling_factor": e.routed_scaling_factor}
+        if e.shared_intermediate_size is not None:
+            out["moe"]["shared_intermediate_size"] = e.shared_intermediate_size
+    w = spec.precision.weights
+    weights: dict[str, Any] = {"format": w.format, "scale_rule": w.scale_rule}
+    if w.format == "mxfp4":
+        weights["include"] = list(w.include)
+        weights["exclude"] = list(w.exclude)
+    out["precision"] = {"weights": weights, "activations": spec.precision.activations}
+    return out
