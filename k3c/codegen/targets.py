@@ -1,0 +1,51 @@
+"""Target table (DESIGN.md): frozen option objects. Block sizes and layouts come from these, never from
+`if target == ...` scattered through the code."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ArgumentError
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    backend: str                  # hip | cuda | cpu
+    arch: str                     # gfx950, gfx942, sm_90, sm_100, cpu
+    warp_size: int
+    shared_mem_bytes: int         # planning budget per block (LDS on AMD)
+    native_mxfp4: bool
+    peak_bf16_flops: float        # dense, FLOP/s
+    peak_fp8_flops: float
+    peak_fp4_flops: float
+    hbm_bytes_per_s: float
+    hbm_bytes: int
+    link_bytes_per_s: float       # per-GPU scale-up link bandwidth (one direction)
+    kda_chunk: int = 64
+    mla_page_size: int = 64
+
+    @property
+    def triton_target(self):
+        """(backend, arch, warp_size) for triton.backends.compiler.GPUTarget; None for the CPU."""
+        if self.backend == "cpu":
+            return None
+        arch = int(self.arch[3:]) if self.backend == "cuda" else self.arch
+        return (self.backend, arch, self.warp_size)
+
+
+KiB, GiB = 1024, 1024 ** 3
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("mi355x", "hip", "gfx950", 64, 160 * KiB, True, 2.5e15, 5.0e15, 10.0e15, 8.0e12, 288 * GiB, 153.6e9),
+    Target("mi300x", "hip", "gfx942", 64, 64 * KiB, False, 1.307e15, 2.615e15, 2.615e15, 5.3e12, 192 * GiB, 128e9),
+    Target("h100", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 3.35e12, 80 * GiB, 450e9),
+    Target("h200", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 4.8e12, 141 * GiB, 450e9),
+    Target("b200", "cuda", "sm_100", 32, 227 * KiB, True, 2.25e15, 4.5e15, 9.0e15, 8.0e12, 180 * GiB, 900e9),
+    Target("cpu", "cpu", "cpu", 1, 0, False, 1e12, 1e12, 1e12, 1e11, 16 * GiB, 1e10),
+)}
+
+
+def get_target(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise ArgumentError(f"unknown target '{name}'; valid targets: {', '.join(TARGETS)}") from None
