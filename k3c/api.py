@@ -1,0 +1,177 @@
+"""The public Python API (DESIGN.md): compile a spec, read the IR after each pass, save and load artifacts."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from . import __version__
+from .codegen.targets import Target, get_target
+from .errors import ArgumentError, UserError
+from .frontend import ModelSpec, dump_spec_yaml, load_spec, parse_spec_text
+from .ir import Module, parse_module, print_module
+
+ARTIFACT_FORMAT = "k3c-artifact/1"
+
+
+@dataclass
+class CompiledModel:
+    """A spec lowered for a target: the final IR, every intermediate stage, and the pass records."""
+
+    spec: ModelSpec
+    target: Target
+    module: Module
+    stages: list[tuple[str, Module]] = field(default_factory=list)   # ("frontend", m0), ("dce", m1), ...
+    records: list = field(default_factory=list)                      # PassRecord per pass run
+
+    @property
+    def pass_names(self) -> list[str]:
+        return [name for name, _ in self.stages[1:]]
+
+    def module_after(self, after: str | None = None) -> Module:
+        """The IR after the named pass (`frontend` for the first stage; None for the final module)."""
+        if after is None:
+            return self.module
+        for name, module in reversed(self.stages):
+            if name == after:
+                return module
+        valid = ", ".join(name for name, _ in self.stages)
+        raise ArgumentError(f"no stage named '{after}' in this compilation; stages: {valid}")
+
+    def ir(self, after: str | None = None) -> str:
+        """Printed IR after a pass (default: the final IR)."""
+        return print_module(self.module_after(after))
+
+    @property
+    def cache_key(self) -> str:
+        """Content address: hash of (k3c version, printed IR, target, pipeline)."""
+        h = hashlib.sha256()
+        for part in (__version__, print_module(self.module), json.dumps(asdict(self.target), sort_keys=True),
+                     ",".join(self.pass_names)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def manifest(self) -> dict:
+        import torch
+
+        try:
+            import triton
+            triton_version = triton.__version__
+        except ImportError:  # pragma: no cover - triton is a dependency
+            triton_version = None
+        op_counts: dict[str, int] = {}
+        for op in self.module.ops:
+            op_counts[op.op] = op_counts.get(op.op, 0) + 1
+        return {
+            "format": ARTIFACT_FORMAT,
+            "model": self.spec.name,
+            "target": asdict(self.target),
+            "passes": self.pass_names,
+            "cache_key": self.cache_key,
+            "op_counts": dict(sorted(op_counts.items())),
+            "kernels": [],          # filled by codegen (issue: codegen and targets)
+            "extern": [],
+            "versions": {"k3c": __version__, "torch": torch.__version__, "triton": triton_version,
+                         "python": platform.python_version()},
+            "files": {"spec": "spec.yaml", "ir": "model.k3c", "stages": "ir/"},
+        }
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> str:
+        """Write the artifact directory atomically: a temp dir beside it, renamed into place at the end."""
+        path = os.path.abspath(os.fspath(path))
+        if os.path.exists(path):
+            if not overwrite and not _is_artifact(path):
+                raise ArgumentError(f"{path} exists and is not a k3c artifact; choose another -o or pass --force")
+        parent = os.path.dirname(path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".k3c-tmp-", dir=parent)
+        except OSError as exc:
+            raise ArgumentError(f"cannot create {path}: {exc.strerror}") from None
+        try:
+            os.makedirs(os.path.join(tmp, "ir"))
+            _write(tmp, "spec.yaml", dump_spec_yaml(self.spec))
+            _write(tmp, "model.k3c", print_module(self.module))
+            for i, (name, module) in enumerate(self.stages):
+                _write(tmp, os.path.join("ir", f"{i:03d}_{name}.k3c"), print_module(module))
+            _write(tmp, "manifest.json", json.dumps(self.manifest(), indent=2) + "\n")
+            _write(tmp, "report.md", self.report())
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+    def report(self) -> str:
+        lines = [f"# k3c artifact: {self.spec.name} for {self.target.name}", "",
+                 f"- layers: {self.spec.num_layers} ({self.spec.layer_kinds.count('kda')} KDA, "
+                 f"{self.spec.layer_kinds.count('mla')} MLA)",
+                 f"- passes: {', '.join(self.pass_names) or '(none)'}",
+                 f"- ops after the last pass: {len(self.module.ops)}", "", "| pass | time (ms) | changed |",
+                 "|---|---|---|"]
+        for rec in self.records:
+            lines.append(f"| {rec.name} | {rec.seconds * 1e3:.1f} | {'yes' if rec.changed else 'no'} |")
+        return "\n".join(lines) + "\n"
+
+    def session(self, weights, *, device: str = "cpu", max_batch: int = 8, max_context: int | None = None):
+        """A runtime session over this compiled graph (prefill / decode with caches)."""
+        from .runtime.session import Session
+
+        return Session(self, weights, device=device, max_batch=max_batch, max_context=max_context)
+
+
+def _write(root: str, rel: str, text: str) -> None:
+    with open(os.path.join(root, rel), "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def _is_artifact(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
+            return json.load(fh).get("format") == ARTIFACT_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def compile(spec, target: str = "mi355x", *, passes: list[str] | None = None,  # noqa: A001 (public API name)
+            dump_ir: str | os.PathLike | None = None) -> CompiledModel:
+    """Run the pass pipeline on a spec (a ModelSpec or a path) for a target."""
+    from .frontend.to_ir import spec_to_module
+    from .passes.pipeline import run_pipeline
+
+    tgt = get_target(target) if isinstance(target, str) else target
+    if not isinstance(spec, ModelSpec):
+        spec = load_spec(spec)
+    module = spec_to_module(spec)
+    names = list(passes) if passes is not None else ["default"]
+    stages: list = []
+    final, records = run_pipeline(module, names, dump_dir=dump_ir, stages=stages)
+    return CompiledModel(spec=spec, target=tgt, module=final, stages=stages, records=records)
+
+
+def load(path: str | os.PathLike) -> CompiledModel:
+    """Read an artifact directory written by CompiledModel.save."""
+    path = os.fspath(path)
+    if not _is_artifact(path):
+        raise UserError(f"{path}: not a k3c artifact directory (no manifest.json of format {ARTIFACT_FORMAT})")
+    with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    spec_path = os.path.join(path, "spec.yaml")
+    with open(spec_path, encoding="utf-8") as fh:
+        spec = parse_spec_text(fh.read(), spec_path)
+    stage_dir = os.path.join(path, "ir")
+    stages = []
+    for fname in sorted(os.listdir(stage_dir)):
+        if fname.endswith(".k3c"):
+            with open(os.path.join(stage_dir, fname), encoding="utf-8") as fh:
+                stages.append((fname[4:-4], parse_module(fh.read(), os.path.join(stage_dir, fname))))
+    with open(os.path.join(path, "model.k3c"), encoding="utf-8") as fh:
+        module = parse_module(fh.read(), os.path.join(path, "model.k3c"))
+    return CompiledModel(spec=spec, target=get_target(manifest["target"]["name"]), module=module, stages=stages)

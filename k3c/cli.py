@@ -1,0 +1,175 @@
+"""`k3c compile | inspect | run`. Exit 0 on success, 2 on bad input (one line, no traceback), 1 on internal errors."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .errors import ArgumentError, K3cError, UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line and exits 2 (not a usage dump)."""
+
+    def error(self, message: str):
+        raise ArgumentError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+    return parse
+
+
+def _passes(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("--passes needs a comma-separated list of pass names")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .codegen.targets import TARGETS
+
+    p = _Parser(prog="k3c", description="Compiler for Kimi-K3-class hybrid LLMs.")
+    p.add_argument("--version", action="store_true", help="print the k3c version and exit")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    c = sub.add_parser("compile", help="compile a spec into an artifact directory")
+    c.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory")
+    c.add_argument("--target", required=True, help=f"one of: {', '.join(TARGETS)}")
+    c.add_argument("-o", "--output", required=True, help="artifact directory to write")
+    c.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass as numbered .k3c files")
+    c.add_argument("--passes", type=_passes, help="comma-separated pass names (default: the target's pipeline)")
+    c.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+
+    i = sub.add_parser("inspect", help="print the IR of a spec (after a pass) as text, DOT or ONNX")
+    i.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory")
+    i.add_argument("--target", default="mi355x", help=f"one of: {', '.join(TARGETS)} (default mi355x)")
+    i.add_argument("--after", metavar="PASS", help="show the IR after this pass (default: the last)")
+    i.add_argument("--passes", type=_passes, help="comma-separated pass names")
+    i.add_argument("--format", choices=("text", "dot", "onnx"), default="text")
+    i.add_argument("-o", "--output", help="write to this file instead of stdout (required for onnx)")
+
+    r = sub.add_parser("run", help="run a model on random or given weights: prefill, then greedy decode")
+    r.add_argument("spec", help="YAML spec, config.json, model directory, or a compiled artifact directory")
+    r.add_argument("--weights", help="safetensors file or Hugging Face model directory (default: random init)")
+    r.add_argument("--batch", type=_positive("--batch"), default=1)
+    r.add_argument("--prompt-len", type=_positive("--prompt-len"), default=16)
+    r.add_argument("--new-tokens", type=_positive("--new-tokens"), default=8)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default="cpu", help="cpu or cuda")
+    r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    return p
+
+
+def cmd_compile(args) -> int:
+    from . import api
+
+    t0 = time.perf_counter()
+    model = api.compile(args.spec, target=args.target, passes=args.passes, dump_ir=args.dump_ir)
+    model.save(args.output, overwrite=args.force)
+    n_ops = len(model.module.ops)
+    print(f"k3c: compiled {model.spec.name} for {model.target.name}: {n_ops} ops after "
+          f"{len(model.records)} passes in {time.perf_counter() - t0:.2f} s -> {args.output}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from . import api
+
+    model = api.compile(args.spec, target=args.target, passes=args.passes)
+    module = model.module_after(args.after)
+    if args.format == "text":
+        from .ir import print_module
+
+        out = print_module(module)
+    elif args.format == "dot":
+        from .ir.dot import to_dot
+
+        out = to_dot(module)
+    else:
+        if not args.output:
+            raise ArgumentError("k3c inspect: --format onnx writes a binary model; give -o FILE.onnx")
+        from .ir.onnx_export import to_onnx
+
+        data = to_onnx(module).SerializeToString()
+        _write_atomic(args.output, data)
+        print(f"k3c: wrote ONNX ({len(module.ops)} ops) to {args.output}")
+        return 0
+    if args.output:
+        _write_atomic(args.output, out.encode())
+    else:
+        sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .runtime.runner import run_report
+
+    print(run_report(args.spec, weights=args.weights, batch=args.batch, prompt_len=args.prompt_len,
+                     new_tokens=args.new_tokens, seed=args.seed, device=args.device, dtype=args.dtype))
+    return 0
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise ArgumentError(f"cannot write {path}: {exc.strerror}") from None
+
+
+COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "run": cmd_run}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.version:
+            from . import __version__
+
+            print(f"k3c {__version__}")
+            return 0
+        if not args.command:
+            raise ArgumentError("k3c: give a command: compile, inspect or run (see k3c --help)")
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"k3c: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except K3cError as exc:
+        print(f"k3c: internal error: {exc}", file=sys.stderr)
+        _maybe_traceback()
+        return 1
+    except KeyboardInterrupt:
+        print("k3c: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: one line by default, the traceback with K3C_DEBUG >= 1
+        print(f"k3c: internal error: {type(exc).__name__}: {exc} (set K3C_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        _maybe_traceback()
+        return 1
+
+
+def _maybe_traceback() -> None:
+    from .config import settings
+
+    if settings().debug >= 1:
+        import traceback
+
+        traceback.print_exc()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Every environment setting k3c reads, declared once and typed.
+
+K3C_DEBUG: 0 quiet, 1 pass times, 2 + fusion/rewrite decisions, 3 + IR after each pass, 4 + generated Triton.
+K3C_CACHE_DIR: content-addressed compile cache (default ~/.cache/k3c).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    debug: int = 0
+    cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "k3c")
+
+
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value) if value.strip() else default
+    except ValueError:
+        print(f"k3c: ignoring {name}={value!r} (not an integer)", file=sys.stderr)
+        return default
+
+
+def settings() -> Settings:
+    """Read the environment now (cheap; tests may change it between calls)."""
+    return Settings(debug=_int_env("K3C_DEBUG", 0),
+                    cache_dir=os.environ.get("K3C_CACHE_DIR") or Settings.cache_dir)
+
+
+def debug(level: int, message: str) -> None:
+    """Print `message` to stderr when K3C_DEBUG >= level."""
+    if settings().debug >= level:
+        print(f"[k3c:{level}] {message}", file=sys.stderr)

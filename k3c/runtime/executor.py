@@ -1,0 +1,151 @@
+"""Lowered IR -> torch.fx GraphModule. Each IR op becomes one call of its implementation; weights are buffers
+read with get_attr, so `gm.code` reads like the IR and fx tooling works on it.
+
+The graph's signature is `forward(input_ids, cache)`: `cache` (LayerCaches) carries the per-layer KDA states and
+MLA latent caches across calls; stateful ops read the entry for their `layer` attr and store the new one.
+Op implementations are the eager reference for layer ops until the kernel issues register Triton launchers
+(`register_impl(op_name, fn)` replaces one).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ..errors import IRError
+from ..frontend.spec import ActivationSpec, KDASpec, MLASpec, MoESpec
+from ..ir import Module
+from ..ir.ops import get_op_def
+from . import reference as ref
+
+
+class LayerCaches:
+    """Mutable per-layer cache: KDA layers hold a KDAState, MLA layers a latent cache [B, T, L+R]."""
+
+    def __init__(self, num_layers: int):
+        self.layers: list[Any] = [None] * num_layers
+        self.length = 0
+
+    def copy(self) -> "LayerCaches":
+        out = LayerCaches(len(self.layers))
+        out.layers, out.length = list(self.layers), self.length   # entries are never mutated in place
+        return out
+
+
+# ---- op implementations: fn(attrs, cache, data inputs (tuple), params {role: tensor}) ------------------------------------------------------------
+def _activation(a: dict) -> ActivationSpec:
+    if a["activation"] == "situ":
+        return ActivationSpec("situ", a["situ_beta_gate"], a["situ_beta_up"])
+    return ActivationSpec(a["activation"])
+
+
+def k3c_embedding(a, cache, data, w):
+    return w["embed_tokens.weight"][data[0]]
+
+
+def k3c_rmsnorm(a, cache, data, w):
+    return ref.rms_norm(data[0], w["weight"], a["eps"])
+
+
+def k3c_add(a, cache, data, w):
+    return data[0] + data[1]
+
+
+def k3c_lm_head(a, cache, data, w):
+    return ref.linear(data[0], w["embed_tokens.weight" if a["tied"] else "lm_head.weight"])
+
+
+def k3c_kda(a, cache, data, w):
+    x = data[0]
+    cfg = KDASpec(num_heads=a["num_heads"], head_dim=a["head_dim"], conv_kernel=a["conv_kernel"], gate=a["gate"],
+                  gate_lower_bound=a["gate_lower_bound"], output_gate=a["output_gate"])
+    y, state = ref.kda_layer(x, w, cfg, a["norm_eps"], cache.layers[a["layer"]])
+    cache.layers[a["layer"]] = state
+    return y
+
+
+def k3c_mla(a, cache, data, w):
+    x = data[0]
+    cfg = MLASpec(num_heads=a["num_heads"], kv_lora_rank=a["kv_lora_rank"], qk_nope_head_dim=a["qk_nope_head_dim"],
+                  qk_rope_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"], q_lora_rank=a["q_lora_rank"],
+                  rope=a["rope"], output_gate=a["output_gate"])
+    y, latent = ref.mla_layer(x, w, cfg, cache.layers[a["layer"]])
+    cache.layers[a["layer"]] = latent
+    return y
+
+
+def k3c_mlp(a, cache, data, w):
+    return ref.mlp(data[0], w, _activation(a))
+
+
+def k3c_moe(a, cache, data, w):
+    x = data[0]
+    cfg = MoESpec(num_experts=a["num_experts"], top_k=a["top_k"], expert_intermediate_size=w["experts.w1"].shape[1],
+                  num_shared_experts=a["num_shared_experts"], latent_dim=a["latent_dim"],
+                  latent_norm=a["latent_norm"], router_activation=a["router_activation"],
+                  router_bias=a["router_bias"], renormalize=a["renormalize"],
+                  routed_scaling_factor=a["routed_scaling_factor"])
+    return ref.moe_layer(x, w, cfg, _activation(a), a["norm_eps"])
+
+
+def k3c_attn_res_mix(a, cache, data, w):
+    return ref.attn_res_mix(list(data), w["proj_weight"], w["norm_weight"], a["eps"])
+
+
+IMPLS: dict[str, Callable] = {
+    "embedding": k3c_embedding, "rmsnorm": k3c_rmsnorm, "add": k3c_add, "lm_head": k3c_lm_head, "kda": k3c_kda,
+    "mla": k3c_mla, "mlp": k3c_mlp, "moe": k3c_moe, "attn_res_mix": k3c_attn_res_mix,
+}
+
+
+def register_impl(op_name: str, fn: Callable) -> None:
+    """Make `fn(attrs, cache, data, params)` the implementation of `op_name` in graphs built from now on."""
+    IMPLS[op_name] = fn
+
+
+# ---- graph construction ---------------------------------------------------------------------------------------
+def _buffer_name(weight: str) -> str:
+    return "w_" + re.sub(r"[^0-9A-Za-z_]", "_", weight)
+
+
+def build_graph_module(module: Module, weights: dict[str, torch.Tensor]) -> fx.GraphModule:
+    """An fx GraphModule computing `module` with `weights` (canonical names) as buffers."""
+    root = torch.nn.Module()
+    graph = fx.Graph()
+    values: dict[str, fx.Node] = {}
+    ids = graph.placeholder("input_ids")
+    cache = graph.placeholder("cache")
+    for op in module.ops:
+        a = dict(op.attrs)
+        if op.op == "input":
+            values[op.results[0]] = ids
+            continue
+        if op.op == "param":
+            name = a["name"]
+            if name not in weights:
+                raise IRError(f"weight '{name}' is not in the given weights", op=f"%{op.results[0]} = param",
+                              loc=op.loc)
+            buf = _buffer_name(name)
+            if not hasattr(root, buf):
+                root.register_buffer(buf, weights[name], persistent=False)
+            values[op.results[0]] = graph.get_attr(buf)
+            continue
+        impl = IMPLS.get(op.op)
+        if impl is None:
+            raise IRError("no runtime implementation for this op", op=f"%{op.results[0]} = {op.op}", loc=op.loc)
+        roles = get_op_def(op.op).roles(a)
+        data, params = [], {}
+        for role, value in zip(roles, op.inputs):
+            if role.param:
+                params[role.name] = values[value]
+            else:
+                data.append(values[value])
+        node = graph.create_node("call_function", impl, (a, cache, tuple(data), params),
+                                 name=re.sub(r"[^0-9A-Za-z_]", "_", op.results[0]))   # fx names follow the IR
+        if len(op.results) != 1:
+            raise IRError("multi-result ops are not executable yet", op=op.op, loc=op.loc)
+        values[op.results[0]] = node
+    graph.output(tuple(values[o] for o in module.outputs) if len(module.outputs) > 1 else values[module.outputs[0]])
+    return fx.GraphModule(root, graph, class_name=f"K3cGraph")

@@ -1,0 +1,88 @@
+"""A session: a compiled graph bound to weights on a device, with the caches of one batch of sequences.
+
+    sess = model.session(w, device="cpu")
+    logits = sess.prefill(input_ids)     # [B, T] -> [B, T, vocab]; starts a new batch
+    logits = sess.decode(next_ids)       # [B] -> [B, vocab]
+    logits = sess.append(segment_ids)    # [B, T'] -> [B, T', vocab]: append-prefill on the cached context
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ArgumentError
+from .executor import LayerCaches, build_graph_module
+from .weight_names import model_weights
+
+
+class Session:
+    def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
+                 max_context: int | None = None):
+        self.compiled = compiled
+        self.spec = compiled.spec
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.max_context = max_context or self.spec.max_context
+        _check_weights(self.spec, weights)
+        on_device = {name: t.to(self.device) for name, t in weights.items()}
+        self.graph = build_graph_module(compiled.module, on_device)
+        self.cache: LayerCaches | None = None
+
+    def describe(self) -> str:
+        n = sum(1 for node in self.graph.graph.nodes if node.op == "call_function")
+        return f"torch.fx graph of {n} op calls from the IR after {len(self.compiled.pass_names)} passes"
+
+    @property
+    def length(self) -> int:
+        return self.cache.length if self.cache else 0
+
+    def _run(self, ids: torch.Tensor, cache: LayerCaches) -> torch.Tensor:
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ArgumentError(f"input_ids must be [B, T] with T >= 1, got {tuple(ids.shape)}")
+        b, t = ids.shape
+        if b > self.max_batch:
+            raise ArgumentError(f"batch {b} exceeds the session's max_batch {self.max_batch}")
+        if cache.length + t > self.max_context:
+            raise ArgumentError(f"{cache.length} cached + {t} new tokens exceed max_context {self.max_context}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
+            raise ArgumentError(f"token ids must be in [0, {self.spec.vocab_size})")
+        work = cache.copy()          # a failed call leaves the session's cache untouched
+        with torch.no_grad():
+            logits = self.graph(ids.to(self.device), work)
+        work.length = cache.length + t
+        self.cache = work
+        return logits
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Start a new batch: logits [B, T, vocab] of the prompt."""
+        return self._run(input_ids, LayerCaches(self.spec.num_layers))
+
+    def append(self, segment_ids: torch.Tensor) -> torch.Tensor:
+        """Append-prefill a segment [B, T'] after the cached context."""
+        if self.cache is None:
+            raise ArgumentError("append() needs a prefill first")
+        return self._run(segment_ids, self.cache)
+
+    def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """One token per sequence: [B] -> logits [B, vocab]."""
+        if self.cache is None:
+            raise ArgumentError("decode() needs a prefill first")
+        return self._run(next_ids.reshape(-1, 1), self.cache)[:, 0]
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16) -> torch.Tensor:
+        """Greedy decoding: [B, T] -> the new tokens [B, max_new_tokens]."""
+        logits = self.prefill(input_ids)
+        out = [logits[:, -1].argmax(-1)]
+        for _ in range(max_new_tokens - 1):
+            out.append(self.decode(out[-1]).argmax(-1))
+        return torch.stack(out, dim=1)
+
+
+def _check_weights(spec, weights: dict[str, torch.Tensor]) -> None:
+    from ..errors import WeightError
+
+    for info in model_weights(spec):
+        t = weights.get(info.name)
+        if t is None:
+            raise WeightError(f"weight '{info.name}' is missing for spec '{spec.name}'")
+        if tuple(t.shape) != info.shape:
+            raise WeightError(f"weight '{info.name}' has shape {tuple(t.shape)}, the spec needs {info.shape}")
