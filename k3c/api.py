@@ -81,11 +81,21 @@ class CompiledModel:
             "files": {"spec": "spec.yaml", "ir": "model.k3c", "stages": "ir/"},
         }
 
-    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> str:
-        """Write the artifact directory atomically: a temp dir beside it, renamed into place at the end."""
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False, keep: str | os.PathLike | None = None
+             ) -> str:
+        """Write the artifact directory atomically: a temp dir beside it, renamed into place at the end.
+        `keep`: a directory inside `path` written by this compilation (the --dump-ir dumps) that is carried over."""
         path = os.path.abspath(os.fspath(path))
+        kept = None
+        if keep is not None:
+            keep = os.path.abspath(os.fspath(keep))
+            if os.path.dirname(keep) == path and os.path.isdir(keep):
+                kept = os.path.basename(keep)
         if os.path.exists(path):
-            if not overwrite and not _is_artifact(path):
+            if not os.path.isdir(path):
+                raise ArgumentError(f"{path} exists and is not a directory")
+            ours = _is_artifact(path) or set(os.listdir(path)) <= ({kept} if kept else set())
+            if not overwrite and not ours:
                 raise ArgumentError(f"{path} exists and is not a k3c artifact; choose another -o or pass --force")
         parent = os.path.dirname(path)
         try:
@@ -101,6 +111,8 @@ class CompiledModel:
                 _write(tmp, os.path.join("ir", f"{i:03d}_{name}.k3c"), print_module(module))
             _write(tmp, "manifest.json", json.dumps(self.manifest(), indent=2) + "\n")
             _write(tmp, "report.md", self.report())
+            if kept:
+                os.replace(os.path.join(path, kept), os.path.join(tmp, kept))
             if os.path.exists(path):
                 shutil.rmtree(path)
             os.replace(tmp, path)

@@ -75,7 +75,7 @@ def cmd_compile(args) -> int:
 
     t0 = time.perf_counter()
     model = api.compile(args.spec, target=args.target, passes=args.passes, dump_ir=args.dump_ir)
-    model.save(args.output, overwrite=args.force)
+    model.save(args.output, overwrite=args.force, keep=args.dump_ir)
     n_ops = len(model.module.ops)
     print(f"k3c: compiled {model.spec.name} for {model.target.name}: {n_ops} ops after "
           f"{len(model.records)} passes in {time.perf_counter() - t0:.2f} s -> {args.output}")

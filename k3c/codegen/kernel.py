@@ -1,0 +1,42 @@
+"""What an emitter produces and the AOT compiler consumes: one generated Triton kernel, specialised on shapes."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One @triton.jit kernel in a self-contained Python module text.
+
+    name:        kernel function name in `source` (descriptive: k3c_rmsnorm_residual_fwd_d7168)
+    source:      the module text (imports triton and triton.language as tl; defines exactly this jit function
+                 plus any @triton.jit helpers it calls)
+    signature:   argument name -> Triton type string for runtime args ("*bf16", "*fp32", "i32", "fp32", ...)
+    constexprs:  argument name -> value for tl.constexpr args (block sizes, shapes baked in)
+    grid:        launch-grid rule as a tuple of expressions over symbolic sizes, e.g. ("cdiv(M, 64)", "1", "1");
+                 the runtime evaluates them with a tiny safe evaluator (names + integer ops), never eval()
+    num_warps, num_stages: launch options
+    ir_op:       the IR op this kernel implements (for the header comment and the manifest)
+    loc:         its spec location ("examples/k3-tiny.yaml:13")
+    """
+
+    name: str
+    source: str
+    signature: dict[str, str]
+    constexprs: dict[str, int | float | bool] = field(default_factory=dict)
+    grid: tuple[str, ...] = ("1",)
+    num_warps: int = 4
+    num_stages: int = 2
+    ir_op: str = ""
+    loc: str = ""
+
+    @property
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for part in (self.name, self.source, repr(sorted(self.signature.items())),
+                     repr(sorted(self.constexprs.items())), repr(self.grid), str(self.num_warps),
+                     str(self.num_stages)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()[:16]
