@@ -1,0 +1,161 @@
+"""Named pipelines (data) and the pipeline runner: verify after every pass, numbered dumps, rewrite counts."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from ..config import debug, settings
+from ..errors import ArgumentError, IRError
+from ..ir.core import Module
+from ..ir.printer import print_module
+from ..ir.verifier import verify as verify_module
+from .registry import PassContext, check_invariant, get_pass, registered_passes
+
+# Pipelines are plain lists of pass names; a pipeline name may appear inside another list and is expanded.
+# Later issues extend "default" with kda-chunk, mla-absorb, attnres-split, mxfp4.
+PIPELINES: dict[str, tuple[str, ...]] = {
+    "default": ("dce", "cse"),
+    "cleanup": ("cse", "dce"),
+    "none": (),
+}
+STAGE_NAMES = ("frontend",)     # names of pipeline stages that are not passes (skipped when resolving)
+
+
+def register_pipeline(name: str, passes: Sequence[str]) -> None:
+    PIPELINES[name] = tuple(passes)
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    index: int                     # dump number: 1 for the first pass
+    name: str
+    seconds: float
+    changed: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    dump: str | None = None        # path of the dump written after the pass
+
+    def header(self) -> list[str]:
+        rewrites = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "none"
+        return [f"k3c IR dump {self.index:03d}: after pass '{self.name}'",
+                f"time: {self.seconds * 1e3:.3f} ms", f"changed: {'yes' if self.changed else 'no'}",
+                f"rewrites: {rewrites}"]
+
+
+def resolve_passes(passes: str | Iterable[str]) -> list[str]:
+    """'dce,cse' | ['default'] | 'frontend,default' -> pass names, pipelines expanded, every name checked."""
+    if isinstance(passes, str):
+        passes = passes.split(",")
+    out: list[str] = []
+
+    def add(name: str, depth: int) -> None:
+        name = name.strip()
+        if not name or name in STAGE_NAMES:
+            return
+        if name in PIPELINES:
+            if depth > 8:
+                raise ArgumentError(f"pipeline '{name}' nests too deeply (does it include itself?)")
+            for p in PIPELINES[name]:
+                add(p, depth + 1)
+        else:
+            get_pass(name)          # ArgumentError listing the valid names
+            out.append(name)
+
+    for p in passes:
+        if not isinstance(p, str):
+            raise ArgumentError(f"pass names must be strings, got {p!r}")
+        add(p, 0)
+    return out
+
+
+def _dump(dump_dir: str, index: int, name: str, module: Module, header: list[str]) -> str:
+    path = os.path.join(dump_dir, f"{index:03d}_{name}.k3c")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(print_module(module, header=header))
+    return path
+
+
+def _located(e: IRError, pass_name: str) -> IRError:
+    return IRError(e.message, op=e.op, loc=e.loc, pass_name=pass_name)
+
+
+def run_pipeline(module: Module, passes: str | Iterable[str], *, dump_dir: str | os.PathLike | None = None,
+                 verify: bool = True, input_name: str = "frontend",
+                 stages: list | None = None) -> tuple[Module, list[PassRecord]]:
+    """Run `passes` in order; return the final module and one PassRecord per pass.
+
+    With `verify`, the input and every pass output go through the verifier, plus the invariants each pass
+    ensures. Dead ops are tolerated only while the input had some and no pass ensuring no-dead-ops (dce) has
+    run yet: a pass may not create dead code, but is not blamed for what it was given. Any failure is an
+    IRError naming the pass and the op.
+    With `stages` (a list), appends (stage name, module) for the input and after every pass.
+    With `dump_dir`, writes 000_<input_name>.k3c and NNN_<pass>.k3c, each before verification, so a broken
+    IR is on disk to inspect."""
+    names = resolve_passes(passes)
+    dump_dir = os.fspath(dump_dir) if dump_dir is not None else None
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        _dump(dump_dir, 0, input_name, module, [f"k3c IR dump 000: {input_name} (pipeline input)",
+                                                 f"pipeline: {', '.join(names) or 'none'}"])
+    allow_dead = False
+    if verify:
+        try:
+            verify_module(module, allow_dead=True)
+        except IRError as e:
+            raise _located(e, input_name) from None
+        allow_dead = check_invariant("no-dead-ops", module) is not None
+    records: list[PassRecord] = []
+    if stages is not None:
+        stages.append((input_name, module))
+    for index, name in enumerate(names, 1):
+        info = get_pass(name)
+        ctx = PassContext(name)
+        start = time.perf_counter()
+        try:
+            out = info.fn(module, ctx)
+        except IRError as e:
+            op = e.op or (ctx.current_op.describe() if ctx.current_op else None)
+            loc = e.loc or (ctx.current_op.loc if ctx.current_op else None)
+            raise IRError(e.message, op=op, loc=loc, pass_name=name) from e
+        except Exception as e:  # a bug in the pass: report where it was working
+            cur = ctx.current_op
+            raise IRError(f"{type(e).__name__}: {e}", op=cur.describe() if cur else None,
+                          loc=(cur.loc or None) if cur else None, pass_name=name) from e
+        seconds = time.perf_counter() - start
+        if not isinstance(out, Module):
+            raise IRError(f"returned {type(out).__name__}, not a Module", pass_name=name)
+        record = PassRecord(index, name, seconds, out != module, dict(ctx.counts))
+        if dump_dir is not None:
+            record = dataclasses.replace(record, dump=_dump(dump_dir, index, name, out, record.header()))
+        if verify:
+            allow_dead = allow_dead and "no-dead-ops" not in info.ensures
+            try:
+                verify_module(out, allow_dead=allow_dead)
+                for inv in info.ensures:
+                    problem = check_invariant(inv, out)
+                    if problem is not None:
+                        raise problem
+            except IRError as e:
+                raise _located(e, name) from None
+        records.append(record)
+        debug(1, f"pass {index:03d} {name}: {seconds * 1e3:.2f} ms, changed={record.changed}, "
+                 f"counts={dict(sorted(record.counts.items()))}")
+        if settings().debug >= 3:
+            debug(3, f"IR after '{name}':\n{print_module(out)}")
+        module = out
+        if stages is not None:
+            stages.append((name, module))
+    return module, records
+
+
+def run_pass(module: Module, name: str, *, verify: bool = True) -> tuple[Module, PassRecord]:
+    """One pass through the pipeline machinery (verification included)."""
+    out, records = run_pipeline(module, [name], verify=verify)
+    return out, records[0]
+
+
+def available() -> dict[str, list[str]]:
+    """Valid names, for CLI help: {'passes': [...], 'pipelines': [...]}."""
+    return {"passes": sorted(registered_passes()), "pipelines": sorted(PIPELINES)}
