@@ -1,0 +1,463 @@
+"""Checkpoint loading and saving: safetensors only, canonical weight names (weight_names.py) inside k3c.
+
+    load_weights(spec, path, dtype=None, *, strict=True) -> dict[str, Tensor]
+    save_k3_checkpoint(spec, weights, out_dir, *, shard_bytes=None) -> str
+    k3_checkpoint_names(spec) -> dict[str, list[str]]
+
+`path` is a Hugging Face model directory, one `.safetensors` file, or a sharded checkpoint's
+`model.safetensors.index.json`. Pickle-based files (.bin, .pt, ...) are refused: k3c never unpickles.
+
+Understood layouts (docs/hf-import.md has the full name table):
+* the K3 published layout (K3.md section 8): prefix `language_model.model.`, per-expert `experts.{e}.w1/w3/w2.weight`,
+  AttnRes `self_attention_res.proj_weight` (or the alias `self_attention_res_proj.weight`), ...;
+* Kimi Linear as published and as transformers' `save_pretrained` writes it (the same names, prefix `model.`,
+  the dense layer 0 under `block_sparse_moe.` or `mlp.`);
+* transformers' in-memory KimiLinear names (`model.state_dict()` saved as is): fused `self_attn.conv1d.weight`
+  [3W,1,K], `self_attn.forget_gate.*`, `A_log` [1,1,H,1], stacked `mlp.experts.gate_up_proj` [E,2m,z] and
+  `mlp.experts.down_proj` [E,z,m].
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import WeightError
+from ..frontend.spec import ModelSpec
+from .weight_names import WeightInfo, weight_table
+
+__all__ = ["load_weights", "save_k3_checkpoint", "k3_checkpoint_names", "PICKLE_SUFFIXES"]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".npy", ".npz", ".h5", ".msgpack")
+K3_PREFIX = "language_model.model."
+K3_LM_HEAD = "language_model.lm_head.weight"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+# Tensors of a multimodal checkpoint that k3c does not compile (K3.md section 8: the vision tower is ignored).
+_IGNORED_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.",
+                     "model.vision_tower.", "model.vision_model.", "model.mm_projector.",
+                     "model.multi_modal_projector.", "language_model.vision_tower.")
+_PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape")
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+def _weight_error(message: str) -> WeightError:
+    """A one-line WeightError: control characters in tensor or file names are escaped."""
+    if not message.isprintable():
+        message = "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in message)
+    return WeightError(message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files
+def _is_pickle(name: str) -> bool:
+    lower = name.lower()
+    return lower.endswith(PICKLE_SUFFIXES) or ".bin.index.json" in lower or ".pt.index.json" in lower
+
+
+def _pickle_error(file: str) -> WeightError:
+    return _weight_error(f"{file}: pickle-based checkpoint files are not loaded (k3c never unpickles); convert the "
+                       f"checkpoint to safetensors (e.g. with transformers' save_pretrained(safe_serialization=True))")
+
+
+def _resolve_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files to read and, for an index, its weight_map (tensor name -> file path)."""
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX_NAME)
+        if os.path.isfile(index):
+            return _read_index(index)
+        single = os.path.join(path, SINGLE_NAME)
+        if os.path.isfile(single):
+            return [single], None
+        names = sorted(os.listdir(path))
+        shards = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
+        if shards:
+            return shards, None
+        pickles = [n for n in names if _is_pickle(n)]
+        if pickles:
+            raise _pickle_error(os.path.join(path, pickles[0]))
+        raise _weight_error(f"{path}: no safetensors weights in this directory (expected {SINGLE_NAME} or "
+                          f"{INDEX_NAME})")
+    if not os.path.exists(path):
+        raise _weight_error(f"{path}: no such file or directory")
+    if _is_pickle(os.path.basename(path)):
+        raise _pickle_error(path)
+    if path.endswith(".json"):
+        return _read_index(path)
+    if path.endswith(".safetensors"):
+        return [path], None
+    raise _weight_error(f"{path}: not a safetensors file, index json or model directory")
+
+
+def _read_index(index: str) -> tuple[list[str], dict[str, str]]:
+    try:
+        with open(index, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _weight_error(f"{index}: cannot read the checkpoint index: {exc}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise _weight_error(f"{index}: not a safetensors index (no 'weight_map' object)")
+    base = os.path.dirname(os.path.abspath(index))
+    files: dict[str, str] = {}
+    out_map: dict[str, str] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise _weight_error(f"{index}: tensor '{name}' maps to {shard!r}, not a file name in the index's "
+                              f"directory")
+        if _is_pickle(shard):
+            raise _pickle_error(os.path.join(base, shard))
+        if not shard.endswith(".safetensors"):
+            raise _weight_error(f"{index}: tensor '{name}' maps to '{shard}', not a .safetensors file")
+        full = os.path.join(base, shard)
+        if shard not in files:
+            if not os.path.isfile(full):
+                raise _weight_error(f"{index}: shard '{shard}' (holding '{name}') does not exist")
+            files[shard] = full
+        out_map[name] = full
+    return list(files.values()), out_map
+
+
+def _to_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    from ..errors import ArgumentError
+
+    raise ArgumentError(f"unknown dtype {dtype!r}; use a torch dtype or one of {', '.join(sorted(_DTYPES))}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Names
+@dataclass(frozen=True)
+class _Src:
+    how: str              # direct | expert | gate_up | conv_qkv
+    canon: str            # canonical target (for gate_up / conv_qkv: the prefix they expand from)
+    key: str
+    expert: int = -1
+
+
+_ATTNRES_ALIAS = re.compile(r"^(self_attention|self_attn|mlp)_res_(proj|norm)\.weight$")
+_ATTNRES_DOTTED = re.compile(r"^(self_attention|self_attn|mlp)_res\.(proj|norm)\.weight$")
+_OUT_ATTNRES = re.compile(r"^output_attn_res(?:_(proj|norm)\.weight|\.(proj|norm)\.weight)$")
+_EXPERT = re.compile(r"^experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_NAMES = {"w1": "w1", "w3": "w3", "w2": "w2", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _normalize(spec: ModelSpec, key: str) -> _Src | None:
+    """A checkpoint tensor name -> where it goes in k3c's canonical names; None = ignored (vision tower)."""
+    if key.startswith(_IGNORED_PREFIXES) or key.endswith(".inv_freq"):
+        return None
+    if key.endswith(_PACKED_SUFFIXES):
+        raise _weight_error(f"tensor '{key}': MXFP4-packed experts not supported yet (compressed-tensors "
+                          f"weight_packed/weight_scale); load a BF16 checkpoint")
+    k = key
+    if k.startswith("language_model.lm_head."):
+        k = "lm_head." + k[len("language_model.lm_head."):]
+    else:
+        for prefix in (K3_PREFIX, "model.language_model.", "model."):
+            if k.startswith(prefix):
+                k = k[len(prefix):]
+                break
+    m = _OUT_ATTNRES.match(k)
+    if m:
+        part = m.group(1) or m.group(2)
+        return _Src("direct", f"output_attn_res.{part}_weight", key)
+    m = re.match(r"^layers\.(\d+)\.(.*)$", k)
+    if not m:
+        return _Src("direct", k, key)
+    i, rest = int(m.group(1)), m.group(2)
+    p = f"layers.{i}."
+    if rest.startswith("self_attn.forget_gate."):
+        rest = "self_attn." + rest[len("self_attn.forget_gate."):]
+    if rest == "self_attn.conv1d.weight":
+        return _Src("conv_qkv", p + "self_attn.", key)
+    for pattern in (_ATTNRES_ALIAS, _ATTNRES_DOTTED):
+        a = pattern.match(rest)
+        if a:
+            which = "mlp" if a.group(1) == "mlp" else "self_attention"
+            return _Src("direct", f"{p}{which}_res.{a.group(2)}_weight", key)
+    if rest.startswith("self_attn_res."):
+        rest = "self_attention_res." + rest[len("self_attn_res."):]
+    for old in ("mlp.", "block_sparse_moe."):
+        if rest.startswith(old):
+            moe = i < spec.num_layers and spec.is_moe_layer(i)
+            body = rest[len(old):]
+            if not moe:
+                return _Src("direct", p + "mlp." + body, key)
+            mp = p + "block_sparse_moe."
+            e = _EXPERT.match(body)
+            if e:
+                return _Src("expert", f"{mp}experts.{_EXPERT_NAMES[e.group(2)]}", key, int(e.group(1)))
+            if body == "experts.gate_up_proj":
+                return _Src("gate_up", mp + "experts.", key)
+            if body == "experts.down_proj":
+                return _Src("direct", mp + "experts.w2", key)
+            return _Src("direct", mp + body, key)
+    return _Src("direct", p + rest, key)
+
+
+def k3_checkpoint_names(spec: ModelSpec) -> dict[str, list[str]]:
+    """Canonical weight name -> the tensor name(s) of the K3 published layout (per expert for stacked experts)."""
+    out: dict[str, list[str]] = {}
+    for info in weight_table(spec).values():
+        if info.kind == "experts":
+            prefix, _, proj = info.name.rpartition(".")
+            out[info.name] = [f"{K3_PREFIX}{prefix}.{e}.{proj}.weight" for e in range(info.shape[0])]
+        elif info.name == "lm_head.weight":
+            out[info.name] = [K3_LM_HEAD]
+        else:
+            out[info.name] = [K3_PREFIX + info.name]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def _fit(t: torch.Tensor, info: WeightInfo, expected: tuple[int, ...], key: str, file: str) -> torch.Tensor:
+    """Check the shape; reshape the harmless variants (A_log [1,1,H,1], conv [W,K], proj_weight [1,d], ...)."""
+    if not t.is_floating_point():
+        raise _weight_error(f"{file}: tensor '{key}' has dtype {str(t.dtype).replace('torch.', '')}; expected a "
+                          f"floating-point tensor (MXFP4-packed experts not supported yet)")
+    got = tuple(t.shape)
+    if got == expected:
+        return t
+    if info.kind in ("vector", "norm", "conv", "attnres"):
+        squeeze = lambda s: tuple(x for x in s if x != 1)  # noqa: E731
+        numel_ok = t.numel() == _numel(expected)
+        if numel_ok and (squeeze(got) == squeeze(expected) or info.kind == "vector"):
+            return t.reshape(expected)
+    raise _weight_error(f"{file}: tensor '{key}' (k3c '{info.name}') has shape {_fmt(got)}, expected "
+                      f"{_fmt(expected)}")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict: bool = True
+                 ) -> dict[str, torch.Tensor]:
+    """Read a safetensors checkpoint into k3c's canonical names, checking every tensor against the spec.
+
+    dtype: None keeps the stored dtype; otherwise every "float" entry is converted to it. Entries the canonical
+    table marks fp32 (A_log, dt_bias, e_score_correction_bias) are always float32.
+    strict: unexpected tensors are errors (True) or ignored (False); missing tensors are always errors.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    target = _to_dtype(dtype)
+    files, weight_map = _resolve_files(path)
+    table = weight_table(spec)
+
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        where: dict[str, str] = {}
+        for f in files:
+            try:
+                h = stack.enter_context(safe_open(f, framework="pt"))
+            except Exception as exc:  # safetensors raises its own error types for a bad header
+                raise _weight_error(f"{f}: not a readable safetensors file ({exc})") from None
+            handles[f] = h
+            for k in h.keys():
+                if k in where:
+                    raise _weight_error(f"tensor '{k}' is stored twice: in {where[k]} and {f}")
+                where[k] = f
+        if weight_map is not None:
+            for k, f in weight_map.items():
+                if where.get(k) != f:
+                    raise _weight_error(f"{path}: the index maps '{k}' to {os.path.basename(f)}, but "
+                                      f"{'that file does not hold it' if k not in where else 'it is in ' + where[k]}")
+
+        def get(key: str) -> torch.Tensor:
+            return handles[where[key]].get_tensor(key)
+
+        # -- plan: canonical name -> sources -------------------------------------------------------------
+        direct: dict[str, _Src] = {}
+        experts: dict[str, dict[int, _Src]] = {}
+        fused: dict[str, _Src] = {}            # canonical name -> the fused source it is cut from
+        unexpected: list[tuple[str, str]] = []
+
+        owner: dict[str, _Src] = {}            # canonical name -> first source claiming it
+
+        def claim(canon: str, src: _Src) -> None:
+            prev = owner.setdefault(canon, src)
+            if prev is not src and not (prev.how == src.how == "expert"):
+                raise _weight_error(f"{path}: tensors '{prev.key}' and '{src.key}' both give k3c weight '{canon}'")
+
+        for key in sorted(where):
+            src = _normalize(spec, key)
+            if src is None:
+                continue
+            if src.how in ("direct", "expert"):
+                if src.canon == "lm_head.weight" and spec.tie_word_embeddings:
+                    continue                        # tied: the embedding is the head
+                if src.canon not in table or (src.how == "expert" and src.expert >= table[src.canon].shape[0]):
+                    suffix = f"[{src.expert}]" if src.how == "expert" else ""
+                    unexpected.append((key, src.canon + suffix))
+                    continue
+                claim(src.canon, src)
+                if src.how == "direct":
+                    direct[src.canon] = src
+                    continue
+                slot = experts.setdefault(src.canon, {})
+                if src.expert in slot:
+                    raise _weight_error(f"{path}: tensors '{slot[src.expert].key}' and '{key}' are both expert "
+                                      f"{src.expert} of '{src.canon}'")
+                slot[src.expert] = src
+            else:
+                parts = ("w1", "w3") if src.how == "gate_up" else ("q_conv1d.weight", "k_conv1d.weight",
+                                                                   "v_conv1d.weight")
+                names = [src.canon + part for part in parts]
+                if not all(n in table for n in names):
+                    unexpected.append((key, names[0]))
+                    continue
+                for n in names:
+                    claim(n, src)
+                    fused[n] = src
+
+        if unexpected and strict:
+            key, canon = unexpected[0]
+            more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+            raise _weight_error(f"{where[key]}: unexpected tensor '{key}' (k3c name '{canon}' is not a weight of "
+                              f"spec '{spec.name}'){more}")
+
+        # -- load ---------------------------------------------------------------------------------------------
+        out: dict[str, torch.Tensor] = {}
+        cache: dict[str, torch.Tensor] = {}
+        for name, info in table.items():
+            want = torch.float32 if info.dtype == "fp32" else target
+            if name in direct:
+                src = direct[name]
+                t = _fit(get(src.key), info, info.shape, src.key, where[src.key])
+            elif name in fused:
+                src = fused[name]
+                if src.key not in cache:
+                    cache[src.key] = get(src.key)
+                t = _cut(cache[src.key], info, src, where[src.key], spec)
+            elif name in experts:
+                slot = experts[name]
+                n = info.shape[0]
+                missing = [e for e in range(n) if e not in slot]
+                if missing:
+                    prefix, _, proj = name.rpartition(".")
+                    raise _weight_error(f"{path}: missing tensor for expert {missing[0]} of '{name}' (k3c), e.g. "
+                                      f"'{K3_PREFIX}{prefix}.{missing[0]}.{proj}.weight'"
+                                      f"{f' ({len(missing)} experts missing)' if len(missing) > 1 else ''}; "
+                                      f"expected {n} experts of shape {_fmt(info.shape[1:])}")
+                t = None
+                for e in range(n):
+                    src = slot[e]
+                    part = _fit(get(src.key), info, info.shape[1:], src.key, where[src.key])
+                    if t is None:
+                        t = torch.empty(info.shape, dtype=want or part.dtype)
+                    t[e].copy_(part)
+            else:
+                raise _weight_error(f"{path}: missing tensor '{name}' (k3c name; K3 layout "
+                                  f"'{k3_checkpoint_names(spec)[name][0]}'), expected shape {_fmt(info.shape)}")
+            if want is not None and t.dtype != want:
+                t = t.to(want)
+            out[name] = t.contiguous()
+        return out
+
+
+def _cut(t: torch.Tensor, info: WeightInfo, src: _Src, file: str, spec: ModelSpec) -> torch.Tensor:
+    """One canonical tensor out of a fused transformers tensor (conv1d [3W,1,K] or experts.gate_up_proj)."""
+    if not t.is_floating_point():
+        raise _weight_error(f"{file}: tensor '{src.key}' has dtype {t.dtype}; expected a floating-point tensor")
+    if src.how == "conv_qkv":
+        w, one, k = info.shape
+        expected = (3 * w, one, k)
+        if tuple(t.shape) == (3 * w, k):
+            t = t.unsqueeze(1)
+        if tuple(t.shape) != expected:
+            raise _weight_error(f"{file}: tensor '{src.key}' (fused q/k/v conv of k3c '{info.name}') has shape "
+                              f"{_fmt(t.shape)}, expected {_fmt(expected)}")
+        which = "qkv".index(info.name.rpartition(".")[0].rpartition(".")[2][0])
+        return t[which * w:(which + 1) * w]
+    e, m, z = info.shape
+    expected = (e, 2 * m, z)
+    if tuple(t.shape) != expected:
+        raise _weight_error(f"{file}: tensor '{src.key}' (fused gate/up of k3c '{info.name}') has shape "
+                          f"{_fmt(t.shape)}, expected {_fmt(expected)}")
+    return t[:, :m] if info.name.endswith(".w1") else t[:, m:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
+                       shard_bytes: int | None = None) -> str:
+    """Write `weights` (canonical names) in the K3 published layout: config.json (model_type kimi_k3 with a
+    text_config, from spec_to_hf_config) and model.safetensors, or shards of at most `shard_bytes` plus
+    model.safetensors.index.json. Returns the directory."""
+    from safetensors.torch import save_file
+
+    from ..frontend.hf_config import spec_to_hf_config
+
+    out_dir = os.fspath(out_dir)
+    table = weight_table(spec)
+    missing = [n for n in table if n not in weights]
+    if missing:
+        raise _weight_error(f"cannot save: missing tensor '{missing[0]}' (expected shape "
+                          f"{_fmt(table[missing[0]].shape)})")
+    extra = [n for n in weights if n not in table]
+    if extra:
+        raise _weight_error(f"cannot save: '{extra[0]}' is not a weight of spec '{spec.name}'")
+    names = k3_checkpoint_names(spec)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in table.items():
+        t = weights[name]
+        if tuple(t.shape) != info.shape:
+            raise _weight_error(f"cannot save: tensor '{name}' has shape {_fmt(t.shape)}, expected {_fmt(info.shape)}")
+        t = t.detach().cpu()
+        if info.kind == "experts":
+            for e, key in enumerate(names[name]):
+                tensors[key] = t[e].clone().contiguous()
+        else:
+            tensors[names[name][0]] = t.clone().contiguous()
+
+    os.makedirs(out_dir, exist_ok=True)
+    config = spec_to_hf_config(spec)
+    quant = config["text_config"].get("quantization_config")
+    if quant is not None:
+        # the tensors written here are unpacked floats: say so (k3c quantizes at compile time, from the spec)
+        quant["format"] = "dense"
+        quant["quantization_status"] = "frozen"
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+        fh.write("\n")
+    meta = {"format": "pt"}
+    if shard_bytes is None:
+        save_file(tensors, os.path.join(out_dir, SINGLE_NAME), metadata=meta)
+        return out_dir
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out_dir, INDEX_NAME), "w", encoding="utf-8") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+        fh.write("\n")
+    return out_dir
