@@ -66,6 +66,10 @@ _KIND_CHECK: dict[str, Callable[[Any], bool]] = {
 COMMON_ATTRS: dict[str, AttrSpec] = {
     "layer": AttrSpec("int", required=False, doc="0-based decoder layer"),
     "shard": AttrSpec("str", required=False, doc="sharding annotation"),
+    # set by the `codegen` pass on every compute op: how the runtime executes it
+    "impl": AttrSpec("str", required=False, choices=("kernel", "extern", "extern:reference"),
+                     doc="kernel: a generated Triton kernel; extern: torch / vendor BLAS; "
+                         "extern:reference: the eager reference until a kernel issue lowers the op"),
 }
 
 InferFn = Callable[[Mapping[str, Any], Mapping[str, TensorType]], Sequence[TensorType]]
@@ -200,3 +204,19 @@ register_op(OpDef("lm_head", _lm_head_roles, {"tied": AttrSpec("bool", doc="weig
                   _infer_lm_head, doc="logits = x @ W^T, [..., hidden] -> [..., vocab]"))
 
 from . import layer_ops  # noqa: E402,F401  (registers kda, mla, mlp, moe, attn_res_mix)
+
+
+def _register_kernel_level_ops() -> None:
+    """Kernel-level ops that the lowering passes introduce live in k3c/ir/*_ops.py (one file per family);
+    importing them here registers them without editing a central list."""
+    import importlib
+    import pkgutil
+
+    from .. import ir as _pkg
+
+    for info in sorted(pkgutil.iter_modules(_pkg.__path__), key=lambda m: m.name):
+        if info.name.endswith("_ops") and info.name != "layer_ops":
+            importlib.import_module(f"{_pkg.__name__}.{info.name}")
+
+
+_register_kernel_level_ops()

@@ -1,0 +1,42 @@
+"""IR op -> the KernelSources that implement it on a target, for ahead-of-time compilation.
+
+Each module registers `fn(op, module, target) -> list[KernelSource]` for the IR ops it lowers; the `codegen` pass
+marks exactly the ops with a registered emitter `impl = "kernel"`. The KernelSources must be the ones the runtime
+launches for the same shapes (both call the same `emit_*` functions), so the artifact holds the code that runs.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Callable
+
+from ..kernel import KernelSource
+
+EMITTERS: dict[str, Callable] = {}
+
+
+def register_emitter(op_name: str):
+    def deco(fn: Callable) -> Callable:
+        EMITTERS[op_name] = fn
+        return fn
+    return deco
+
+
+def emit_kernels(module, target) -> list[KernelSource]:
+    """Every distinct kernel of the module's `impl = "kernel"` ops (deduplicated by content)."""
+    seen: dict[str, KernelSource] = {}
+    for op in module.ops:
+        if op.attr("impl", None) != "kernel":
+            continue
+        emitter = EMITTERS.get(op.op)
+        if emitter is None:
+            from ...errors import IRError
+
+            raise IRError("marked impl=kernel but no emitter is registered", op=op.describe(), loc=op.loc)
+        for ks in emitter(op, module, target):
+            seen.setdefault(ks.digest, ks)
+    return list(seen.values())
+
+
+for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_mod}")
