@@ -59,10 +59,11 @@ class CompiledModel:
     def manifest(self) -> dict:
         import torch
 
-        try:
-            import triton
-            triton_version = triton.__version__
-        except ImportError:  # pragma: no cover - triton is a dependency
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:  # not `import triton`: importing it here, outside the interpreter, would break CPU kernel runs later
+            triton_version = version("triton")
+        except PackageNotFoundError:  # pragma: no cover - triton is a dependency
             triton_version = None
         op_counts: dict[str, int] = {}
         for op in self.module.ops:
@@ -81,9 +82,34 @@ class CompiledModel:
             "files": {"spec": "spec.yaml", "ir": "model.k3c", "stages": "ir/"},
         }
 
-    def save(self, path: str | os.PathLike, *, overwrite: bool = False, keep: str | os.PathLike | None = None
-             ) -> str:
+    def kernels(self) -> list:
+        """The distinct generated kernels (KernelSource) of the final IR, specialised for the target."""
+        from .codegen.emitters import emit_kernels
+
+        return emit_kernels(self.module, self.target)
+
+    def compile_kernels(self, out_dir: str, *, progress: bool = True) -> list:
+        """AOT-compile every generated kernel for the target into out_dir (none for the cpu target, whose
+        kernels run in the Triton interpreter)."""
+        if self.target.backend == "cpu":
+            return []
+        from .codegen.aot import compile_kernels
+
+        return compile_kernels(self.kernels(), self.target, out_dir, progress=progress)
+
+    def extern_ops(self) -> list[dict]:
+        """Ops the runtime executes through torch (impl extern / extern:reference), counted per kind."""
+        counts: dict[tuple[str, str], int] = {}
+        for op in self.module.ops:
+            impl = op.attr("impl", None)
+            if impl is not None and impl != "kernel":
+                counts[(op.op, impl)] = counts.get((op.op, impl), 0) + 1
+        return [{"op": o, "impl": i, "count": n} for (o, i), n in sorted(counts.items())]
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False, keep: str | os.PathLike | None = None,
+             aot: bool = True, progress: bool = True) -> str:
         """Write the artifact directory atomically: a temp dir beside it, renamed into place at the end.
+        With `aot`, every generated kernel is compiled for the target (binaries, assembly, resources).
         `keep`: a directory inside `path` written by this compilation (the --dump-ir dumps) that is carried over."""
         path = os.path.abspath(os.fspath(path))
         kept = None
@@ -109,8 +135,13 @@ class CompiledModel:
             _write(tmp, "model.k3c", print_module(self.module))
             for i, (name, module) in enumerate(self.stages):
                 _write(tmp, os.path.join("ir", f"{i:03d}_{name}.k3c"), print_module(module))
-            _write(tmp, "manifest.json", json.dumps(self.manifest(), indent=2) + "\n")
-            _write(tmp, "report.md", self.report())
+            compiled = self.compile_kernels(tmp, progress=progress) if aot else None
+            manifest = self.manifest()
+            if compiled is not None:
+                manifest["kernels"] = [k.to_dict() for k in compiled]
+            manifest["extern"] = self.extern_ops()
+            _write(tmp, "manifest.json", json.dumps(manifest, indent=2) + "\n")
+            _write(tmp, "report.md", self.report(compiled))
             if kept:
                 os.replace(os.path.join(path, kept), os.path.join(tmp, kept))
             if os.path.exists(path):
@@ -121,7 +152,7 @@ class CompiledModel:
             raise
         return path
 
-    def report(self) -> str:
+    def report(self, compiled: list | None = None) -> str:
         lines = [f"# k3c artifact: {self.spec.name} for {self.target.name}", "",
                  f"- layers: {self.spec.num_layers} ({self.spec.layer_kinds.count('kda')} KDA, "
                  f"{self.spec.layer_kinds.count('mla')} MLA)",
@@ -130,13 +161,27 @@ class CompiledModel:
                  "|---|---|---|"]
         for rec in self.records:
             lines.append(f"| {rec.name} | {rec.seconds * 1e3:.1f} | {'yes' if rec.changed else 'no'} |")
+        lines += ["", "## Ops executed through torch", "", "| op | impl | count |", "|---|---|---|"]
+        lines += [f"| {e['op']} | {e['impl']} | {e['count']} |" for e in self.extern_ops()]
+        lines += ["", "## Generated kernels", ""]
+        if compiled:
+            from .codegen.aot import report_markdown
+
+            lines.append(report_markdown(compiled, self.target))
+        elif self.target.backend == "cpu":
+            lines.append("Target cpu: kernels run in the Triton interpreter; nothing is compiled ahead of time.")
+        else:
+            lines.append("Not compiled ahead of time (save(aot=False)).")
         return "\n".join(lines) + "\n"
 
-    def session(self, weights, *, device: str = "cpu", max_batch: int = 8, max_context: int | None = None):
-        """A runtime session over this compiled graph (prefill / decode with caches)."""
+    def session(self, weights, *, device: str = "cpu", max_batch: int = 8, max_context: int | None = None,
+                use_kernels: bool = True):
+        """A runtime session over this compiled graph (prefill / decode with caches). Ops marked impl="kernel"
+        launch their generated Triton kernels (through the interpreter on a CPU) unless use_kernels=False."""
         from .runtime.session import Session
 
-        return Session(self, weights, device=device, max_batch=max_batch, max_context=max_context)
+        return Session(self, weights, device=device, max_batch=max_batch, max_context=max_context,
+                       use_kernels=use_kernels)
 
 
 def _write(root: str, rel: str, text: str) -> None:

@@ -29,49 +29,84 @@ from typing import Any
 from ..errors import SpecError
 from .spec import (DEFAULT_MXFP4_INCLUDE, LAYER_KINDS, ActivationSpec, AttnResSpec, KDASpec, MLASpec, MLPSpec,
                    ModelSpec, MoESpec, PrecisionSpec, WeightPrecisionSpec)
-from .yaml_loader import LocDict, LocList
+from .yaml_loader import MAX_SHOWN, LocDict, LocList, clean, spec_error
 
 MAX_DIM = 1 << 20          # widths (hidden, intermediate, ranks)
 MAX_COUNT = 1 << 16        # layers, heads, experts
 MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 26
+MAX_LAYERS = 4096
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 PATTERN_RE = re.compile(r"^[A-Za-z0-9_.*?\[\]\-]{1,256}$")
+
+# Every key each section accepts (docs/spec.md documents each one; tests check that the two agree).
+SECTION_KEYS: dict[str, tuple[str, ...]] = {
+    "": ("name", "model", "layers", "kda", "mla", "attn_res", "mlp", "moe", "precision"),
+    "model": ("hidden_size", "vocab_size", "rms_norm_eps", "max_context", "tie_word_embeddings"),
+    "layers": ("count", "index_base", "kinds", "pattern", "mla_layers", "kda_layers"),
+    "kda": ("num_heads", "head_dim", "conv_kernel", "gate", "gate_lower_bound", "gate_rank", "output_gate",
+            "output_gate_rank"),
+    "mla": ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "rope", "output_gate"),
+    "attn_res": ("block_size",),
+    "mlp": ("dense_layers", "first_k_dense", "index_base", "dense_intermediate_size", "activation",
+            "situ_beta_gate", "situ_beta_up"),
+    "moe": ("num_experts", "top_k", "num_shared_experts", "expert_intermediate_size", "shared_intermediate_size",
+            "latent_dim", "latent_norm", "router_activation", "router_bias", "renormalize", "routed_scaling_factor"),
+    "precision": ("weights", "activations"),
+    "precision.weights": ("format", "include", "exclude", "scale_rule"),
+}
+TOP_LEVEL = SECTION_KEYS[""]
 
 _MISSING = object()
 
 
 class Section:
-    """Typed access to one mapping of the spec; records which keys were used to flag unknown ones."""
+    """Typed access to one mapping of the spec; records which keys were used to flag unknown ones.
 
-    def __init__(self, data: Any, path: str, file: str, line: int | None, record: dict[str, int]):
+    With `known` given, keys outside it are rejected at once (before any missing-field error), with a did-you-mean
+    over the known keys and a hint when the key belongs to another section.
+    """
+
+    def __init__(self, data: Any, path: str, file: str, line: int | None, record: dict[str, int],
+                 known: tuple[str, ...] | None = None):
         if not isinstance(data, dict):
-            raise SpecError(f"must be a mapping, got {_type_name(data)}", file=file, line=line, field=path or None)
+            raise spec_error(f"must be a mapping, got {_show(data)}", file=file,
+                             line=line if line is not None else getattr(data, "line", None),
+                             field=path or None)
         self.data = data
         self.path = path
         self.file = file
-        self.line = getattr(data, "line", None) or line
+        self.line = line if line is not None else getattr(data, "line", None)
         self.used: set[str] = set()
         self.record = record
+        self.known = known
+        if known is not None:
+            for key in data:
+                if key not in known:
+                    raise self.error(key, f"unknown key '{_key(key)}'{_unknown_hint(key, known, path)}")
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def field(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
+    def field(self, key: Any) -> str:
+        return f"{self.path}.{_key(key)}" if self.path else _key(key)
 
-    def key_line(self, key: str) -> int | None:
+    def key_line(self, key: Any) -> int | None:
         lines = getattr(self.data, "key_lines", {})
         return lines.get(key, self.line)
 
-    def error(self, key: str | None, message: str, line: int | None = None) -> SpecError:
+    def error(self, key: Any | None, message: str, line: int | None = None) -> SpecError:
         if line is None:
-            line = self.key_line(key) if key else self.line
-        return SpecError(message, file=self.file, line=line, field=self.field(key) if key else (self.path or None))
+            line = self.key_line(key) if key is not None else self.line
+        return spec_error(message, file=self.file, line=line,
+                          field=self.field(key) if key is not None else (self.path or None))
 
     def raw(self, key: str, default: Any = _MISSING) -> Any:
         self.used.add(key)
         if key not in self.data:
             if default is _MISSING:
-                raise self.error(None, f"missing required field '{self.field(key)}'")
+                where = f"section '{self.path}'" if self.path else "the spec"
+                raise spec_error(f"missing required field '{self.field(key)}' in {where}", file=self.file,
+                                 line=self.line, field=self.field(key))
             return default
         self.record[self.field(key)] = self.key_line(key)
         return self.data[key]
@@ -86,9 +121,14 @@ class Section:
         if value is None and allow_none:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(key, f"must be an integer{' or null' if allow_none else ''}, got {_show(value)}")
+            hint = ""
+            if isinstance(value, float) and math.isfinite(value) and value == int(value):
+                hint = " (write it without a decimal point)"
+            elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+                hint = " (remove the quotes)"
+            raise self.error(key, f"must be an integer{' or null' if allow_none else ''}, got {_show(value)}{hint}")
         if not lo <= value <= hi:
-            raise self.error(key, f"must be in [{lo}, {hi}], got {value}")
+            raise self.error(key, f"must be in [{lo}, {hi}], got {_show(value)}")
         return value
 
     def float(self, key: str, default: Any = _MISSING, *, lo: float = -math.inf, hi: float = math.inf,
@@ -96,7 +136,10 @@ class Section:
         value = self.raw(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.error(key, f"must be a number, got {_show(value)}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise self.error(key, f"is far too large: {_show(value)}") from None
         if not math.isfinite(value):
             raise self.error(key, f"must be finite, got {value}")
         if value < lo or value > hi or (open_lo and value == lo):
@@ -120,13 +163,14 @@ class Section:
     def str(self, key: str, default: Any = _MISSING, *, pattern: re.Pattern = NAME_RE) -> str:
         value = self.raw(key, default)
         if not isinstance(value, str) or not pattern.match(value):
-            raise self.error(key, f"must be a name matching {pattern.pattern}, got {_show(value)}")
+            raise self.error(key, f"must be a name (letters, digits, '_', '.', '-'; starting with a letter or "
+                                  f"digit; at most 128 characters), got {_show(value)}")
         return value
 
-    def list(self, key: str, default: Any = _MISSING) -> list | None:
+    def list(self, key: str, default: Any = _MISSING, *, allow_none: bool = True) -> list | None:
         value = self.raw(key, default)
-        if value is None or value is default:
-            return value
+        if value is None and allow_none:
+            return None
         if not isinstance(value, list):
             raise self.error(key, f"must be a list, got {_show(value)}")
         return value
@@ -138,45 +182,110 @@ class Section:
             return lines[index]
         return self.key_line(key)
 
-    def sub(self, key: str, default: Any = _MISSING) -> "Section | None":
+    def sub(self, key: str, default: Any = _MISSING, known: tuple[str, ...] | None = None) -> "Section | None":
         value = self.raw(key, default)
         if value is None:
+            if default is _MISSING:
+                raise self.error(key, f"section '{self.field(key)}' must be a mapping, got null (it is required)")
             return None
-        return Section(value, self.field(key), self.file, self.key_line(key), self.record)
+        if known is None:
+            known = SECTION_KEYS.get(self.field(key))
+        return Section(value, self.field(key), self.file, self.key_line(key), self.record, known)
 
     def finish(self) -> None:
         """Reject keys nobody asked for, suggesting the closest known one."""
         for key in self.data:
             if key not in self.used:
-                raise self.error(key, f"unknown key '{key}'{_did_you_mean(key, sorted(self.used))}")
+                known = self.known if self.known is not None else tuple(sorted(self.used))
+                if key in known:
+                    raise self.error(key, f"'{_key(key)}' does not apply with the other settings of "
+                                          f"'{self.path or 'the spec'}'")
+                raise self.error(key, f"unknown key '{_key(key)}'{_unknown_hint(key, known, self.path)}")
+
+
+def _key(key: Any) -> str:
+    return clean(key, MAX_SHOWN)
 
 
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
-    return {"LocDict": "mapping", "LocList": "list", "dict": "mapping", "str": "string"}.get(
-        type(value).__name__, type(value).__name__)
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, dict):
+        return "mapping"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, str):
+        return "string"
+    return type(value).__name__
+
+
+def _short_repr(value: Any, budget: int = 40, depth: int = 0) -> str:
+    """A bounded repr: never walks more than a few items (alias-bombed lists stay cheap)."""
+    if isinstance(value, dict):
+        if depth >= 2:
+            return "{...}"
+        parts = []
+        for i, (k, v) in enumerate(value.items()):
+            if i >= 3:
+                parts.append("...")
+                break
+            parts.append(f"{_short_repr(k, 20, depth + 1)}: {_short_repr(v, 20, depth + 1)}")
+        text = "{" + ", ".join(parts) + "}"
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        if depth >= 2:
+            return "[...]"
+        parts = []
+        for i, item in enumerate(value):
+            if i >= 4:
+                parts.append("...")
+                break
+            parts.append(_short_repr(item, 20, depth + 1))
+        text = "[" + ", ".join(parts) + "]"
+    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        text = f"{'-' if value < 0 else ''}<integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    elif isinstance(value, (str, bytes)) and len(value) > budget:
+        text = repr(value[:budget]) + "..."
+    else:
+        text = repr(value)
+    return clean(text, budget)
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 40:
-        text = text[:37] + "..."
-    return f"{_type_name(value)} {text}" if not isinstance(value, (int, float)) or isinstance(value, bool) else text
+    if value is None:
+        return "null"
+    text = _short_repr(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return text
+    return f"{_type_name(value)} {text}"
 
 
-def _did_you_mean(word: str, options) -> str:
-    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
+def _did_you_mean(word: Any, options) -> str:
+    word = str(word)
+    if len(word) > 100:
+        return ""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _unknown_hint(key: Any, known, path: str) -> str:
+    hint = _did_you_mean(key, known)
+    if hint:
+        return hint
+    homes = [sec for sec, keys in SECTION_KEYS.items() if key in keys and sec != path]
+    if homes:
+        where = " or ".join(f"'{h}'" if h else "the top level" for h in homes)
+        return f" (it belongs in {where})"
+    if known:
+        return f" (known keys: {', '.join(known)})"
+    return ""
+
+
 # ----------------------------------------------------------------------------------------------------------
-TOP_LEVEL = ("name", "model", "layers", "kda", "mla", "attn_res", "mlp", "moe", "precision")
-
-
 def spec_from_data(data: LocDict, file: str) -> ModelSpec:
     record: dict[str, int] = {}
-    top = Section(data, "", file, 1, record)
+    top = Section(data, "", file, 1, record, TOP_LEVEL)
     name = top.str("name", "model")
     model = top.sub("model")
     hidden = model.int("hidden_size")
@@ -186,15 +295,17 @@ def spec_from_data(data: LocDict, file: str) -> ModelSpec:
     tie = model.bool("tie_word_embeddings", False)
     model.finish()
 
-    layer_kinds = _layer_kinds(top.sub("layers"))
+    layers = top.sub("layers")
+    layer_kinds = _layer_kinds(layers)
     n_layers = len(layer_kinds)
 
     kda = _kda(top.sub("kda", None), hidden)
     mla = _mla(top.sub("mla", None))
-    for kind, section_value, key in (("kda", kda, "kda"), ("mla", mla, "mla")):
+    for kind, section_value in (("kda", kda), ("mla", mla)):
         if kind in layer_kinds and section_value is None:
             first = layer_kinds.index(kind)
-            raise top.error("layers", f"layer {first} is '{kind}' but the spec has no '{key}' section")
+            given = next((k for k in ("kinds", "pattern", "mla_layers", "kda_layers") if layers.has(k)), None)
+            raise layers.error(given, f"layer {first} (0-based) is '{kind}' but the spec has no '{kind}' section")
 
     attn_res = _attn_res(top, n_layers)
     mlp = _mlp(top.sub("mlp"), top.sub("moe", None), n_layers, hidden)
@@ -205,26 +316,31 @@ def spec_from_data(data: LocDict, file: str) -> ModelSpec:
                      tie_word_embeddings=tie, source=file, locations=tuple(sorted(record.items())))
 
 
-def _index_list(sec: Section, key: str, n_layers: int, base: int) -> list[int]:
-    items = sec.list(key)
+def _index_list(sec: Section, key: str, n_layers: int, base: int) -> tuple[list[int], dict[int, int | None]]:
+    """0-based layer indices of `key` (a list of `base`-based indices) and the line of each."""
+    items = sec.list(key, allow_none=False)
     out: list[int] = []
+    lines: dict[int, int | None] = {}
     for i, item in enumerate(items):
         line = sec.item_line(key, i)
         if isinstance(item, bool) or not isinstance(item, int):
-            raise sec.error(key, f"item {i} must be a layer index, got {_show(item)}", line)
+            raise sec.error(key, f"item {i} must be a layer index (an integer), got {_show(item)}", line)
         idx = item - base
         if not 0 <= idx < n_layers:
-            raise sec.error(key, f"layer index {item} out of range for {n_layers} layers "
-                                 f"(index_base {base})", line)
-        if idx in out:
-            raise sec.error(key, f"layer index {item} listed twice", line)
+            why = "index_base 1: layers are numbered from 1, as published" if base == 1 else f"index_base {base}"
+            raise sec.error(key, f"layer index {_show(item)} out of range for {n_layers} layers: valid "
+                                 f"{base}..{n_layers - 1 + base} ({why})", line)
+        if idx in lines:
+            raise sec.error(key, f"layer index {item} listed twice (first at line {lines[idx]})", line)
         out.append(idx)
-    return out
+        lines[idx] = line
+    return out, lines
 
 
 def _layer_kinds(sec: Section) -> tuple[str, ...]:
     given = [k for k in ("kinds", "pattern", "mla_layers", "kda_layers") if sec.has(k)]
-    count = sec.int("count", None if given and given[0] == "kinds" else _MISSING, hi=4096, allow_none=True)
+    by_kinds = bool(given) and given[0] == "kinds"
+    count = sec.int("count", None if by_kinds else _MISSING, hi=MAX_LAYERS, allow_none=by_kinds)
     base = sec.int("index_base", 0, lo=0, hi=1)
     if not given:
         raise sec.error(None, "give one of 'kinds', 'pattern', 'mla_layers' or 'kda_layers'")
@@ -234,11 +350,13 @@ def _layer_kinds(sec: Section) -> tuple[str, ...]:
         raise sec.error(given[1], f"'pattern' defines every layer; do not combine it with '{given[1]}'")
 
     def check_kinds(key: str) -> list[str]:
-        items = sec.list(key)
+        items = sec.list(key, allow_none=False)
         if not items:
             raise sec.error(key, "must not be empty")
+        if len(items) > MAX_LAYERS:
+            raise sec.error(key, f"lists {len(items)} layers; at most {MAX_LAYERS}")
         for i, item in enumerate(items):
-            if item not in LAYER_KINDS:
+            if not isinstance(item, str) or item not in LAYER_KINDS:
                 hint = _did_you_mean(item, LAYER_KINDS) if isinstance(item, str) else ""
                 raise sec.error(key, f"item {i} must be one of {', '.join(LAYER_KINDS)}, got {_show(item)}{hint}",
                                 sec.item_line(key, i))
@@ -252,19 +370,23 @@ def _layer_kinds(sec: Section) -> tuple[str, ...]:
         pattern = check_kinds("pattern")
         kinds = [pattern[i % len(pattern)] for i in range(count)]
     else:
-        mla = _index_list(sec, "mla_layers", count, base) if sec.has("mla_layers") else None
-        kda = _index_list(sec, "kda_layers", count, base) if sec.has("kda_layers") else None
+        mla, _ = _index_list(sec, "mla_layers", count, base) if sec.has("mla_layers") else (None, {})
+        kda, kda_lines = _index_list(sec, "kda_layers", count, base) if sec.has("kda_layers") else (None, {})
         if mla is not None and kda is not None:
             overlap = sorted(set(mla) & set(kda))
             if overlap:
-                raise sec.error("kda_layers", f"layer {overlap[0] + base} is listed as both kda and mla")
+                raise sec.error("kda_layers", f"layer {overlap[0] + base} is listed as both kda and mla",
+                                kda_lines.get(overlap[0]))
             missing = sorted(set(range(count)) - set(mla) - set(kda))
             if missing:
-                raise sec.error("kda_layers", f"layer {missing[0] + base} is in neither kda_layers nor mla_layers")
+                raise sec.error("kda_layers", f"layer {missing[0] + base} is in neither kda_layers nor mla_layers "
+                                              "(give one list and the other layers take the other kind)")
         if mla is not None:
-            kinds = ["mla" if i in mla else "kda" for i in range(count)]
+            mla_set = set(mla)
+            kinds = ["mla" if i in mla_set else "kda" for i in range(count)]
         else:
-            kinds = ["kda" if i in kda else "mla" for i in range(count)]
+            kda_set = set(kda)
+            kinds = ["kda" if i in kda_set else "mla" for i in range(count)]
     sec.finish()
     return tuple(kinds)
 
@@ -308,8 +430,11 @@ def _attn_res(top: Section, n_layers: int) -> AttnResSpec | None:
     value = top.raw("attn_res", None)
     if value is None or value is False or value == "off":
         return None
-    sec = Section(value, "attn_res", top.file, top.key_line("attn_res"), top.record)
-    size = sec.int("block_size", hi=4096)
+    if isinstance(value, str):
+        raise top.error("attn_res", f"must be a mapping {{block_size: N}} or 'off', got {_show(value)}"
+                                    f"{_did_you_mean(value, ('off',))}")
+    sec = Section(value, "attn_res", top.file, top.key_line("attn_res"), top.record, SECTION_KEYS["attn_res"])
+    size = sec.int("block_size", hi=MAX_LAYERS)
     sec.finish()
     if size > n_layers:
         raise sec.error("block_size", f"block size {size} exceeds the {n_layers} layers (use attn_res: off)")
@@ -319,14 +444,22 @@ def _attn_res(top: Section, n_layers: int) -> AttnResSpec | None:
 def _mlp(sec: Section, moe_sec: Section | None, n_layers: int, hidden: int) -> MLPSpec:
     if sec.has("dense_layers") and sec.has("first_k_dense"):
         raise sec.error("first_k_dense", "give either dense_layers or first_k_dense, not both")
+    if sec.has("index_base") and not sec.has("dense_layers"):
+        raise sec.error("index_base", "only applies to dense_layers")
     if sec.has("first_k_dense"):
         k = sec.int("first_k_dense", lo=0, hi=n_layers)
         dense = tuple(range(k))
+        dense_key = "first_k_dense"
     elif sec.has("dense_layers"):
         base = sec.int("index_base", 0, lo=0, hi=1)
-        dense = tuple(sorted(_index_list(sec, "dense_layers", n_layers, base)))
+        dense = tuple(sorted(_index_list(sec, "dense_layers", n_layers, base)[0]))
+        dense_key = "dense_layers"
     else:
         dense = tuple(range(n_layers)) if moe_sec is None else ()
+        dense_key = None
+    if moe_sec is None and dense_key is not None and len(dense) < n_layers:
+        raise sec.error(dense_key, f"makes {n_layers - len(dense)} of the {n_layers} layers MoE, but the spec has "
+                                   "no 'moe' section (add one, or drop this key: without 'moe' every layer is dense)")
     needs_dense = bool(dense) or moe_sec is None
     dense_size = sec.int("dense_intermediate_size", _MISSING if needs_dense else None, allow_none=not needs_dense)
     kind = sec.choice("activation", ("situ", "swiglu"), "swiglu")
@@ -364,7 +497,7 @@ def _mlp(sec: Section, moe_sec: Section | None, n_layers: int, hidden: int) -> M
             raise moe_sec.error("shared_intermediate_size", "given but num_shared_experts is 0")
         moe_sec.finish()
         if len(dense) == n_layers:
-            raise sec.error("dense_layers", "every layer is dense, yet a 'moe' section is given")
+            raise sec.error(dense_key or "dense_layers", "every layer is dense, yet a 'moe' section is given")
     return MLPSpec(dense_layers=dense, dense_intermediate_size=dense_size or 0, activation=act, moe=moe)
 
 
@@ -392,6 +525,8 @@ def _precision(sec: Section | None, mlp: MLPSpec) -> PrecisionSpec:
         w.finish()
         if fmt == "bf16" and include:
             raise w.error("include", "patterns only apply to format: mxfp4")
+        if fmt == "bf16" and exclude:
+            raise w.error("exclude", "patterns only apply to format: mxfp4")
         weights = WeightPrecisionSpec(format=fmt, include=include, exclude=exclude, scale_rule=rule)
     acts = sec.choice("activations", ("bf16", "mxfp8"), "bf16")
     sec.finish()
@@ -423,7 +558,7 @@ def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
     out["attn_res"] = {"block_size": spec.attn_res.block_size} if spec.attn_res else "off"
     mlp = spec.mlp
     out["mlp"] = {"dense_layers": list(mlp.dense_layers), "activation": mlp.activation.kind}
-    if mlp.dense_layers or mlp.moe is None:
+    if mlp.dense_layers or mlp.moe is None or mlp.dense_intermediate_size:
         out["mlp"]["dense_intermediate_size"] = mlp.dense_intermediate_size
     if mlp.activation.kind == "situ":
         out["mlp"]["situ_beta_gate"] = mlp.activation.situ_beta_gate

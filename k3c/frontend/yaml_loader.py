@@ -1,17 +1,83 @@
 """Safe YAML loading that remembers the line of every key and list item.
 
 Only YAML's safe types are constructed (no `!!python/...` tags), duplicate keys are errors, and every failure is a
-SpecError naming the file and line.
+SpecError naming the file, the line and (once construction has started) the dotted field path. The rendered error is
+always a single line.
+
+Hostile input is bounded before it can cost much: files over MAX_SPEC_BYTES are refused unread, composition stops
+after MAX_NODES nodes or MAX_DEPTH levels of nesting, and a document whose aliases would expand to more than
+MAX_EXPANDED_NODES values (a "billion laughs" bomb, merge-key bombs included) or that refers to itself is refused
+before anything is constructed.
+
+Merge keys (`<<: *defaults`) work as in YAML 1.1: explicit keys override merged ones; a key written twice in the same
+mapping is an error.
 """
 from __future__ import annotations
 
+import os
+import unicodedata
+from typing import Any
+
 import yaml
+from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from ..errors import SpecError
 
-MAX_SPEC_BYTES = 4 * 1024 * 1024
+MAX_SPEC_BYTES = 4 * 1024 * 1024  # any spec-like file (YAML here, config.json in hf_config) is refused unread above
+MAX_YAML_BYTES = 256 * 1024       # a YAML spec is a few KB; pure-Python YAML reads only ~200 KB/s of dense input
+MAX_NODES = 10_000                # YAML nodes composed (a 4096-layer `kinds` list is ~4,200)
+MAX_DEPTH = 64                    # nesting levels (a spec needs 3)
+MAX_EXPANDED_NODES = 200_000      # nodes after expanding aliases and merges
+MAX_SHOWN = 60                    # characters of user text quoted in a message
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_VALUE_TAG = "tag:yaml.org,2002:value"
+_STR_TAG = "tag:yaml.org,2002:str"
+_NON_PRINTABLE = yaml.reader.Reader.NON_PRINTABLE
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# one-line messages
+def clean(text: Any, limit: int | None = None) -> str:
+    """`text` with every control / line-separator character escaped, optionally shortened: safe on one line."""
+    text = str(text)
+    if limit is not None and len(text) > limit:
+        text = text[: max(limit - 3, 1)] + "..."
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable() or ch == " ":
+            out.append(ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif unicodedata.category(ch) in ("Zs",):
+            out.append(" ")
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
+def spec_error(message: str, *, file: str | None = None, line: int | None = None,
+               field: str | None = None) -> SpecError:
+    """A SpecError whose rendering is guaranteed to be one line (user text in any part is escaped)."""
+    return SpecError(clean(message), file=None if file is None else clean(file),
+                     line=line, field=None if field is None else clean(field, 200))
+
+
+def line_at(text: str, index: int) -> int:
+    """1-based line of character `index`, counting line breaks the way PyYAML's marks do."""
+    head = text[:index]
+    return (head.count("\n") + head.count("\x85") + head.count("\u2028") + head.count("\u2029")
+            + head.count("\r") - head.count("\r\n") + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 class LocDict(dict):
     """A mapping that knows its own line and the line of each key (1-based)."""
 
@@ -32,35 +98,182 @@ class LocList(list):
         self.item_lines: list[int] = []
 
 
+def _short_tag(tag: str | None) -> str:
+    if tag and tag.startswith("tag:yaml.org,2002:"):
+        return "!!" + tag[len("tag:yaml.org,2002:"):]
+    return tag or "?"
+
+
 class _LocatingSafeLoader(yaml.SafeLoader):
-    """SafeLoader whose mappings and sequences carry line numbers."""
+    """SafeLoader whose mappings and sequences carry line numbers, with bounds on size, depth and aliases."""
 
     spec_file = "<spec>"
 
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+        self._path: list[str] = []     # field path of the value being constructed (left as is on failure)
 
-def _construct_mapping(loader: _LocatingSafeLoader, node: yaml.MappingNode) -> LocDict:
-    loader.flatten_mapping(node)
+    # -- composition bounds --------------------------------------------------------------------------------
+    def compose_node(self, parent, index):
+        self._nodes += 1
+        if self._nodes > MAX_NODES or self._depth >= MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            what = (f"more than {MAX_NODES} YAML nodes" if self._nodes > MAX_NODES
+                    else f"nesting deeper than {MAX_DEPTH} levels")
+            raise spec_error(f"{what}; not a model spec", file=self.spec_file, line=mark.line + 1)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        self.root_line = node.start_mark.line + 1
+        _check_expansion(node, self.spec_file)
+        return self.construct_document(node)
+
+    # -- construction --------------------------------------------------------------------------------------
+    def field_path(self) -> str | None:
+        out = ""
+        for part in self._path:
+            out += part if part.startswith("[") or not out else "." + part
+        return out or None
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (SpecError, yaml.YAMLError, RecursionError, MemoryError):
+            raise
+        except (ValueError, OverflowError, ArithmeticError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            # a safe constructor choked on a scalar: `!!int abc`, `2024-13-45`, a 5000-digit integer, ...
+            value = node.value if isinstance(node, ScalarNode) else node.id
+            if "Exceeds the limit" in str(exc) or isinstance(exc, OverflowError):
+                reason = "number too large"
+            elif isinstance(exc, ValueError):
+                reason = clean(str(exc), MAX_SHOWN)
+            else:
+                reason = "not a valid value of that type"
+            raise spec_error(f"cannot read {clean(repr(value), MAX_SHOWN)} as {_short_tag(node.tag)} ({reason})",
+                             file=self.spec_file, line=node.start_mark.line + 1, field=self.field_path()) from None
+
+
+def _children(node) -> list:
+    if isinstance(node, MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_expansion(root, file: str) -> None:
+    """Refuse self-referencing documents and aliases that expand past MAX_EXPANDED_NODES (no construction yet)."""
+    size: dict[int, int] = {}
+    visiting: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, post = stack.pop()
+        key = id(node)
+        if post:
+            visiting.discard(key)
+            total = 1 + sum(size[id(c)] for c in _children(node))
+            if total > MAX_EXPANDED_NODES:
+                raise spec_error(f"aliases expand to more than {MAX_EXPANDED_NODES} values (an alias bomb?); "
+                                 "a model spec has a few hundred", file=file, line=node.start_mark.line + 1)
+            size[key] = total
+            continue
+        if key in size:
+            continue
+        if key in visiting:
+            raise spec_error("an alias refers to a node that contains it (recursive structure)", file=file,
+                             line=node.start_mark.line + 1)
+        visiting.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) not in size:
+                stack.append((child, False))
+
+
+def _mapping_pairs(loader: _LocatingSafeLoader, node: MappingNode) -> tuple[list, list]:
+    """(merged pairs, lowest precedence first; explicit pairs) of a mapping node, without mutating it."""
+    merged: list = []
+    own: list = []
+    for key_node, value_node in node.value:
+        if key_node.tag == _MERGE_TAG:
+            if isinstance(value_node, MappingNode):
+                sources = [value_node]
+            elif isinstance(value_node, SequenceNode):
+                sources = list(value_node.value)
+            else:
+                sources = [value_node]
+            for src in reversed(sources):        # earlier sources win: add them last
+                if not isinstance(src, MappingNode):
+                    raise spec_error(f"a merge key '<<' needs a mapping or a list of mappings, found a {src.id}",
+                                     file=loader.spec_file, line=src.start_mark.line + 1, field=loader.field_path())
+                sub_merged, sub_own = _mapping_pairs(loader, src)
+                merged.extend(sub_merged)
+                merged.extend(sub_own)
+        else:
+            if key_node.tag == _VALUE_TAG:       # a plain '=' key is just the string '='
+                key_node = ScalarNode(_STR_TAG, key_node.value, key_node.start_mark, key_node.end_mark)
+            own.append((key_node, value_node))
+    return merged, own
+
+
+def _construct_key(loader: _LocatingSafeLoader, key_node) -> str:
+    line = key_node.start_mark.line + 1
+    if not isinstance(key_node, ScalarNode):
+        loader._path.append("?")
+        raise spec_error(f"keys must be strings, got a {key_node.id}", file=loader.spec_file, line=line,
+                         field=loader.field_path())
+    key = loader.construct_object(key_node, deep=True)
+    if not isinstance(key, str):
+        shown = "null" if key is None else f"{type(key).__name__} {clean(repr(key), MAX_SHOWN)}"
+        loader._path.append(clean(key_node.value, MAX_SHOWN) or "null")     # the key as written
+        raise spec_error(f"keys must be strings, got {shown} (quote it)", file=loader.spec_file, line=line,
+                         field=loader.field_path())
+    return key
+
+
+def _construct_mapping(loader: _LocatingSafeLoader, node) -> LocDict:
+    if not isinstance(node, MappingNode):
+        raise spec_error(f"{_short_tag(node.tag)} needs a mapping, found a {node.id}", file=loader.spec_file,
+                         line=node.start_mark.line + 1, field=loader.field_path())
     out = LocDict()
     out.line = node.start_mark.line + 1
-    for key_node, value_node in node.value:
-        line = key_node.start_mark.line + 1
-        key = loader.construct_object(key_node, deep=True)
-        if not isinstance(key, str):
-            raise SpecError(f"keys must be strings, got {type(key).__name__} {key!r}",
-                            file=loader.spec_file, line=line)
-        if key in out:
-            raise SpecError(f"duplicate key '{key}' (first at line {out.key_lines[key]})",
-                            file=loader.spec_file, line=line, field=key)
-        out[key] = loader.construct_object(value_node, deep=True)
-        out.key_lines[key] = line
+    merged, own = _mapping_pairs(loader, node)
+    for pairs, explicit in ((merged, False), (own, True)):
+        seen: set[str] = set()
+        for key_node, value_node in pairs:
+            key = _construct_key(loader, key_node)
+            line = key_node.start_mark.line + 1
+            if explicit:
+                if key in seen:
+                    loader._path.append(key)
+                    raise spec_error(f"duplicate key '{clean(key, MAX_SHOWN)}' (first at line {out.key_lines[key]})",
+                                     file=loader.spec_file, line=line, field=loader.field_path())
+                seen.add(key)
+            loader._path.append(key)
+            out[key] = loader.construct_object(value_node, deep=True)
+            loader._path.pop()
+            out.key_lines[key] = line
     return out
 
 
-def _construct_sequence(loader: _LocatingSafeLoader, node: yaml.SequenceNode) -> LocList:
+def _construct_sequence(loader: _LocatingSafeLoader, node) -> LocList:
+    if not isinstance(node, SequenceNode):
+        raise spec_error(f"{_short_tag(node.tag)} needs a list, found a {node.id}", file=loader.spec_file,
+                         line=node.start_mark.line + 1, field=loader.field_path())
     out = LocList()
     out.line = node.start_mark.line + 1
-    for child in node.value:
+    for i, child in enumerate(node.value):
+        loader._path.append(f"[{i}]")
         out.append(loader.construct_object(child, deep=True))
+        loader._path.pop()
         out.item_lines.append(child.start_mark.line + 1)
     return out
 
@@ -69,52 +282,105 @@ _LocatingSafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_T
 _LocatingSafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
-def load_yaml_text(text: str, file: str) -> LocDict:
-    """Parse spec text into a LocDict; raise SpecError with file and line on any problem."""
-    if len(text) > MAX_SPEC_BYTES:
-        raise SpecError(f"file is larger than {MAX_SPEC_BYTES} bytes; not a spec", file=file)
-    if "\x00" in text:
-        raise SpecError("file contains NUL bytes; not a YAML spec", file=file, line=text[:text.index("\x00")].count("\n") + 1)
+# ---------------------------------------------------------------------------------------------------------------
+_HINTS = (
+    ("cannot start any token", "'\\t'", "tabs cannot indent YAML; use spaces"),
+    ("mapping values are not allowed here", "", "check the indentation, or quote a value that contains ': '"),
+    ("could not find expected ':'", "", "check the indentation, or close the quote / bracket"),
+)
 
-    loader_cls = type("_Loader", (_LocatingSafeLoader,), {"spec_file": file})
+
+def _yaml_error_message(exc: yaml.MarkedYAMLError) -> tuple[str, int | None]:
+    mark = exc.problem_mark or exc.context_mark
+    line = mark.line + 1 if mark is not None else None
+    problem = str(exc.problem or exc.context or "invalid YAML")
+    if "python/" in problem or "could not determine a constructor" in problem:
+        tag = problem.split("for the tag")[-1].strip().replace("tag:yaml.org,2002:", "!!") or "unknown tag"
+        return f"tag {tag} is not allowed in a spec (only plain YAML data)", line
+    message = f"YAML error: {problem}"
+    if exc.problem and exc.context and problem.startswith("but found another document"):
+        return "YAML error: a spec is a single YAML document, but found a second one ('---')", line
+    if exc.problem and exc.context:
+        ctx = str(exc.context)
+        if exc.context_mark is not None and (mark is None or exc.context_mark.line != mark.line):
+            ctx += f" started at line {exc.context_mark.line + 1}"
+        message += f" ({ctx})"
+    for needle, also, hint in _HINTS:
+        if needle in problem and also in problem:
+            message += f"; {hint}"
+    return message, line
+
+
+def decode_spec_bytes(raw: bytes, file: str) -> str:
+    """UTF-8 text of a spec file's bytes (BOM allowed), or a SpecError naming the file and line."""
+    if len(raw) > MAX_SPEC_BYTES:
+        raise spec_error(f"file is larger than {MAX_SPEC_BYTES} bytes; not a spec", file=file)
     try:
-        data = yaml.load(text, Loader=loader_cls)  # SafeLoader subclass: safe types only
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        what = "binary data (a PNG image?)" if raw.startswith(b"\x89PNG") else "binary data"
+        raise spec_error(f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start}; {what}, not a spec",
+                         file=file, line=line) from None
+
+
+def load_yaml_text(text: str | bytes, file: str) -> LocDict:
+    """Parse spec text into a LocDict; raise SpecError with file and line on any problem."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = decode_spec_bytes(bytes(text), file)
+    if not isinstance(text, str):
+        raise TypeError(f"spec text must be str or bytes, not {type(text).__name__}")
+    if len(text) > MAX_YAML_BYTES or (len(text) > MAX_YAML_BYTES // 4
+                                      and len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES):
+        raise spec_error(f"file is larger than {MAX_YAML_BYTES} bytes; a YAML spec is a few KB", file=file)
+    bad = _NON_PRINTABLE.search(text)
+    if bad is not None:
+        ch = bad.group()
+        what = "NUL byte" if ch == "\x00" else f"character U+{ord(ch):04X}"
+        raise spec_error(f"{what} at column {bad.start() - max(text.rfind(chr(10), 0, bad.start()), -1)} is not "
+                         "allowed in YAML (binary data?)", file=file, line=line_at(text, bad.start()))
+
+    loader = type("_Loader", (_LocatingSafeLoader,), {"spec_file": file})(text)   # SafeLoader: safe types only
+    try:
+        data = loader.get_single_data()
     except SpecError:
         raise
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark is not None else None
-        problem = exc.problem or exc.context or "invalid YAML"
-        if "python/" in str(problem) or "could not determine a constructor" in str(problem):
-            problem = f"tag not allowed in a spec ({problem.split('for the tag')[-1].strip() or 'unknown tag'})"
-        raise SpecError(f"YAML error: {problem}", file=file, line=line) from None
+        message, line = _yaml_error_message(exc)
+        raise spec_error(message, file=file, line=line, field=loader.field_path()) from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"YAML error: {str(exc).splitlines()[0]}", file=file) from None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise spec_error(f"YAML error: {first}", file=file) from None
     except RecursionError:
-        raise SpecError("YAML nesting too deep", file=file) from None
+        raise spec_error("YAML nesting too deep", file=file, field=loader.field_path()) from None
+    except MemoryError:
+        raise spec_error("out of memory while loading; not a model spec", file=file) from None
+    finally:
+        loader.dispose()
     if data is None:
-        raise SpecError("spec is empty", file=file, line=1)
+        raise spec_error("spec is empty (no YAML content, only blank lines or comments)", file=file, line=1)
     if not isinstance(data, LocDict):
-        raise SpecError(f"top level must be a mapping of sections, got {type(data).__name__}", file=file, line=1)
+        kind = {"LocList": "a list", "str": "a string", "int": "an integer", "float": "a number",
+                "bool": "a boolean"}.get(type(data).__name__, type(data).__name__)
+        raise spec_error(f"top level must be a mapping of sections (name, model, layers, ...), got {kind}",
+                         file=file, line=getattr(loader, "root_line", 1))
     return data
 
 
 def read_spec_text(path: str) -> str:
     """Read a spec file as UTF-8 text with errors that name the file."""
-    import os
-
-    if os.path.isdir(path):
-        raise SpecError("is a directory, not a spec file (for a Hugging Face model dir pass it to load_spec "
-                        "with a config.json inside)", file=path)
     try:
+        if os.path.isdir(path):
+            raise spec_error("is a directory, not a spec file (for a Hugging Face model dir pass it to load_spec "
+                             "with a config.json inside)", file=path)
         with open(path, "rb") as fh:
             raw = fh.read(MAX_SPEC_BYTES + 1)
     except FileNotFoundError:
-        raise SpecError("no such file", file=path) from None
+        raise spec_error("no such file", file=path) from None
+    except IsADirectoryError:
+        raise spec_error("is a directory, not a spec file", file=path) from None
     except OSError as exc:
-        raise SpecError(f"cannot read: {exc.strerror}", file=path) from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise SpecError("not UTF-8 text (binary file?)", file=path, line=line) from None
+        raise spec_error(f"cannot read: {exc.strerror or exc}", file=path) from None
+    except ValueError as exc:                      # e.g. a NUL character in the path
+        raise spec_error(f"not a usable path ({exc})", file=path) from None
+    return decode_spec_bytes(raw, path)

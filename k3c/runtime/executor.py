@@ -8,6 +8,7 @@ Op implementations are the eager reference for layer ops until the kernel issues
 """
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any, Callable
 
@@ -90,6 +91,11 @@ def k3c_moe(a, cache, data, w):
     return ref.moe_layer(x, w, cfg, _activation(a), a["norm_eps"])
 
 
+def k3c_rmsnorm_residual(a, cache, data, w):
+    s = data[0] + data[1]
+    return s, ref.rms_norm(s, w["weight"], a["eps"])
+
+
 def k3c_attn_res_mix(a, cache, data, w):
     return ref.attn_res_mix(list(data), w["proj_weight"], w["norm_weight"], a["eps"])
 
@@ -97,6 +103,7 @@ def k3c_attn_res_mix(a, cache, data, w):
 IMPLS: dict[str, Callable] = {
     "embedding": k3c_embedding, "rmsnorm": k3c_rmsnorm, "add": k3c_add, "lm_head": k3c_lm_head, "kda": k3c_kda,
     "mla": k3c_mla, "mlp": k3c_mlp, "moe": k3c_moe, "attn_res_mix": k3c_attn_res_mix,
+    "rmsnorm_residual": k3c_rmsnorm_residual,
 }
 
 
@@ -110,8 +117,26 @@ def _buffer_name(weight: str) -> str:
     return "w_" + re.sub(r"[^0-9A-Za-z_]", "_", weight)
 
 
-def build_graph_module(module: Module, weights: dict[str, torch.Tensor]) -> fx.GraphModule:
-    """An fx GraphModule computing `module` with `weights` (canonical names) as buffers."""
+def _implementation(op, use_kernels: bool) -> Callable:
+    """impl="kernel" ops launch generated kernels (when `use_kernels`); everything else runs through torch."""
+    if use_kernels and op.attr("impl", None) == "kernel":
+        from .kernels import KERNEL_IMPLS
+
+        fn = KERNEL_IMPLS.get(op.op)
+        if fn is None:
+            raise IRError("marked impl=kernel but no kernel implementation is registered", op=op.describe(),
+                          loc=op.loc)
+        return fn
+    fn = IMPLS.get(op.op)
+    if fn is None:
+        raise IRError("no runtime implementation for this op", op=op.describe(), loc=op.loc)
+    return fn
+
+
+def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_kernels: bool = True
+                       ) -> fx.GraphModule:
+    """An fx GraphModule computing `module` with `weights` (canonical names) as buffers. With `use_kernels`,
+    ops the codegen pass marked impl="kernel" launch their generated Triton kernels (the interpreter on a CPU)."""
     root = torch.nn.Module()
     graph = fx.Graph()
     values: dict[str, fx.Node] = {}
@@ -132,9 +157,7 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor]) -> fx.G
                 root.register_buffer(buf, weights[name], persistent=False)
             values[op.results[0]] = graph.get_attr(buf)
             continue
-        impl = IMPLS.get(op.op)
-        if impl is None:
-            raise IRError("no runtime implementation for this op", op=f"%{op.results[0]} = {op.op}", loc=op.loc)
+        impl = _implementation(op, use_kernels)
         roles = get_op_def(op.op).roles(a)
         data, params = [], {}
         for role, value in zip(roles, op.inputs):
@@ -142,10 +165,13 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor]) -> fx.G
                 params[role.name] = values[value]
             else:
                 data.append(values[value])
+        names = [re.sub(r"[^0-9A-Za-z_]", "_", r) for r in op.results]     # fx names follow the IR
         node = graph.create_node("call_function", impl, (a, cache, tuple(data), params),
-                                 name=re.sub(r"[^0-9A-Za-z_]", "_", op.results[0]))   # fx names follow the IR
-        if len(op.results) != 1:
-            raise IRError("multi-result ops are not executable yet", op=op.op, loc=op.loc)
-        values[op.results[0]] = node
+                                 name=names[0] if len(names) == 1 else "_".join(names))
+        if len(op.results) == 1:
+            values[op.results[0]] = node
+        else:
+            for i, (result, name) in enumerate(zip(op.results, names)):
+                values[result] = graph.create_node("call_function", operator.getitem, (node, i), name=name + "_")
     graph.output(tuple(values[o] for o in module.outputs) if len(module.outputs) > 1 else values[module.outputs[0]])
     return fx.GraphModule(root, graph, class_name=f"K3cGraph")

@@ -16,20 +16,31 @@ from .weight_names import model_weights
 
 class Session:
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
-                 max_context: int | None = None):
+                 max_context: int | None = None, use_kernels: bool = True):
         self.compiled = compiled
         self.spec = compiled.spec
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.max_context = max_context or self.spec.max_context
         _check_weights(self.spec, weights)
+        if use_kernels and self.device.type == "cpu":
+            from ..codegen.triton_mode import prepare_interpreter
+
+            prepare_interpreter()       # generated kernels run in Triton's interpreter on a CPU
         on_device = {name: t.to(self.device) for name, t in weights.items()}
-        self.graph = build_graph_module(compiled.module, on_device)
+        self.use_kernels = use_kernels
+        self.graph = build_graph_module(compiled.module, on_device, use_kernels=use_kernels)
         self.cache: LayerCaches | None = None
 
     def describe(self) -> str:
-        n = sum(1 for node in self.graph.graph.nodes if node.op == "call_function")
-        return f"torch.fx graph of {n} op calls from the IR after {len(self.compiled.pass_names)} passes"
+        impls: dict[str, int] = {}
+        for op in self.compiled.module.ops:
+            impl = op.attr("impl", None)
+            if impl is not None:
+                impl = impl if (self.use_kernels or impl != "kernel") else "torch (kernels off)"
+                impls[impl] = impls.get(impl, 0) + 1
+        parts = ", ".join(f"{n} {k}" for k, n in sorted(impls.items())) or "no impl marks (codegen not run)"
+        return f"torch.fx graph from the IR after {len(self.compiled.pass_names)} passes: {parts}"
 
     @property
     def length(self) -> int:

@@ -37,8 +37,10 @@ def scratch_passes():
 
 def test_registry_and_pipelines():
     assert {"dce", "cse"} <= set(registered_passes())
-    assert PIPELINES["default"] == ("dce", "cse")
-    assert resolve_passes("frontend,default") == ["dce", "cse"]
+    assert PIPELINES["cleanup"] == ("cse", "dce")
+    assert PIPELINES["default"][-2:] == ("dce", "cse")       # lowering passes come first, cleanup last
+    assert resolve_passes("frontend,cleanup") == ["cse", "dce"]
+    assert resolve_passes("frontend,default") == list(PIPELINES["default"])
     assert resolve_passes(["cse", "dce"]) == ["cse", "dce"]
     assert available()["pipelines"] == sorted(PIPELINES)
 
@@ -80,7 +82,7 @@ def test_cse_merges_duplicate_params_then_ops():
 
 
 def test_cse_runs_clean_on_the_model(tiny):
-    out, records = run_pipeline(tiny, "default")
+    out, records = run_pipeline(tiny, ["dce", "cse"])
     assert out == tiny and [r.changed for r in records] == [False, False]
     assert records[1].counts == {"hits": 0}
 
@@ -105,7 +107,7 @@ def test_cse_on_a_model_with_duplicated_params(tiny):
 
 def test_dumps_have_headers_and_parse_back(tmp_path):
     m = parse_module(SMALL)
-    out, records = run_pipeline(m, "default", dump_dir=tmp_path / "dumps")
+    out, records = run_pipeline(m, ["dce", "cse"], dump_dir=tmp_path / "dumps")
     files = sorted(os.listdir(tmp_path / "dumps"))
     assert files == ["000_frontend.k3c", "001_dce.k3c", "002_cse.k3c"]
     assert parse_file(str(tmp_path / "dumps" / "000_frontend.k3c")) == m
@@ -175,7 +177,7 @@ def test_pass_must_return_a_module(scratch_passes):
 
 def test_bad_input_is_reported_against_the_frontend():
     with pytest.raises(IRError, match="after pass 'frontend', op %c = add"):
-        run_pipeline(parse_module(SMALL.replace("add(%a, %b)", "add(%a, %x9)")), "default")
+        run_pipeline(parse_module(SMALL.replace("add(%a, %b)", "add(%a, %x9)")), ["dce", "cse"])
 
 
 # ---- hypothesis: CSE + DCE on random DAGs of adds over a few inputs ------------------------------------
