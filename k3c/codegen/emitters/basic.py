@@ -8,8 +8,7 @@ from ..kernels.common import glu_act
 from . import register_emitter
 
 DTYPES = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}
-# token-count buckets a GEMM is specialised for: decode (<= 16 tokens) and prefill (>= 128)
-GEMM_M_BUCKETS = (16, 128)
+from ..launch import M_BUCKETS as GEMM_M_BUCKETS   # the token-count buckets the runtime specialises GEMMs for
 
 
 def _dt(t) -> str:

@@ -1,0 +1,222 @@
+"""Two-phase Block AttnRes kernels (K3.md section 4, paper Alg. 1); IR ops in k3c/ir/attnres_ops.py.
+
+phase 1 (`attn_res_phase1`), one program per tile of BLOCK_M tokens:
+    for each completed block b_i (its own pointer, unrolled): one sweep over the row tile computes sum(v^2) and the
+    scores of all Q queries of the group at once (a [BLOCK_M, D] x [D, QP] dot; bf16 rows against the f32 queries
+    split in hi + lo bf16 halves, so the scores are f32-accurate on tensor cores; fp32 sources use an ieee dot),
+    scaled by 1/rms computed once per source row. Softmax statistics over the blocks in registers, then a second
+    sweep forms o_j = sum_i a_ij v_i for all queries ([BLOCK_M, QP, BLOCK_D] accumulator) and writes the rows
+    [lse_j (f32 bits), pad, o_j] of the packed result.
+phase 2 (`attn_res_phase2`), one program per token row:
+    p = p_old + y (rounded to the io dtype, written), s = q_j . p / rms(p), online-softmax merge with (o_j, lse_j),
+    h rounded to the io dtype, then the next sublayer's RMSNorm; written once.
+All math fp32; io in the sources' dtype.
+"""
+from __future__ import annotations
+
+from ...ir.attnres_ops import STATS
+from ..kernel import KernelSource
+from ..targets import Target
+from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
+from .common import (ELEM_BYTES, check_dim, check_float, clamp, emit_math_helpers, interpreted, lanes, pow2_ceil,
+                     pow2_floor, row_max_block, to_dtype)
+
+MAX_SOURCES = 64
+MAX_QUERIES = 256
+
+
+def phase1_plan(d: int, q: int, elem_bytes: int, target: Target, block_m: int | None = None,
+                block_d: int | None = None, num_warps: int | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_K, BLOCK_D, QP, num_warps). BLOCK_M = 16 rows (the smallest dot tile: the queries are
+    re-read from L2 once per tile); BLOCK_K 64 (score sweep); the output accumulator [BLOCK_M, QP, BLOCK_D] is
+    held at ~32 fp32 registers per thread (more spills on sm_90: the
+    softmax weights are replicated into the 3-D layout)."""
+    qp = max(16, pow2_ceil(q))
+    bm = block_m or 16
+    warps = num_warps or (8 if target.shared_mem_bytes > 0 else 4)
+    threads = lanes(target) * warps
+    bd = block_d or clamp(pow2_floor(max(1, 32 * threads // (bm * qp))), 8, 256)
+    bd = min(bd, max(16, pow2_ceil(d)))
+    bk = min(64, max(16, pow2_ceil(d)))
+    return bm, bk, bd, qp, warps
+
+
+def emit_attnres_phase1(hidden: int, num_sources: int, num_queries: int, eps: float, *, target: Target,
+                        dtype: str = "bf16", block_m: int | None = None, block_d: int | None = None,
+                        num_warps: int | None = None, loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Kernel args: src0_ptr..src{N-1}_ptr [M, D], q_ptr [Q, D] f32, out_ptr [Q, M, STATS + D] (dtype),
+    lse_ptr (the same storage as f32), M; grid (cdiv(M, BLOCK_M),)."""
+    D = check_dim(hidden, "hidden")
+    N = check_dim(num_sources, "num_sources")
+    Q = check_dim(num_queries, "num_queries")
+    if N > MAX_SOURCES or Q > MAX_QUERIES:
+        raise CodegenError(f"attn_res_phase1: at most {MAX_SOURCES} sources and {MAX_QUERIES} queries")
+    check_float(dtype)
+    e = ELEM_BYTES[dtype]
+    if ((STATS + D) * e) % 4:
+        raise CodegenError(f"attn_res_phase1: a packed row of {STATS + D} {dtype} is not a whole number of f32")
+    if float(eps) < 0:
+        raise CodegenError(f"eps must be >= 0, got {eps!r}")
+    interp = interpreted(target, interpret)
+    bm, bk, bd, qp, warps = phase1_plan(D, Q, e, target, block_m, block_d, num_warps)
+    kname = ident(f"k3c_attnres_phase1_fwd_d{D}_n{N}_q{Q}_{name_part(dtype)}_m{bm}_b{bd}_w{warps}")
+    srcs = [f"src{i}_ptr" for i in range(N)]
+    sig = {s: f"*{dtype}" for s in srcs}
+    sig.update({"q_ptr": "*fp32", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32", "M": "i32"})
+    constexprs = {"D": D, "Q": Q, "QP": qp, "BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_D": bd}
+    row = STATS + D
+    rowf = row * e // 4
+    eps_lit = fnum(eps)
+
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op="attn_res_phase1", loc=loc, target=target, emitter=__name__,
+             notes=[f"phase 1: N={N} blocks x Q={Q} queries, D={D}, eps={eps_lit}, io {dtype}, BLOCK_M={bm} "
+                    f"BLOCK_K={bk} BLOCK_D={bd} QP={qp} num_warps={warps}" + (" [interpreter variant]" if interp
+                                                                              else "")])
+    w.imports()
+    emit_math_helpers(w, rtne_bf16=interp and dtype == "bf16")
+    with w.jit_function(kname, list(sig), list(constexprs)):
+        w.line("rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w.line("rmask = rows < M")
+        w.line("rows64 = rows.to(tl.int64)")
+        w.line("qc = tl.arange(0, QP)")
+        w.line("qmask = qc < Q")
+        w.comment("sweep 1: per block, sum(v^2) and the scores of all queries; 1/rms once per source row")
+        for i, s in enumerate(srcs):
+            w.line(f"acc = tl.zeros([BLOCK_M, QP], dtype=tl.float32)")
+            w.line("ss = tl.zeros([BLOCK_M], dtype=tl.float32)")
+            w.line("for k in range(0, D, BLOCK_K):")
+            with w.indent():
+                w.line("ks = k + tl.arange(0, BLOCK_K)")
+                w.line("kmask = ks < D")
+                w.line(f"vr = tl.load({s} + rows64[:, None] * D + ks[None, :], "
+                       "mask=rmask[:, None] & kmask[None, :], other=0.0)")
+                w.line("v = vr.to(tl.float32)")
+                w.line("ss += tl.sum(v * v, axis=1)")
+                w.line("qt = tl.load(q_ptr + qc[None, :] * D + ks[:, None], mask=kmask[:, None] & qmask[None, :], "
+                       "other=0.0)")
+                if interp:
+                    w.line("acc += tl.dot(v, qt)")
+                elif dtype == "fp32":
+                    w.line("acc += tl.dot(v, qt, input_precision=\"ieee\")")
+                else:
+                    w.line("q_hi = qt.to(vr.dtype)")
+                    w.line("q_lo = (qt - q_hi.to(tl.float32)).to(vr.dtype)")
+                    w.line("acc = tl.dot(vr, q_hi, acc)")
+                    w.line("acc = tl.dot(vr, q_lo, acc)")
+            w.line(f"s{i} = acc * tl.rsqrt(ss / D + {eps_lit})[:, None]")
+        w.comment("softmax statistics over the blocks")
+        w.line("m = s0")
+        for i in range(1, N):
+            w.line(f"m = tl.maximum(m, s{i})")
+        for i in range(N):
+            w.line(f"s{i} = tl.exp(s{i} - m)")
+        w.line("l = " + " + ".join(f"s{i}" for i in range(N)))
+        w.line("inv_l = 1.0 / l")
+        for i in range(N):
+            w.line(f"s{i} = s{i} * inv_l")
+        w.line("lse = m + tl.log(l)")
+        w.line(f"tl.store(lse_ptr + (qc[None, :].to(tl.int64) * M + rows64[:, None]) * {rowf}, lse, "
+               "mask=rmask[:, None] & qmask[None, :])")
+        w.comment("sweep 2: o_j = sum_i a_ij v_i for every query j")
+        w.line(f"obase = (qc[None, :, None].to(tl.int64) * M + rows64[:, None, None]) * {row} + {STATS}")
+        w.line("omask = rmask[:, None, None] & qmask[None, :, None]")
+        w.line("for k in range(0, D, BLOCK_D):")
+        with w.indent():
+            w.line("ds = k + tl.arange(0, BLOCK_D)")
+            w.line("dmask = ds < D")
+            w.line("o = tl.zeros([BLOCK_M, QP, BLOCK_D], dtype=tl.float32)")
+            for i, s in enumerate(srcs):
+                w.line(f"v = tl.load({s} + rows64[:, None] * D + ds[None, :], mask=rmask[:, None] & dmask[None, :], "
+                       "other=0.0).to(tl.float32)")
+                w.line(f"o += s{i}[:, :, None] * v[:, None, :]")
+            w.line(f"tl.store(out_ptr + obase + ds[None, None, :], {to_dtype('o', dtype, interp)}, "
+                   "mask=omask & dmask[None, None, :])")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=constexprs,
+                        grid=("cdiv(M, BLOCK_M)",), num_warps=warps, num_stages=1 if interp else 2,
+                        ir_op="attn_res_phase1", loc=loc)
+
+
+PHASE2_MODES = ("none", "source", "update")
+
+
+def emit_attnres_phase2(hidden: int, eps: float, *, mode: str, normed: bool, norm_eps: float | None,
+                        target: Target, dtype: str = "bf16", weight_dtype: str | None = None,
+                        num_warps: int | None = None, loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Kernel args: s1_ptr [Q, M, STATS + D] (dtype), lse_ptr (same storage, f32), q_ptr [Q, D] f32,
+    (p_ptr [M, D]), (y_ptr [M, D]), (w_ptr [D]), out_ptr ([2, M, D] for mode update: new partial, output;
+    else [M, D]), qi (the query row), M; grid (M,)."""
+    D = check_dim(hidden, "hidden")
+    if mode not in PHASE2_MODES:
+        raise CodegenError(f"attn_res_phase2 mode must be one of {PHASE2_MODES}, got {mode!r}")
+    check_float(dtype)
+    e = ELEM_BYTES[dtype]
+    wdt = check_float(weight_dtype or dtype, "weight_dtype")
+    if ((STATS + D) * e) % 4:
+        raise CodegenError(f"attn_res_phase2: a packed row of {STATS + D} {dtype} is not a whole number of f32")
+    if float(eps) < 0 or (normed and (norm_eps is None or float(norm_eps) < 0)):
+        raise CodegenError("attn_res_phase2: eps and norm_eps must be >= 0")
+    interp = interpreted(target, interpret)
+    block = pow2_ceil(D)
+    if block > row_max_block(target):
+        raise CodegenError(f"attn_res_phase2: hidden size {D} exceeds the one-block row limit "
+                           f"{row_max_block(target)} of target {target.name}")
+    warps = num_warps or clamp(pow2_floor(max(1, block // (16 // e) // target.warp_size)), 1, 8)
+    kname = ident(f"k3c_attnres_phase2_{mode}{'_norm' if normed else ''}_fwd_d{D}_{name_part(dtype)}_w{warps}")
+    sig = {"s1_ptr": f"*{dtype}", "lse_ptr": "*fp32", "q_ptr": "*fp32"}
+    if mode in ("source", "update"):
+        sig["p_ptr"] = f"*{dtype}"
+    if mode == "update":
+        sig["y_ptr"] = f"*{dtype}"
+    if normed:
+        sig["w_ptr"] = f"*{wdt}"
+    sig.update({"out_ptr": f"*{dtype}", "qi": "i32", "M": "i32"})
+    constexprs = {"D": D, "BLOCK_D": block}
+    row = STATS + D
+    rowf = row * e // 4
+    even = D == block
+    mk = "" if even else ", mask=mask, other=0.0"
+    sm = "" if even else ", mask=mask"
+
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op="attn_res_phase2", loc=loc, target=target, emitter=__name__,
+             notes=[f"phase 2: mode={mode} normed={normed} D={D} eps={fnum(eps)} io {dtype} BLOCK_D={block} "
+                    f"num_warps={warps}" + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    emit_math_helpers(w, rtne_bf16=interp and dtype == "bf16")
+    with w.jit_function(kname, list(sig), list(constexprs)):
+        w.line("row = tl.program_id(0).to(tl.int64)")
+        w.line("cols = tl.arange(0, BLOCK_D)")
+        if not even:
+            w.line("mask = cols < D")
+        w.line("srow = row + qi * M")
+        w.line(f"o = tl.load(s1_ptr + srow * {row} + {STATS} + cols{mk}).to(tl.float32)")
+        if mode == "none":
+            w.line("h = o")
+        else:
+            w.line(f"lse = tl.load(lse_ptr + srow * {rowf})")
+            if mode == "update":
+                w.line(f"pa = tl.load(p_ptr + row * D + cols{mk}).to(tl.float32)")
+                w.line(f"pb = tl.load(y_ptr + row * D + cols{mk}).to(tl.float32)")
+                w.line(f"pn = {to_dtype('pa + pb', dtype, interp)}")
+                w.line(f"tl.store(out_ptr + row * D + cols, pn{sm})")
+                w.line("p = pn.to(tl.float32)")
+            else:
+                w.line(f"p = tl.load(p_ptr + row * D + cols{mk}).to(tl.float32)")
+            w.line(f"q = tl.load(q_ptr + qi * D + cols{mk})")
+            w.line(f"s = tl.sum(q * p, axis=0) * tl.rsqrt(tl.sum(p * p, axis=0) / D + {fnum(eps)})")
+            w.line("mx = tl.maximum(lse, s)")
+            w.line("w1 = tl.exp(lse - mx)")
+            w.line("w2 = tl.exp(s - mx)")
+            w.line(f"h = {to_dtype('(w1 * o + w2 * p) / (w1 + w2)', dtype, interp)}.to(tl.float32)")
+        dst = "out_ptr + (row + M) * D + cols" if mode == "update" else "out_ptr + row * D + cols"
+        if normed:
+            w.line(f"g = tl.load(w_ptr + cols{mk}).to(tl.float32)")
+            w.line(f"rstd = tl.rsqrt(tl.sum(h * h, axis=0) / D + {fnum(norm_eps)})")
+            w.line("h = (h * rstd) * g")
+        w.line(f"tl.store({dst}, {to_dtype('h', dtype, interp)}{sm})")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=constexprs, grid=("M",),
+                        num_warps=warps, num_stages=1, ir_op="attn_res_phase2", loc=loc)
+
+
+__all__ = ["emit_attnres_phase1", "emit_attnres_phase2", "phase1_plan"]

@@ -1,0 +1,416 @@
+"""MLA kernels (K3.md section 3): latent-cache write, MQA split-KV flash-decoding over pages, LSE merge, and the
+MHA causal flash-attention step used (chunk by chunk) for prefill and append-prefill.
+
+Paged latent cache: a pool [num_pages, PS, L+R] (PS = Target.mla_page_size) and a block table i32 [B, max_pages];
+token at position `pos` of sequence b lives at pool[bt[b, pos // PS], pos % PS]. Every pool / row offset is formed
+in int64 (`page.to(tl.int64) * PAGE_STRIDE`): a pool past 2^31 elements (B=128 x 32K tokens x 576) is addressed
+correctly. `paged_offset` below is the same arithmetic in Python, which the tests check against torch indexing.
+
+Kernels:
+  emit_mla_latent_write   kv = x W_dkv^T with RMSNorm(c) fused into the epilogue, stored into the pages
+  emit_mla_decode         MQA split-KV flash-decoding: one program = one sequence x one KV split x BLOCK_H query
+                          rows (rows = query tokens x heads); each page is loaded once per head tile and serves all
+                          its rows; causal mask per row (query length >= 1: short appends, speculative tokens);
+                          writes a normalised partial o [S, B*ROWS, L] (fp32) and its log-sum-exp [S, B*ROWS]
+  emit_mla_merge          merges S partials by log-sum-exp: out = sum_s e^{lse_s - m} o_s / sum_s e^{lse_s - m}
+  emit_mla_prefill        MHA causal flash attention of q [B, Tq, N, P+R] against one chunk of expanded keys
+                          k_nope [B, Tk, N, P] | k_pe (shared, read from the latent rows) and values [B, Tk, N, V];
+                          with HAS_PREV it continues from the running (o, lse) of the previous chunks, which is the
+                          log-sum-exp merge done in the prologue (exact), so no chunk's K/V outlives its step
+All scores, softmax statistics and accumulators are fp32; bf16 operands feed tl.dot (fp32 accumulation).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..kernel import KernelSource
+from ..targets import Target
+from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
+from .common import ELEM_BYTES, TL_DTYPE, check_dim, check_float, clamp, emit_math_helpers, interpreted, \
+    pow2_ceil, to_dtype
+
+LOG2E = 1.4426950408889634
+
+
+def _blk(n: int) -> int:
+    """A tile extent for a head dim: a power of two, at least 16 (tl.dot needs K >= 16 on GPUs; padding is masked)."""
+    return max(16, pow2_ceil(n))
+
+
+def paged_offset(page_id: int, slot: int, col: int, page_size: int, width: int) -> int:
+    """Element offset of (page, slot, column) in a pool [num_pages, page_size, width]: the kernels' int64 formula."""
+    return page_id * (page_size * width) + slot * width + col
+
+
+def _dot_parts(dtype: str, interp: bool) -> tuple[str, str]:
+    """(operand upcast suffix, tl.dot keyword) for operands of `dtype` (interpreter: bf16 -> fp32 copies; fp32 on
+    GPUs: exact IEEE products, not tf32)."""
+    if dtype == "fp32":
+        return "", ', input_precision="ieee"'
+    if interp:
+        return ".to(tl.float32)", ', input_precision="ieee"'
+    return "", ""
+
+
+# -- latent write ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LatentWritePlan:
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def latent_write_plan(t_hint: int, hidden: int, width: int, elem_bytes: int, target: Target) -> LatentWritePlan:
+    """BLOCK_M rows x the whole 576-wide row (RMSNorm needs all of c): BLOCK_M 16 for decode, 32 for prefill
+    (accumulator registers); BLOCK_K the largest of 64/32/16 whose two-stage pipeline fits 7/8 of shared memory."""
+    bm = 16 if t_hint <= 16 else 32
+    wide = pow2_ceil(width)
+    bk = min(64, pow2_ceil(hidden))
+    stages = 1
+    if target.shared_mem_bytes > 0:
+        budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
+        while bk > 16 and 2 * (bm + wide) * bk * elem_bytes > budget:
+            bk //= 2
+        stages = clamp(budget // max(1, (bm + wide) * bk * elem_bytes), 1, 3)
+    return LatentWritePlan(bm, max(16, bk), 4 if bm == 16 else 8, stages)
+
+
+def emit_mla_latent_write(hidden: int, kv_lora_rank: int, rope_dim: int, eps: float, page_size: int, *,
+                          target: Target, dtype: str = "bf16", w_dtype: str | None = None,
+                          cache_dtype: str | None = None, t_hint: int = 1, name: str | None = None,
+                          ir_op: str = "mla_absorbed", loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Kernel args: x_ptr [B*T, D], w_ptr [L+R, D] (kv_a_proj_with_mqa), nw_ptr [L] (kv_a_layernorm),
+    pool_ptr [pages, PS, L+R], bt_ptr i32 [B, max_pages], start_ptr i32 [B] (position of each sequence's first new
+    token), T, max_pages, B; grid (cdiv(T, BLOCK_M), B)."""
+    D, L, PS = check_dim(hidden, "hidden"), check_dim(kv_lora_rank, "kv_lora_rank"), check_dim(page_size, "page")
+    R = check_dim(rope_dim, "qk_rope_head_dim")
+    dt = check_float(dtype)
+    wdt = check_float(w_dtype or dt, "w_dtype")
+    cdt = check_float(cache_dtype or dt, "cache_dtype")
+    if not (isinstance(eps, float) and eps >= 0 and math.isfinite(eps)):
+        raise CodegenError(f"eps must be a finite float >= 0, got {eps!r}")
+    W = L + R
+    interp = interpreted(target, interpret)
+    plan = latent_write_plan(t_hint, D, W, max(ELEM_BYTES[dt], ELEM_BYTES[wdt]), target)
+    up, dot_kw = _dot_parts(dt, interp)
+    kname = ident(name or f"k3c_mla_latent_write_d{D}_l{L}_r{R}_p{PS}_{name_part(dt)}_m{plan.block_m}")
+    sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{wdt}", "nw_ptr": f"*{wdt}", "pool_ptr": f"*{cdt}", "bt_ptr": "*i32",
+           "start_ptr": "*i32", "T": "i32", "max_pages": "i32", "B": "i32"}
+    cx = {"D": D, "L": L, "R": R, "PS": PS, "BLOCK_M": plan.block_m, "BLOCK_K": plan.block_k,
+          "BLOCK_L": _blk(L), "BLOCK_R": _blk(R)}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"mla latent write: [RMSNorm(x Wc^T) | x Wr^T] -> pages; D={D} L={L} R={R} PS={PS} eps={fnum(eps)}",
+                    f"x:{dt} w:{wdt} cache:{cdt} BLOCK_M={plan.block_m} BLOCK_K={plan.block_k} "
+                    f"stages={plan.num_stages}" + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    emit_math_helpers(w, rtne_bf16=interp and cdt == "bf16")
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.line("pid_m = tl.program_id(0)")
+        w.line("b = tl.program_id(1).to(tl.int64)")
+        w.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w.line("m_ok = offs_m < T")
+        w.line("rows = b * T + tl.where(m_ok, offs_m, 0).to(tl.int64)")
+        w.line("offs_k = tl.arange(0, BLOCK_K)")
+        w.line("offs_l = tl.arange(0, BLOCK_L)")
+        w.line("offs_r = tl.arange(0, BLOCK_R)")
+        w.line("l_ok = offs_l < L")
+        w.line("r_ok = offs_r < R")
+        w.line("acc_c = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)")
+        w.line("acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)")
+        w.line("for k0 in range(0, D, BLOCK_K):")
+        with w.indent():
+            w.line("kk = k0 + offs_k")
+            w.line("k_ok = kk < D")
+            w.line("a = tl.load(x_ptr + rows[:, None] * D + kk[None, :], mask=k_ok[None, :], other=0.0)")
+            w.line("wc = tl.load(w_ptr + offs_l.to(tl.int64)[None, :] * D + kk[:, None], "
+                   "mask=l_ok[None, :] & k_ok[:, None], other=0.0)")
+            w.line("wr = tl.load(w_ptr + (L + offs_r).to(tl.int64)[None, :] * D + kk[:, None], "
+                   "mask=r_ok[None, :] & k_ok[:, None], other=0.0)")
+            if wdt != dt:
+                w.line(f"wc = wc.to({TL_DTYPE[dt]})")
+                w.line(f"wr = wr.to({TL_DTYPE[dt]})")
+            w.line(f"acc_c = tl.dot(a{up}, wc{up}, acc_c{dot_kw})")
+            w.line(f"acc_r = tl.dot(a{up}, wr{up}, acc_r{dot_kw})")
+        w.comment("epilogue: RMSNorm over the L latent columns (padded columns are exactly 0)")
+        w.line(f"rstd = tl.rsqrt(tl.sum(acc_c * acc_c, axis=1) / L + {fnum(eps)})")
+        w.line("nw = tl.load(nw_ptr + offs_l, mask=l_ok, other=0.0).to(tl.float32)")
+        w.line("c = acc_c * rstd[:, None] * nw[None, :]")
+        w.comment("paged store: int64 page offsets")
+        w.line("pos = tl.load(start_ptr + b) + offs_m")
+        w.line("page = tl.load(bt_ptr + b * max_pages + pos // PS, mask=m_ok, other=0).to(tl.int64)")
+        w.line("slot = page * (PS * (L + R)) + (pos % PS).to(tl.int64) * (L + R)")
+        w.line(f"tl.store(pool_ptr + slot[:, None] + offs_l[None, :], {to_dtype('c', cdt, interp)}, "
+               "mask=m_ok[:, None] & l_ok[None, :])")
+        w.line(f"tl.store(pool_ptr + slot[:, None] + L + offs_r[None, :], {to_dtype('acc_r', cdt, interp)}, "
+               "mask=m_ok[:, None] & r_ok[None, :])")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
+                        grid=("cdiv(T, BLOCK_M)", "B"), num_warps=plan.num_warps, num_stages=plan.num_stages,
+                        ir_op=ir_op, loc=loc)
+
+
+# -- MQA decode (split-KV) ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodePlan:
+    block_h: int        # query rows (tokens x heads) per program: each page load serves all of them
+    num_warps: int
+    num_stages: int
+
+
+DECODE_MAX_ROWS = 64     # fp32 accumulator [BLOCK_H, L]: 64 x 512 x 4 B = 128 KiB of registers over 8 warps
+
+
+def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None) -> DecodePlan:
+    """BLOCK_H = all rows of a sequence when they fit (12 heads: one head tile, each page loaded once), else the
+    head tiles split evenly (96 heads: 2 x 48 -> BLOCK_H 64); at least 16 (the MMA's smallest M). The register
+    budget of the accumulator [BLOCK_H, L] sets the cap; warps grow with it."""
+    if block_h is None:
+        cap = DECODE_MAX_ROWS * 512 // max(512, pow2_ceil(kv_lora_rank))
+        tiles = -(-rows // cap)
+        block_h = clamp(pow2_ceil(-(-rows // tiles)), 16, max(16, cap))
+    acc_bytes = block_h * pow2_ceil(kv_lora_rank) * 4
+    warps = num_warps or clamp(acc_bytes // (max(32, target.warp_size) * 4 * 128), 4, 8)
+    stages = num_stages or (1 if target.shared_mem_bytes <= 0 else 2)
+    return DecodePlan(block_h, warps, stages)
+
+
+def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *, target: Target,
+                    dtype: str = "bf16", block_h: int = 16, num_warps: int = 4, num_stages: int = 2,
+                    name: str | None = None, ir_op: str = "mla_absorbed", loc: str = "",
+                    interpret: bool | None = None) -> KernelSource:
+    """Kernel args: q_ptr [B, ROWS, L+R] ([q_lat | q_pe], rows = token-major (t, head)), pool_ptr, bt_ptr i32,
+    lens_ptr i32 [B] (total tokens incl. the new ones), o_ptr fp32 [S, B, ROWS, L], lse_ptr fp32 [S, B, ROWS],
+    ROWS, NH (heads: the row's query token is row // NH), TQ, max_pages, pages_per_split, B, S;
+    grid (cdiv(ROWS, BLOCK_H), S, B)."""
+    L, R, PS = check_dim(kv_lora_rank, "kv_lora_rank"), check_dim(rope_dim, "rope"), check_dim(page_size, "page")
+    dt = check_float(dtype)
+    if not (isinstance(scale, float) and scale > 0 and math.isfinite(scale)):
+        raise CodegenError(f"scale must be a finite positive float, got {scale!r}")
+    interp = interpreted(target, interpret)
+    up, dot_kw = _dot_parts(dt, interp)
+    bh = check_dim(block_h, "block_h")
+    kname = ident(name or f"k3c_mla_decode_l{L}_r{R}_p{PS}_{name_part(dt)}_h{bh}_w{num_warps}_s{num_stages}")
+    sig = {"q_ptr": f"*{dt}", "pool_ptr": f"*{dt}", "bt_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*fp32",
+           "lse_ptr": "*fp32", "ROWS": "i32", "NH": "i32", "TQ": "i32", "max_pages": "i32",
+           "pages_per_split": "i32", "B": "i32", "S": "i32"}
+    if PS < 16 and not interp:
+        raise CodegenError(f"page size {PS} < 16: the P @ V dot needs K >= 16 on GPUs")
+    cx = {"L": L, "R": R, "PS": PS, "BLOCK_H": bh, "BLOCK_L": _blk(L), "BLOCK_R": _blk(R)}
+    p_cast = "p" if dt == "fp32" or interp else f"p.to({TL_DTYPE[dt]})"
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"mla MQA split-KV decode over pages: L={L} R={R} PS={PS} scale={fnum(scale)} {dt}",
+                    f"BLOCK_H={bh} num_warps={num_warps} num_stages={num_stages}"
+                    + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.line("pid_h = tl.program_id(0)")
+        w.line("split = tl.program_id(1)")
+        w.line("b = tl.program_id(2).to(tl.int64)")
+        w.line("seq_len = tl.load(lens_ptr + b)")
+        w.line("rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)")
+        w.line("row_ok = rows < ROWS")
+        w.line("qpos = seq_len - TQ + rows // NH  # the position of each row's query token (causal limit)")
+        w.line("offs_l = tl.arange(0, BLOCK_L)")
+        w.line("offs_r = tl.arange(0, BLOCK_R)")
+        w.line("offs_n = tl.arange(0, PS)")
+        w.line("l_ok = offs_l < L")
+        w.line("r_ok = offs_r < R")
+        w.line("q_row = (b * ROWS + tl.where(row_ok, rows, 0).to(tl.int64)) * (L + R)")
+        w.line("ql = tl.load(q_ptr + q_row[:, None] + offs_l[None, :], mask=l_ok[None, :], other=0.0)")
+        w.line("qr = tl.load(q_ptr + q_row[:, None] + L + offs_r[None, :], mask=r_ok[None, :], other=0.0)")
+        w.line("n_pages = tl.cdiv(seq_len, PS)")
+        w.line("p_begin = split * pages_per_split")
+        w.line("p_end = tl.minimum(p_begin + pages_per_split, n_pages)")
+        w.line("m_i = tl.full((BLOCK_H,), float('-inf'), dtype=tl.float32)")
+        w.line("l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)")
+        w.line("acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)")
+        w.line("bt_row = bt_ptr + b * max_pages")
+        w.line("for p in range(p_begin, p_end):")
+        with w.indent():
+            w.line("page = tl.load(bt_row + p).to(tl.int64)")
+            w.line("kv = pool_ptr + page * (PS * (L + R)) + offs_n.to(tl.int64)[:, None] * (L + R)")
+            w.line("kpos = p * PS + offs_n")
+            w.line("live = (kpos < seq_len)[:, None]  # slots past the end may hold anything (NaN): never read")
+            w.line("c = tl.load(kv + offs_l[None, :], mask=live & l_ok[None, :], other=0.0)  # [PS, L]: keys = values")
+            w.line("kr = tl.load(kv + L + offs_r[None, :], mask=live & r_ok[None, :], other=0.0)  # [PS, R]")
+            w.line(f"s = tl.dot(ql{up}, tl.trans(c{up}){dot_kw})")
+            w.line(f"s = tl.dot(qr{up}, tl.trans(kr{up}), s{dot_kw})")
+            w.line("ok = (kpos[None, :] <= qpos[:, None]) & (kpos < seq_len)[None, :]")
+            w.line(f"s = tl.where(ok, s * {fnum(scale * LOG2E)}, float('-inf'))  # log2 domain")
+            w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+            w.line("m_use = tl.where(m_new == float('-inf'), 0.0, m_new)")
+            w.line("alpha = tl.exp2(m_i - m_use)")
+            w.line("p = tl.exp2(s - m_use[:, None])")
+            w.line("l_i = l_i * alpha + tl.sum(p, axis=1)")
+            w.line(f"acc = tl.dot({p_cast}, c{up}, acc * alpha[:, None]{dot_kw})")
+            w.line("m_i = m_new")
+        w.line("has = l_i > 0.0")
+        w.line("o = acc / tl.where(has, l_i, 1.0)[:, None]")
+        w.line(f"lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * {fnum(1.0 / LOG2E)}, float('-inf'))")
+        w.line("out_row = (split.to(tl.int64) * B + b) * ROWS + tl.where(row_ok, rows, 0).to(tl.int64)")
+        w.line("tl.store(o_ptr + out_row[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None] & l_ok[None, :])")
+        w.line("tl.store(lse_ptr + out_row, lse, mask=row_ok)")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
+                        grid=("cdiv(ROWS, BLOCK_H)", "S", "B"), num_warps=num_warps, num_stages=num_stages,
+                        ir_op=ir_op, loc=loc)
+
+
+# -- LSE merge ------------------------------------------------------------------------------------------------------
+def emit_mla_merge(width: int, *, target: Target, out_dtype: str = "fp32", name: str | None = None,
+                   ir_op: str = "mla_absorbed", loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Kernel args: o_ptr fp32 [S, M, D], lse_ptr fp32 [S, M], out_ptr [M, D], out_lse_ptr fp32 [M], M, S;
+    grid (M,). Rows whose every split is empty (lse = -inf) get 0 and lse -inf. out may alias split 0 (each
+    program reads its row of every split before it writes)."""
+    D = check_dim(width, "width")
+    odt = check_float(out_dtype, "out_dtype")
+    interp = interpreted(target, interpret)
+    kname = ident(name or f"k3c_mla_lse_merge_d{D}_{name_part(odt)}")
+    sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{odt}", "out_lse_ptr": "*fp32", "M": "i32",
+           "S": "i32"}
+    cx = {"D": D, "BLOCK_D": pow2_ceil(D)}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"log-sum-exp merge of split partials, D={D} out:{odt}" + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    emit_math_helpers(w, rtne_bf16=interp and odt == "bf16")
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.line("row = tl.program_id(0).to(tl.int64)")
+        w.line("cols = tl.arange(0, BLOCK_D)")
+        w.line("ok = cols < D")
+        w.line("m = tl.load(lse_ptr + row)")
+        w.line("for s in range(1, S):")
+        with w.indent():
+            w.line("m = tl.maximum(m, tl.load(lse_ptr + s * M + row))")
+        w.line("m_use = tl.where(m == float('-inf'), 0.0, m)")
+        w.line("den = m_use * 0.0")
+        w.line("acc = tl.zeros((BLOCK_D,), dtype=tl.float32)")
+        w.line("for s in range(0, S):")
+        with w.indent():
+            w.line("wgt = tl.exp(tl.load(lse_ptr + s * M + row) - m_use)")
+            w.line("acc += wgt * tl.load(o_ptr + (s * M + row) * D + cols, mask=ok, other=0.0)")
+            w.line("den += wgt")
+        w.line("o = acc / tl.where(den > 0.0, den, 1.0)")
+        w.line(f"tl.store(out_ptr + row * D + cols, {to_dtype('o', odt, interp)}, mask=ok)")
+        w.line("tl.store(out_lse_ptr + row, tl.where(den > 0.0, m_use + tl.log(tl.where(den > 0.0, den, 1.0)), "
+               "float('-inf')))")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=("M",),
+                        num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
+
+
+# -- MHA prefill step -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillPlan:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_plan(tq: int, target: Target) -> PrefillPlan:
+    """FlashAttention-2 tiles for head dims 128+64 / 128: 128 x 64 with 8 warps for long query runs, 64 x 64 with
+    4 otherwise; 16 x 16 for the interpreter (small numpy blocks are cheaper there)."""
+    if target.shared_mem_bytes <= 0:
+        return PrefillPlan(16, 16, 4, 1)
+    if tq >= 128:
+        return PrefillPlan(128, 64, 8, 2)
+    return PrefillPlan(64, 64, 4, 2)
+
+
+def emit_mla_prefill(nope_dim: int, rope_dim: int, v_dim: int, scale: float, *, target: Target, dtype: str = "bf16",
+                     has_prev: bool = False, tq_hint: int = 128, name: str | None = None,
+                     ir_op: str = "mla_absorbed", loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Kernel args: q_ptr [B, TQ, N, P+R], k_ptr [B, TK, N, P], kpe_ptr (row r of sequence b at
+    b * kpe_bstride + r * kpe_rstride, R values), v_ptr [B, TK, N, V], o_ptr fp32 [B, TQ, N, V] (running output,
+    read when HAS_PREV), lse_ptr fp32 [B, TQ, N], TQ, TK, NH, shift (key j is visible to query i when
+    j <= i + shift), kpe_bstride, kpe_rstride, B, KS, ks_len; grid (cdiv(TQ, BLOCK_M), NH, B * KS). With KS > 1
+    (few query tiles: more programs), split ks covers keys [ks * ks_len, (ks + 1) * ks_len) and writes partial
+    [ks] of o_ptr [KS, B, TQ, N, V] / lse_ptr [KS, B, TQ, N], merged by emit_mla_merge; HAS_PREV needs KS = 1."""
+    P, R, V = check_dim(nope_dim, "nope"), check_dim(rope_dim, "rope"), check_dim(v_dim, "v")
+    dt = check_float(dtype)
+    if not (isinstance(scale, float) and scale > 0 and math.isfinite(scale)):
+        raise CodegenError(f"scale must be a finite positive float, got {scale!r}")
+    interp = interpreted(target, interpret)
+    up, dot_kw = _dot_parts(dt, interp)
+    plan = prefill_plan(tq_hint, target) if not interp else PrefillPlan(16, 16, 4, 1)
+    kname = ident(name or f"k3c_mla_prefill_p{P}_r{R}_v{V}_{name_part(dt)}_m{plan.block_m}"
+                  + ("_cont" if has_prev else ""))
+    sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "kpe_ptr": f"*{dt}", "v_ptr": f"*{dt}", "o_ptr": "*fp32",
+           "lse_ptr": "*fp32", "TQ": "i32", "TK": "i32", "NH": "i32", "shift": "i32", "kpe_bstride": "i64",
+           "kpe_rstride": "i32", "B": "i32", "KS": "i32", "ks_len": "i32"}
+    cx = {"P": P, "R": R, "V": V, "BLOCK_P": _blk(P), "BLOCK_R": _blk(R), "BLOCK_V": _blk(V),
+          "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "HAS_PREV": bool(has_prev)}
+    p_cast = "p" if dt == "fp32" or interp else f"p.to({TL_DTYPE[dt]})"
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"mla MHA causal flash attention step: P={P} R={R} V={V} scale={fnum(scale)} {dt} "
+                    f"continue={has_prev}", f"BLOCK_M={plan.block_m} BLOCK_N={plan.block_n}"
+                    + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.line("pid_m = tl.program_id(0)")
+        w.line("h = tl.program_id(1).to(tl.int64)")
+        w.line("b = (tl.program_id(2) // KS).to(tl.int64)")
+        w.line("ks = tl.program_id(2) % KS  # key split: keys [ks * ks_len, (ks + 1) * ks_len) of the chunk")
+        w.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w.line("m_ok = offs_m < TQ")
+        w.line("offs_n = tl.arange(0, BLOCK_N)")
+        w.line("offs_p = tl.arange(0, BLOCK_P)")
+        w.line("offs_r = tl.arange(0, BLOCK_R)")
+        w.line("offs_v = tl.arange(0, BLOCK_V)")
+        w.line("p_ok = offs_p < P")
+        w.line("r_ok = offs_r < R")
+        w.line("v_ok = offs_v < V")
+        w.line("row = (b * TQ + tl.where(m_ok, offs_m, 0).to(tl.int64)) * NH + h   # (b, t, h) rows")
+        w.line("q_base = q_ptr + row * (P + R)")
+        w.line("qn = tl.load(q_base[:, None] + offs_p[None, :], mask=p_ok[None, :], other=0.0)")
+        w.line("qr = tl.load(q_base[:, None] + P + offs_r[None, :], mask=r_ok[None, :], other=0.0)")
+        if has_prev:
+            w.comment("continue the online softmax from the previous chunks: the LSE merge, exactly")
+            w.line("lse_prev = tl.load(lse_ptr + row, mask=m_ok, other=float('-inf'))")
+            w.line(f"m_i = lse_prev * {fnum(LOG2E)}")
+            w.line("l_i = tl.where(m_i == float('-inf'), 0.0, 1.0)")
+            w.line("acc = tl.load(o_ptr + row[:, None] * V + offs_v[None, :], "
+                   "mask=m_ok[:, None] & v_ok[None, :], other=0.0)")
+        else:
+            w.line("m_i = tl.full((BLOCK_M,), float('-inf'), dtype=tl.float32)")
+            w.line("l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)")
+            w.line("acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)")
+        w.line("lo = ks * ks_len")
+        w.line("hi = tl.minimum(tl.minimum(TK, lo + ks_len), pid_m * BLOCK_M + BLOCK_M + shift)  # causal bound")
+        w.line("for n0 in range(lo, hi, BLOCK_N):")
+        with w.indent():
+            w.line("kn = n0 + offs_n")
+            w.line("k_ok = kn < TK")
+            w.line("kr_ = (b * TK + tl.where(k_ok, kn, 0).to(tl.int64))")
+            w.line("k = tl.load(k_ptr + (kr_ * NH + h)[:, None] * P + offs_p[None, :], mask=p_ok[None, :], other=0.0)")
+            w.line("kp = tl.load(kpe_ptr + b * kpe_bstride + tl.where(k_ok, kn, 0).to(tl.int64)[:, None] * "
+                   "kpe_rstride + offs_r[None, :], mask=r_ok[None, :], other=0.0)")
+            w.line(f"s = tl.dot(qn{up}, tl.trans(k{up}){dot_kw})")
+            w.line(f"s = tl.dot(qr{up}, tl.trans(kp{up}), s{dot_kw})")
+            w.line("ok = (kn[None, :] <= offs_m[:, None] + shift) & k_ok[None, :]")
+            w.line(f"s = tl.where(ok, s * {fnum(scale * LOG2E)}, float('-inf'))")
+            w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+            w.line("m_use = tl.where(m_new == float('-inf'), 0.0, m_new)")
+            w.line("alpha = tl.exp2(m_i - m_use)")
+            w.line("p = tl.exp2(s - m_use[:, None])")
+            w.line("l_i = l_i * alpha + tl.sum(p, axis=1)")
+            w.line("v = tl.load(v_ptr + (kr_ * NH + h)[:, None] * V + offs_v[None, :], mask=v_ok[None, :], other=0.0)")
+            w.line(f"acc = tl.dot({p_cast}, v{up}, acc * alpha[:, None]{dot_kw})")
+            w.line("m_i = m_new")
+        w.line("has = l_i > 0.0")
+        w.line("o = acc / tl.where(has, l_i, 1.0)[:, None]")
+        w.line(f"lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * {fnum(1.0 / LOG2E)}, float('-inf'))")
+        w.line("orow = ks.to(tl.int64) * (B * TQ * NH) + row  # split ks writes partial ks (KS = 1: the output)")
+        w.line("tl.store(o_ptr + orow[:, None] * V + offs_v[None, :], o, mask=m_ok[:, None] & v_ok[None, :])")
+        w.line("tl.store(lse_ptr + orow, lse, mask=m_ok)")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
+                        grid=("cdiv(TQ, BLOCK_M)", "NH", "B * KS"), num_warps=plan.num_warps,
+                        num_stages=plan.num_stages, ir_op=ir_op, loc=loc)
+
+
+__all__ = ["emit_mla_latent_write", "emit_mla_decode", "emit_mla_merge", "emit_mla_prefill", "decode_plan",
+           "latent_write_plan", "prefill_plan", "paged_offset"]
