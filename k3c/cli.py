@@ -67,6 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default="cpu", help="cpu or cuda")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+
+    pl = sub.add_parser("plan", help="memory plan, cost model and roofline for a target and a parallel layout")
+    pl.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory")
+    pl.add_argument("--target", required=True, help=f"one of: {', '.join(TARGETS)}")
+    pl.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel GPUs (default 1)")
+    pl.add_argument("--ep", type=_positive("--ep"), help="expert-parallel ranks (default: = TP)")
+    pl.add_argument("--context", type=_positive("--context"),
+                    help="tokens per sequence (default: the model's max_context)")
+    pl.add_argument("--batch", type=_positive("--batch"), default=1, help="sequences per TP group (default 1)")
+    pl.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="bf16", help="MLA latent cache dtype")
+    pl.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=8192,
+                    help="tokens per chunked-prefill step (default 8192)")
+    pl.add_argument("--headroom", type=float, default=0.10, help="fraction of HBM kept free (default 0.10)")
+    pl.add_argument("--pp", type=_positive("--pp"), default=4, help="pipeline stages P for the AttnRes "
+                    "pipeline-communication estimate (default 4)")
+    pl.add_argument("--vpp", type=_positive("--vpp"), default=2, help="virtual stages V per pipeline stage "
+                    "(default 2)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys) instead of text")
+    pl.add_argument("--plot", metavar="FILE.png", help="write the memory breakdown and roofline chart")
+    pl.add_argument("--measured", metavar="BENCH.json",
+                    help="benchmark records [{name, flops, bytes, seconds}] drawn on the roofline")
     return p
 
 
@@ -119,6 +140,23 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import json
+
+    from .analysis.report import plan, write_plot
+
+    result = plan(args.spec, args.target, tp=args.tp, ep=args.ep, context=args.context, batch=args.batch,
+                  kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk, headroom=args.headroom, pp=args.pp,
+                  vpp=args.vpp, measured=args.measured)
+    if args.plot:
+        write_plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, allow_nan=False))
+    else:
+        sys.stdout.write(result.text())
+    return 0
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -131,7 +169,7 @@ def _write_atomic(path: str, data: bytes) -> None:
         raise ArgumentError(f"cannot write {path}: {exc.strerror}") from None
 
 
-COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "run": cmd_run}
+COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "run": cmd_run, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k3c {__version__}")
             return 0
         if not args.command:
-            raise ArgumentError("k3c: give a command: compile, inspect or run (see k3c --help)")
+            raise ArgumentError("k3c: give a command: compile, inspect, run or plan (see k3c --help)")
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"k3c: error: {exc}", file=sys.stderr)

@@ -20,7 +20,9 @@ class Target:
     peak_fp4_flops: float
     hbm_bytes_per_s: float
     hbm_bytes: int
-    link_bytes_per_s: float       # per-GPU scale-up link bandwidth (one direction)
+    link_bytes_per_s: float       # per-GPU scale-up bandwidth, one direction, all links (MI355X: 7 xGMI x 153.6 GB/s
+                                  # bidirectional = 537.6 GB/s each way; MI300X 7 x 128 / 2; H100/H200 NVLink4
+                                  # 900 / 2; B200 NVLink5 1800 / 2)
     kda_chunk: int = 64
     mla_page_size: int = 64
 
@@ -35,8 +37,8 @@ class Target:
 
 KiB, GiB = 1024, 1024 ** 3
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("mi355x", "hip", "gfx950", 64, 160 * KiB, True, 2.5e15, 5.0e15, 10.0e15, 8.0e12, 288 * GiB, 153.6e9),
-    Target("mi300x", "hip", "gfx942", 64, 64 * KiB, False, 1.307e15, 2.615e15, 2.615e15, 5.3e12, 192 * GiB, 128e9),
+    Target("mi355x", "hip", "gfx950", 64, 160 * KiB, True, 2.5e15, 5.0e15, 10.0e15, 8.0e12, 288 * GiB, 537.6e9),
+    Target("mi300x", "hip", "gfx942", 64, 64 * KiB, False, 1.307e15, 2.615e15, 2.615e15, 5.3e12, 192 * GiB, 448e9),
     Target("h100", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 3.35e12, 80 * GiB, 450e9),
     Target("h200", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 4.8e12, 141 * GiB, 450e9),
     Target("b200", "cuda", "sm_100", 32, 227 * KiB, True, 2.25e15, 4.5e15, 9.0e15, 8.0e12, 180 * GiB, 900e9),
