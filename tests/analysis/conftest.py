@@ -47,4 +47,7 @@ def k3_full():
     """kimi-k3 after every lowering pass (kernel-level kda_*, mla_absorbed, attn_res_phase*)."""
     import k3c
 
-    return k3c.compile(K3, target="mi355x", passes=FULL_PIPELINE)
+    from k3c.passes import registered_passes
+
+    # every lowering pass this tree has (the default pipeline's order)
+    return k3c.compile(K3, target="mi355x", passes=[p for p in FULL_PIPELINE if p in registered_passes()])
