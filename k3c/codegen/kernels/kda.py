@@ -50,16 +50,18 @@ class KDAPlan:
     block_v: int          # BV: V columns per chunk-kernel program
     chunk_warps: int
     prep_block_t: int     # tokens per prep program
-    decode_warps: int
+    decode_warps: int     # warps of the fused decode program holding a whole [D, D] state
     dot: str              # matmul precision of the chunk kernel's big products
+    decode_block_v: int = 32   # V columns per decode program when the output norm is not fused (kda_out follows)
 
 
 def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = None, block_v: int | None = None,
              dot: str | None = None, chunk_warps: int | None = None) -> KDAPlan:
     """The chunk kernel steps through a sequence in chunks of BT = min(target.kda_chunk, 16) tokens (16 keeps the
     anchored decays exact at lb = -5 and is the smallest matmul tile); each program holds a [D, BV] fp32 state slice
-    in registers: BV = 32, so a D=128 head spreads over 4 programs (more parallelism at small batch, no spills at
-    8 warps on sm_90 and gfx950). Overrides are for benchmarks and tests."""
+    in registers: BV = 64, so a D=128 head spreads over 2 programs: the fastest spill-free variant measured on the
+    H200 (BV=32 repeats the intra-chunk work 4x; BV=128 spills on sm_90); no spills at 8 warps on sm_90 and gfx950.
+    Overrides are for benchmarks and tests."""
     D = _check_pow2(head_dim, "head_dim")
     if D < 16:
         raise CodegenError(f"head_dim must be >= 16 for the KDA kernels, got {D}")
@@ -68,7 +70,7 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     if not 16 <= bt <= 32:
         raise CodegenError(f"KDA chunk step must be 16 or 32 tokens, got {bt}")
     lanes = max(int(target.warp_size), 32)
-    bv = block_v if block_v is not None else min(D, 32)
+    bv = block_v if block_v is not None else min(D, 64)
     _check_pow2(bv, "block_v")
     if bv < 16 or bv > D:
         raise CodegenError(f"block_v must be in [16, head_dim], got {bv}")
@@ -76,14 +78,14 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
         dot = "ieee" if dtype == "fp32" else "bf16"
     if dot not in DOT_MODES:
         raise CodegenError(f"dot precision must be one of {DOT_MODES}, got {dot!r}")
-    # a [BT, D] fp32 tile is D / 8 values per lane at 4 warps of 32: D = 128 needs 8 warps to stay clear of spills
-    # (fp32 FMA dots need the most); the interpreter runs a program as numpy ops (warps are irrelevant: 1)
-    warps = chunk_warps if chunk_warps is not None else (8 if D * max(bv, 32) * 32 // lanes >= 4096 else 4)
+    # D = 128 needs 8 warps to stay clear of spills on sm_90 and gfx950 (4 warps spill 9-56 registers; measured with
+    # aot.compile_kernels); the interpreter runs a program as numpy ops (warps are irrelevant: 1)
+    warps = chunk_warps if chunk_warps is not None else (8 if D >= 128 else 4)
     if target.backend == "cpu":
         warps = 1 if chunk_warps is None else warps
     # decode: the whole [D, D] fp32 state of one head in one program: 32 fp32 values per lane
     dwarps = max(1, min(16, D * D // (32 * lanes)))
-    return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot)
+    return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, min(D, 32))
 
 
 def _dot(a: str, b: str, mode: str, interp: bool) -> str:
@@ -301,7 +303,7 @@ def emit_kda_chunk(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
             ])
         w.line("tl.store(sT + s_off, S)")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
-                        grid=("D // BV", "N * H"), num_warps=p.chunk_warps, num_stages=1 if interp else 2,
+                        grid=("D // BV", "N * H"), num_warps=p.chunk_warps, num_stages=1,
                         ir_op=ir_op, loc=loc)
 
 
@@ -313,7 +315,10 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
     """One token per sequence. Args: xq, xk, xv, xf [B, H*D], xb [B, H], xg [B, H*D] (output gate projection),
     wq, wk, wv [H*D, KW], a_log [H], dt_bias [H*D], nw [D] (o_norm weight), tq_in.. [B, H*D, KW-1] conv tails in,
     tq_out.. out (may alias the inputs), s_in, s_out [B, H, D, D] fp32 (may alias), y [B, H*D] (`dtype`), B.
-    Grid (B * H,). Without fuse_out there are no xg / nw args and y [B, H*D] is the fp32 o (kda_out follows)."""
+    Grid (B * H, D // BV). With fuse_out one program holds a head's whole [D, D] state (the RMSNorm needs all of V);
+    without it there are no xg / nw args, y [B, H*D] is the fp32 o (kda_out follows) and the V columns are split
+    over D // plan.decode_block_v programs (more bytes in flight per SM). Split programs all read the q / k conv
+    tails and the first one writes them: the q / k tails must not be updated in place then (v's may)."""
     H, D, KW = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim"), check_dim(conv_kernel, "conv")
     check_float(dtype)
     _check_gate(gate, gate_lower_bound)
@@ -322,15 +327,21 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
     interp = interpreted(target, interpret)
     scale = D ** -0.5 if scale is None else float(scale)
     HD = H * D
-    kname = ident(f"k3c_kda_decode_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}" + ("" if fuse_out else "_noout"))
+    BV = D if fuse_out else _check_pow2(p.decode_block_v, "decode_block_v")
+    if BV > D or BV < 16:
+        raise CodegenError(f"decode_block_v must be in [16, head_dim], got {BV}")
+    lanes = max(int(target.warp_size), 32)
+    warps = p.decode_warps if BV == D else max(1, min(16, D * BV // (32 * lanes)))
+    kname = ident(f"k3c_kda_decode_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}"
+                  + ("" if fuse_out else f"_noout_bv{BV}"))
     sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb", *(("xg",) if fuse_out else ()), "wq", "wk", "wv")}
     sig.update({"a_log": "*fp32", "dt_bias": "*fp32", **({"nw": "*fp32"} if fuse_out else {})})
     sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
     sig.update({"s_in": "*fp32", "s_out": "*fp32", "y": f"*{ydt}", "B": "i32"})
-    const = {"H": H, "D": D, "KW": KW}
+    const = {"H": H, "D": D, "KW": KW, "BV": BV}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
-             notes=[f"kda fused decode H={H} D={D} conv={KW} gate={gate} x:{dtype} warps={p.decode_warps} "
+             notes=[f"kda fused decode H={H} D={D} conv={KW} gate={gate} x:{dtype} BV={BV} warps={warps} "
                     f"output norm x gate fused: {fuse_out}"
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
@@ -338,49 +349,57 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
     with w.jit_function(kname, list(sig), list(const)):
         w.lines([
             "pid = tl.program_id(0)",
+            "pv = tl.program_id(1)",
             "b = (pid // H).to(tl.int64)",
             "h = pid % H",
             "rk = tl.arange(0, D)",
-            "col = h * D + rk",
-            f"xo = b * {HD} + col",
-            "tb = xo * (KW - 1)",
+            "rv = pv * BV + tl.arange(0, BV)",
         ])
         for x, wt, tin, tout, name in (("xq", "wq", "tq_in", "tq_out", "qv"), ("xk", "wk", "tk_in", "tk_out", "kv"),
                                        ("xv", "wv", "tv_in", "tv_out", "vv")):
+            cols = "rv" if name == "vv" else "rk"
+            w.line(f"col = h * D + {cols}")
+            w.line(f"xo = b * {HD} + col")
+            w.line("tb = xo * (KW - 1)")
             w.line(f"cur = tl.load({x} + xo)")
             w.line(f"acc = cur.to(tl.float32) * tl.load({wt} + col * KW + KW - 1).to(tl.float32)")
             for j in range(KW - 1):
                 w.line(f"t{j} = tl.load({tin} + tb + {j})")
                 w.line(f"acc += t{j}.to(tl.float32) * tl.load({wt} + col * KW + {j}).to(tl.float32)")
-            for j in range(KW - 2):
-                w.line(f"tl.store({tout} + tb + {j}, t{j + 1})")
-            w.line(f"tl.store({tout} + tb + {KW - 2}, cur)")
+            if name != "vv" and BV < D:
+                w.line("if pv == 0:")
+            with w.indent(1 if name != "vv" and BV < D else 0):
+                for j in range(KW - 2):
+                    w.line(f"tl.store({tout} + tb + {j}, t{j + 1})")
+                w.line(f"tl.store({tout} + tb + {KW - 2}, cur)")
             w.line(f"acc = {_round_like('acc', dtype, interp)}")
             w.line(f"{name} = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
             if name != "vv":
                 w.line(f"{name} = {name} / tl.sqrt(tl.sum({name} * {name}, axis=0) + {fnum(l2norm_eps)})")
         w.lines([
-            "f = tl.load(xf + xo).to(tl.float32) + tl.load(dt_bias + col)",
+            "colk = h * D + rk",
+            f"f = tl.load(xf + b * {HD} + colk).to(tl.float32) + tl.load(dt_bias + colk)",
             "a = tl.exp(tl.load(a_log + h))",
         ])
         w.lines(_gate_lines(gate, gate_lower_bound, "f", "a", "gk"))
         w.lines([
             "beta = _k3c_sigmoid(tl.load(xb + b * H + h).to(tl.float32))",
-            "s_off = pid.to(tl.int64) * D * D + rk[:, None] * D + rk[None, :]",
+            "s_off = pid.to(tl.int64) * D * D + rk[:, None] * D + rv[None, :]",
             "S = tl.load(s_in + s_off) * tl.exp(gk)[:, None]",
             "u = beta * (vv - tl.sum(kv[:, None] * S, axis=0))",
             "S = S + kv[:, None] * u[None, :]",
             f"o = tl.sum((qv * {fnum(scale)})[:, None] * S, axis=0)",
             "tl.store(s_out + s_off, S)",
         ])
+        w.line(f"yo = b * {HD} + h * D + rv")
         if fuse_out:
             w.lines([
-                f"o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + {fnum(norm_eps)}) * tl.load(nw + rk)",
-                "o = o * _k3c_sigmoid(tl.load(xg + xo).to(tl.float32))",
+                f"o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + {fnum(norm_eps)}) * tl.load(nw + rv)",
+                "o = o * _k3c_sigmoid(tl.load(xg + yo).to(tl.float32))",
             ])
-        w.line(f"tl.store(y + xo, {to_dtype('o', ydt, interp)})")
-    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const, grid=("B * H",),
-                        num_warps=p.decode_warps, num_stages=1, ir_op=ir_op, loc=loc)
+        w.line(f"tl.store(y + yo, {to_dtype('o', ydt, interp)})")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const, grid=("B * H", "D // BV"),
+                        num_warps=warps, num_stages=1, ir_op=ir_op, loc=loc)
 
 
 # ---- output norm x gate ----------------------------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""AOT emitters of the kda-chunk pass's kernel-level ops: the KernelSources the runtime launches for them
+(k3c.runtime.kernels.kda calls the same emit_* functions with the same arguments)."""
+from __future__ import annotations
+
+from ..kernel import KernelSource
+from ..kernels.gemm import emit_gemm
+from ..kernels.kda import emit_kda_chunk, emit_kda_decode, emit_kda_out, emit_kda_prep, kda_plan
+from . import register_emitter
+
+_DT = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
+
+
+def _dtype(module, value: str) -> str:
+    return _DT.get(module.types[value].dtype, "bf16")
+
+
+@register_emitter("kda_attn")
+def emit_attn(op, module, target) -> list[KernelSource]:
+    """prep + chunk (prefill, initial state in) and the fused decode step (o out, kda_out follows)."""
+    a = op.attr_dict
+    dt = _dtype(module, op.inputs[0])
+    h, d = a["num_heads"], a["head_dim"]
+    loc = op.loc or ""
+    plan = kda_plan(d, dt, target, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=a["dot"])
+    common = dict(gate=a["gate"], gate_lower_bound=a["gate_lower_bound"], l2norm_eps=a["l2norm_eps"], target=target,
+                  dtype=dt, ir_op="kda_attn", loc=loc)
+    return [
+        emit_kda_prep(h, d, a["conv_kernel"], **common),
+        emit_kda_chunk(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc),
+        emit_kda_decode(h, d, a["conv_kernel"], norm_eps=1e-5, fuse_out=False, **common),
+    ]
+
+
+@register_emitter("kda_out")
+def emit_out(op, module, target) -> list[KernelSource]:
+    a = op.attr_dict
+    return [emit_kda_out(a["num_heads"], a["head_dim"], norm_eps=a["norm_eps"], target=target,
+                         dtype=_dtype(module, op.inputs[1]), ir_op="kda_out", loc=op.loc or "")]
+
+
+@register_emitter("kda_proj")
+def emit_proj(op, module, target) -> list[KernelSource]:
+    """The generated GEMM (k3c.codegen.launch.gemm with ir_op="kda_proj"), one per token-count bucket."""
+    from ..launch import M_BUCKETS
+
+    w = module.types[op.inputs[1]]
+    dt, wdt = _dtype(module, op.inputs[0]), _DT.get(w.dtype, "bf16")
+    return [emit_gemm(w.shape[0], w.shape[1], target=target, m_hint=m, dtype=dt, w_dtype=wdt, out_dtype=dt,
+                      ir_op="kda_proj", interpret=False) for m in M_BUCKETS]

@@ -1,0 +1,259 @@
+"""KDA runtime: launch wrappers of the generated KDA kernels (k3c.codegen.kernels.kda), the kernel implementations
+of the kda-chunk pass's ops (impl="kernel") and their eager reference implementations (any other impl).
+
+Wrappers (tensors on any device; CPU runs through the Triton interpreter):
+    kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, ...) -> (packed fp32 [total, 4HD+H], new tails)
+    kda_chunk(q, k, v, g, beta, cu, initial_state, ...)                 -> (o [total, H, D], final state fp32)
+    kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, state, ...) -> y [B, H*D]
+    kda_out(o, gate, o_norm_w, eps)                                      -> y [M, H*D]
+Tensors are token-major: [total tokens, H*D] with sequences packed by `cu` (int32 starts, length N + 1).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...codegen.kernels.kda import emit_kda_chunk, emit_kda_decode, emit_kda_out, emit_kda_prep, kda_plan
+from ...codegen.launch import launch, target_for, tt_dtype
+from ...codegen.writer import CodegenError
+from ...frontend.spec import KDASpec
+from .. import reference as ref
+from ..executor import register_impl
+from ..reference.kda import KDAState
+from ..reference.norms import acc
+from . import register_kernel_impl
+
+_emit_prep = functools.lru_cache(maxsize=128)(emit_kda_prep)
+_emit_chunk = functools.lru_cache(maxsize=128)(emit_kda_chunk)
+_emit_decode = functools.lru_cache(maxsize=128)(emit_kda_decode)
+_emit_out = functools.lru_cache(maxsize=128)(emit_kda_out)
+
+
+def _interp(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _c(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def cu_seqlens(lengths, device) -> torch.Tensor:
+    """int32 sequence starts [N + 1] from a list of lengths."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _plan(head_dim: int, dtype: torch.dtype, device, chunk=None, block_v=None, dot=None, chunk_warps=None):
+    return kda_plan(head_dim, tt_dtype(dtype), target_for(device), chunk=chunk, block_v=block_v, dot=dot,
+                    chunk_warps=chunk_warps)
+
+
+def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads: int, head_dim: int, gate: str,
+             gate_lower_bound: float, l2norm_eps: float, max_len: int, ir_op: str = "kda_attn", loc: str = ""):
+    """Projections [total, H*D] (xb [total, H]), conv_w (q, k, v) each [H*D, 1, KW] or [H*D, KW], tails (q, k, v) each
+    [N, H*D, KW-1] or None (zeros). Returns (packed [total, 4HD+H] fp32, new tails)."""
+    H, D = num_heads, head_dim
+    dt = xq.dtype
+    total, N = xq.shape[0], cu.numel() - 1
+    kw = conv_w[0].shape[-1]
+    tgt = target_for(xq.device)
+    ks = _emit_prep(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
+                    target=tgt, dtype=tt_dtype(dt), ir_op=ir_op, loc=loc, interpret=_interp(xq))
+    if tails is None:
+        z = torch.zeros(N, H * D, kw - 1, dtype=dt, device=xq.device)
+        tails = (z, z, z)
+    new = tuple(torch.empty(N, H * D, kw - 1, dtype=dt, device=xq.device) for _ in range(3))
+    out = torch.empty(total, 4 * H * D + H, dtype=torch.float32, device=xq.device)
+    ws = [_c(w_.reshape(H * D, kw), dt) for w_ in conv_w]
+    launch(ks, _c(xq), _c(xk, dt), _c(xv, dt), _c(xf, dt), _c(xb, dt), *ws, _c(a_log, torch.float32),
+           _c(dt_bias, torch.float32), *(_c(t, dt) for t in tails), *new, out, _c(cu, torch.int32), N, int(max_len))
+    return out, new
+
+
+def unpack(packed: torch.Tensor, num_heads: int, head_dim: int):
+    """Views (q, k, v, g [total, H, D], beta [total, H]) of a packed prep row (token stride 4HD+H)."""
+    H, D = num_heads, head_dim
+    HD = H * D
+    q, k, v, g = (packed[:, i * HD:(i + 1) * HD].unflatten(-1, (H, D)) for i in range(4))
+    return q, k, v, g, packed[:, 4 * HD:]
+
+
+def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None, out_dtype=torch.float32,
+              chunk: int | None = None, block_v: int | None = None, dot: str | None = None,
+              chunk_warps: int | None = None, final_state: torch.Tensor | None = None, ir_op: str = "kda_attn",
+              loc: str = ""):
+    """q, k, g [total, H, D], v [total, H, D], beta [total, H] (token rows may be strided views with head stride D
+    / 1), cu int32 [N + 1], initial_state [N, H, D, D] fp32 or None. Returns (o [total, H, D], final state)."""
+    total, H, D = q.shape
+    N = cu.numel() - 1
+    for name, t, hs in (("q", q, D), ("k", k, D), ("v", v, D), ("g", g, D)):
+        if t.shape != (total, H, D) or t.stride(2) != 1 or t.stride(1) != hs:
+            raise CodegenError(f"kda_chunk: {name} must be [total, H, D] rows with head stride D, got "
+                               f"{tuple(t.shape)} strides {t.stride()}")
+    if beta.shape != (total, H) or beta.stride(1) != 1:
+        raise CodegenError(f"kda_chunk: beta must be [total, H] with unit head stride, got {tuple(beta.shape)}")
+    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps)
+    tgt = target_for(q.device)
+    has_s0 = initial_state is not None
+    ks = _emit_chunk(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), v_dtype=tt_dtype(v.dtype),
+                     g_dtype=tt_dtype(g.dtype), beta_dtype=tt_dtype(beta.dtype), o_dtype=tt_dtype(out_dtype),
+                     scale=scale, plan=plan, has_initial_state=has_s0, ir_op=ir_op, loc=loc, interpret=_interp(q))
+    o = torch.empty(total, H, D, dtype=out_dtype, device=q.device)
+    sT = final_state if final_state is not None else torch.empty(N, H, D, D, dtype=torch.float32, device=q.device)
+    s0 = _c(initial_state, torch.float32) if has_s0 else sT
+    if k.dtype != q.dtype:
+        k = k.to(q.dtype)
+    launch(ks, q, k, v, g, beta, o, s0, sT, _c(cu, torch.int32), q.stride(0), k.stride(0), v.stride(0),
+           g.stride(0), beta.stride(0), N)
+    return o, sT
+
+
+def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, state, *, num_heads: int,
+               head_dim: int, gate: str, gate_lower_bound: float, l2norm_eps: float, norm_eps: float,
+               inplace: bool = False, fuse_out: bool = True, ir_op: str = "kda_attn", loc: str = ""):
+    """One token per sequence: x* [B, H*D] (xb [B, H]), tails (q, k, v) [B, H*D, KW-1], state [B, H, D, D] fp32.
+    Returns (y [B, H*D] = RMSNorm(o) x sigmoid(xg), new tails, new state); with inplace the tails and the state are
+    updated in place (and returned). Without fuse_out (xg, o_norm_w ignored), y is the fp32 o [B, H*D]."""
+    H, D = num_heads, head_dim
+    B = xq.shape[0]
+    dt = xq.dtype
+    kw = conv_w[0].shape[-1]
+    tgt = target_for(xq.device)
+    ks = _emit_decode(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
+                      norm_eps=float(norm_eps), target=tgt, dtype=tt_dtype(dt), fuse_out=fuse_out, ir_op=ir_op,
+                      loc=loc, interpret=_interp(xq))
+    tails = tuple(_c(t, dt) for t in tails)
+    split = not fuse_out and _plan(D, dt, xq.device).decode_block_v < D
+    if inplace:
+        if state.dtype != torch.float32 or not state.is_contiguous():
+            raise CodegenError("kda_decode inplace needs a contiguous fp32 state")
+        # V-split programs all read the q / k tails: those are written out of place, then copied back
+        new_tails = tuple(torch.empty_like(t) for t in tails) if split else tails
+        new_state = state
+    else:
+        new_tails = tuple(torch.empty_like(t) for t in tails)
+        new_state = torch.empty(B, H, D, D, dtype=torch.float32, device=xq.device)
+    y = torch.empty(B, H * D, dtype=dt if fuse_out else torch.float32, device=xq.device)
+    ws = [_c(w_.reshape(H * D, kw), dt) for w_ in conv_w]
+    outs = (_c(xg, dt),) if fuse_out else ()
+    norm = (_c(o_norm_w, torch.float32),) if fuse_out else ()
+    launch(ks, _c(xq), _c(xk, dt), _c(xv, dt), _c(xf, dt), _c(xb, dt), *outs, *ws, _c(a_log, torch.float32),
+           _c(dt_bias, torch.float32), *norm, *tails, *new_tails,
+           state if inplace else _c(state, torch.float32), new_state, y, B)
+    if inplace and split:
+        for t, nt in zip(tails, new_tails):
+            t.copy_(nt)
+        new_tails = tails
+    return y, new_tails, new_state
+
+
+def kda_out(o, gate, o_norm_w, eps: float, *, ir_op: str = "kda_out", loc: str = ""):
+    """o [M, H, D], gate [M, H*D] -> [M, H*D] in gate's dtype."""
+    M, H, D = o.shape
+    ks = _emit_out(H, D, norm_eps=float(eps), target=target_for(o.device), dtype=tt_dtype(gate.dtype),
+                   o_dtype=tt_dtype(o.dtype), ir_op=ir_op, loc=loc, interpret=_interp(o))
+    y = torch.empty(M, H * D, dtype=gate.dtype, device=o.device)
+    launch(ks, _c(o), _c(gate), _c(o_norm_w, torch.float32), y, M)
+    return y
+
+
+# ---- op implementations ----------------------------------------------------------------------------------------
+def _state(cache, a, b, dtype, device) -> KDAState:
+    st = cache.layers[a["layer"]]
+    if st is None:
+        cfg = KDASpec(num_heads=a["num_heads"], head_dim=a["head_dim"], conv_kernel=a["conv_kernel"])
+        st = ref.kda_zero_state(cfg, b, dtype, device)
+    return st
+
+
+def ref_kda_proj(a, cache, data, w):
+    return ref.linear(data[0], w["weight"])
+
+
+def ref_kda_attn(a, cache, data, w):
+    """Eager semantics of kda_attn (the reference's kda_layer between the projections and the output norm)."""
+    xq, xk, xv, xf, xb = data
+    b, t = xq.shape[:2]
+    h, d = a["num_heads"], a["head_dim"]
+    st = _state(cache, a, b, xq.dtype, xq.device)
+    feats, tails = [], []
+    for x, name, tail in zip((xq, xk, xv), "qkv", st.conv):
+        y, nt = ref.short_conv(x, w[f"{name}_conv1d.weight"], tail)
+        feats.append(y.unflatten(-1, (h, d)))
+        tails.append(nt)
+    q, k, v = ref.l2_norm(feats[0], a["l2norm_eps"]), ref.l2_norm(feats[1], a["l2norm_eps"]), acc(feats[2])
+    cfg = KDASpec(num_heads=h, head_dim=d, conv_kernel=a["conv_kernel"], gate=a["gate"],
+                  gate_lower_bound=a["gate_lower_bound"])
+    g = ref.kda_gate(xf, w["A_log"], w["dt_bias"], cfg)
+    beta = torch.sigmoid(acc(xb))
+    if t == 1:
+        o, s = ref.kda_recurrent(q, k, v, g, beta, initial_state=st.state)
+    else:
+        o, s = ref.kda_chunked(q, k, v, g, beta, initial_state=st.state)
+    cache.layers[a["layer"]] = KDAState(s, tuple(tails))
+    return o
+
+
+def ref_kda_out(a, cache, data, w):
+    o, gate = data
+    y = ref.rms_norm(o, w["o_norm.weight"], a["norm_eps"]) * torch.sigmoid(acc(gate).unflatten(-1, o.shape[-2:]))
+    return y.to(gate.dtype).flatten(-2)
+
+
+register_impl("kda_proj", ref_kda_proj)
+register_impl("kda_attn", ref_kda_attn)
+register_impl("kda_out", ref_kda_out)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+@register_kernel_impl("kda_proj")
+def kernel_kda_proj(a, cache, data, w):
+    from ...codegen import launch as _launch
+    return _launch.gemm(data[0], w["weight"], ir_op="kda_proj")     # the generated GEMM
+
+
+@register_kernel_impl("kda_attn")
+def kernel_kda_attn(a, cache, data, w):
+    """T = 1: the fused decode kernel (prep + recurrent step + conv tail update; kda_out follows); T > 1: the prep
+    kernel, then the chunk kernel."""
+    xq, xk, xv, xf, xb = data
+    b, t = xq.shape[:2]
+    h, d = a["num_heads"], a["head_dim"]
+    st = _state(cache, a, b, xq.dtype, xq.device)
+    conv_w = tuple(w[f"{p}_conv1d.weight"] for p in "qkv")
+    common = dict(num_heads=h, head_dim=d, gate=a["gate"], gate_lower_bound=a["gate_lower_bound"],
+                  l2norm_eps=a["l2norm_eps"])
+    flat = [x.reshape(b * t, -1) for x in (xq, xk, xv, xf, xb)]
+    if t == 1:
+        o, tails, s = kda_decode(*flat, None, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), None,
+                                 st.conv, st.state, norm_eps=1e-5, fuse_out=False, **common)
+        cache.layers[a["layer"]] = KDAState(s, tails)
+        return o.view(b, t, h, d)
+    cu = cu_seqlens([t] * b, xq.device)
+    packed, tails = kda_prep(*flat, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), st.conv, cu,
+                             max_len=t, **common)
+    q, k, v, g, beta = unpack(packed, h, d)
+    o, s = kda_chunk(q, k, v, g, beta, cu, st.state, chunk=a["chunk"], block_v=min(a["block_v"], d),
+                     dot=a["dot"])
+    cache.layers[a["layer"]] = KDAState(s, tails)
+    return o.view(b, t, h, d)
+
+
+@register_kernel_impl("kda_out")
+def kernel_kda_out(a, cache, data, w):
+    o, gate = data
+    lead = gate.shape[:-1]
+    y = kda_out(o.reshape(-1, a["num_heads"], a["head_dim"]), gate.reshape(-1, gate.shape[-1]),
+                w["o_norm.weight"], a["norm_eps"])
+    return y.view(*lead, gate.shape[-1])
+
+
+__all__ = ["kda_prep", "kda_chunk", "kda_decode", "kda_out", "unpack", "cu_seqlens"]
