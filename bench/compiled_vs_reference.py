@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=67)
     ap.add_argument("--decode", type=int, default=4)
+    ap.add_argument("--passes", help="comma-separated pass list (default: the default pipeline)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     spec = k3c.load_spec(args.spec)
     target = "h200" if args.device.startswith("cuda") else "cpu"
-    model = k3c.compile(spec, target=target)
+    model = k3c.compile(spec, target=target, passes=args.passes.split(",") if args.passes else None)
     from k3c.runtime.weight_names import weight_table
 
     table = weight_table(spec)

@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--passes", type=_passes, help="comma-separated pass names")
     i.add_argument("--format", choices=("text", "dot", "onnx"), default="text")
     i.add_argument("-o", "--output", help="write to this file instead of stdout (required for onnx)")
+    i.add_argument("--bytes", action="store_true", help="per-layer AttnRes bytes, naive vs split (attnres-split)")
 
     r = sub.add_parser("run", help="run a model on random or given weights: prefill, then greedy decode")
     r.add_argument("spec", help="YAML spec, config.json, model directory, or a compiled artifact directory")
@@ -108,6 +109,11 @@ def cmd_inspect(args) -> int:
 
     model = api.compile(args.spec, target=args.target, passes=args.passes)
     module = model.module_after(args.after)
+    if args.bytes:
+        from .passes.attnres_split import bytes_summary
+
+        sys.stdout.write(bytes_summary(module))
+        return 0
     if args.format == "text":
         from .ir import print_module
 

@@ -17,7 +17,7 @@ from .registry import PassContext, check_invariant, get_pass, registered_passes
 # Pipelines are plain lists of pass names; a pipeline name may appear inside another list and is expanded.
 # Later issues extend "default" with kda-chunk, mla-absorb, attnres-split, mxfp4.
 PIPELINES: dict[str, tuple[str, ...]] = {
-    "default": ("kda-chunk", "fuse-residual-norm", "codegen", "dce", "cse"),
+    "default": ("kda-chunk", "fuse-residual-norm", "attnres-split", "codegen", "dce", "cse"),
     "cleanup": ("cse", "dce"),
     "none": (),
 }

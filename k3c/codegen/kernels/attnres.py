@@ -1,12 +1,15 @@
 """Two-phase Block AttnRes kernels (K3.md section 4, paper Alg. 1); IR ops in k3c/ir/attnres_ops.py.
 
-phase 1 (`attn_res_phase1`), one program per tile of BLOCK_M tokens:
-    for each completed block b_i (its own pointer, unrolled): one sweep over the row tile computes sum(v^2) and the
-    scores of all Q queries of the group at once (a [BLOCK_M, D] x [D, QP] dot; bf16 rows against the f32 queries
-    split in hi + lo bf16 halves, so the scores are f32-accurate on tensor cores; fp32 sources use an ieee dot),
-    scaled by 1/rms computed once per source row. Softmax statistics over the blocks in registers, then a second
-    sweep forms o_j = sum_i a_ij v_i for all queries ([BLOCK_M, QP, BLOCK_D] accumulator) and writes the rows
-    [lse_j (f32 bits), pad, o_j] of the packed result.
+phase 1 (`attn_res_phase1`), two kernels:
+    scores: one program per tile of BLOCK_M tokens; for each completed block b_i (its own pointer, unrolled) one
+    sweep over the row tile computes sum(v^2) and the scores of all Q queries of the group at once (a
+    [BLOCK_M, D] x [D, QP] dot; bf16 rows against the f32 queries split in hi + lo bf16 halves, so the scores are
+    f32-accurate on tensor cores; fp32 sources use an ieee dot), scaled by 1/rms computed once per source row;
+    online softmax statistics (m, l) across the blocks; raw scores and lse go to a small f32 scratch
+    [M, N + 1, QP], lse also into the packed result.
+    output: one program per (token row, BLOCK_D columns): reads each block's slice once and forms
+    o_j = sum_i exp(s_ij - lse_j) v_i for all queries ([QP, BLOCK_D] accumulator), written as contiguous rows of
+    the packed result [lse_j (f32 bits), pad, o_j].
 phase 2 (`attn_res_phase2`), one program per token row:
     p = p_old + y (rounded to the io dtype, written), s = q_j . p / rms(p), online-softmax merge with (o_j, lse_j),
     h rounded to the io dtype, then the next sublayer's RMSNorm; written once.
@@ -27,63 +30,69 @@ MAX_QUERIES = 256
 
 def phase1_plan(d: int, q: int, elem_bytes: int, target: Target, block_m: int | None = None,
                 block_d: int | None = None, num_warps: int | None = None) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_K, BLOCK_D, QP, num_warps). BLOCK_M = 16 rows (the smallest dot tile: the queries are
-    re-read from L2 once per tile); BLOCK_K 64 (score sweep); the output accumulator [BLOCK_M, QP, BLOCK_D] is
-    held at ~32 fp32 registers per thread (more spills on sm_90: the
-    softmax weights are replicated into the 3-D layout)."""
+    """(BLOCK_M, BLOCK_K, BLOCK_D, QP, num_warps).
+    scores kernel: BLOCK_M = 64 token rows per program (the f32 queries are streamed from L2 once per tile),
+    BLOCK_K = 64; output kernel: one token row x BLOCK_D columns per program, the [QP, BLOCK_D] fp32 accumulator
+    held at ~128 registers per thread (BLOCK_D = 512 for QP = 32, 4 warps: 168 regs, no spills on sm_90;
+    the fastest of the configs measured on the H200, docs/perf.md)."""
     qp = max(16, pow2_ceil(q))
-    bm = block_m or 16
-    warps = num_warps or (8 if target.shared_mem_bytes > 0 else 4)
+    bm = block_m or (64 if target.shared_mem_bytes > 0 else 16)
+    warps = num_warps or 4
     threads = lanes(target) * warps
-    bd = block_d or clamp(pow2_floor(max(1, 32 * threads // (bm * qp))), 8, 256)
+    bd = block_d or clamp(pow2_floor(max(1, 128 * threads // qp)), 16, 1024)
     bd = min(bd, max(16, pow2_ceil(d)))
     bk = min(64, max(16, pow2_ceil(d)))
     return bm, bk, bd, qp, warps
 
 
-def emit_attnres_phase1(hidden: int, num_sources: int, num_queries: int, eps: float, *, target: Target,
-                        dtype: str = "bf16", block_m: int | None = None, block_d: int | None = None,
-                        num_warps: int | None = None, loc: str = "", interpret: bool | None = None) -> KernelSource:
-    """Kernel args: src0_ptr..src{N-1}_ptr [M, D], q_ptr [Q, D] f32, out_ptr [Q, M, STATS + D] (dtype),
-    lse_ptr (the same storage as f32), M; grid (cdiv(M, BLOCK_M),)."""
+def _phase1_checks(hidden, num_sources, num_queries, eps, dtype):
     D = check_dim(hidden, "hidden")
     N = check_dim(num_sources, "num_sources")
     Q = check_dim(num_queries, "num_queries")
     if N > MAX_SOURCES or Q > MAX_QUERIES:
         raise CodegenError(f"attn_res_phase1: at most {MAX_SOURCES} sources and {MAX_QUERIES} queries")
     check_float(dtype)
-    e = ELEM_BYTES[dtype]
-    if ((STATS + D) * e) % 4:
+    if ((STATS + D) * ELEM_BYTES[dtype]) % 4:
         raise CodegenError(f"attn_res_phase1: a packed row of {STATS + D} {dtype} is not a whole number of f32")
     if float(eps) < 0:
         raise CodegenError(f"eps must be >= 0, got {eps!r}")
+    return D, N, Q
+
+
+def emit_attnres_phase1_scores(hidden: int, num_sources: int, num_queries: int, eps: float, *, target: Target,
+                               dtype: str = "bf16", block_m: int | None = None, num_warps: int | None = None,
+                               loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Phase 1, kernel 1 of 2. Args: src0_ptr..src{N-1}_ptr [M, D], q_ptr [Q, D] f32, a_ptr [M, N + 1, QP] f32
+    (scratch: raw scores s_ij, then lse_j in row N), lse_ptr (the packed result's storage as f32), M;
+    grid (cdiv(M, BLOCK_M),). Each block row is read once for all Q queries; 1/rms once per source row."""
+    D, N, Q = _phase1_checks(hidden, num_sources, num_queries, eps, dtype)
+    e = ELEM_BYTES[dtype]
     interp = interpreted(target, interpret)
-    bm, bk, bd, qp, warps = phase1_plan(D, Q, e, target, block_m, block_d, num_warps)
-    kname = ident(f"k3c_attnres_phase1_fwd_d{D}_n{N}_q{Q}_{name_part(dtype)}_m{bm}_b{bd}_w{warps}")
+    bm, bk, _, qp, warps = phase1_plan(D, Q, e, target, block_m, None, num_warps)
+    kname = ident(f"k3c_attnres_phase1_scores_fwd_d{D}_n{N}_q{Q}_{name_part(dtype)}_m{bm}_w{warps}")
     srcs = [f"src{i}_ptr" for i in range(N)]
     sig = {s: f"*{dtype}" for s in srcs}
-    sig.update({"q_ptr": "*fp32", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32", "M": "i32"})
-    constexprs = {"D": D, "Q": Q, "QP": qp, "BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_D": bd}
-    row = STATS + D
-    rowf = row * e // 4
+    sig.update({"q_ptr": "*fp32", "a_ptr": "*fp32", "lse_ptr": "*fp32", "M": "i32"})
+    constexprs = {"D": D, "Q": Q, "QP": qp, "BLOCK_M": bm, "BLOCK_K": bk}
+    rowf = (STATS + D) * e // 4
     eps_lit = fnum(eps)
-
     w = SourceWriter()
     w.header(kernel=kname, ir_op="attn_res_phase1", loc=loc, target=target, emitter=__name__,
-             notes=[f"phase 1: N={N} blocks x Q={Q} queries, D={D}, eps={eps_lit}, io {dtype}, BLOCK_M={bm} "
-                    f"BLOCK_K={bk} BLOCK_D={bd} QP={qp} num_warps={warps}" + (" [interpreter variant]" if interp
-                                                                              else "")])
+             notes=[f"phase 1 scores: N={N} blocks x Q={Q} queries, D={D}, eps={eps_lit}, io {dtype}, "
+                    f"BLOCK_M={bm} BLOCK_K={bk} QP={qp} num_warps={warps}"
+                    + (" [interpreter variant]" if interp else "")])
     w.imports()
-    emit_math_helpers(w, rtne_bf16=interp and dtype == "bf16")
     with w.jit_function(kname, list(sig), list(constexprs)):
         w.line("rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
         w.line("rmask = rows < M")
         w.line("rows64 = rows.to(tl.int64)")
         w.line("qc = tl.arange(0, QP)")
         w.line("qmask = qc < Q")
-        w.comment("sweep 1: per block, sum(v^2) and the scores of all queries; 1/rms once per source row")
+        w.line("m = tl.full([BLOCK_M, QP], float('-inf'), dtype=tl.float32)")
+        w.line("l = tl.zeros([BLOCK_M, QP], dtype=tl.float32)")
         for i, s in enumerate(srcs):
-            w.line(f"acc = tl.zeros([BLOCK_M, QP], dtype=tl.float32)")
+            w.comment(f"block {i}: sum(v^2) and the scores of all queries in one sweep")
+            w.line("acc = tl.zeros([BLOCK_M, QP], dtype=tl.float32)")
             w.line("ss = tl.zeros([BLOCK_M], dtype=tl.float32)")
             w.line("for k in range(0, D, BLOCK_K):")
             with w.indent():
@@ -104,38 +113,71 @@ def emit_attnres_phase1(hidden: int, num_sources: int, num_queries: int, eps: fl
                     w.line("q_lo = (qt - q_hi.to(tl.float32)).to(vr.dtype)")
                     w.line("acc = tl.dot(vr, q_hi, acc)")
                     w.line("acc = tl.dot(vr, q_lo, acc)")
-            w.line(f"s{i} = acc * tl.rsqrt(ss / D + {eps_lit})[:, None]")
-        w.comment("softmax statistics over the blocks")
-        w.line("m = s0")
-        for i in range(1, N):
-            w.line(f"m = tl.maximum(m, s{i})")
-        for i in range(N):
-            w.line(f"s{i} = tl.exp(s{i} - m)")
-        w.line("l = " + " + ".join(f"s{i}" for i in range(N)))
-        w.line("inv_l = 1.0 / l")
-        for i in range(N):
-            w.line(f"s{i} = s{i} * inv_l")
+            w.line(f"s = acc * tl.rsqrt(ss / D + {eps_lit})[:, None]")
+            w.line(f"tl.store(a_ptr + (rows64[:, None] * {N + 1} + {i}) * QP + qc[None, :], s, mask=rmask[:, None])")
+            w.line("m_new = tl.maximum(m, s)")
+            w.line("l = l * tl.exp(m - m_new) + tl.exp(s - m_new)")
+            w.line("m = m_new")
         w.line("lse = m + tl.log(l)")
+        w.line(f"tl.store(a_ptr + (rows64[:, None] * {N + 1} + {N}) * QP + qc[None, :], lse, mask=rmask[:, None])")
         w.line(f"tl.store(lse_ptr + (qc[None, :].to(tl.int64) * M + rows64[:, None]) * {rowf}, lse, "
                "mask=rmask[:, None] & qmask[None, :])")
-        w.comment("sweep 2: o_j = sum_i a_ij v_i for every query j")
-        w.line(f"obase = (qc[None, :, None].to(tl.int64) * M + rows64[:, None, None]) * {row} + {STATS}")
-        w.line("omask = rmask[:, None, None] & qmask[None, :, None]")
-        w.line("for k in range(0, D, BLOCK_D):")
-        with w.indent():
-            w.line("ds = k + tl.arange(0, BLOCK_D)")
-            w.line("dmask = ds < D")
-            w.line("o = tl.zeros([BLOCK_M, QP, BLOCK_D], dtype=tl.float32)")
-            for i, s in enumerate(srcs):
-                w.line(f"v = tl.load({s} + rows64[:, None] * D + ds[None, :], mask=rmask[:, None] & dmask[None, :], "
-                       "other=0.0).to(tl.float32)")
-                w.line(f"o += s{i}[:, :, None] * v[:, None, :]")
-            w.line(f"tl.store(out_ptr + obase + ds[None, None, :], {to_dtype('o', dtype, interp)}, "
-                   "mask=omask & dmask[None, None, :])")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=constexprs,
                         grid=("cdiv(M, BLOCK_M)",), num_warps=warps, num_stages=1 if interp else 2,
                         ir_op="attn_res_phase1", loc=loc)
 
+
+def emit_attnres_phase1_out(hidden: int, num_sources: int, num_queries: int, *, target: Target,
+                            dtype: str = "bf16", block_d: int | None = None, num_warps: int | None = None,
+                            loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Phase 1, kernel 2 of 2. Args: src0_ptr..src{N-1}_ptr [M, D], a_ptr (the scores kernel's scratch),
+    out_ptr [Q, M, STATS + D], M; grid (M, cdiv(D, BLOCK_D)). o_j = sum_i exp(s_ij - lse_j) v_i for all queries
+    from one read of each block's row slice; rows of o written contiguously."""
+    D, N, Q = _phase1_checks(hidden, num_sources, num_queries, 0.0, dtype)
+    e = ELEM_BYTES[dtype]
+    interp = interpreted(target, interpret)
+    _, _, bd, qp, warps = phase1_plan(D, Q, e, target, None, block_d, num_warps)
+    kname = ident(f"k3c_attnres_phase1_out_fwd_d{D}_n{N}_q{Q}_{name_part(dtype)}_b{bd}_w{warps}")
+    srcs = [f"src{i}_ptr" for i in range(N)]
+    sig = {s: f"*{dtype}" for s in srcs}
+    sig.update({"a_ptr": "*fp32", "out_ptr": f"*{dtype}", "M": "i32"})
+    constexprs = {"D": D, "Q": Q, "QP": qp, "BLOCK_D": bd}
+    row = STATS + D
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op="attn_res_phase1", loc=loc, target=target, emitter=__name__,
+             notes=[f"phase 1 output: N={N} blocks x Q={Q} queries, D={D}, io {dtype}, BLOCK_D={bd} QP={qp} "
+                    f"num_warps={warps}" + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    emit_math_helpers(w, rtne_bf16=interp and dtype == "bf16")
+    with w.jit_function(kname, list(sig), list(constexprs)):
+        w.line("row = tl.program_id(0).to(tl.int64)")
+        w.line("ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)")
+        w.line("dmask = ds < D")
+        w.line("qc = tl.arange(0, QP)")
+        w.line("qmask = qc < Q")
+        w.line(f"abase = row * {(N + 1)} * QP")
+        w.line(f"lse = tl.load(a_ptr + abase + {N} * QP + qc)")
+        w.line("o = tl.zeros([QP, BLOCK_D], dtype=tl.float32)")
+        for i, s in enumerate(srcs):
+            w.line(f"a = tl.exp(tl.load(a_ptr + abase + {i} * QP + qc) - lse)")
+            w.line(f"v = tl.load({s} + row * D + ds, mask=dmask, other=0.0).to(tl.float32)")
+            w.line("o += a[:, None] * v[None, :]")
+        w.line(f"tl.store(out_ptr + (qc[:, None].to(tl.int64) * M + row) * {row} + {STATS} + ds[None, :], "
+               f"{to_dtype('o', dtype, interp)}, mask=qmask[:, None] & dmask[None, :])")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=constexprs,
+                        grid=("M", "cdiv(D, BLOCK_D)"), num_warps=warps, num_stages=1, ir_op="attn_res_phase1",
+                        loc=loc)
+
+
+def emit_attnres_phase1(hidden: int, num_sources: int, num_queries: int, eps: float, *, target: Target,
+                        dtype: str = "bf16", block_m: int | None = None, block_d: int | None = None,
+                        num_warps: int | None = None, scores_warps: int | None = None, loc: str = "",
+                        interpret: bool | None = None) -> tuple[KernelSource, KernelSource]:
+    """The two kernels of `attn_res_phase1`, launched in this order (see their docs)."""
+    return (emit_attnres_phase1_scores(hidden, num_sources, num_queries, eps, target=target, dtype=dtype,
+                                       block_m=block_m, num_warps=scores_warps, loc=loc, interpret=interpret),
+            emit_attnres_phase1_out(hidden, num_sources, num_queries, target=target, dtype=dtype, block_d=block_d,
+                                    num_warps=num_warps, loc=loc, interpret=interpret))
 
 PHASE2_MODES = ("none", "source", "update")
 
@@ -219,4 +261,5 @@ def emit_attnres_phase2(hidden: int, eps: float, *, mode: str, normed: bool, nor
                         num_warps=warps, num_stages=1, ir_op="attn_res_phase2", loc=loc)
 
 
-__all__ = ["emit_attnres_phase1", "emit_attnres_phase2", "phase1_plan"]
+__all__ = ["emit_attnres_phase1", "emit_attnres_phase1_scores", "emit_attnres_phase1_out", "emit_attnres_phase2",
+           "phase1_plan"]

@@ -1,0 +1,195 @@
+"""Two-phase Block AttnRes (attnres-split) vs a plain residual add + RMSNorm vs the naive torch mix, same run.
+
+    python bench/attnres.py                      # H200: d=7168, 8192 tokens, 8 blocks of 12 layers, bf16
+    python bench/attnres.py --json out.json      # also write records {name, flops, bytes, seconds}
+    python bench/attnres.py --smoke              # tiny shapes on the CPU (interpreter), checks the code path
+
+Per decoder layer (two sublayers), averaged over the 8 block groups:
+  split  = sum_g phase1(N = g + 1, Q = 24) / 96 + the phase-2 ops of a group / 12
+           (per group: 1 sublayer without a partial, 1 reading it, 22 with the fused update; all with the fused
+           RMSNorm of the next sublayer)
+  plain  = 2 x the fused residual add + RMSNorm Triton kernel of k3c (k3c.codegen.launch.rmsnorm(residual=...):
+           reads x and r, writes r + x and its norm; one row per program, fp32 math)
+  naive  = 2 x [p = p + y; h = attn_res_mix(b_0..b_{N-1}, p) (the eager reference); rmsnorm(h)], averaged over N
+Also shown: the same residual + RMSNorm in eager torch (for scale only; the target compares against the Triton one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from k3c.codegen import launch as L  # noqa: E402
+from k3c.ir.attnres_ops import STATS  # noqa: E402
+from k3c.runtime.kernels import attnres as ka  # noqa: E402
+from k3c.runtime.reference.attnres import attn_res_mix  # noqa: E402
+from k3c.runtime.reference.norms import rms_norm  # noqa: E402
+
+EPS = 1e-5
+
+
+def bench(fn, dev, reps=None):
+    if dev.type == "cuda":
+        import triton.testing
+
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=reps or 60, return_mode="median") * 1e-3
+    fn()
+    ts = []
+    for _ in range(2):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", type=int, default=7168)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--layers-per-block", type=int, default=12)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        args.d, args.tokens, args.blocks, args.layers_per_block = 64, 40, 3, 2
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    d, T, NB, S = args.d, args.tokens, args.blocks, args.layers_per_block
+    Q = 2 * S
+    dt = torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dt).to(dev)  # noqa: E731
+    blocks = [rnd(T, d, scale=1 + i) for i in range(NB)]
+    proj = [torch.randn(d, generator=g).to(dt).to(dev) * 0.05 for _ in range(Q)]
+    norm = [(1 + 0.1 * torch.randn(d, generator=g)).to(dt).to(dev) for _ in range(Q)]
+    queries = ka.fold_queries(list(zip(proj, norm)))
+    p_old, y, gain = rnd(T, d), rnd(T, d), (1 + 0.1 * torch.randn(d, generator=g)).to(dt).to(dev)
+    e = 2
+    info = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
+    print(f"# AttnRes bench on {info}; torch {torch.__version__}; d={d} tokens={T} blocks={NB} x {S} layers, bf16")
+
+    # -- correctness on the benchmark shapes (one group, last query) --------------------------------------------
+    s1 = ka.phase1(blocks[:3], queries, EPS)
+    r = ka.phase2(s1, queries, Q - 1, EPS, partial=p_old, update=y, weight=gain, norm_eps=EPS)
+    want = rms_norm(attn_res_mix(blocks[:3] + [p_old + y], proj[-1], norm[-1], EPS), gain, EPS)
+    err = ((r[1].float() - want.float()).norm() / want.float().norm()).item()
+    print(f"# check vs naive (N=3, bf16): rel err {err:.2e}")
+
+    # -- sweep of the phase-1 tile plan at N = NB (the largest group) ------------------------------------------
+    plan1: dict = {}
+    if dev.type == "cuda" and not args.no_sweep:
+        best = None
+        cands = [dict(block_m=bm, scores_warps=sw) for bm, sw in [(64, 4), (16, 4), (32, 4), (64, 8)]]
+        for c in cands:
+            try:
+                t = bench(lambda: ka.phase1(blocks, queries, EPS, **c), dev, 40)
+            except Exception as ex:  # noqa: BLE001 (a config that does not compile is skipped)
+                print(f"# phase1 {c}: failed ({type(ex).__name__})")
+                continue
+            print(f"# phase1 N={NB} {c}: {t * 1e3:.3f} ms")
+            if best is None or t < best[0]:
+                best = (t, c)
+        for bd, nw in [(512, 4), (256, 4), (1024, 8), (512, 8)]:
+            c = dict(best[1], block_d=bd, num_warps=nw)
+            try:
+                t = bench(lambda: ka.phase1(blocks, queries, EPS, **c), dev, 40)
+            except Exception as ex:  # noqa: BLE001
+                print(f"# phase1 {c}: failed ({type(ex).__name__})")
+                continue
+            print(f"# phase1 N={NB} {c}: {t * 1e3:.3f} ms")
+            if t < best[0]:
+                best = (t, c)
+        plan1 = best[1] if best else {}
+        print(f"# phase1 plan used: {plan1 or 'default'}")
+    plan2: dict = {}
+    if dev.type == "cuda" and not args.no_sweep:
+        s1 = ka.phase1(blocks[:2], queries, EPS, **plan1)
+        best = None
+        for nw in (4, 8):  # noqa: B007
+            t = bench(lambda: ka.phase2(s1, queries, 3, EPS, partial=p_old, update=y, weight=gain, norm_eps=EPS,
+                                        num_warps=nw), dev, 40)
+            print(f"# phase2 update warps={nw}: {t * 1e3:.3f} ms")
+            if best is None or t < best[0]:
+                best = (t, dict(num_warps=nw))
+        plan2 = best[1]
+
+    # -- timings ------------------------------------------------------------------------------------------------
+    records, rows = [], []
+
+    def rec(name, seconds, nbytes, shape):
+        records.append({"name": name, "flops": 0, "bytes": int(nbytes), "seconds": seconds})
+        rows.append((name, shape, seconds, nbytes))
+
+    row_bytes = T * d * e
+    t_p1 = {}
+    for n in range(1, NB + 1):
+        t_p1[n] = bench(lambda: ka.phase1(blocks[:n], queries, EPS, **plan1), dev)
+        rec(f"attnres_phase1_n{n}", t_p1[n], n * row_bytes + Q * T * (STATS + d) * e, f"N={n} Q={Q} [{T},{d}]")
+    s1 = ka.phase1(blocks[:2], queries, EPS, **plan1)
+    out2 = torch.empty(2, T, d, dtype=dt, device=dev)
+    t_up = bench(lambda: ka.phase2(s1, queries, 3, EPS, partial=p_old, update=y, weight=gain, norm_eps=EPS,
+                                   out=out2, **plan2), dev)
+    rec("attnres_phase2_update_norm", t_up, 5 * row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
+    t_src = bench(lambda: ka.phase2(s1, queries, 1, EPS, partial=p_old, weight=gain, norm_eps=EPS, **plan2), dev)
+    rec("attnres_phase2_source_norm", t_src, 2 * row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
+    t_none = bench(lambda: ka.phase2(s1, queries, 0, EPS, weight=gain, norm_eps=EPS, **plan2), dev)
+    rec("attnres_phase2_none_norm", t_none, row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
+    t_plain = bench(lambda: L.rmsnorm(y, gain, EPS, residual=p_old), dev)
+    rec("residual_rmsnorm_triton", t_plain, 4 * row_bytes, f"[{T},{d}]")
+
+    def torch_plain():
+        r = p_old + y
+        return rms_norm(r, gain, EPS), r
+    t_torch = bench(torch_plain, dev)
+    rec("residual_rmsnorm_torch_eager", t_torch, 4 * row_bytes, f"[{T},{d}]")
+    t_naive = {}
+    for n in range(1, NB + 1):
+        def naive(n=n):
+            p = p_old + y
+            return rms_norm(attn_res_mix(blocks[:n] + [p], proj[0], norm[0], EPS), gain, EPS), p
+        t_naive[n] = bench(naive, dev, 30)
+        rec(f"attnres_naive_torch_n{n}", t_naive[n], (2 * (n + 1) + 6) * row_bytes, f"N={n}+1 [{T},{d}]")
+
+    # -- per layer -----------------------------------------------------------------------------------------------
+    per_group_p2 = t_none + t_src + (Q - 2) * t_up
+    split_layer = (sum(t_p1.values()) + NB * per_group_p2) / (NB * S)
+    plain_layer = 2 * t_plain
+    naive_layer = 2 * statistics.mean(t_naive.values())
+    torch_layer = 2 * t_torch
+    split_bytes = (sum(n * row_bytes + Q * T * (STATS + d) * e for n in range(1, NB + 1))
+                   + NB * (row_bytes * (2 + 3 + 5 * (Q - 2)) + Q * T * (STATS + d) * e)) / (NB * S)
+    plain_bytes = 2 * 4 * row_bytes
+    naive_bytes = 2 * statistics.mean((2 * (n + 1) + 6) * row_bytes for n in range(1, NB + 1))
+    rec("attnres_split_per_layer", split_layer, split_bytes, f"{NB}x{S} layers")
+    rec("residual_rmsnorm_triton_per_layer", plain_layer, plain_bytes, "2 sublayers")
+    rec("attnres_naive_torch_per_layer", naive_layer, naive_bytes, "2 sublayers, mean over N")
+
+    print()
+    print("| what | shape | ms | TB/s (model bytes) | ratio to plain residual+RMSNorm (Triton) |")
+    print("|---|---|---|---|---|")
+    for name, shape, sec, nb in rows:
+        ratio = sec / (t_plain if "per_layer" not in name else plain_layer)
+        print(f"| {name} | {shape} | {sec * 1e3:.3f} | {nb / sec / 1e12:.2f} | {ratio:.2f}x |")
+    print()
+    print(f"per layer: split {split_layer * 1e3:.3f} ms | plain residual+RMSNorm (Triton) {plain_layer * 1e3:.3f} ms "
+          f"| naive torch {naive_layer * 1e3:.3f} ms | residual+RMSNorm torch eager {torch_layer * 1e3:.3f} ms")
+    print(f"split / plain = {split_layer / plain_layer:.2f}x (target <= 1.25x); naive / split = "
+          f"{naive_layer / split_layer:.1f}x (target >= 5x); byte floor split/plain = {split_bytes / plain_bytes:.2f}x")
+    print(f"plans: phase1 {plan1 or 'default'}, phase2 {plan2 or 'default'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

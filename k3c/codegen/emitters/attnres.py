@@ -1,0 +1,42 @@
+"""AOT emitters of the two-phase Block AttnRes ops: the same emit_* calls the runtime makes
+(k3c/runtime/kernels/attnres.py), specialised on the op's hidden size, source/query counts and dtypes."""
+from __future__ import annotations
+
+from ...ir.attnres_ops import STATS
+from ..kernels.attnres import emit_attnres_phase1, emit_attnres_phase2
+from . import register_emitter
+
+_DT = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}
+
+
+def _dt(t, op) -> str:
+    from ...errors import IRError
+
+    if t.dtype not in _DT:
+        raise IRError(f"no AttnRes kernel for dtype {t.dtype}", op=op.describe(), loc=op.loc)
+    return _DT[t.dtype]
+
+
+@register_emitter("attn_res_phase1")
+def emit_phase1(op, module, target):
+    t = op.types[0]
+    d = t.shape[-1] - STATS
+    return list(emit_attnres_phase1(d, op.attr("num_sources"), op.attr("num_queries"), op.attr("eps"),
+                                    target=target, dtype=_dt(t, op), loc=op.loc))
+
+
+@register_emitter("attn_res_phase2")
+def emit_phase2(op, module, target):
+    t = module.types[op.inputs[0]]
+    d = t.shape[-1] - STATS
+    normed = op.attr("normed")
+    wdt = _dt(module.types[op.inputs[-1]], op) if normed else None
+    return [emit_attnres_phase2(d, op.attr("eps"), mode=op.attr("mode"), normed=normed,
+                                norm_eps=op.attr("norm_eps", None), target=target, dtype=_dt(t, op),
+                                weight_dtype=wdt, loc=op.loc)]
+
+
+@register_emitter("attn_res_take")
+def emit_take(op, module, target):
+    """A view of the phase-2 result: no kernel to launch."""
+    return []
