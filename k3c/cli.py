@@ -117,7 +117,9 @@ def cmd_inspect(args) -> int:
     if args.format == "text":
         from .ir import print_module
 
-        out = print_module(module)
+        from .analysis.mla_cost import mla_crossover_lines
+
+        out = "".join(f"{line}\n" for line in mla_crossover_lines(module, model.target)) + print_module(module)
     elif args.format == "dot":
         from .ir.dot import to_dot
 

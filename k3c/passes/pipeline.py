@@ -15,9 +15,9 @@ from ..ir.verifier import verify as verify_module
 from .registry import PassContext, check_invariant, get_pass, registered_passes
 
 # Pipelines are plain lists of pass names; a pipeline name may appear inside another list and is expanded.
-# Later issues extend "default" with kda-chunk, mla-absorb, attnres-split, mxfp4.
+# DESIGN order: lowering passes, fusion, codegen (impl marks), cleanup. The mxfp4 pass (issue 7) goes before codegen.
 PIPELINES: dict[str, tuple[str, ...]] = {
-    "default": ("kda-chunk", "fuse-residual-norm", "attnres-split", "codegen", "dce", "cse"),
+    "default": ("kda-chunk", "fuse-residual-norm", "mla-absorb", "attnres-split", "codegen", "dce", "cse"),
     "cleanup": ("cse", "dce"),
     "none": (),
 }

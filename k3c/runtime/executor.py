@@ -137,6 +137,8 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
                        ) -> fx.GraphModule:
     """An fx GraphModule computing `module` with `weights` (canonical names) as buffers. With `use_kernels`,
     ops the codegen pass marked impl="kernel" launch their generated Triton kernels (the interpreter on a CPU)."""
+    from . import kernels  # noqa: F401  (registers every family's kernel and reference implementations)
+
     root = torch.nn.Module()
     graph = fx.Graph()
     values: dict[str, fx.Node] = {}

@@ -63,9 +63,10 @@ class LatentWritePlan:
 
 
 def latent_write_plan(t_hint: int, hidden: int, width: int, elem_bytes: int, target: Target) -> LatentWritePlan:
-    """BLOCK_M rows x the whole 576-wide row (RMSNorm needs all of c): BLOCK_M 16 for decode, 32 for prefill
-    (accumulator registers); BLOCK_K the largest of 64/32/16 whose two-stage pipeline fits 7/8 of shared memory."""
-    bm = 16 if t_hint <= 16 else 32
+    """BLOCK_M rows x the whole 576-wide row (RMSNorm needs all of c): BLOCK_M 16 (a 32-row accumulator
+    [32, 512] spills on sm_90); BLOCK_K the largest of 64/32/16 whose two-stage pipeline fits 7/8 of shared
+    memory. t_hint is kept for the call sites (one plan for decode and prefill today)."""
+    bm = 16
     wide = pow2_ceil(width)
     bk = min(64, pow2_ceil(hidden))
     stages = 1
@@ -154,32 +155,39 @@ def emit_mla_latent_write(hidden: int, kv_lora_rank: int, rope_dim: int, eps: fl
 # -- MQA decode (split-KV) ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DecodePlan:
-    block_h: int        # query rows (tokens x heads) per program: each page load serves all of them
+    block_h: int        # query rows (tokens x heads) per program: each key tile load serves all of them
     num_warps: int
     num_stages: int
+    block_n: int | None = None      # keys per step (a divisor of the page); None: the whole page
 
 
-DECODE_MAX_ROWS = 64     # fp32 accumulator [BLOCK_H, L]: 64 x 512 x 4 B = 128 KiB of registers over 8 warps
+DECODE_MAX_ROWS = 32     # fp32 accumulator [BLOCK_H, L] <= [32, 512]: the largest tile without spills (AOT resources)
 
 
 def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None) -> DecodePlan:
+                num_warps: int | None = None, num_stages: int | None = None,
+                block_n: int | None = None) -> DecodePlan:
     """BLOCK_H = all rows of a sequence when they fit (12 heads: one head tile, each page loaded once), else the
-    head tiles split evenly (96 heads: 2 x 48 -> BLOCK_H 64); at least 16 (the MMA's smallest M). The register
-    budget of the accumulator [BLOCK_H, L] sets the cap; warps grow with it."""
+    head tiles split evenly (96 heads: 3 x 32); at least 16 (the MMA's smallest M). The cap keeps the fp32
+    accumulator [BLOCK_H, L] and the key tile in registers without spills on the GPU targets (checked with the AOT
+    resource report: a 64-row tile spills on sm_90 and gfx950). Warps grow with the accumulator. 64-lane targets
+    feed the MFMA operands from registers, so they step through a page 16 or 32 keys at a time."""
+    lat = pow2_ceil(kv_lora_rank)
     if block_h is None:
-        cap = DECODE_MAX_ROWS * 512 // max(512, pow2_ceil(kv_lora_rank))
+        cap = max(16, DECODE_MAX_ROWS * 512 // max(512, lat))
         tiles = -(-rows // cap)
-        block_h = clamp(pow2_ceil(-(-rows // tiles)), 16, max(16, cap))
-    acc_bytes = block_h * pow2_ceil(kv_lora_rank) * 4
-    warps = num_warps or clamp(acc_bytes // (max(32, target.warp_size) * 4 * 128), 4, 8)
-    stages = num_stages or (1 if target.shared_mem_bytes <= 0 else 2)
-    return DecodePlan(block_h, warps, stages)
+        block_h = clamp(pow2_ceil(-(-rows // tiles)), 16, cap)
+    wide = target.warp_size >= 64
+    warps = num_warps or clamp(block_h * lat * 4 // (max(1, target.warp_size) * 4 * 64), 4, 8)
+    if block_n is None and wide:
+        block_n = 16 if block_h > 16 else 32
+    stages = num_stages or (1 if target.shared_mem_bytes <= 0 or (wide and block_h > 16) else 2)
+    return DecodePlan(block_h, warps, stages, block_n)
 
 
 def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *, target: Target,
                     dtype: str = "bf16", block_h: int = 16, num_warps: int = 4, num_stages: int = 2,
-                    name: str | None = None, ir_op: str = "mla_absorbed", loc: str = "",
+                    block_n: int | None = None, name: str | None = None, ir_op: str = "mla_absorbed", loc: str = "",
                     interpret: bool | None = None) -> KernelSource:
     """Kernel args: q_ptr [B, ROWS, L+R] ([q_lat | q_pe], rows = token-major (t, head)), pool_ptr, bt_ptr i32,
     lens_ptr i32 [B] (total tokens incl. the new ones), o_ptr fp32 [S, B, ROWS, L], lse_ptr fp32 [S, B, ROWS],
@@ -192,13 +200,17 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
     interp = interpreted(target, interpret)
     up, dot_kw = _dot_parts(dt, interp)
     bh = check_dim(block_h, "block_h")
-    kname = ident(name or f"k3c_mla_decode_l{L}_r{R}_p{PS}_{name_part(dt)}_h{bh}_w{num_warps}_s{num_stages}")
+    bn = check_dim(block_n or PS, "block_n")
+    if PS % bn or bn & (bn - 1):
+        raise CodegenError(f"block_n {bn} must be a power of two dividing the page size {PS}")
+    kname = ident(name or f"k3c_mla_decode_l{L}_r{R}_p{PS}_{name_part(dt)}_h{bh}_w{num_warps}_s{num_stages}"
+                  + (f"_n{bn}" if bn != PS else ""))
     sig = {"q_ptr": f"*{dt}", "pool_ptr": f"*{dt}", "bt_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*fp32",
            "lse_ptr": "*fp32", "ROWS": "i32", "NH": "i32", "TQ": "i32", "max_pages": "i32",
            "pages_per_split": "i32", "B": "i32", "S": "i32"}
-    if PS < 16 and not interp:
-        raise CodegenError(f"page size {PS} < 16: the P @ V dot needs K >= 16 on GPUs")
-    cx = {"L": L, "R": R, "PS": PS, "BLOCK_H": bh, "BLOCK_L": _blk(L), "BLOCK_R": _blk(R)}
+    if (block_n or PS) < 16 and not interp:
+        raise CodegenError(f"block_n {block_n or PS} < 16: the P @ V dot needs K >= 16 on GPUs")
+    cx = {"L": L, "R": R, "PS": PS, "BLOCK_H": bh, "BLOCK_N": bn, "BLOCK_L": _blk(L), "BLOCK_R": _blk(R)}
     p_cast = "p" if dt == "fp32" or interp else f"p.to({TL_DTYPE[dt]})"
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
@@ -216,7 +228,7 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
         w.line("qpos = seq_len - TQ + rows // NH  # the position of each row's query token (causal limit)")
         w.line("offs_l = tl.arange(0, BLOCK_L)")
         w.line("offs_r = tl.arange(0, BLOCK_R)")
-        w.line("offs_n = tl.arange(0, PS)")
+        w.line("offs_n = tl.arange(0, BLOCK_N)")
         w.line("l_ok = offs_l < L")
         w.line("r_ok = offs_r < R")
         w.line("q_row = (b * ROWS + tl.where(row_ok, rows, 0).to(tl.int64)) * (L + R)")
@@ -229,14 +241,16 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
         w.line("l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)")
         w.line("acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)")
         w.line("bt_row = bt_ptr + b * max_pages")
-        w.line("for p in range(p_begin, p_end):")
+        w.line("for it in range(p_begin * (PS // BLOCK_N), p_end * (PS // BLOCK_N)):  # BLOCK_N keys of a page")
         with w.indent():
+            w.line("p = it // (PS // BLOCK_N)")
+            w.line("sub = (it % (PS // BLOCK_N)) * BLOCK_N")
             w.line("page = tl.load(bt_row + p).to(tl.int64)")
-            w.line("kv = pool_ptr + page * (PS * (L + R)) + offs_n.to(tl.int64)[:, None] * (L + R)")
-            w.line("kpos = p * PS + offs_n")
+            w.line("kv = pool_ptr + page * (PS * (L + R)) + (sub + offs_n).to(tl.int64)[:, None] * (L + R)")
+            w.line("kpos = p * PS + sub + offs_n")
             w.line("live = (kpos < seq_len)[:, None]  # slots past the end may hold anything (NaN): never read")
-            w.line("c = tl.load(kv + offs_l[None, :], mask=live & l_ok[None, :], other=0.0)  # [PS, L]: keys = values")
-            w.line("kr = tl.load(kv + L + offs_r[None, :], mask=live & r_ok[None, :], other=0.0)  # [PS, R]")
+            w.line("c = tl.load(kv + offs_l[None, :], mask=live & l_ok[None, :], other=0.0)  # [BLOCK_N, L]: keys = values")
+            w.line("kr = tl.load(kv + L + offs_r[None, :], mask=live & r_ok[None, :], other=0.0)  # [BLOCK_N, R]")
             w.line(f"s = tl.dot(ql{up}, tl.trans(c{up}){dot_kw})")
             w.line(f"s = tl.dot(qr{up}, tl.trans(kr{up}), s{dot_kw})")
             w.line("ok = (kpos[None, :] <= qpos[:, None]) & (kpos < seq_len)[None, :]")
@@ -312,9 +326,12 @@ class PrefillPlan:
 
 def prefill_plan(tq: int, target: Target) -> PrefillPlan:
     """FlashAttention-2 tiles for head dims 128+64 / 128: 128 x 64 with 8 warps for long query runs, 64 x 64 with
-    4 otherwise; 16 x 16 for the interpreter (small numpy blocks are cheaper there)."""
+    4 otherwise; 64 x 16 on 64-lane targets (MFMA operands in registers: the larger tiles spill on gfx950);
+    16 x 16 for the interpreter (small numpy blocks are cheaper there)."""
     if target.shared_mem_bytes <= 0:
         return PrefillPlan(16, 16, 4, 1)
+    if target.warp_size >= 64:
+        return PrefillPlan(64, 16, 4, 2)
     if tq >= 128:
         return PrefillPlan(128, 64, 8, 2)
     return PrefillPlan(64, 64, 4, 2)

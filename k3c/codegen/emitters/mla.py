@@ -1,0 +1,42 @@
+"""Emitter of `mla_absorbed`: the kernels the runtime (k3c.runtime.kernels.mla) launches for it, with the same
+emit_* arguments: the latent write (decode and prefill token buckets), the MQA split-KV decode for one query token
+per sequence (all heads, the plan of k3c.codegen.kernels.mla.decode_plan), the LSE merge, and the MHA prefill step
+(first chunk and continuation). Shapes the runtime meets later (speculative query lengths, other batch sizes) reuse
+these kernels except the decode kernel's head tile, which follows the rows (tokens x heads) of the call, and the
+prefill tiles for fewer than 128 query tokens."""
+from __future__ import annotations
+
+from ..kernels.mla import decode_plan, emit_mla_decode, emit_mla_latent_write, emit_mla_merge, emit_mla_prefill
+from . import register_emitter
+
+DTYPES = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}
+
+
+@register_emitter("mla_absorbed")
+def mla_absorbed(op, module, target):
+    a = op.attr_dict
+    x = module.type_of(op.inputs[0])
+    dt = DTYPES[x.dtype]
+    n, p, r, v, lat = (a["num_heads"], a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"],
+                       a["kv_lora_rank"])
+    d = x.shape[-1]
+    wdkv = module.type_of(op.inputs[[rl.name for rl in _roles(a)].index("kv_a_proj_with_mqa.weight")])
+    scale = float((p + r) ** -0.5)
+    ps = target.mla_page_size
+    kw = {"target": target, "ir_op": op.op, "loc": op.loc, "interpret": False}
+    out = [emit_mla_latent_write(d, lat, r, float(a["lora_norm_eps"]), ps, dtype=dt, w_dtype=DTYPES[wdkv.dtype],
+                                 t_hint=1, **kw)]
+    plan = decode_plan(n, lat, target)
+    out.append(emit_mla_decode(lat, r, ps, scale, dtype=dt, block_h=plan.block_h, num_warps=plan.num_warps,
+                               num_stages=plan.num_stages,
+                               block_n=plan.block_n if plan.block_n and plan.block_n < ps else None, **kw))
+    out.append(emit_mla_merge(lat, out_dtype=dt, **kw))
+    if not a.get("fold_uv_into_o_proj"):
+        out += [emit_mla_prefill(p, r, v, scale, dtype=dt, has_prev=h, **kw) for h in (False, True)]
+    return out
+
+
+def _roles(a):
+    from ...ir.mla_ops import absorbed_roles
+
+    return absorbed_roles(a)

@@ -1,0 +1,406 @@
+"""Runtime of the absorbed MLA sublayer (`mla_absorbed`, from the mla-absorb pass) and the weight transform
+`mla_kvb_split`: the paged latent cache, the kernel launchers, the MHA / MQA mode choice, and the reference
+implementations the executor uses when an op is not marked impl="kernel".
+
+Cache entry (cache.layers[layer]) = PagedLatentCache: a view (per-sequence lengths) of a LatentStore (the page pool
+[pages, PS, L+R] and the block table i32 [B, max_pages]). Pages of the B sequences are interleaved in the pool
+(page p of sequence b is pool page p*B + b) so growing the pool keeps every page id; the block table is what the
+kernels read, so any other placement (a serving block allocator) works unchanged. Entries are never changed in
+place: a write after an entry's length goes into its store only while no other writer has gone past that length
+(the store's high-water mark), otherwise the store is copied first (copy-on-write), so an old LayerCaches snapshot
+stays valid (Session keeps one for failed calls).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...codegen.kernels.mla import (decode_plan, emit_mla_decode, emit_mla_latent_write, emit_mla_merge,
+                                    emit_mla_prefill)
+from ...codegen.launch import launch, target_for, tt_dtype
+from ...codegen.targets import Target
+from ...frontend.spec import MLASpec
+from .. import reference as ref
+from ..executor import register_impl
+from ..reference.norms import acc
+from . import register_kernel_impl
+
+_emit_write = functools.lru_cache(maxsize=64)(emit_mla_latent_write)
+_emit_decode = functools.lru_cache(maxsize=64)(emit_mla_decode)
+_emit_merge = functools.lru_cache(maxsize=64)(emit_mla_merge)
+_emit_prefill = functools.lru_cache(maxsize=64)(emit_mla_prefill)
+
+
+# -- weight transform -------------------------------------------------------------------------------------------------
+def split_kvb(w_kvb: torch.Tensor, num_heads: int, nope: int, v_dim: int, part: str) -> torch.Tensor:
+    """W_kvb [N*(P+V), L] -> W_UK_T [N, P, L] (part "uk_t") or W_UV [N, L, V] (part "uv"), contiguous."""
+    w3 = w_kvb.view(num_heads, nope + v_dim, w_kvb.shape[-1])
+    if part == "uk_t":
+        return w3[:, :nope].contiguous()
+    return w3[:, nope:].transpose(1, 2).contiguous()
+
+
+def _kvb_split_impl(a, cache, data, w):
+    return split_kvb(w["kv_b_proj.weight"], a["num_heads"], a["qk_nope_head_dim"], a["v_head_dim"], a["part"])
+
+
+def fold_uv_o(w_uv: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """W_o_uv [D, N*L] with W_o_uv[:, n-th L block] = W_o[:, n-th V block] W_UV[n]^T (ungated MLA only)."""
+    n, lat, v = w_uv.shape
+    return torch.einsum("dnv,nlv->dnl", acc(w_o).view(w_o.shape[0], n, v), acc(w_uv)).reshape(
+        w_o.shape[0], n * lat).to(w_o.dtype)
+
+
+def _fold_impl(a, cache, data, w):
+    return fold_uv_o(w["w_uv"], w["o_proj.weight"])
+
+
+# -- paged latent cache -----------------------------------------------------------------------------------------------
+class LatentStore:
+    def __init__(self, pool: torch.Tensor, block_table: torch.Tensor, high: list[int]):
+        self.pool, self.block_table, self.high = pool, block_table, list(high)
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+
+def interleaved_block_table(batch: int, pages: int, device) -> torch.Tensor:
+    return (torch.arange(pages, device=device)[None, :] * batch
+            + torch.arange(batch, device=device)[:, None]).to(torch.int32)
+
+
+def new_store(batch: int, tokens: int, width: int, page_size: int, dtype, device) -> LatentStore:
+    pages = 1 << max(0, (-(-max(tokens, 1) // page_size) - 1).bit_length())
+    pool = torch.empty(pages * batch, page_size, width, dtype=dtype, device=device)
+    return LatentStore(pool, interleaved_block_table(batch, pages, device), [0] * batch)
+
+
+@dataclass(frozen=True)
+class PagedLatentCache:
+    store: LatentStore
+    lens: tuple[int, ...]          # cached tokens per sequence
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+    def gather(self, start: int = 0, stop: int | None = None, seq: int | None = None) -> torch.Tensor:
+        """Latent rows [start, stop) of every sequence (or of `seq`) as [B, n, W] (a copy; chunks only)."""
+        stop = max(self.lens) if stop is None else stop
+        pos = torch.arange(start, stop, device=self.store.pool.device)
+        ps = self.store.page_size
+        bt = self.store.block_table if seq is None else self.store.block_table[seq:seq + 1]
+        pages = bt[:, pos // ps].long()
+        return self.store.pool[pages, (pos % ps)[None, :]]
+
+
+def reserve(entry: PagedLatentCache | None, batch: int, new: int, width: int, page_size: int, dtype, device
+            ) -> tuple[LatentStore, tuple[int, ...]]:
+    """A store that may take `new` tokens after `entry` (allocated, grown or copied as needed) and the lengths."""
+    if entry is None:
+        return new_store(batch, new, width, page_size, dtype, device), (0,) * batch
+    if entry.batch != batch:
+        raise ValueError(f"MLA cache holds {entry.batch} sequences, the call has {batch}")
+    st, lens = entry.store, entry.lens
+    need = max(lens) + new
+    fresh = any(h != n for h, n in zip(st.high, lens))          # someone appended past this snapshot
+    if need > st.capacity or fresh:
+        pages_old = st.block_table.shape[1]
+        pages = pages_old
+        while pages * st.page_size < need:
+            pages *= 2
+        pool = torch.empty(pages * batch, st.page_size, width, dtype=st.pool.dtype, device=device)
+        pool[: pages_old * batch] = st.pool                      # interleaved ids survive growth
+        bt = interleaved_block_table(batch, pages, device)
+        bt[:, :pages_old] = st.block_table
+        st = LatentStore(pool, bt, lens)
+    return st, lens
+
+
+def lens_tensor(lens, device) -> torch.Tensor:
+    return torch.tensor(list(lens), dtype=torch.int32, device=device)
+
+
+# -- kernel launchers -------------------------------------------------------------------------------------------------
+def _tgt(t: torch.Tensor, target: Target | None) -> Target:
+    return target or target_for(t.device)
+
+
+def _interp(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps: float, store: LatentStore,
+                 lens, kv_lora_rank: int, *, target: Target | None = None) -> None:
+    """Kernel (a): store [RMSNorm(x W_c^T) | x W_r^T] of x [B, T, D] at positions lens[b].. of each sequence."""
+    B, T, D = x.shape
+    W = w_dkv.shape[0]
+    tgt = _tgt(x, target)
+    ks = _emit_write(D, kv_lora_rank, W - kv_lora_rank, float(eps), store.page_size, target=tgt,
+                     dtype=tt_dtype(x.dtype), w_dtype=tt_dtype(w_dkv.dtype), cache_dtype=tt_dtype(store.pool.dtype),
+                     t_hint=T, interpret=_interp(x))
+    if norm_w.dtype != w_dkv.dtype:
+        norm_w = norm_w.to(w_dkv.dtype)
+    launch(ks, x.contiguous().view(B * T, D), w_dkv.contiguous(), norm_w.contiguous(), store.pool,
+           store.block_table, lens_tensor(lens, x.device), T, store.block_table.shape[1], B)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(kind: str, index) -> int:
+    if kind == "cuda":
+        return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                                ).multi_processor_count
+    return 4
+
+
+def choose_splits(batch: int, tiles: int, pages: int, device: torch.device, max_splits: int = 512,
+                  min_pages: int = 2, waves: int = 2) -> int:
+    return _choose_splits(batch, tiles, pages, device.type, device.index, max_splits, min_pages, waves)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_splits(batch: int, tiles: int, pages: int, kind: str, index, max_splits: int, min_pages: int,
+                   waves: int) -> int:
+    """KV splits per (sequence, head tile): enough programs to fill the GPU's SMs with little tail (the smallest S
+    whose last wave is >= 85% full), each split at least `min_pages` pages."""
+    sms = _sm_count(kind, index)
+    sms *= waves                                                 # programs resident per SM at once (latency)
+    cap = max(1, min(max_splits, pages // min_pages))
+    base = batch * tiles
+    best, best_eff = 1, 0.0
+    for s in range(1, cap + 1):
+        progs = base * s
+        eff = progs / (math.ceil(progs / sms) * sms)
+        if progs >= sms and eff >= 0.85:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best if base * cap >= sms else cap
+
+
+def mqa_decode(q: torch.Tensor, store: LatentStore, lens: torch.Tensor, scale: float, kv_lora_rank: int, *,
+               num_heads: int, splits: int | None = None, plan=None, target: Target | None = None,
+               out_dtype: torch.dtype | None = None, max_len: int | None = None) -> torch.Tensor:
+    """Kernels (b) + merge: q [B, ROWS, L+R] ([q_lat | q_pe], rows token-major (t, head)) against the paged latent
+    cache of lengths `lens` (i32 [B], the new tokens included). Returns o_lat [B, ROWS, L] (out_dtype, default q's)."""
+    B, ROWS, W = q.shape
+    L = kv_lora_rank
+    tgt = _tgt(q, target)
+    ps = store.page_size
+    max_len = int(lens.max()) if max_len is None else max_len      # pass it: lens.max() syncs with the GPU
+    n_pages = -(-max_len // ps)
+    plan = plan or decode_plan(ROWS, L, tgt)
+    tiles = -(-ROWS // plan.block_h)
+    S = splits or choose_splits(B, tiles, n_pages, q.device)
+    pps = -(-n_pages // S)
+    S = -(-n_pages // pps)
+    ks = _emit_decode(L, W - L, ps, float(scale), target=tgt, dtype=tt_dtype(q.dtype), block_h=plan.block_h,
+                      num_warps=plan.num_warps, num_stages=plan.num_stages,
+                      block_n=plan.block_n if plan.block_n and plan.block_n < ps else None, interpret=_interp(q))
+    o_part = torch.empty(S, B, ROWS, L, dtype=torch.float32, device=q.device)
+    lse = torch.empty(S, B, ROWS, dtype=torch.float32, device=q.device)
+    launch(ks, q.contiguous(), store.pool, store.block_table, lens, o_part, lse, ROWS, num_heads,
+           ROWS // num_heads, store.block_table.shape[1], pps, B, S)
+    odt = out_dtype or q.dtype
+    out = torch.empty(B * ROWS, L, dtype=odt, device=q.device)
+    mk = _emit_merge(L, target=tgt, out_dtype=tt_dtype(odt), interpret=_interp(q))
+    launch(mk, o_part, lse, out, lse[0], B * ROWS, S)
+    return out.view(B, ROWS, L)
+
+
+def mha_step(q: torch.Tensor, k: torch.Tensor, kpe: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+             lse: torch.Tensor, shift: int, scale: float, has_prev: bool, *, key_splits: int = 1,
+             target: Target | None = None) -> None:
+    """Kernel (c): one chunk of keys k [B, TK, N, P] | kpe [B, TK, R] (any row stride), values v [B, TK, N, V]
+    for q [B, TQ, N, P+R]. key_splits = 1: updates the running o fp32 [B, TQ, N, V] / lse fp32 [B, TQ, N] in place
+    (continuing them when has_prev); key_splits = KS > 1: writes KS partials o [KS, B, TQ, N, V], lse [KS, ...]."""
+    B, TQ, N, QW = q.shape
+    TK, P, V = k.shape[1], k.shape[3], v.shape[3]
+    R = QW - P
+    if kpe.stride(-1) != 1:
+        raise ValueError("k_pe rows must be contiguous")
+    if has_prev and key_splits != 1:
+        raise ValueError("continuing the running output needs key_splits == 1")
+    tgt = _tgt(q, target)
+    ks = _emit_prefill(P, R, V, float(scale), target=tgt, dtype=tt_dtype(q.dtype), has_prev=bool(has_prev),
+                       tq_hint=TQ, interpret=_interp(q))
+    ks_len = -(-TK // key_splits)
+    ks_len = -(-ks_len // ks.constexprs["BLOCK_N"]) * ks.constexprs["BLOCK_N"]
+    launch(ks, q, k.contiguous(), kpe, v.contiguous(), o, lse, TQ, TK, N, int(shift), kpe.stride(0),
+           kpe.stride(1), B, key_splits, ks_len)
+
+
+def mha_key_splits(B: int, TQ: int, N: int, TK: int, q: torch.Tensor, target: Target) -> int:
+    """Key splits per chunk so that few query tiles (short appends) still fill the GPU: 1 when the query tiles
+    alone give two programs per SM."""
+    from ...codegen.kernels.mla import prefill_plan
+
+    plan = prefill_plan(TQ, target)
+    progs = -(-TQ // plan.block_m) * N * B
+    sms = 2 * _sm_count(q.device.type, q.device.index)
+    if progs >= sms:
+        return 1
+    return max(1, min(-(-sms // progs), TK // 256))
+
+
+def mha_attention(q: torch.Tensor, entry: PagedLatentCache, w_uk_t: torch.Tensor, w_uv: torch.Tensor,
+                  scale: float, chunk: int, *, target: Target | None = None, key_splits: int | None = None
+                  ) -> torch.Tensor:
+    """MHA mode over the paged cache (new tokens already written; entry.lens include them): keys and values are
+    expanded from the latent `chunk` tokens at a time; chunks (and key splits inside a chunk, for short query runs)
+    are merged by log-sum-exp. Returns o fp32 [B, T, N, V]."""
+    B, T, N, _ = q.shape
+    L = w_uk_t.shape[2]
+    V = w_uv.shape[2]
+    if len(set(entry.lens)) > 1:        # mixed lengths: one sequence at a time
+        return torch.cat([mha_attention(q[b:b + 1], PagedLatentCache(_SeqView(entry.store, b), (entry.lens[b],)),
+                                        w_uk_t, w_uv, scale, chunk, target=target, key_splits=key_splits)
+                          for b in range(B)])
+    total = entry.lens[0]
+    cached = total - T
+    q = q.contiguous()
+    tgt = _tgt(q, target)
+    wk, wv = w_uk_t.to(q.dtype), w_uv.to(q.dtype)
+    ksp = key_splits or mha_key_splits(B, T, N, min(chunk, total), q, tgt)
+    if ksp == 1:
+        o = torch.zeros(B, T, N, V, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, T, N), float("-inf"), dtype=torch.float32, device=q.device)
+    else:                               # slot 0: the running result; slots 1..KS: this chunk's key splits
+        part_o = torch.zeros(ksp + 1, B, T, N, V, dtype=torch.float32, device=q.device)
+        part_lse = torch.full((ksp + 1, B, T, N), float("-inf"), dtype=torch.float32, device=q.device)
+        o, lse = part_o[0], part_lse[0]
+        mk = _emit_merge(V, target=tgt, out_dtype="fp32", interpret=_interp(q))
+    for c0 in range(0, total, chunk):
+        lat = entry.gather(c0, min(total, c0 + chunk))                   # [B, C, L+R]: this chunk only
+        c = lat[..., :L]
+        k = torch.einsum("bkl,npl->bknp", c, wk)
+        v = torch.einsum("bkl,nlv->bknv", c, wv)
+        if ksp == 1:
+            mha_step(q, k, lat[..., L:], v, o, lse, cached - c0, scale, c0 > 0, target=tgt)
+        else:
+            mha_step(q, k, lat[..., L:], v, part_o[1:], part_lse[1:], cached - c0, scale, False, key_splits=ksp,
+                     target=tgt)
+            launch(mk, part_o, part_lse, o, lse, B * T * N, ksp + 1)
+    return o
+
+
+class _SeqView(LatentStore):
+    """The store seen by one sequence (its block-table row)."""
+
+    def __init__(self, store: LatentStore, b: int):
+        super().__init__(store.pool, store.block_table[b:b + 1], store.high[b:b + 1])
+
+
+# -- the sublayer -----------------------------------------------------------------------------------------------------
+def mla_cfg(a) -> MLASpec:
+    return MLASpec(num_heads=a["num_heads"], kv_lora_rank=a["kv_lora_rank"], qk_nope_head_dim=a["qk_nope_head_dim"],
+                   qk_rope_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"], q_lora_rank=a["q_lora_rank"],
+                   rope=a["rope"], output_gate=a["output_gate"])
+
+
+def choose_mode(a, new: int, cached: int, batch: int, device) -> str:
+    """The op's mode attr, or for "auto" the faster of MHA and MQA on the device's target (analysis cost model)."""
+    mode = a.get("mode", "auto")
+    if mode != "auto":
+        return mode
+    from ...analysis.cost import mla_mode_costs
+
+    return mla_mode_costs(a, new, cached, target_for(device), batch=batch).best
+
+
+def _finish(a, x: torch.Tensor, o: torch.Tensor, w) -> torch.Tensor:
+    """Output gate per (head, channel) after W_UV, then o_proj: o [B, T, N, V] (any float dtype)."""
+    n, dv = a["num_heads"], a["v_head_dim"]
+    if a["output_gate"]:
+        gate = torch.sigmoid(acc(ref.linear(x, w["g_proj.weight"]))).unflatten(-1, (n, dv))
+        o = acc(o) * gate
+    return ref.linear(o.to(x.dtype).flatten(-2), w["o_proj.weight"])
+
+
+def _kvb(w) -> torch.Tensor:
+    """W_kvb rebuilt from the split (for the reference path): [N*(P+V), L]."""
+    uk, uv = w["w_uk_t"], w["w_uv"]
+    return torch.cat([uk, uv.transpose(1, 2)], dim=1).reshape(-1, uk.shape[2])
+
+
+def _ref_olat(x, latent, w, cfg) -> torch.Tensor:
+    """The reference MQA form up to o_lat [B, T, N, L] (fp32)."""
+    p, r, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q = acc(ref.mla_query(x, w, cfg))
+    lf = acc(latent)
+    q_lat = torch.einsum("bqnp,npl->bqnl", q[..., :p], acc(w["w_uk_t"]))
+    scores = torch.einsum("bqnl,bkl->bnqk", q_lat, lf[..., :lat]) + torch.einsum("bqnr,bkr->bnqk", q[..., p:],
+                                                                                   lf[..., lat:])
+    t, tk = x.shape[1], latent.shape[1]
+    mask = torch.arange(tk, device=x.device)[None, :] <= torch.arange(tk - t, tk, device=x.device)[:, None]
+    probs = torch.softmax((scores * (p + r) ** -0.5).masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("bnqk,bkl->bqnl", probs, lf[..., :lat])
+
+
+def reference_mla_absorbed(a, cache, data, w):
+    """Eager semantics of mla_absorbed on the same paged cache: reference latent, reference attention (mode as
+    chosen), scattered into / gathered from the pages with torch indexing."""
+    x = data[0]
+    cfg = mla_cfg(a)
+    B, T, _ = x.shape
+    entry = cache.layers[a["layer"]]
+    new = ref.mla_latent(x, w, cfg)
+    ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
+    store, lens = reserve(entry, B, T, new.shape[-1], ps, x.dtype, x.device)
+    pos = torch.arange(T, device=x.device)[None, :] + torch.tensor(lens, device=x.device)[:, None]
+    pages = store.block_table.gather(1, (pos // ps).long()).long()
+    store.pool[pages, pos % ps] = new.to(store.pool.dtype)
+    store.high = [n + T for n in lens]
+    entry = PagedLatentCache(store, tuple(n + T for n in lens))
+    cache.layers[a["layer"]] = entry
+    mode = choose_mode(a, T, lens[0], B, x.device)
+    latent = entry.gather()
+    if a.get("fold_uv_into_o_proj"):       # ungated, MQA: o_lat straight into the folded o_proj
+        return ref.linear(_ref_olat(x, latent, w, cfg).to(x.dtype).flatten(-2), w["w_o_uv"])
+    o = ref.mla_attention(ref.mla_query(x, w, cfg), latent.to(x.dtype), {"kv_b_proj.weight": _kvb(w)}, cfg, mode)
+    return _finish(a, x, o, w)
+
+
+def kernel_mla_absorbed(a, cache, data, w):
+    """mla_absorbed through the generated kernels: latent write (a), then MQA decode (b) or chunked MHA (c)."""
+    x = data[0]
+    cfg = mla_cfg(a)
+    B, T, _ = x.shape
+    n, p, r, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    scale = (p + r) ** -0.5
+    entry = cache.layers[a["layer"]]
+    ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
+    store, lens = reserve(entry, B, T, L + r, ps, x.dtype, x.device)
+    write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], store, lens, L)
+    store.high = [m + T for m in lens]
+    entry = PagedLatentCache(store, tuple(m + T for m in lens))
+    cache.layers[a["layer"]] = entry
+    q = ref.mla_query(x, w, cfg)
+    if choose_mode(a, T, lens[0], B, x.device) == "mqa":
+        q_lat = torch.einsum("btnp,npl->btnl", acc(q[..., :p]), acc(w["w_uk_t"]))
+        qq = torch.cat([q_lat, acc(q[..., p:])], dim=-1).to(x.dtype).view(B, T * n, L + r)
+        o_lat = mqa_decode(qq, store, lens_tensor(entry.lens, x.device), scale, L, num_heads=n,
+                           max_len=max(entry.lens))
+        if a.get("fold_uv_into_o_proj"):
+            return ref.linear(o_lat.to(x.dtype).view(B, T, n * L), w["w_o_uv"])
+        o = torch.einsum("btnl,nlv->btnv", o_lat.view(B, T, n, L), w["w_uv"].to(o_lat.dtype))
+    else:
+        o = mha_attention(q, entry, w["w_uk_t"], w["w_uv"], scale, a["prefill_chunk"])
+    return _finish(a, x, o, w)
+
+
+register_impl("mla_kvb_split", _kvb_split_impl)
+register_impl("mla_fold_uv_o", _fold_impl)
+register_impl("mla_absorbed", reference_mla_absorbed)
+register_kernel_impl("mla_absorbed")(kernel_mla_absorbed)
+
+__all__ = ["PagedLatentCache", "LatentStore", "new_store", "reserve", "write_latent", "mqa_decode", "mha_step",
+           "mha_attention", "choose_mode", "choose_splits", "split_kvb", "interleaved_block_table"]

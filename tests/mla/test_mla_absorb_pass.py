@@ -1,0 +1,141 @@
+"""The mla-absorb pass (IR rewrite, weight transforms, round trip), the verifier's rule against folding W_UV into
+o_proj for gated MLA (and why, numerically), and the MHA/MQA mode choice of the cost model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3c import load_spec
+from k3c.analysis.cost import mla_crossover_new_tokens, mla_mode_costs
+from k3c.codegen.emitters import EMITTERS
+from k3c.codegen.targets import get_target
+from k3c.errors import IRError
+from k3c.frontend.to_ir import spec_to_module
+from k3c.ir import parse_module, print_module
+from k3c.ir.builder import Builder
+from k3c.ir.core import TensorType
+from k3c.ir.verifier import verify
+from k3c.passes.pipeline import PIPELINES, run_pipeline
+from k3c.runtime import reference as ref
+from k3c.runtime.executor import LayerCaches
+from k3c.runtime.kernels import mla as rt
+
+from mlautil import layer_setup, rel
+
+SPEC = "examples/k3-tiny.yaml"
+
+
+def test_pass_rewrites_every_mla_layer():
+    module = spec_to_module(load_spec(SPEC))
+    n_mla = sum(op.op == "mla" for op in module.ops)
+    assert n_mla > 0
+    out, records = run_pipeline(module, ["mla-absorb"])
+    assert records[0].counts == {"mla_layers": n_mla, "kvb_split": 2 * n_mla}
+    ops = [op.op for op in out.ops]
+    assert "mla" not in ops and ops.count("mla_absorbed") == n_mla and ops.count("mla_kvb_split") == 2 * n_mla
+    split = next(op for op in out.ops if op.op == "mla_kvb_split" and op.attr("part") == "uk_t")
+    a = next(op for op in out.ops if op.op == "mla_absorbed").attr_dict
+    assert split.types[0].shape == (a["num_heads"], a["qk_nope_head_dim"], a["kv_lora_rank"])
+    assert parse_module(print_module(out)) == out
+    assert "mla-absorb" in PIPELINES["default"]
+    assert "mla_absorbed" in EMITTERS
+
+
+def test_default_pipeline_marks_kernel_and_weight_transforms():
+    out, _ = run_pipeline(spec_to_module(load_spec(SPEC)), ["default"])
+    impls = {op.op: op.attr("impl", None) for op in out.ops if op.op.startswith("mla")}
+    assert impls == {"mla_absorbed": "kernel", "mla_kvb_split": "extern"}
+
+
+def test_emitter_kernels_for_h200():
+    out, _ = run_pipeline(spec_to_module(load_spec(SPEC)), ["mla-absorb"])
+    op = next(op for op in out.ops if op.op == "mla_absorbed")
+    kernels = EMITTERS["mla_absorbed"](op, out, get_target("h200"))
+    names = [k.name for k in kernels]
+    assert any("latent_write" in n for n in names) and any("decode" in n for n in names)
+    assert any("prefill" in n for n in names) and any("merge" in n for n in names)
+    assert all("interpreter variant" not in k.source for k in kernels)
+    assert all(f"p{get_target('h200').mla_page_size}" in n for n in names if "decode" in n or "latent" in n)
+
+
+def _absorbed_module(gated: bool, fold: bool):
+    _, _, wa, attrs, _ = layer_setup(torch.float32, gated=gated)
+    b = Builder("m")
+    x = b.declare("input", TensorType("f32", ("B", "T", 48)), {"name": "x"})
+    names = {"w_uk_t": "layers.0.self_attn.kv_b_proj.weight", "w_uv": None}
+    vals = {}
+    for role, t in wa.items():
+        if role in ("w_uk_t", "w_uv", "kv_b_proj.weight"):
+            continue
+        vals[role] = b.declare("param", TensorType("f32", tuple(t.shape)), {"name": f"layers.0.self_attn.{role}"})
+    kvb = b.declare("param", TensorType("f32", tuple(wa["kv_b_proj.weight"].shape)),
+                    {"name": names["w_uk_t"]})
+    common = {k: attrs[k] for k in ("layer", "num_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank")}
+    vals["w_uk_t"] = b.op("mla_kvb_split", [kvb], {**common, "part": "uk_t"})
+    vals["w_uv"] = b.op("mla_kvb_split", [kvb], {**common, "part": "uv"})
+    a = {**attrs, "mode": "mqa"}
+    if fold:
+        vals["w_o_uv"] = b.op("mla_fold_uv_o", [vals["w_uv"], vals["o_proj.weight"]])
+        a["fold_uv_into_o_proj"] = True
+    from k3c.ir.mla_ops import absorbed_roles
+    roles = absorbed_roles(a)
+    ins = [x] + [vals[r.name] for r in roles[1:]]
+    from k3c.ir.core import Op
+    from k3c.ir.core import normalize_attrs
+    op = Op(("y",), "mla_absorbed", tuple(ins), normalize_attrs(a), (TensorType("f32", ("B", "T", 48)),), "")
+    b.append(op)
+    return b.build(["y"])
+
+
+def test_verifier_rejects_folding_w_uv_into_o_proj_when_gated():
+    verify(_absorbed_module(gated=False, fold=True))          # legal without the gate
+    with pytest.raises(IRError, match="cannot be folded into o_proj in gated MLA"):
+        verify(_absorbed_module(gated=True, fold=True))
+
+
+def test_why_the_fold_is_wrong_for_gated_mla():
+    """Ungated: o_proj(o_lat W_UV) == (o_proj . W_UV)(o_lat), the fold is exact. Gated: the gate multiplies each
+    (head, V-channel) of o_lat W_UV; the folded weight has no V channel left to gate, so the best a folded path can
+    do (drop the gate, or gate after o_proj) is wrong by O(1)."""
+    for gated in (False, True):
+        cfg, w, wa, attrs, gen = layer_setup(torch.float32, gated=gated, seed=9)
+        x = torch.randn(2, 7, 48, generator=gen)
+        y_ref, _ = ref.mla_layer(x, w, cfg)
+        a = {**attrs, "mode": "mqa", "fold_uv_into_o_proj": True, "output_gate": False}
+        wf = {k: v for k, v in wa.items() if k not in ("w_uv", "o_proj.weight", "g_proj.weight")}
+        wf["w_o_uv"] = rt.fold_uv_o(wa["w_uv"], wa["o_proj.weight"])
+        lc = LayerCaches(1)
+        y_fold = rt.kernel_mla_absorbed(a, lc, (x,), wf)
+        lc = LayerCaches(1)
+        y_fold_ref = rt.reference_mla_absorbed(a, lc, (x,), wf)
+        if not gated:
+            assert rel(y_fold, y_ref) <= 1e-5 and rel(y_fold_ref, y_ref) <= 1e-5
+        else:
+            assert rel(y_fold, y_ref) > 0.3
+            y_gate_after = y_fold * torch.sigmoid(ref.linear(x, w["g_proj.weight"])).mean(-1, keepdim=True)
+            assert rel(y_gate_after, y_ref) > 0.3
+
+
+def test_cost_model_mode_choice():
+    h200 = get_target("h200")
+    k3 = {"num_heads": 96, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    assert mla_mode_costs(k3, 1, 32768, h200).best == "mqa"               # decode
+    assert mla_mode_costs(k3, 4, 131072, h200).best == "mqa"              # speculative / short append
+    assert mla_mode_costs(k3, 8192, 0, h200).best == "mha"                # fresh prefill
+    assert mla_mode_costs(k3, 8192, 131072, h200).best == "mha"           # long append-prefill
+    t = mla_crossover_new_tokens(k3, 131072, h200)
+    assert t is not None and 1 < t < 8192
+    assert mla_mode_costs(k3, t, 131072, h200).best == "mha" and mla_mode_costs(k3, t - 1, 131072, h200).best == "mqa"
+    a = {**k3, "mode": "auto"}
+    assert rt.choose_mode(a, 1, 100, 1, torch.device("cpu")) == "mqa"
+    assert rt.choose_mode({**a, "mode": "mha"}, 1, 100, 1, torch.device("cpu")) == "mha"
+
+
+def test_inspect_prints_the_crossover(capsys):
+    from k3c.cli import main
+
+    assert main(["inspect", SPEC, "--target", "h200"]) == 0
+    out = capsys.readouterr().out
+    head = out.splitlines()[0]
+    assert head.startswith("# mla mode crossover on h200") and "131072 cached: MHA from" in head
+    assert parse_module(out) is not None          # still parseable IR (the crossover is a comment)
