@@ -237,6 +237,8 @@ def report_markdown(compiled: list[CompiledKernel], target: Target | str) -> str
     for ck in compiled:
         r = ck.resources
         spill = f"{r.scratch_bytes} B / {r.spill_count}"
+        if getattr(r, "sgpr_lane_spills", 0):
+            spill += f" (+{r.sgpr_lane_spills} SGPR to VGPR lane)"
         if r.has_spills:
             spill = f"**{spill} SPILL**"
             flagged.append(ck)
@@ -383,7 +385,7 @@ def _indent(text: str) -> str:
 def _legend(target: Target) -> str:
     if target.backend == "hip":
         return ("Columns: regs = VGPRs / SGPRs / AGPRs per lane; LDS = dynamic + static LDS bytes per workgroup; "
-                "scratch = private segment bytes per lane / VGPR+SGPR spill count; occupancy = estimated waves per "
+                "scratch = private segment bytes per lane / VGPR spill count (SGPRs parked in VGPR lanes, which costs no memory traffic, shown apart); occupancy = estimated waves per "
                 "SIMD (of 8) and what limits it; matrix instructions = static count of v_mfma*/v_smfmac* "
                 "(v_mfma_scale_* = MX).")
     return ("Columns: regs = registers per thread; shared = dynamic + static shared memory bytes per block; "

@@ -41,7 +41,8 @@ class KernelResources:
     agpr: int | None = None
     shared_bytes: int = 0              # per block / workgroup: static + dynamic (LDS on AMD)
     scratch_bytes: int = 0             # AMD private segment per lane; NVIDIA local-memory frame per thread
-    spill_count: int = 0               # AMD: VGPR + SGPR spill count; NVIDIA: spill store bytes (ptxas log) if known
+    spill_count: int = 0               # spills to memory: AMD VGPR spill count; NVIDIA spill store bytes (ptxas log)
+    sgpr_lane_spills: int = 0          # AMD: SGPRs spilled into VGPR lanes (no memory traffic, not a spill above)
     occupancy: int = 0                 # estimate, in occupancy_unit
     occupancy_max: int = 0
     occupancy_unit: str = ""           # waves/SIMD | warps/SM
@@ -265,7 +266,7 @@ def amd_resources(arch: str, amdgcn: str, *, shared: int = 0, num_warps: int = 4
     return KernelResources(
         backend="hip", arch=arch, regs=total, vgpr=vgpr, sgpr=sgpr, agpr=agpr, shared_bytes=lds,
         scratch_bytes=max(info.get("scratch", 0), info.get("private_segment", 0)),
-        spill_count=info.get("vgpr_spills", 0) + info.get("sgpr_spills", 0),
+        spill_count=info.get("vgpr_spills", 0), sgpr_lane_spills=info.get("sgpr_spills", 0),
         occupancy=occ, occupancy_max=occ_max, occupancy_unit="waves/SIMD", occupancy_limiter=limiter,
         compiler_occupancy=info.get("occupancy"), code_bytes=info.get("code_bytes"),
         matrix_ops=amd_matrix_ops(amdgcn))

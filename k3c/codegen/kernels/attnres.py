@@ -38,7 +38,9 @@ def phase1_plan(d: int, q: int, elem_bytes: int, target: Target, block_m: int | 
     qp = max(16, pow2_ceil(q))
     bm = block_m or (64 if target.shared_mem_bytes > 0 else 16)
     warps = num_warps or 4
-    threads = lanes(target) * warps
+    # columns sized for 32 lanes per warp (~128 accumulator registers per thread there); a 64-lane wave gets the
+    # same BLOCK_D, i.e. half the accumulator per lane: at 128 per lane gfx950 spilled (185-246 VGPRs + spills)
+    threads = min(lanes(target), 32) * warps
     bd = block_d or clamp(pow2_floor(max(1, 128 * threads // qp)), 16, 1024)
     bd = min(bd, max(16, pow2_ceil(d)))
     bk = min(64, max(16, pow2_ceil(d)))

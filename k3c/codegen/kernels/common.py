@@ -274,8 +274,8 @@ def gemm_plan(m_hint: int, n: int, k: int, elem_bytes: int, target: Target, n_b:
 
     m_hint is the token-count bucket (launch.m_bucket: 16 .. 1024). BLOCK_M follows it (16 for decode, up to 128).
     Large M (> 256; compute bound): 128 x (256 / n_b) output tiles and 128-byte K slices (64 bf16). Mid M (65..256,
-    plain GEMM): 64 x 128 x 64. Small M (weight streaming): BLOCK_N 64 and long K slices (512 bytes for BLOCK_M <= 32,
-    256 for 64) so each program keeps many bytes in flight. BLOCK_N then narrows while fewer than
+    plain GEMM): 64 x 128 x 64. Small M (weight streaming): BLOCK_N 64 and long K slices (512 bytes for BLOCK_M = 16,
+    256 for 32 and 64) so each program keeps many bytes in flight. BLOCK_N then narrows while fewer than
     GEMM_MIN_PROGRAMS programs would run. Then the shared-memory budget: stages x (BM*BK + nB*BN*BK) x bytes <= 7/8
     target.shared_mem_bytes, stages in [2, 4] (at most 3 for 128-row tiles); when even 2 stages do not fit, BN
     shrinks (to 64), then BK (to 32), then BM (to 16).
@@ -289,7 +289,8 @@ def gemm_plan(m_hint: int, n: int, k: int, elem_bytes: int, target: Target, n_b:
     elif bm >= 128:
         bn, bk = 256 // n_b, 128 // elem_bytes
     else:
-        bn, bk = 64, (512 if bm <= 32 else 256) // elem_bytes
+        # 32 x 32 x 256 bf16 spilled on sm_90, and so did the two-accumulator GLU at 32 x 64 x 128
+        bn, bk = 64, (512 if bm <= 16 else 256 // n_b) // elem_bytes
     bn = min(bn, max(16, pow2_ceil(n)))
     bk = clamp(min(bk, pow2_ceil(k)), 16, 256)
     # enough programs to cover the machine: narrow the N tiles (down to 128 / nB columns for 128-row tiles, 32 / nB
@@ -297,7 +298,9 @@ def gemm_plan(m_hint: int, n: int, k: int, elem_bytes: int, target: Target, n_b:
     bn_floor = max(16, (128 if bm >= 128 else 32) // n_b)
     while bn > bn_floor and -(-max(1, m_hint) // bm) * -(-n // bn) < GEMM_MIN_PROGRAMS:
         bn //= 2
-    max_stages = GEMM_MAX_STAGES if bm <= 64 else GEMM_MAX_STAGES - 1
+    # 128-row tiles and the two-accumulator GLU kernel keep one stage less (the GLU at 32 x 64 x 128 x 4 stages
+    # spilled on sm_90)
+    max_stages = GEMM_MAX_STAGES if bm <= 64 and n_b == 1 else GEMM_MAX_STAGES - 1
     if target.shared_mem_bytes <= 0:
         stages = 1
         need = 0
