@@ -121,7 +121,7 @@ def _infer_mla(attrs, ins):
     return (x,)
 
 
-register_op(OpDef("mla", mla_roles, {
+MLA_ATTRS = {   # shared with the kernel-level mla_absorbed op (mla_ops.py)
     "layer": AttrSpec("int"),
     "num_heads": AttrSpec("int"),
     "q_lora_rank": AttrSpec("int", nullable=True, doc="none: q = W_q x"),
@@ -133,7 +133,9 @@ register_op(OpDef("mla", mla_roles, {
     "output_gate": AttrSpec("bool"),
     "lora_norm_eps": AttrSpec("float", doc="eps of the q_a / kv_a RMSNorms"),
     "causal": AttrSpec("bool"),
-}, _infer_mla, _check_mla, doc="gated multi-head latent attention sublayer, prefill / MHA form (K3.md section 3)"))
+}
+register_op(OpDef("mla", mla_roles, MLA_ATTRS, _infer_mla, _check_mla,
+                  doc="gated multi-head latent attention sublayer, prefill / MHA form (K3.md section 3)"))
 
 
 # ---- dense MLP -------------------------------------------------------------------------------------------

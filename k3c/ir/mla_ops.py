@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from .core import TensorType
 from .ops import AttrSpec, OpDef, Role, TypeCheck, activation, expect, fixed_roles, register_op, require
+from .layer_ops import MLA_ATTRS
 
 
 @dataclass(frozen=True)
@@ -111,17 +112,7 @@ def _infer_absorbed(attrs, ins):
 
 
 register_op(OpDef("mla_absorbed", absorbed_roles, {
-    "layer": AttrSpec("int"),
-    "num_heads": AttrSpec("int"),
-    "q_lora_rank": AttrSpec("int", nullable=True, doc="none: q = W_q x"),
-    "kv_lora_rank": AttrSpec("int"),
-    "qk_nope_head_dim": AttrSpec("int"),
-    "qk_rope_head_dim": AttrSpec("int"),
-    "v_head_dim": AttrSpec("int"),
-    "rope": AttrSpec("str", choices=("none",), doc="NoPE: the rope dims are never rotated"),
-    "output_gate": AttrSpec("bool"),
-    "lora_norm_eps": AttrSpec("float", doc="eps of the q_a / kv_a RMSNorms"),
-    "causal": AttrSpec("bool"),
+    **MLA_ATTRS,
     "mode": AttrSpec("str", choices=("auto", "mha", "mqa"),
                      doc="auto: the cost model picks per call from (new, cached) tokens on the device's target"),
     "prefill_chunk": AttrSpec("int", doc="MHA mode: context tokens whose K/V are expanded at once"),
