@@ -60,7 +60,10 @@ def main(argv=None) -> int:
                              use_kernels=use_kernels)
         result["impls"]["kernels" if use_kernels else "torch"] = sess.describe()
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-        sess.prefill(ids[:, :args.prompt_len])          # warm-up (kernel loading / JIT)
+        # warm-up: load / JIT every kernel of both phases, including Triton's specialisations of the decode shapes
+        sess.prefill(ids[:, :args.prompt_len])
+        for i in range(min(3, args.decode)):
+            sess.decode(ids[:, args.prompt_len + i])
         sync()
         t0 = time.perf_counter()
         out = sess.prefill(ids[:, :args.prompt_len])
