@@ -1,6 +1,6 @@
 """The compiled graph (generated Triton kernels + extern ops) against k3c.reference_forward on the device at hand.
 
-    python bench/compiled_vs_reference.py [--spec examples/k3-tiny.yaml] [--device cuda] [--out result.json]
+    python bench/compiled_vs_reference.py [--spec examples/k3-tiny.yaml] [--device cuda] [--per-op] [--out result.json]
 
 Prints, for prefill and each decode step, the relative error ||compiled - ref|| / ||ref|| of the logits against
 (a) the reference in the same dtype and (b) the fp32 reference on the same (rounded) weights, plus the same run with
@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=67)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--passes", help="comma-separated pass list (default: the default pipeline)")
+    ap.add_argument("--per-op", action="store_true",
+                    help="also compare every kernel op with its torch implementation on the same inputs")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -97,6 +99,14 @@ def main(argv=None) -> int:
               f"{r['finite']}")
     for k in ("prefill_ms_kernels", "prefill_ms_torch", "decode_ms_per_step_kernels", "decode_ms_per_step_torch"):
         print(f"  {k}: {result[k]:.2f}")
+    if args.per_op:
+        from k3c.runtime.opcheck import check_ops, format_report, summarize
+
+        errors = check_ops(model, w, ids[:, :args.prompt_len + 2], decode_steps=2, device=args.device)
+        print("per-op relative error, kernel vs torch on the same inputs:")
+        print(format_report(errors))
+        result["per_op"] = [{"op": op, "phase": ph, "calls": n, "max_rel_err": worst, "finite": fin}
+                            for (op, ph), (n, worst, fin) in sorted(summarize(errors).items())]
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2)

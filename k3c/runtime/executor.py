@@ -133,10 +133,11 @@ def _implementation(op, use_kernels: bool) -> Callable:
     return fn
 
 
-def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_kernels: bool = True
-                       ) -> fx.GraphModule:
+def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_kernels: bool = True,
+                       wrap: Callable | None = None) -> fx.GraphModule:
     """An fx GraphModule computing `module` with `weights` (canonical names) as buffers. With `use_kernels`,
-    ops the codegen pass marked impl="kernel" launch their generated Triton kernels (the interpreter on a CPU)."""
+    ops the codegen pass marked impl="kernel" launch their generated Triton kernels (the interpreter on a CPU).
+    `wrap(op, fn) -> fn'` may replace each op's implementation (k3c.runtime.opcheck uses it)."""
     from . import kernels  # noqa: F401  (registers every family's kernel and reference implementations)
 
     root = torch.nn.Module()
@@ -160,6 +161,8 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
             values[op.results[0]] = graph.get_attr(buf)
             continue
         impl = _implementation(op, use_kernels)
+        if wrap is not None:
+            impl = wrap(op, impl)
         roles = get_op_def(op.op).roles(a)
         data, params = [], {}
         for role, value in zip(roles, op.inputs):
