@@ -1,8 +1,19 @@
 """Suite-wide setup. On a machine without CUDA, Triton kernels run in its interpreter, and triton must be imported
 in interpreter mode before anything else imports it (see k3c/codegen/triton_mode.py)."""
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     from k3c.codegen.triton_mode import prepare_interpreter
 
     prepare_interpreter()
+
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded torch for the duration of a test (the settings restored after): suites of many tiny ops
+    run 10-100x slower with OpenMP threads contending on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -102,10 +102,10 @@ def _check_mla(attrs):
         raise TypeCheck("attribute 'qk_rope_head_dim' must be >= 0")
 
 
-def _infer_mla(attrs, ins):
-    x, d = activation(ins)
+def expect_mla_query_and_latent(attrs, ins, d: int) -> None:
+    """Shapes of the query projections and the latent (kv_a) projection, shared by `mla` and `mla_absorbed`."""
     n, p, r = attrs["num_heads"], attrs["qk_nope_head_dim"], attrs["qk_rope_head_dim"]
-    v, lat, ql = attrs["v_head_dim"], attrs["kv_lora_rank"], attrs["q_lora_rank"]
+    lat, ql = attrs["kv_lora_rank"], attrs["q_lora_rank"]
     if ql is None:
         expect(ins["q_proj.weight"], "q_proj.weight", (n * (p + r), d))
     else:
@@ -114,6 +114,13 @@ def _infer_mla(attrs, ins):
         expect(ins["q_b_proj.weight"], "q_b_proj.weight", (n * (p + r), ql))
     expect(ins["kv_a_proj_with_mqa.weight"], "kv_a_proj_with_mqa.weight", (lat + r, d))
     expect(ins["kv_a_layernorm.weight"], "kv_a_layernorm.weight", (lat,))
+
+
+def _infer_mla(attrs, ins):
+    x, d = activation(ins)
+    n, p = attrs["num_heads"], attrs["qk_nope_head_dim"]
+    v, lat = attrs["v_head_dim"], attrs["kv_lora_rank"]
+    expect_mla_query_and_latent(attrs, ins, d)
     expect(ins["kv_b_proj.weight"], "kv_b_proj.weight", (n * (p + v), lat))
     if attrs["output_gate"]:
         expect(ins["g_proj.weight"], "g_proj.weight", (n * v, d))

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from .core import TensorType
 from .ops import AttrSpec, OpDef, Role, TypeCheck, activation, expect, fixed_roles, register_op, require
-from .layer_ops import MLA_ATTRS
+from .layer_ops import MLA_ATTRS, expect_mla_query_and_latent
 
 
 @dataclass(frozen=True)
@@ -90,16 +90,9 @@ def _check_absorbed(attrs):
 
 def _infer_absorbed(attrs, ins):
     x, d = activation(ins)
-    n, p, r = attrs["num_heads"], attrs["qk_nope_head_dim"], attrs["qk_rope_head_dim"]
-    v, lat, ql = attrs["v_head_dim"], attrs["kv_lora_rank"], attrs["q_lora_rank"]
-    if ql is None:
-        expect(ins["q_proj.weight"], "q_proj.weight", (n * (p + r), d))
-    else:
-        expect(ins["q_a_proj.weight"], "q_a_proj.weight", (ql, d))
-        expect(ins["q_a_layernorm.weight"], "q_a_layernorm.weight", (ql,))
-        expect(ins["q_b_proj.weight"], "q_b_proj.weight", (n * (p + r), ql))
-    expect(ins["kv_a_proj_with_mqa.weight"], "kv_a_proj_with_mqa.weight", (lat + r, d))
-    expect(ins["kv_a_layernorm.weight"], "kv_a_layernorm.weight", (lat,))
+    n, p = attrs["num_heads"], attrs["qk_nope_head_dim"]
+    v, lat = attrs["v_head_dim"], attrs["kv_lora_rank"]
+    expect_mla_query_and_latent(attrs, ins, d)
     expect(ins["w_uk_t"], "w_uk_t", (n, p, lat))
     if attrs["output_gate"]:
         expect(ins["g_proj.weight"], "g_proj.weight", (n * v, d))

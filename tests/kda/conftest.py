@@ -13,9 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))   # r
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread_no_grad(one_thread):
     with torch.no_grad():
         yield
-    torch.set_num_threads(before)

@@ -1,11 +1,7 @@
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are small: on a shared, loaded 2-core box intra-op threading costs far more than it gives."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_threaded(one_thread):
+    """These tensors are small: intra-op threading costs far more than it gives."""
     yield
-    torch.set_num_threads(n)

@@ -13,14 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # these tests run thousands of tiny ops: OpenMP threads only add contention (10-100x slower on a busy 2-core
-    # box), so run each test single-threaded and restore the setting afterwards
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread_no_grad(one_thread):
     with torch.no_grad():
         yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
