@@ -133,6 +133,10 @@ def _implementation(op, use_kernels: bool) -> Callable:
     return fn
 
 
+def _is_weight_transform(op) -> bool:
+    return bool(getattr(get_op_def(op.op), "weight_transform", False))
+
+
 def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_kernels: bool = True,
                        wrap: Callable | None = None) -> fx.GraphModule:
     """An fx GraphModule computing `module` with `weights` (canonical names) as buffers. With `use_kernels`,
@@ -143,6 +147,7 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
     root = torch.nn.Module()
     graph = fx.Graph()
     values: dict[str, fx.Node] = {}
+    folded: dict[str, torch.Tensor] = {}         # values that depend on weights only
     ids = graph.placeholder("input_ids")
     cache = graph.placeholder("cache")
     for op in module.ops:
@@ -159,8 +164,23 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
             if not hasattr(root, buf):
                 root.register_buffer(buf, weights[name], persistent=False)
             values[op.results[0]] = graph.get_attr(buf)
+            folded[op.results[0]] = weights[name]
             continue
         impl = _implementation(op, use_kernels)
+        if _is_weight_transform(op) and all(v in folded for v in op.inputs):
+            # evaluated once here, when the weights load, and held as buffers: no per-call cost
+            roles = get_op_def(op.op).roles(a)
+            fdata = tuple(folded[v] for r, v in zip(roles, op.inputs) if not r.param)
+            fparams = {r.name: folded[v] for r, v in zip(roles, op.inputs) if r.param}
+            with torch.no_grad():
+                out = impl(a, None, fdata, fparams)
+            outs = out if len(op.results) > 1 else (out,)
+            for result, t in zip(op.results, outs):
+                buf = _buffer_name("derived." + result)
+                root.register_buffer(buf, t, persistent=False)
+                folded[result] = t
+                values[result] = graph.get_attr(buf)
+            continue
         if wrap is not None:
             impl = wrap(op, impl)
         roles = get_op_def(op.op).roles(a)
