@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ArgumentError
 from .executor import LayerCaches, build_graph_module
-from .weight_names import model_weights
+from .weight_prep import prepare_weights
 
 
 class Session:
@@ -22,7 +22,7 @@ class Session:
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.max_context = max_context or self.spec.max_context
-        _check_weights(self.spec, weights)
+        weights = prepare_weights(compiled.module, weights, self.spec)
         if use_kernels and self.device.type == "cpu":
             from ..codegen.triton_mode import prepare_interpreter
 
@@ -87,13 +87,3 @@ class Session:
             out.append(self.decode(out[-1]).argmax(-1))
         return torch.stack(out, dim=1)
 
-
-def _check_weights(spec, weights: dict[str, torch.Tensor]) -> None:
-    from ..errors import WeightError
-
-    for info in model_weights(spec):
-        t = weights.get(info.name)
-        if t is None:
-            raise WeightError(f"weight '{info.name}' is missing for spec '{spec.name}'")
-        if tuple(t.shape) != info.shape:
-            raise WeightError(f"weight '{info.name}' has shape {tuple(t.shape)}, the spec needs {info.shape}")
