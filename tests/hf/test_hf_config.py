@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,8 @@ from k3c.frontend.hf_config import (SUPPORTED_MODEL_TYPES, quantized_weight_name
                                     spec_to_hf_config)
 from k3c.frontend.spec import DEFAULT_MXFP4_INCLUDE
 
-from conftest import DATA, ROOT
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parent / "data"
 
 K3_JSON = DATA / "kimi_k3_config.json"
 KL_JSON = DATA / "kimi_linear_48b_config.json"            # KimiLinearConfig(...).save_pretrained (transformers 5)

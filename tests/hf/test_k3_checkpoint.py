@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from k3c.runtime.checkpoint import k3_checkpoint_names, load_weights, save_k3_ch
 from k3c.runtime.weight_names import weight_table
 from k3c.runtime.weights import init_weights
 
-from conftest import ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
