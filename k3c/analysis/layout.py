@@ -234,8 +234,14 @@ def classify_params(module: Module, layout: ParallelLayout) -> list[ParamInfo]:
         split = _split_for(kind, role)
         units = {"heads": heads, "ep": experts}.get(split, {}).get(layer) if layer is not None else None
         precision, nbytes, payload, scales = param_bytes(name, ty, module)
+        numel = math.prod(ty.shape)
+        if op.attr("quant", None) == "mxfp4":
+            # packed by the mxfp4 pass: the payload carries the source's weights (two per byte), the scales none
+            is_payload = name.endswith(".weight_packed")
+            precision, numel = "mxfp4", 2 * numel if is_payload else 0
+            payload, scales = (nbytes, 0) if is_payload else (0, nbytes)
         out.append(ParamInfo(name, ty, kind, role, _category(kind, role, split), precision,
-                             math.prod(ty.shape), nbytes, payload, scales, split,
+                             numel, nbytes, payload, scales, split,
                              _fraction(split, ty, units, layout)))
     return out
 

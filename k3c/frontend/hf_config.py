@@ -391,6 +391,9 @@ class _Importer:
         if moe is not None:
             out["moe"] = moe
         out["precision"] = self.precision(out)
+        quant = self.quantization(out)
+        if quant is not None:
+            out["quantization"] = quant
         for scope in (self.top, self.t, self.lin):
             _check_typos(scope)
         return out
@@ -721,7 +724,33 @@ class _Importer:
             return {"weights": {"format": "bf16"}, "activations": "bf16"}
         self.reject_for_kimi_linear(names, None, "a quantization_config")
         scope = hit[0].sub(hit[1])
+        self.packed_scope = scope if scope.data.get("format") == "mxfp4-pack-quantized" else None
         return _import_quantization(scope, partial, self.r)
+
+    def quantization(self, partial: dict) -> dict | None:
+        """A packed checkpoint (compressed-tensors format mxfp4-pack-quantized) of MXFP4 routed experts: the graph
+        reads them packed, so the spec gets a `quantization:` section selecting what precision.weights does.
+        A `dense` export (unpacked floats) or MXFP4 outside the experts gives none."""
+        scope = getattr(self, "packed_scope", None)
+        w = partial["precision"]["weights"]
+        if scope is None or w.get("format") != "mxfp4":
+            return None
+        try:
+            probe = _probe_spec(partial)
+        except SpecError:
+            return None
+        names = _quantizable(probe)
+        chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in w["include"])
+                  and not any(fnmatch.fnmatchcase(n, p) for p in w["exclude"])}
+        if any(".block_sparse_moe.experts.w" not in n for n in chosen):
+            return None
+        out = {"format": "mxfp4", "rule": w.get("scale_rule", "floor")}
+        if list(w["include"]) != list(DEFAULT_MXFP4_INCLUDE):
+            out["include"] = list(w["include"])
+        if w["exclude"]:
+            out["exclude"] = list(w["exclude"])
+        self.r.record["quantization"] = (scope.path, scope.line)
+        return out
 
 
 def _sanitize_name(name: str) -> str:
@@ -1033,8 +1062,9 @@ def _export_quantization(spec: ModelSpec) -> dict | None:
     group: dict[str, Any] = {"targets": targets, "weights": weights}
     if act == "mxfp8":
         group["input_activations"] = dict(_MXFP8_ACTS)
-    return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-            "config_groups": {"group_0": group}, "ignore": []}
+    # packed only when the spec quantizes (its graph reads packed experts); else the checkpoint holds floats
+    fmt = "mxfp4-pack-quantized" if spec.quantization is not None else "dense"
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group}, "ignore": []}
 
 
 def dump_hf_config(spec: ModelSpec) -> str:

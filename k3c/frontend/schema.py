@@ -18,6 +18,8 @@ Schema (every section but `model`, `layers` and `mlp` is optional):
                 renormalize, routed_scaling_factor}
     precision: {weights: {format: bf16|mxfp4, include [patterns], exclude [patterns], scale_rule: floor|rceil},
                 activations: bf16|mxfp8}
+    quantization: {format: mxfp4, rule: floor|rceil, include [patterns], exclude [patterns]}
+               (what the `mxfp4` pass packs; absent = nothing is quantized)
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ import re
 from typing import Any
 
 from ..errors import SpecError
-from .spec import (DEFAULT_MXFP4_INCLUDE, LAYER_KINDS, ActivationSpec, AttnResSpec, KDASpec, MLASpec, MLPSpec,
-                   ModelSpec, MoESpec, PrecisionSpec, WeightPrecisionSpec)
+from .spec import (DEFAULT_MXFP4_INCLUDE, DEFAULT_QUANT_INCLUDE, LAYER_KINDS, ActivationSpec, AttnResSpec, KDASpec,
+                   MLASpec, MLPSpec, ModelSpec, MoESpec, PrecisionSpec, QuantizationSpec, WeightPrecisionSpec)
 from .yaml_loader import MAX_SHOWN, LocDict, LocList, clean, spec_error
 
 MAX_DIM = 1 << 20          # widths (hidden, intermediate, ranks)
@@ -41,7 +43,7 @@ PATTERN_RE = re.compile(r"^[A-Za-z0-9_.*?\[\]\-]{1,256}$")
 
 # Every key each section accepts (docs/spec.md documents each one; tests check that the two agree).
 SECTION_KEYS: dict[str, tuple[str, ...]] = {
-    "": ("name", "model", "layers", "kda", "mla", "attn_res", "mlp", "moe", "precision"),
+    "": ("name", "model", "layers", "kda", "mla", "attn_res", "mlp", "moe", "precision", "quantization"),
     "model": ("hidden_size", "vocab_size", "rms_norm_eps", "max_context", "tie_word_embeddings"),
     "layers": ("count", "index_base", "kinds", "pattern", "mla_layers", "kda_layers"),
     "kda": ("num_heads", "head_dim", "conv_kernel", "gate", "gate_lower_bound", "gate_rank", "output_gate",
@@ -55,6 +57,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
             "latent_dim", "latent_norm", "router_activation", "router_bias", "renormalize", "routed_scaling_factor"),
     "precision": ("weights", "activations"),
     "precision.weights": ("format", "include", "exclude", "scale_rule"),
+    "quantization": ("format", "rule", "include", "exclude"),
 }
 TOP_LEVEL = SECTION_KEYS[""]
 
@@ -309,11 +312,20 @@ def spec_from_data(data: LocDict, file: str) -> ModelSpec:
 
     attn_res = _attn_res(top, n_layers)
     mlp = _mlp(top.sub("mlp"), top.sub("moe", None), n_layers, hidden)
-    precision = _precision(top.sub("precision", None), mlp)
+    precision_sec = top.sub("precision", None)
+    precision = _precision(precision_sec, mlp)
+    quant_sec = top.sub("quantization", None)
+    quantization = _quantization(quant_sec)
     top.finish()
-    return ModelSpec(name=name, hidden_size=hidden, vocab_size=vocab, layer_kinds=layer_kinds, mlp=mlp, kda=kda,
-                     mla=mla, attn_res=attn_res, precision=precision, rms_norm_eps=eps, max_context=max_context,
-                     tie_word_embeddings=tie, source=file, locations=tuple(sorted(record.items())))
+    spec = ModelSpec(name=name, hidden_size=hidden, vocab_size=vocab, layer_kinds=layer_kinds, mlp=mlp, kda=kda,
+                     mla=mla, attn_res=attn_res, precision=precision, quantization=quantization, rms_norm_eps=eps,
+                     max_context=max_context, tie_word_embeddings=tie, source=file,
+                     locations=tuple(sorted(record.items())))
+    if quant_sec is not None:
+        from .quant_check import check_quantization
+
+        spec = check_quantization(spec, quant_sec, precision_sec)
+    return spec
 
 
 def _index_list(sec: Section, key: str, n_layers: int, base: int) -> tuple[list[int], dict[int, int | None]]:
@@ -501,6 +513,29 @@ def _mlp(sec: Section, moe_sec: Section | None, n_layers: int, hidden: int) -> M
     return MLPSpec(dense_layers=dense, dense_intermediate_size=dense_size or 0, activation=act, moe=moe)
 
 
+def _patterns(w: Section, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    items = w.list(key, None)
+    if items is None:
+        return default
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or not PATTERN_RE.match(item):
+            raise w.error(key, f"item {i} must be a weight-name pattern (letters, digits, _ . * ? [ ] -), "
+                               f"got {_show(item)}", w.item_line(key, i))
+    return tuple(items)
+
+
+def _quantization(sec: Section | None) -> QuantizationSpec | None:
+    """The section alone; check_quantization (quant_check.py) then matches its patterns against the weights."""
+    if sec is None:
+        return None
+    fmt = sec.choice("format", ("mxfp4",))
+    rule = sec.choice("rule", ("floor", "rceil"), "floor")
+    include = _patterns(sec, "include", DEFAULT_QUANT_INCLUDE)
+    exclude = _patterns(sec, "exclude", ())
+    sec.finish()
+    return QuantizationSpec(format=fmt, rule=rule, include=include, exclude=exclude)
+
+
 def _precision(sec: Section | None, mlp: MLPSpec) -> PrecisionSpec:
     if sec is None:
         return PrecisionSpec()
@@ -508,19 +543,8 @@ def _precision(sec: Section | None, mlp: MLPSpec) -> PrecisionSpec:
     weights = WeightPrecisionSpec()
     if w is not None:
         fmt = w.choice("format", ("bf16", "mxfp4"), "bf16")
-
-        def patterns(key: str, default: tuple[str, ...]) -> tuple[str, ...]:
-            items = w.list(key, None)
-            if items is None:
-                return default
-            for i, item in enumerate(items):
-                if not isinstance(item, str) or not PATTERN_RE.match(item):
-                    raise w.error(key, f"item {i} must be a weight-name pattern (letters, digits, _ . * ? [ ] -), "
-                                       f"got {_show(item)}", w.item_line(key, i))
-            return tuple(items)
-
-        include = patterns("include", DEFAULT_MXFP4_INCLUDE if fmt == "mxfp4" else ())
-        exclude = patterns("exclude", ())
+        include = _patterns(w, "include", DEFAULT_MXFP4_INCLUDE if fmt == "mxfp4" else ())
+        exclude = _patterns(w, "exclude", ())
         rule = w.choice("scale_rule", ("floor", "rceil"), "floor")
         w.finish()
         if fmt == "bf16" and include:
@@ -579,4 +603,8 @@ def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
         weights["include"] = list(w.include)
         weights["exclude"] = list(w.exclude)
     out["precision"] = {"weights": weights, "activations": spec.precision.activations}
+    q = spec.quantization
+    if q is not None:
+        out["quantization"] = {"format": q.format, "rule": q.rule, "include": list(q.include),
+                               "exclude": list(q.exclude)}
     return out

@@ -114,6 +114,18 @@ class PrecisionSpec:
 
 
 DEFAULT_MXFP4_INCLUDE = ("layers.*.block_sparse_moe.experts.*",)
+# what the `mxfp4` pass quantizes when `quantization:` gives no include list: the routed expert stacks (as K3)
+DEFAULT_QUANT_INCLUDE = ("*.experts.w1", "*.experts.w3", "*.experts.w2")
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """What k3c does to the weights at compile time (the `mxfp4` pass). `precision:` only declares formats for
+    cost analysis; this section makes the compiled graph read packed MXFP4 weights."""
+    format: Literal["mxfp4"] = "mxfp4"
+    rule: Literal["floor", "rceil"] = "floor"
+    include: tuple[str, ...] = DEFAULT_QUANT_INCLUDE   # fnmatch patterns over canonical weight names
+    exclude: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,7 @@ class ModelSpec:
     mla: MLASpec | None = None
     attn_res: AttnResSpec | None = None
     precision: PrecisionSpec = PrecisionSpec()
+    quantization: QuantizationSpec | None = None  # None: no weight is quantized
     rms_norm_eps: float = 1e-5
     max_context: int = 4096
     tie_word_embeddings: bool = False

@@ -62,7 +62,17 @@ def module_attrs(spec: ModelSpec) -> dict:
         "dtype": "bf16", "attn_res_block_size": spec.attn_res.block_size if spec.attn_res else None,
         "weight_format": w.format, "mxfp4_include": w.include, "mxfp4_exclude": w.exclude,
         "mxfp4_scale_rule": w.scale_rule, "activation_format": spec.precision.activations,
+        **quantization_attrs(spec),
     }
+
+
+def quantization_attrs(spec: ModelSpec) -> dict:
+    """The `quantization:` section as module attrs, read by the `mxfp4` pass (none without the section, so the
+    IR of an unquantized spec is unchanged)."""
+    q = spec.quantization
+    if q is None:
+        return {}
+    return {"quant_format": q.format, "quant_rule": q.rule, "quant_include": q.include, "quant_exclude": q.exclude}
 
 
 class _Lowering:

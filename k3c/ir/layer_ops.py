@@ -166,7 +166,10 @@ def moe_roles(attrs: Mapping[str, Any]) -> tuple[Role, ...]:
     params = ["gate.weight"]
     if attrs.get("router_bias"):
         params.append("gate.e_score_correction_bias")
-    params += ["experts.w1", "experts.w3", "experts.w2"]
+    if attrs.get("expert_format", "bf16") == "mxfp4":      # set by the mxfp4 pass
+        params += [f"experts.{w}.{part}" for w in ("w1", "w3", "w2") for part in ("weight_packed", "weight_scale")]
+    else:
+        params += ["experts.w1", "experts.w3", "experts.w2"]
     if attrs.get("num_shared_experts", 0) > 0:
         params += [f"shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
     if attrs.get("latent_dim") is not None:
@@ -195,11 +198,14 @@ def _infer_moe(attrs, ins):
     expect(ins["gate.weight"], "gate.weight", (e, d))
     if attrs["router_bias"]:
         expect(ins["gate.e_score_correction_bias"], "gate.e_score_correction_bias", (e,))
-    w1 = ins["experts.w1"]
-    expect(w1, "experts.w1", (e, None, z))
-    m = w1.shape[1]
-    expect(ins["experts.w3"], "experts.w3", (e, m, z))
-    expect(ins["experts.w2"], "experts.w2", (e, z, m))
+    if attrs.get("expert_format", "bf16") == "mxfp4":
+        _expect_mxfp4_experts(ins, e, z)
+    else:
+        w1 = ins["experts.w1"]
+        expect(w1, "experts.w1", (e, None, z))
+        m = w1.shape[1]
+        expect(ins["experts.w3"], "experts.w3", (e, m, z))
+        expect(ins["experts.w2"], "experts.w2", (e, z, m))
     if attrs["num_shared_experts"] > 0:
         g = ins["shared_experts.gate_proj.weight"]
         expect(g, "shared_experts.gate_proj.weight", (None, d))
@@ -211,6 +217,21 @@ def _infer_moe(attrs, ins):
             expect(ins["routed_expert_norm.weight"], "routed_expert_norm.weight", (z,))
         expect(ins["routed_expert_up_proj.weight"], "routed_expert_up_proj.weight", (d, z))
     return (x,)
+
+
+def _expect_mxfp4_experts(ins, e: int, z) -> None:
+    """Packed E2M1 payload u8 [E, out, in/2] and E8M0 scales u8 [E, out, in/32] per stack (k3c.quant layout)."""
+    u8 = frozenset({"u8"})
+    w1 = ins["experts.w1.weight_packed"]
+    expect(w1, "experts.w1.weight_packed", (e, None, None), u8)
+    m = w1.shape[1]
+    for w, (rows, cols) in (("w1", (m, z)), ("w3", (m, z)), ("w2", (z, m))):
+        half = cols // 2 if isinstance(cols, int) else None
+        blocks = cols // 32 if isinstance(cols, int) else None
+        require(not isinstance(cols, int) or cols % 32 == 0,
+                f"experts.{w}: reduction dimension {cols} is not a multiple of the MXFP4 block 32")
+        expect(ins[f"experts.{w}.weight_packed"], f"experts.{w}.weight_packed", (e, rows, half), u8)
+        expect(ins[f"experts.{w}.weight_scale"], f"experts.{w}.weight_scale", (e, rows, blocks), u8)
 
 
 register_op(OpDef("moe", moe_roles, {
@@ -225,6 +246,8 @@ register_op(OpDef("moe", moe_roles, {
     "latent_dim": AttrSpec("int", nullable=True, doc="LatentMoE width; none: experts at hidden width"),
     "latent_norm": AttrSpec("bool"),
     "norm_eps": AttrSpec("float", doc="eps of the latent RMSNorm"),
+    "expert_format": AttrSpec("str", required=False, choices=("bf16", "mxfp4"),
+                              doc="routed expert weights: bf16 stacks (absent = bf16) or MXFP4 packed + scales"),
     **ACT_ATTRS,
 }, _infer_moe, _check_moe, doc="(latent) mixture of experts with shared experts (K3.md section 5)"))
 

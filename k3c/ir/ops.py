@@ -155,7 +155,12 @@ NAME_ATTR = {"name": AttrSpec("str", doc="model input / canonical weight name")}
 
 register_op(OpDef("input", fixed_roles(), NAME_ATTR, keep=True, pure=False,
                   doc="a model input (e.g. token ids i64[B, T]); its type is declared"))
-register_op(OpDef("param", fixed_roles(), NAME_ATTR,
+# a weight a pass derived from another one (the `mxfp4` pass: `P.weight_packed` / `P.weight_scale` from `P`)
+PARAM_ATTRS = {**NAME_ATTR,
+               "quant": AttrSpec("str", required=False, choices=("mxfp4",), doc="quantized form of `source`"),
+               "rule": AttrSpec("str", required=False, choices=("floor", "rceil"), doc="MX scale rule"),
+               "source": AttrSpec("str", required=False, doc="the canonical weight it is derived from")}
+register_op(OpDef("param", fixed_roles(), PARAM_ATTRS,
                   doc="a weight, named by its canonical weight name; its type is declared, no data in the IR"))
 
 

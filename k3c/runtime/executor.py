@@ -81,8 +81,21 @@ def k3c_mlp(a, cache, data, w):
     return ref.mlp(data[0], w, _activation(a))
 
 
+def _mxfp4_experts(w: dict) -> dict:
+    """expert_format mxfp4: the packed stacks as lazily dequantized ones (only experts with tokens are expanded)."""
+    from ..quant.packed import MXFP4Stack
+
+    out = {k: v for k, v in w.items() if not k.startswith("experts.")}
+    for s in ("w1", "w3", "w2"):
+        out[f"experts.{s}"] = MXFP4Stack(w[f"experts.{s}.weight_packed"], w[f"experts.{s}.weight_scale"],
+                                         name=f"experts.{s}")
+    return out
+
+
 def k3c_moe(a, cache, data, w):
     x = data[0]
+    if a.get("expert_format", "bf16") == "mxfp4":
+        w = _mxfp4_experts(w)
     cfg = MoESpec(num_experts=a["num_experts"], top_k=a["top_k"], expert_intermediate_size=w["experts.w1"].shape[1],
                   num_shared_experts=a["num_shared_experts"], latent_dim=a["latent_dim"],
                   latent_norm=a["latent_norm"], router_activation=a["router_activation"],

@@ -22,16 +22,80 @@ def graph_params(module: Module) -> dict[str, object]:
 
 def prepare_weights(module: Module, weights: dict[str, torch.Tensor], spec=None) -> dict[str, torch.Tensor]:
     """The subset of `weights` the graph reads, after load-time preparation, each checked against its param type.
-    Raises WeightError for a missing weight or a wrong shape or dtype."""
+    Raises WeightError for a missing weight or a wrong shape or dtype.
+
+    MXFP4 (params with attr quant="mxfp4", named `P.weight_packed` / `P.weight_scale`, source P): packed tensors
+    given under those names (a packed checkpoint) are used as they are; otherwise a float `P` is quantized here, once,
+    with the param's scale rule. The other way round, a graph reading a float `P` given only packed tensors (a K3
+    checkpoint compiled without quantization) gets it dequantized."""
     out: dict[str, torch.Tensor] = {}
-    for name, ty in graph_params(module).items():
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}     # source -> (packed, scales) made here
+    params = {op.attr("name"): op for op in module.ops if op.op == "param"}
+    for name, op in params.items():
+        ty = op.types[0]
         t = weights.get(name)
+        if t is None and op.attr("quant", None) == "mxfp4":
+            t = _quantized_part(name, op, weights, quantized)
+        elif t is None and f"{name}.weight_packed" in weights:
+            t = _dequantized(name, weights)
         if t is None:
             raise WeightError(f"weight '{name}' is missing" + (f" for spec '{spec.name}'" if spec is not None else ""))
         want = tuple(ty.shape)
         if all(isinstance(d, int) for d in want) and tuple(t.shape) != want:
             raise WeightError(f"weight '{name}' has shape {tuple(t.shape)}, the graph needs {want}")
+        if ty.dtype == "u8" and t.dtype != torch.uint8:
+            raise WeightError(f"weight '{name}' has dtype {t.dtype}, the graph needs uint8 (MXFP4 "
+                              f"{'payload' if name.endswith('.weight_packed') else 'E8M0 scales'})")
         if t.is_floating_point() != (ty.dtype in _FLOAT_DTYPES):       # float weights may be bf16 or f32
             raise WeightError(f"weight '{name}' has dtype {t.dtype}, the graph needs {ty.dtype}")
         out[name] = t
     return out
+
+
+def _quantized_part(name: str, op, weights: dict, made: dict) -> torch.Tensor | None:
+    """`P.weight_packed` or `P.weight_scale` made from the float weight P (once for both parts)."""
+    source, rule = op.attr("source"), op.attr("rule", "floor")
+    sibling = f"{source}.weight_scale" if name.endswith(".weight_packed") else f"{source}.weight_packed"
+    if sibling in weights:
+        raise WeightError(f"weight '{name}' is missing while '{sibling}' is given (a packed checkpoint holds both)")
+    if source not in made:
+        w = weights.get(source)
+        if w is None:
+            return None
+        if not w.is_floating_point():
+            raise WeightError(f"weight '{source}' has dtype {w.dtype}; MXFP4 quantization needs a float tensor")
+        made[source] = _quantize(source, w, rule)
+    packed, scales = made[source]
+    return packed if name.endswith(".weight_packed") else scales
+
+
+def _quantize(name: str, w: torch.Tensor, rule: str, chunk_bytes: int = 1 << 28) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxfp4_quantize along the last dim, a slab of leading rows at a time (bounded temporaries for K3 stacks)."""
+    from ..quant import BLOCK_SIZE, mxfp4_quantize
+
+    if w.dim() == 0 or w.shape[-1] % BLOCK_SIZE:
+        raise WeightError(f"weight '{name}' {tuple(w.shape)}: its last (reduction) dimension must be a multiple of "
+                          f"{BLOCK_SIZE} for MXFP4")
+    flat = w.reshape(-1, w.shape[-1])
+    rows = max(1, chunk_bytes // max(1, w.shape[-1] * 16))
+    parts = [mxfp4_quantize(flat[i:i + rows], rule) for i in range(0, flat.shape[0], rows)]
+    packed = torch.cat([p for p, _ in parts]).reshape(*w.shape[:-1], -1)
+    scales = torch.cat([s for _, s in parts]).reshape(*w.shape[:-1], -1)
+    return packed, scales
+
+
+def _dequantized(name: str, weights: dict) -> torch.Tensor:
+    from ..quant import mxfp4_dequantize
+
+    packed, scales = weights[f"{name}.weight_packed"], weights.get(f"{name}.weight_scale")
+    if scales is None:
+        raise WeightError(f"weight '{name}.weight_packed' is given without '{name}.weight_scale'")
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise WeightError(f"weights '{name}.weight_packed' / '.weight_scale' must be uint8, got {packed.dtype} and "
+                          f"{scales.dtype}")
+    ref = weights.get("embed_tokens.weight")
+    dtype = ref.dtype if ref is not None and ref.is_floating_point() else torch.bfloat16
+    try:
+        return mxfp4_dequantize(packed, scales, dtype)
+    except ValueError as exc:
+        raise WeightError(f"weight '{name}': {exc}") from None
