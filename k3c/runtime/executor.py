@@ -28,6 +28,7 @@ class LayerCaches:
     def __init__(self, num_layers: int):
         self.layers: list[Any] = [None] * num_layers
         self.length = 0
+        self.modes: dict[int, str] = {}        # MLA layer -> the mode ("mha" | "mqa") its last call ran
 
     def copy(self) -> "LayerCaches":
         out = LayerCaches(len(self.layers))

@@ -14,6 +14,28 @@ from .executor import LayerCaches, build_graph_module
 from .weight_prep import prepare_weights
 
 
+def load_graph(compiled, weights: dict[str, torch.Tensor], device: torch.device, use_kernels: bool):
+    """The compiled graph with `weights` (checked against the IR's params) on `device`."""
+    weights = prepare_weights(compiled.module, weights, compiled.spec)
+    if use_kernels and device.type == "cpu":
+        from ..codegen.triton_mode import prepare_interpreter
+
+        prepare_interpreter()       # generated kernels run in Triton's interpreter on a CPU
+    on_device = {name: t.to(device) for name, t in weights.items()}
+    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels)
+
+
+def describe_graph(compiled, use_kernels: bool) -> str:
+    impls: dict[str, int] = {}
+    for op in compiled.module.ops:
+        impl = op.attr("impl", None)
+        if impl is not None:
+            impl = impl if (use_kernels or impl != "kernel") else "torch (kernels off)"
+            impls[impl] = impls.get(impl, 0) + 1
+    parts = ", ".join(f"{n} {k}" for k, n in sorted(impls.items())) or "no impl marks (codegen not run)"
+    return f"torch.fx graph from the IR after {len(compiled.pass_names)} passes: {parts}"
+
+
 class Session:
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
                  max_context: int | None = None, use_kernels: bool = True):
@@ -22,25 +44,12 @@ class Session:
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.max_context = max_context or self.spec.max_context
-        weights = prepare_weights(compiled.module, weights, self.spec)
-        if use_kernels and self.device.type == "cpu":
-            from ..codegen.triton_mode import prepare_interpreter
-
-            prepare_interpreter()       # generated kernels run in Triton's interpreter on a CPU
-        on_device = {name: t.to(self.device) for name, t in weights.items()}
         self.use_kernels = use_kernels
-        self.graph = build_graph_module(compiled.module, on_device, use_kernels=use_kernels)
+        self.graph = load_graph(compiled, weights, self.device, use_kernels)
         self.cache: LayerCaches | None = None
 
     def describe(self) -> str:
-        impls: dict[str, int] = {}
-        for op in self.compiled.module.ops:
-            impl = op.attr("impl", None)
-            if impl is not None:
-                impl = impl if (self.use_kernels or impl != "kernel") else "torch (kernels off)"
-                impls[impl] = impls.get(impl, 0) + 1
-        parts = ", ".join(f"{n} {k}" for k, n in sorted(impls.items())) or "no impl marks (codegen not run)"
-        return f"torch.fx graph from the IR after {len(self.compiled.pass_names)} passes: {parts}"
+        return describe_graph(self.compiled, self.use_kernels)
 
     @property
     def length(self) -> int:

@@ -1,0 +1,341 @@
+"""Serving engine: continuous batching over the compiled graph with a paged MLA latent cache.
+
+    eng = Engine(model, w, device="cuda", max_batch=32, max_context=16384, prefix_cache=PrefixCache())
+    rid = eng.add_request(prompt_ids, max_new_tokens=64)    # joins at the next step
+    outs = eng.step()                                       # [StepOutput(rid, token, logits, finished)]
+    eng.finish(rid)                                         # leave early (finished requests leave by themselves)
+
+Each step admits waiting requests (up to max_batch; a request is admitted only when the pool can hold its worst case
+on top of what running requests may still claim, so a step never runs out of pages), feeds every running sequence
+its next segment (the rest of its prompt, cut at prefix-cache checkpoint boundaries and `prefill_chunk`, or its last
+generated token), one graph call per group of equal segment length, and samples greedily. Sequences of different
+lengths share a call: MLA reads each one's pages and length from the block table, KDA states are per row.
+
+Lower level (what Session-like callers and tests drive): `open()` a sequence, `extend(rids, segments)` appends
+segments and returns their logits; running out of pages there raises CacheFullError before anything changes.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen.launch import target_for
+from ..errors import ArgumentError
+from .block_pool import BlockPool, CacheFullError
+from .executor import LayerCaches
+from .kernels.mla import LatentStore, PagedLatentCache
+from .seq_state import SeqState, gather_kda
+from .session import describe_graph, load_graph
+
+
+@dataclass
+class StepOutput:
+    rid: int
+    token: int               # the sampled token (greedy)
+    logits: torch.Tensor     # [vocab] logits it was sampled from
+    finished: bool
+
+
+class Engine:
+    def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
+                 max_context: int | None = None, num_pages: int | None = None, page_size: int | None = None,
+                 use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None):
+        spec = compiled.spec
+        if any(op.op == "mla" for op in compiled.module.ops):
+            raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
+                                "(the default pipeline)")
+        for name, v in (("max_batch", max_batch), ("max_context", max_context), ("num_pages", num_pages),
+                        ("page_size", page_size), ("prefill_chunk", prefill_chunk)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ArgumentError(f"{name} must be a positive integer, got {v!r}")
+        self.compiled, self.spec = compiled, spec
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.max_context = max_context or spec.max_context
+        self.use_kernels = use_kernels
+        self.prefill_chunk = prefill_chunk
+        self.dtype = weights["embed_tokens.weight"].dtype
+        self.graph = graph if graph is not None else load_graph(compiled, weights, self.device, use_kernels)
+        self.kda_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "kda"]
+        self.mla_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "mla"]
+        ps = page_size or target_for(self.device).mla_page_size
+        width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim if spec.mla else 0
+        pages = num_pages or max_batch * -(-self.max_context // ps)
+        self.pool = BlockPool(pages, ps, {i: width for i in self.mla_layers}, self.dtype, self.device)
+        self.seqs: dict[int, SeqState] = {}
+        self.running: list[SeqState] = []
+        self.waiting: deque[SeqState] = deque()
+        self._budget: dict[int, int] = {}          # rid -> pages it may still claim (admission reserve)
+        self._next_rid = 0
+        self.last_modes: dict[int, str] = {}       # MLA layer -> mode of the last graph call
+        self.stats = Counter()
+        self.mode_counts: Counter = Counter()      # (layer, mode) -> calls
+        self.prefix = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.attach(self)
+
+    def describe(self) -> str:
+        return describe_graph(self.compiled, self.use_kernels)
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def _tokens(self, ids, name: str) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1:
+                raise ArgumentError(f"{name} must be a 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+            ids = ids.tolist()
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ArgumentError(f"{name} must hold at least one token")
+        if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
+            raise ArgumentError(f"{name}: token ids must be in [0, {self.spec.vocab_size})")
+        return ids
+
+    def _new_seq(self, tokens: list[int], max_new: int, scheduled: bool) -> SeqState:
+        seq = SeqState(self._next_rid, tokens, len(tokens), max_new, scheduled=scheduled, t_added=time.perf_counter())
+        seq.kda = {i: None for i in self.kda_layers}
+        self._next_rid += 1
+        self.seqs[seq.rid] = seq
+        return seq
+
+    def add_request(self, prompt, max_new_tokens: int = 16) -> int:
+        """Queue a request (prompt: 1-D token ids); it joins the batch at the next step with room. Returns its id."""
+        tokens = self._tokens(prompt, "prompt")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ArgumentError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if len(tokens) + max_new_tokens > self.max_context:
+            raise ArgumentError(f"prompt of {len(tokens)} + {max_new_tokens} new tokens exceeds max_context "
+                                f"{self.max_context}")
+        if self.pool.pages_for(len(tokens) + max_new_tokens) > self.pool.num_pages:
+            raise CacheFullError(f"a request of {len(tokens) + max_new_tokens} tokens needs "
+                                 f"{self.pool.pages_for(len(tokens) + max_new_tokens)} MLA pages, the pool has "
+                                 f"{self.pool.num_pages}")
+        seq = self._new_seq(tokens, max_new_tokens, scheduled=True)
+        self.waiting.append(seq)
+        return seq.rid
+
+    def open(self) -> int:
+        """A sequence driven by extend() (not by step)."""
+        return self._new_seq([], 0, scheduled=False).rid
+
+    def finish(self, rid: int) -> None:
+        """Remove a sequence (running, waiting or opened): checkpoint it in the prefix cache, release its pages."""
+        seq = self.seqs.pop(rid, None)
+        if seq is None:
+            raise ArgumentError(f"no sequence with id {rid}")
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._budget.pop(rid, None)
+        if self.prefix is not None and seq.length > 0 and self.prefix.on_finish:
+            self.prefix.insert(seq)
+        self.pool.decref(seq.pages)
+        seq.pages, seq.kda = [], {}
+
+    # -- admission ----------------------------------------------------------------------------------------------
+    def _outstanding(self) -> int:
+        return sum(max(0, b) for b in self._budget.values())
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if self.prefix is not None:
+                self.prefix.resume(seq)
+            ps = self.pool.page_size
+            need = self.pool.pages_for(seq.prompt_len + seq.max_new_tokens) - len(seq.pages)
+            if self.pool.used and seq.length % ps:
+                need += 1                      # the shared partial last page may be copied
+            while self.pool.num_free - self._outstanding() < need and self.prefix is not None \
+                    and self.prefix.evict_for_pages():
+                pass
+            if self.pool.num_free - self._outstanding() < need:
+                if not self.running:
+                    raise CacheFullError(f"MLA cache full: request {seq.rid} needs {need} pages, "
+                                         f"{self.pool.num_free} of {self.pool.num_pages} are free")
+                self._unresume(seq)
+                return                          # wait for running requests to leave
+            self.waiting.popleft()
+            self._budget[seq.rid] = need
+            self.running.append(seq)
+            self.stats["prompt_tokens"] += seq.prompt_len
+            self.stats["resumed_tokens"] += seq.resumed
+
+    def _unresume(self, seq: SeqState) -> None:
+        self.pool.decref(seq.pages)
+        seq.pages, seq.length, seq.resumed, seq.last_logits = [], 0, 0, None
+        seq.kda = {i: None for i in self.kda_layers}
+
+    # -- stepping -----------------------------------------------------------------------------------------------
+    def _segment(self, seq: SeqState) -> list[int]:
+        end = len(seq.tokens)
+        if self.prefill_chunk:
+            end = min(end, seq.length + self.prefill_chunk)
+        if self.prefix is not None:
+            iv = self.prefix.interval
+            end = min(end, (seq.length // iv + 1) * iv)         # stop at the next checkpoint boundary
+        return seq.tokens[seq.length:end]
+
+    def step(self) -> list[StepOutput]:
+        """Admit, run one segment of every running sequence, sample; finished requests leave."""
+        self._admit()
+        work = [s for s in self.running if s.pending > 0]
+        logits = self._run([(s, self._segment(s)) for s in work], evict=True) if work else {}
+        outs = []
+        now = time.perf_counter()
+        for seq in list(self.running):
+            if seq.rid in logits:
+                seq.last_logits = logits[seq.rid][-1]
+                self._maybe_checkpoint(seq)
+            if seq.pending or seq.last_logits is None:
+                continue                                         # still prefilling
+            tok = int(seq.last_logits.argmax())
+            seq.generated.append(tok)
+            seq.tokens.append(tok)
+            if seq.t_first is None:
+                seq.t_first = now
+            done = seq.done
+            outs.append(StepOutput(seq.rid, tok, seq.last_logits, done))
+            if done:
+                self.finish(seq.rid)
+        self.stats["steps"] += 1
+        return outs
+
+    def _maybe_checkpoint(self, seq: SeqState) -> None:
+        if self.prefix is not None and (seq.length == seq.prompt_len or seq.length % self.prefix.interval == 0):
+            self.prefix.insert(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until every queued request has finished: {rid: generated tokens}."""
+        got: dict[int, list[int]] = {}
+        while self.has_work():
+            for o in self.step():
+                got.setdefault(o.rid, []).append(o.token)
+        return got
+
+    def generate(self, prompts, max_new_tokens: int = 16) -> list[list[int]]:
+        """Greedy continuations of several prompts (any lengths), batched continuously."""
+        rids = [self.add_request(p, max_new_tokens) for p in prompts]
+        got = self.run()
+        return [got[r] for r in rids]
+
+    # -- explicit segments --------------------------------------------------------------------------------------
+    def extend(self, rids: list[int], segments) -> list[torch.Tensor]:
+        """Append segments (token id lists, any lengths) to opened sequences: their logits [T_i, vocab] each."""
+        if len(rids) != len(segments):
+            raise ArgumentError(f"{len(rids)} rids but {len(segments)} segments")
+        if len(set(rids)) != len(rids):
+            raise ArgumentError("a sequence may appear once per extend() call")
+        plan = []
+        for rid, seg in zip(rids, segments):
+            seq = self.seqs.get(rid)
+            if seq is None or seq.scheduled:
+                raise ArgumentError(f"no opened sequence with id {rid} (open() one; requests are driven by step)")
+            seg = self._tokens(seg, f"segment of sequence {rid}")
+            if seq.length + len(seg) > self.max_context:
+                raise ArgumentError(f"sequence {rid}: {seq.length} cached + {len(seg)} new tokens exceed "
+                                    f"max_context {self.max_context}")
+            plan.append((seq, seg))
+        out = self._run(plan, evict=True)
+        for seq, seg in plan:
+            seq.tokens.extend(seg)
+            seq.last_logits = out[seq.rid][-1]
+            self._maybe_checkpoint(seq)
+        return [out[r] for r in rids]
+
+    # -- graph calls ----------------------------------------------------------------------------------------------
+    def _reserve(self, plan, evict: bool):
+        """Pages for every (seq, segment) of a step, or CacheFullError with nothing changed. Returns the undo log."""
+        pool, ps = self.pool, self.pool.page_size
+        needs, total = [], 0
+        for seq, seg in plan:
+            new = pool.pages_for(seq.length + len(seg)) - len(seq.pages)
+            off = seq.length % ps
+            cow = bool(pool.used and off and pool.needs_copy(seq.pages[seq.length // ps], off))
+            needs.append((new, cow))
+            total += new + cow
+        # pages promised to admitted requests stay theirs unless this plan is theirs
+        if pool.used and total > pool.num_free and evict and self.prefix is not None:
+            while total > pool.num_free and self.prefix.evict_for_pages():
+                pass
+        if total > pool.num_free:
+            raise CacheFullError(f"MLA cache full: this step needs {total} pages, {pool.num_free} of "
+                                 f"{pool.num_pages} are free (page size {ps}); finish requests or give the engine "
+                                 "more num_pages")
+        undo = []
+        for (seq, seg), (new, cow) in zip(plan, needs):
+            before = list(seq.pages)
+            if cow:
+                idx = seq.length // ps
+                fresh = pool.alloc(1)[0]
+                pool.copy_page(seq.pages[idx], fresh, seq.length % ps)
+                seq.pages[idx] = fresh
+            seq.pages.extend(pool.alloc(new))
+            undo.append((seq, before))
+            if seq.rid in self._budget:
+                self._budget[seq.rid] -= new + cow
+        return undo
+
+    def _rollback(self, undo) -> None:
+        for seq, before in undo:
+            self.pool.decref([p for p in seq.pages if p not in before])
+            seq.pages = before
+
+    def _commit(self, undo) -> None:
+        for seq, before in undo:        # pages replaced by a copy lose this sequence's reference
+            self.pool.decref([p for p in before if p not in seq.pages])
+
+    def _run(self, plan, evict: bool) -> dict[int, torch.Tensor]:
+        """One graph call per group of equal segment length (at most max_batch rows each). {rid: logits [T, V]}."""
+        undo = self._reserve(plan, evict)
+        groups: dict[int, list] = {}
+        for seq, seg in plan:
+            groups.setdefault(len(seg), []).append((seq, seg))
+        out: dict[int, torch.Tensor] = {}
+        done = set()
+        try:
+            for t, items in groups.items():
+                for i in range(0, len(items), self.max_batch):
+                    chunk = items[i:i + self.max_batch]
+                    logits = self._call([s for s, _ in chunk], torch.tensor([g for _, g in chunk]))
+                    for j, (seq, _) in enumerate(chunk):
+                        out[seq.rid] = logits[j]
+                        done.add(seq.rid)
+        except BaseException:
+            self._rollback([u for u in undo if u[0].rid not in done])
+            self._commit([u for u in undo if u[0].rid in done])
+            raise
+        self._commit(undo)
+        return out
+
+    def _call(self, seqs: list[SeqState], ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        cache = LayerCaches(self.spec.num_layers)
+        for i in self.kda_layers:
+            cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
+        if self.mla_layers:
+            lens = tuple(s.length for s in seqs)
+            bt = self.pool.block_table([s.pages for s in seqs], self.device)
+            for i in self.mla_layers:
+                cache.layers[i] = PagedLatentCache(LatentStore(self.pool.pools[i], bt, list(lens)), lens)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = self.graph(ids.to(self.device), cache)
+        kind = "decode" if T == 1 else "prefill"
+        self.stats[f"{kind}_calls"] += 1
+        self.stats[f"{kind}_tokens"] += B * T
+        self.stats[f"{kind}_seconds_launch"] += time.perf_counter() - t0     # host time (no device sync)
+        for j, seq in enumerate(seqs):                 # commit: nothing above changed a sequence
+            for i in self.kda_layers:
+                seq.kda[i] = (cache.layers[i], j)
+            self.pool.mark_written(seq.pages, seq.length, seq.length + T)
+            seq.length += T
+        self.last_modes = dict(getattr(cache, "modes", {}))
+        for layer, mode in self.last_modes.items():
+            self.mode_counts[(layer, mode)] += 1
+        return logits

@@ -1,0 +1,155 @@
+"""Serving engine: continuous batching over a paged MLA cache equals the reference and running each request alone;
+running out of pages fails before any state changes; the MLA mode that ran is exposed."""
+import pytest
+import torch
+
+import k3c
+from k3c.errors import ArgumentError
+from k3c.runtime.block_pool import CacheFullError
+from k3c.runtime.engine import Engine
+
+TINY = "examples/k3-tiny.yaml"
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    spec = k3c.load_spec(TINY)
+    return spec, k3c.compile(spec, target="mi355x"), k3c.init_weights(spec, seed=0)
+
+
+def engine(tiny, **kw):
+    spec, model, w = tiny
+    kw.setdefault("max_context", 64)
+    kw.setdefault("page_size", 8)
+    return Engine(model, w, use_kernels=False, **kw)
+
+
+def prompts(spec, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def check_against_reference(spec, w, prompt, outs):
+    """Every sampled token's logits against one reference prefill of prompt + generated (teacher forced)."""
+    toks = prompt + [o.token for o in outs]
+    ref = k3c.reference_forward(spec, w, torch.tensor([toks]))[0]
+    got = torch.stack([o.logits for o in outs])
+    assert rel(got, ref[len(prompt) - 1:len(toks) - 1]) <= 1e-5
+    assert [o.token for o in outs] == got.argmax(-1).tolist()
+
+
+def test_continuous_batching_matches_reference_and_alone(tiny, one_thread):
+    spec, model, w = tiny
+    ps = prompts(spec, (11, 19, 6), seed=1)
+    news = (7, 4, 6)
+    eng = engine(tiny, max_batch=3)
+    joins = {0: [0], 2: [1], 5: [2]}            # request index -> joins before that step
+    rids, outs = {}, {}
+    for step in range(40):
+        for i in joins.get(step, []):
+            rids[i] = eng.add_request(ps[i], news[i])
+        for o in eng.step():
+            outs.setdefault(o.rid, []).append(o)
+        if step > 5 and not eng.has_work():
+            break
+    assert not eng.has_work()
+    assert eng.stats["decode_calls"] < sum(news)          # decodes of different requests shared calls
+    for i, p in enumerate(ps):
+        got = outs[rids[i]]
+        assert len(got) == news[i] and got[-1].finished
+        check_against_reference(spec, w, p, got)
+        alone = engine(tiny, max_batch=1)
+        r = alone.add_request(p, news[i])
+        solo = []
+        while alone.has_work():
+            solo += alone.step()
+        assert [o.token for o in solo] == [o.token for o in got]
+        assert rel(torch.stack([o.logits for o in got]), torch.stack([o.logits for o in solo])) <= 1e-5
+        assert r == 0
+    eng.pool.check_empty()                                 # every page returned
+
+
+def test_extend_mixed_lengths_in_one_call(tiny, one_thread):
+    spec, model, w = tiny
+    eng = engine(tiny, max_batch=4)
+    a, b = eng.open(), eng.open()
+    pa, pb = prompts(spec, (13, 5), seed=2)
+    la, lb = eng.extend([a, b], [pa[:9], pb])              # two groups (9 and 5 tokens)
+    sa, sb = prompts(spec, (4, 4), seed=3)
+    la2, lb2 = eng.extend([a, b], [sa, sb])                # one call: cached lengths 9 and 5, pages of size 8
+    ref_a = k3c.reference_forward(spec, w, torch.tensor([pa[:9] + sa]))[0]
+    ref_b = k3c.reference_forward(spec, w, torch.tensor([pb + sb]))[0]
+    assert rel(torch.cat([la, la2]), ref_a) <= 1e-5
+    assert rel(torch.cat([lb, lb2]), ref_b) <= 1e-5
+    assert eng.seqs[a].length == 13 and len(eng.seqs[a].pages) == 2
+    eng.finish(a)
+    eng.finish(b)
+    eng.pool.check_empty()
+
+
+def test_out_of_pages_raises_before_any_state_changes(tiny, one_thread):
+    spec, model, w = tiny
+    eng = engine(tiny, num_pages=4, max_batch=4)
+    a, b = eng.open(), eng.open()
+    pa, pb = prompts(spec, (10, 7), seed=4)
+    eng.extend([a, b], [pa, pb])                           # 2 + 1 pages: 1 left
+    before = {r: (list(eng.seqs[r].pages), eng.seqs[r].length, dict(eng.seqs[r].kda)) for r in (a, b)}
+    free = eng.pool.num_free
+    with pytest.raises(CacheFullError, match="MLA cache full: this step needs 2 pages, 1 of 4 are free"):
+        eng.extend([a, b], [prompts(spec, (7,), 5)[0], prompts(spec, (2,), 6)[0]])
+    after = {r: (list(eng.seqs[r].pages), eng.seqs[r].length, dict(eng.seqs[r].kda)) for r in (a, b)}
+    assert after == before and eng.pool.num_free == free
+    # the sequences carry on as if the failed call never happened
+    nxt = prompts(spec, (3,), 7)[0]
+    got = eng.extend([a], [nxt])[0]
+    ref = k3c.reference_forward(spec, w, torch.tensor([pa + nxt]))[0]
+    assert rel(got, ref[10:]) <= 1e-5
+    # a request that can never fit is refused when it is added; one that must wait is admitted later
+    with pytest.raises(CacheFullError, match="needs 5 MLA pages, the pool has 4"):
+        eng.add_request(prompts(spec, (30,), 8)[0], 6)
+    eng.finish(a)
+    eng.finish(b)
+    r1 = eng.add_request(prompts(spec, (20,), 9)[0], 4)        # 3 pages each: the second waits for the first
+    r2 = eng.add_request(prompts(spec, (20,), 10)[0], 4)
+    eng.step()
+    assert [s.rid for s in eng.running] == [r1] and len(eng.waiting) == 1
+    got = eng.run()
+    assert len(got[r1]) == 3 and len(got[r2]) == 4            # r1's first token came from the step above
+    eng.pool.check_empty()
+
+
+def test_mode_exposed_per_call(tiny, one_thread):
+    from k3c.analysis.cost import mla_mode_costs
+    from k3c.codegen.launch import target_for
+
+    spec, model, w = tiny
+    eng = engine(tiny, max_context=256, page_size=16)
+    s = eng.open()
+    attrs = {op.attr("layer"): dict(op.attrs) for op in model.module.ops if op.op == "mla_absorbed"}
+    mla_layers = sorted(attrs)
+    for seg, cached in ((60, 0), (1, 60), (40, 61)):
+        eng.extend([s], [prompts(spec, (seg,), seg)[0]])
+        want = {i: mla_mode_costs(attrs[i], seg, cached, target_for("cpu"), batch=1).best for i in mla_layers}
+        assert eng.last_modes == want
+        if seg == 1:
+            assert set(eng.last_modes.values()) == {"mqa"}         # decode: absorbed
+    assert {m for (_, m) in eng.mode_counts} == {"mha", "mqa"}      # the fresh prefill ran MHA
+
+
+def test_bad_arguments(tiny):
+    spec, model, w = tiny
+    eng = engine(tiny)
+    with pytest.raises(ArgumentError, match="token ids must be in"):
+        eng.add_request([0, spec.vocab_size])
+    with pytest.raises(ArgumentError, match="exceeds max_context 64"):
+        eng.add_request([1] * 60, max_new_tokens=8)
+    with pytest.raises(ArgumentError, match="max_new_tokens must be a positive integer"):
+        eng.add_request([1], max_new_tokens=0)
+    with pytest.raises(ArgumentError, match="no opened sequence with id 7"):
+        eng.extend([7], [[1]])
+    with pytest.raises(ArgumentError, match="num_pages must be a positive integer"):
+        engine(tiny, num_pages=0)
