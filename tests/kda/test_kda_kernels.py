@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from k3c.codegen.kernels.kda import emit_kda_chunk, kda_plan
+from k3c.codegen.kernels.kda import emit_kda_chunk, emit_kda_inter, emit_kda_intra, kda_plan
 from k3c.codegen.targets import get_target
 from k3c.codegen.writer import CodegenError
 from k3c.frontend.spec import KDASpec
@@ -48,11 +48,13 @@ def test_chunk_long_sequence_and_no_initial_state(gate, t):
     assert rel_err(o, o_r[0]) <= 1e-5 and rel_err(s, s_r) <= 1e-5
 
 
-def test_chunk_variable_lengths_in_one_batch():
+@pytest.mark.parametrize("split, chunk", [(True, 16), (True, 32), (False, 16)])
+def test_chunk_variable_lengths_in_one_batch(split, chunk):
+    """Two-kernel prefill (per-chunk slots of packed sequences) at both chunk steps, and the single chunk kernel."""
     lengths = [1, 63, 17, 70, 2]
     h, d = 2, 64
     q, k, v, g, beta, s0 = scan_inputs(sum(lengths), h, d, "safe", seed=5, n_seq=len(lengths))
-    o, s = kda_chunk(q, k, v, g, beta, cu_seqlens(lengths, "cpu"), s0)
+    o, s = kda_chunk(q, k, v, g, beta, cu_seqlens(lengths, "cpu"), s0, split=split, chunk=chunk)
     refs = per_seq(lambda q_, k_, v_, g_, b_, i: kda_recurrent(q_, k_, v_, g_, b_, initial_state=s0[i:i + 1]),
                    lengths, q, k, v, g, beta)
     assert rel_err(o, torch.cat([r[0][0] for r in refs])) <= 1e-5
@@ -137,8 +139,8 @@ def test_prep_conv_tails_norms_gates(dtype, gate):
 
 
 # ---- decode and output ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype, gate", [(torch.float32, "safe"), (torch.bfloat16, "softplus")])
-def test_fused_decode_step(dtype, gate):
+@pytest.mark.parametrize("dtype, gate, split", [(torch.float32, "safe", True), (torch.bfloat16, "softplus", False)])
+def test_fused_decode_step(dtype, gate, split):
     b, h, d, kw = 3, 2, 64, 4
     x, xb, conv, a_log, dt_bias, tails = prep_inputs(b, h, d, kw, dtype, seed=41, n_seq=b)
     xg = rnd(b, h * d, seed=50).to(dtype)
@@ -150,21 +152,24 @@ def test_fused_decode_step(dtype, gate):
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     state = s0.clone()
     tails_in = [t.clone() for t in tails]
+    # fused output norm: one program per head looping over V slices of 16 (4 slices: the prefetch chain runs)
     y, new_tails, new_state = kda_decode(*x, xb, xg, conv, a_log, dt_bias, nw, tails_in, state, num_heads=h,
                                          head_dim=d, gate=gate, gate_lower_bound=-5.0, l2norm_eps=1e-6,
-                                         norm_eps=1e-5, inplace=True)
+                                         norm_eps=1e-5, inplace=True, decode_block_v=16)
     assert new_state is state and rel_err(state, s_r) <= 1e-5 * (1 if dtype == torch.float32 else 100)
     assert rel_err(y.float(), y_r.flatten(-2)) <= tol and y.dtype == dtype
     for got, want in zip(new_tails, ref_tails):
         assert torch.equal(got, want)
-    # unfused output (V split over programs): the fp32 o itself; out of place, then in place
+    # unfused output (V split over programs, or looped): the fp32 o itself; out of place, then in place
+    dec = dict(decode_split=split, decode_block_v=32)
     o, t2, s2 = kda_decode(*x, xb, None, conv, a_log, dt_bias, None, tails, s0, num_heads=h, head_dim=d, gate=gate,
-                           gate_lower_bound=-5.0, l2norm_eps=1e-6, norm_eps=1e-5, fuse_out=False)
+                           gate_lower_bound=-5.0, l2norm_eps=1e-6, norm_eps=1e-5, fuse_out=False, **dec)
     assert o.dtype == torch.float32 and rel_err(o, o_r[:, 0].flatten(-2)) <= tol and torch.equal(s2, state)
     assert all(torch.equal(a_, b_) for a_, b_ in zip(t2, ref_tails))
     s3, t3 = s0.clone(), [t.clone() for t in tails]
     o3, t3r, s3r = kda_decode(*x, xb, None, conv, a_log, dt_bias, None, t3, s3, num_heads=h, head_dim=d, gate=gate,
-                              gate_lower_bound=-5.0, l2norm_eps=1e-6, norm_eps=1e-5, fuse_out=False, inplace=True)
+                              gate_lower_bound=-5.0, l2norm_eps=1e-6, norm_eps=1e-5, fuse_out=False, inplace=True,
+                              **dec)
     assert s3r is s3 and torch.equal(s3, state) and torch.equal(o3, o)
     assert all(a_ is b_ and torch.equal(a_, c_) for a_, b_, c_ in zip(t3r, t3, ref_tails))
 
@@ -184,14 +189,20 @@ def test_output_norm_gate(dtype):
 def test_plan_comes_from_the_target():
     p_amd = kda_plan(128, "bf16", get_target("mi355x"))
     p_nv = kda_plan(128, "bf16", get_target("h200"))
-    assert p_amd.chunk == p_nv.chunk == 16
-    assert p_amd.block_v == p_nv.block_v == 64 and kda_plan(64, "bf16", get_target("h200")).block_v == 64
-    assert p_nv.chunk_warps == 8 and p_nv.decode_warps == 16 and p_amd.decode_warps == 8
+    assert p_amd.chunk == p_nv.chunk == 16 and p_nv.split and p_amd.split
+    assert p_amd.block_v == p_nv.block_v == 32 and kda_plan(64, "bf16", get_target("h200")).block_v == 32
+    assert p_nv.chunk_warps == 4 and p_nv.decode_warps == 4 and p_amd.decode_warps == 2     # 128 threads each
+    assert kda_plan(128, "bf16", get_target("h200"), split=False).chunk_warps == 8
     assert kda_plan(128, "fp32", get_target("h200")).dot == "ieee" and p_nv.dot == "bf16"
     with pytest.raises(CodegenError):
         kda_plan(96, "bf16", get_target("h200"))          # not a power of two
     with pytest.raises(CodegenError):
         kda_plan(128, "bf16", get_target("h200"), chunk=64)
-    ks = emit_kda_chunk(96, 128, target=get_target("h200"), qk_dtype="bf16", v_dtype="bf16")
+    ks = emit_kda_chunk(96, 128, target=get_target("h200"), qk_dtype="bf16", v_dtype="bf16",
+                        plan=kda_plan(128, "bf16", get_target("h200"), split=False))
     assert ks.name.startswith("k3c_kda_chunk_fwd_h96_d128_bt16_bv64_w8") and ks.grid == ("D // BV", "N * H")
     assert "IR op: kda_chunk" in ks.source and "[interpreter variant]" not in ks.source
+    ki = emit_kda_intra(96, 128, target=get_target("h200"), plan=p_nv)
+    kx = emit_kda_inter(96, 128, target=get_target("h200"), plan=p_nv)
+    assert ki.grid == ("cdiv(T_MAX, BT)", "N * H") and kx.grid == ("D // BV", "N * H")
+    assert kx.name.startswith("k3c_kda_inter_fwd_h96_d128_bt16_bv32_w4") and "bf16" in ki.signature["wo"]

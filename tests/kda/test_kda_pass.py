@@ -63,7 +63,8 @@ def test_emitters_cover_kernel_ops(tiny):
     assert "kda_attn" in EMITTERS and "kda_out" in EMITTERS
     attn = next(op for op in module.ops if op.op == "kda_attn")
     names = [ks.name for ks in EMITTERS["kda_attn"](attn, module, get_target("h200"))]
-    assert any("kda_prep" in n for n in names) and any("kda_chunk" in n for n in names)
+    assert any("kda_prep" in n for n in names) and any("kda_intra" in n for n in names)
+    assert any("kda_inter" in n for n in names)
     assert any("kda_decode" in n for n in names)
     proj = next(op for op in module.ops if op.op == "kda_proj")
     assert all("gemm" in ks.name for ks in EMITTERS["kda_proj"](proj, module, get_target("h200")))

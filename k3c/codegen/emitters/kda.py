@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..kernel import KernelSource
 from ..kernels.gemm import emit_gemm
-from ..kernels.kda import emit_kda_chunk, emit_kda_decode, emit_kda_out, emit_kda_prep, kda_plan
+from ..kernels.kda import (emit_kda_chunk, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
+                           emit_kda_prep, kda_plan)
 from . import register_emitter
 
 _DT = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
@@ -16,7 +17,8 @@ def _dtype(module, value: str) -> str:
 
 @register_emitter("kda_attn")
 def emit_attn(op, module, target) -> list[KernelSource]:
-    """prep + chunk (prefill, initial state in) and the fused decode step (o out, kda_out follows)."""
+    """prep + the two prefill kernels (intra-chunk, state passing; initial state in) or the single chunk kernel, and
+    the fused decode step (o out, kda_out follows)."""
     a = op.attr_dict
     dt = _dtype(module, op.inputs[0])
     h, d = a["num_heads"], a["head_dim"]
@@ -24,11 +26,13 @@ def emit_attn(op, module, target) -> list[KernelSource]:
     plan = kda_plan(d, dt, target, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=a["dot"])
     common = dict(gate=a["gate"], gate_lower_bound=a["gate_lower_bound"], l2norm_eps=a["l2norm_eps"], target=target,
                   dtype=dt, ir_op="kda_attn", loc=loc)
-    return [
-        emit_kda_prep(h, d, a["conv_kernel"], **common),
-        emit_kda_chunk(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc),
-        emit_kda_decode(h, d, a["conv_kernel"], norm_eps=1e-5, fuse_out=False, **common),
-    ]
+    if plan.split:
+        chunk = [emit_kda_intra(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc),
+                 emit_kda_inter(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc)]
+    else:
+        chunk = [emit_kda_chunk(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc)]
+    return [emit_kda_prep(h, d, a["conv_kernel"], **common), *chunk,
+            emit_kda_decode(h, d, a["conv_kernel"], norm_eps=1e-5, fuse_out=False, **common)]
 
 
 @register_emitter("kda_out")

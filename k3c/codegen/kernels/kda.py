@@ -46,21 +46,34 @@ def _check_pow2(value: int, what: str) -> int:
 @dataclass(frozen=True)
 class KDAPlan:
     """Block sizes of the KDA kernels for one target and head dim."""
-    chunk: int            # BT: tokens per chunk step of the chunk kernel (sub-chunk of target.kda_chunk)
-    block_v: int          # BV: V columns per chunk-kernel program
-    chunk_warps: int
+    chunk: int            # BT: tokens per chunk step (sub-chunk of target.kda_chunk)
+    block_v: int          # BV: V columns per state-passing (or single chunk-kernel) program
+    chunk_warps: int      # warps of the state-passing (or single chunk-kernel) program
     prep_block_t: int     # tokens per prep program
-    decode_warps: int     # warps of the fused decode program holding a whole [D, D] state
-    dot: str              # matmul precision of the chunk kernel's big products
-    decode_block_v: int = 32   # V columns per decode program when the output norm is not fused (kda_out follows)
+    decode_warps: int     # warps of a decode program
+    dot: str              # matmul precision of the chunk kernels' big products
+    decode_block_v: int = 32   # V columns per decode slice (looped) or program (split)
+    decode_split: bool = False  # decode: V slices over programs (True) or looped inside one program per head
+    split: bool = True    # prefill: intra-chunk kernel + state-passing kernel (False: the single chunk kernel)
+    chunk_stages: int = 1  # software-pipelining stages of the state-passing loop
+    intra_warps: int = 4  # warps of the intra-chunk kernel
+
+
+def inter_dtype(dot: str) -> str:
+    """dtype of the intra-chunk kernel's outputs (W, U, q e^Gamma, k e^(Gamma_C - Gamma), A_qk): the operand precision
+    of the state-passing kernel's matmuls (bf16 products read bf16 operands; fp32 / tf32 keep fp32)."""
+    return "bf16" if dot == "bf16" else "fp32"
 
 
 def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = None, block_v: int | None = None,
-             dot: str | None = None, chunk_warps: int | None = None) -> KDAPlan:
-    """The chunk kernel steps through a sequence in chunks of BT = min(target.kda_chunk, 16) tokens (16 keeps the
-    anchored decays exact at lb = -5 and is the smallest matmul tile); each program holds a [D, BV] fp32 state slice
-    in registers: BV = 64, so a D=128 head spreads over 2 programs: the fastest spill-free variant measured on the
-    H200 (BV=32 repeats the intra-chunk work 4x; BV=128 spills on sm_90); no spills at 8 warps on sm_90 and gfx950.
+             dot: str | None = None, chunk_warps: int | None = None, split: bool | None = None,
+             chunk_stages: int | None = None, decode_block_v: int | None = None, decode_warps: int | None = None,
+             decode_split: bool | None = None) -> KDAPlan:
+    """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
+    parallel, W, U, q e^Gamma, k e^(Gamma_C - Gamma), A_qk and e^Gamma_C; the state-passing kernel walks the chunks
+    of one (sequence, head, V block) with only the three state-dependent matmuls on its serial path. BT = 16 keeps the
+    anchored decays exact at lb = -5 (32 is exact too, at the clamp's edge); BV / warps: see the defaults below.
+    Decode: one program per (b, h) looping over V slices of 32 columns, 4 warps on 32-lane GPUs.
     Overrides are for benchmarks and tests."""
     D = _check_pow2(head_dim, "head_dim")
     if D < 16:
@@ -70,7 +83,8 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     if not 16 <= bt <= 32:
         raise CodegenError(f"KDA chunk step must be 16 or 32 tokens, got {bt}")
     lanes = max(int(target.warp_size), 32)
-    bv = block_v if block_v is not None else min(D, 64)
+    split = True if split is None else bool(split)
+    bv = block_v if block_v is not None else min(D, 32 if split else 64)
     _check_pow2(bv, "block_v")
     if bv < 16 or bv > D:
         raise CodegenError(f"block_v must be in [16, head_dim], got {bv}")
@@ -78,14 +92,22 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
         dot = "ieee" if dtype == "fp32" else "bf16"
     if dot not in DOT_MODES:
         raise CodegenError(f"dot precision must be one of {DOT_MODES}, got {dot!r}")
-    # D = 128 needs 8 warps to stay clear of spills on sm_90 and gfx950 (4 warps spill 9-56 registers; measured with
-    # aot.compile_kernels); the interpreter runs a program as numpy ops (warps are irrelevant: 1)
-    warps = chunk_warps if chunk_warps is not None else (8 if D >= 128 else 4)
+    # single chunk kernel: D = 128 needs 8 warps to stay clear of spills on sm_90 and gfx950; the state-passing
+    # kernel holds only the [D, BV] state and the step's operand tiles: 4 warps. The interpreter runs a program as
+    # numpy ops (warps are irrelevant: 1)
+    warps = chunk_warps if chunk_warps is not None else (4 if split else (8 if D >= 128 else 4))
     if target.backend == "cpu":
         warps = 1 if chunk_warps is None else warps
-    # decode: the whole [D, D] fp32 state of one head in one program: 32 fp32 values per lane
-    dwarps = max(1, min(16, D * D // (32 * lanes)))
-    return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, min(D, 32))
+    stages = chunk_stages if chunk_stages is not None else 1
+    dbv = min(D, decode_block_v if decode_block_v is not None else 32)
+    _check_pow2(dbv, "decode_block_v")
+    dwarps = decode_warps if decode_warps is not None else max(1, min(8, D * dbv // (32 * lanes)))
+    if target.backend == "cpu" and decode_warps is None:
+        dwarps = 1
+    # intra-chunk kernel: BT = 32 holds [32, D] tiles and [32, 32] products: 8 warps (4 spill on sm_90)
+    iwarps = 1 if target.backend == "cpu" else (8 if bt * D >= 4096 else 4)
+    return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
+                   bool(decode_split), split, stages, iwarps)
 
 
 def _dot(a: str, b: str, mode: str, interp: bool) -> str:
@@ -307,6 +329,184 @@ def emit_kda_chunk(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
                         ir_op=ir_op, loc=loc)
 
 
+# ---- two-kernel prefill: intra-chunk (all chunks in parallel) + state passing (sequential over chunks) -----------
+def _chunk_prologue(w: SourceWriter, BT: int, dot, scale: float, *, need_v: bool) -> None:
+    """Lines computing, for one chunk (rows `row`, mask `tm`), G, anchored A_kk / A_qk and the inverse tinv."""
+    LOG = BT.bit_length() - 1
+    w.lines([
+        "qc = tl.load(q + row[:, None] * sq + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
+        "kc = tl.load(k + row[:, None] * sk + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
+        "gc = tl.load(g + row[:, None] * sg + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
+        *(["vc = tl.load(v + row[:, None] * sv + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)"]
+          if need_v else []),
+        "bc = tl.load(beta + row * sb + h, mask=tm, other=0.0).to(tl.float32)",
+        "G = tl.cumsum(gc, axis=0)                       # Gamma (masked rows: g = 0)",
+        f"Gm = tl.sum(tl.where(rt[:, None] == {BT // 2 - 1}, G, 0.0), axis=0)   # anchor row",
+        "Gl = tl.sum(gc, axis=0)                         # Gamma at the chunk's last row",
+        f"dm = tl.minimum(tl.maximum(G - Gm[None, :], {fnum(-EXP_CLAMP)}), {fnum(EXP_CLAMP)})",
+        "kb = kc * tl.exp(-dm)",
+        f"akk = {dot('kc * tl.exp(dm)', 'tl.trans(kb)')}",
+        f"aqk = {dot('qc * tl.exp(dm)', 'tl.trans(kb)')} * {fnum(scale)}",
+        "akk = tl.where(strict, akk * bc[:, None], 0.0)",
+        "aqk = tl.where(incl, aqk, 0.0)",
+        "# (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (A strictly lower triangular)",
+        "tinv = eye - akk",
+        "pw = akk",
+    ])
+    for _ in range(LOG - 1):
+        w.line(f"pw = {dot('pw', 'pw', 'ieee')}")
+        w.line(f"tinv = tinv + {dot('tinv', 'pw', 'ieee')}")
+
+
+def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: str = "fp32", v_dtype: str = "fp32",
+                   g_dtype: str = "fp32", beta_dtype: str = "fp32", scale: float | None = None,
+                   plan: KDAPlan | None = None, ir_op: str = "kda_intra", loc: str = "",
+                   interpret: bool | None = None) -> KernelSource:
+    """The token-parallel half of the prefill: one program per (chunk of BT tokens, sequence x head).
+    Args: q, k, v, g [*, H, D] rows at token stride sq / sk / sv / sg (head stride D), beta (sb; head stride 1),
+    wo, uo, qo, ko [total, H, D] (W = T diag(beta) K e^Gamma, U = T diag(beta) V, scale Q e^Gamma,
+    K e^(Gamma_C - Gamma); dtype inter_dtype(plan.dot)), ao [total, H, BT] (A_qk rows, scaled, causal), eo
+    [slots, H, D] fp32 (e^Gamma_C; chunk c of sequence n at slot bos // BT + n + c, so slots = total // BT + N + 1),
+    cu [N + 1] i32, N, T_MAX (longest sequence). Grid (cdiv(T_MAX, BT), N * H)."""
+    H, D = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim")
+    for d in (qk_dtype, v_dtype, g_dtype, beta_dtype):
+        check_float(d)
+    p = plan or kda_plan(D, qk_dtype, target)
+    interp = interpreted(target, interpret)
+    scale = D ** -0.5 if scale is None else float(scale)
+    BT = p.chunk
+    idt = inter_dtype(p.dot)
+    kname = ident(f"k3c_kda_intra_fwd_h{H}_d{D}_bt{BT}_w{p.intra_warps}_{p.dot}_{name_part(qk_dtype)}")
+    sig = {"q": f"*{qk_dtype}", "k": f"*{qk_dtype}", "v": f"*{v_dtype}", "g": f"*{g_dtype}",
+           "beta": f"*{beta_dtype}", "wo": f"*{idt}", "uo": f"*{idt}", "qo": f"*{idt}", "ko": f"*{idt}",
+           "ao": f"*{idt}", "eo": "*fp32", "cu": "*i32", "sq": "i32", "sk": "i32", "sv": "i32", "sg": "i32",
+           "sb": "i32", "N": "i32", "T_MAX": "i32"}
+    const = {"H": H, "D": D, "BT": BT}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"kda intra-chunk H={H} D={D} BT={BT} dot={p.dot} out:{idt} q/k:{qk_dtype} scale={fnum(scale)}"
+                    + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    emit_math_helpers(w, rtne_bf16=interp and idt == "bf16")
+
+    def dot(a, b, mode=p.dot):
+        return _dot(a, b, mode, interp)
+
+    def st(ptr, off, val, mask):
+        w.line(f"tl.store({ptr} + {off}, {to_dtype(val, idt, interp)}, mask={mask})")
+
+    with w.jit_function(kname, list(sig), list(const)):
+        w.lines([
+            "c = tl.program_id(0)",
+            "nh = tl.program_id(1)",
+            "n = nh // H",
+            "h = nh % H",
+            "bos = tl.load(cu + n).to(tl.int64)",
+            "L = tl.load(cu + n + 1).to(tl.int64) - bos",
+            "rt = tl.arange(0, BT)",
+            "rk = tl.arange(0, D)",
+            "strict = rt[:, None] > rt[None, :]",
+            "incl = rt[:, None] >= rt[None, :]",
+            "eye = (rt[:, None] == rt[None, :]).to(tl.float32)",
+            "c0 = c.to(tl.int64) * BT",
+            "tok = c0 + rt",
+            "tm = tok < L",
+            "row = bos + tok",
+            "m2 = tm[:, None]",
+        ])
+        _chunk_prologue(w, BT, dot, scale, need_v=True)
+        w.lines([
+            "eg = tl.exp(G)",
+            f"wm = {dot('tinv', 'kc * eg * bc[:, None]')}",
+            f"um = {dot('tinv', 'vc * bc[:, None]')}",
+            f"o_off = row[:, None] * {H * D} + h * D + rk[None, :]",
+        ])
+        st("wo", "o_off", "wm", "m2")
+        st("uo", "o_off", "um", "m2")
+        st("qo", "o_off", f"qc * eg * {fnum(scale)}", "m2")
+        st("ko", "o_off", "kc * tl.exp(Gl[None, :] - G)", "m2")
+        st("ao", f"row[:, None] * {H * BT} + h * BT + rt[None, :]", "aqk", "m2")
+        w.line(f"slot = bos // BT + n + c")
+        w.line(f"tl.store(eo + (slot * H + h) * D + rk, tl.exp(Gl), mask=rk < tl.minimum(L - c0, 1) * D)   # only chunks inside the sequence")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
+                        grid=("cdiv(T_MAX, BT)", "N * H"), num_warps=p.intra_warps, num_stages=1,
+                        ir_op=ir_op, loc=loc)
+
+
+def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, o_dtype: str = "fp32",
+                   plan: KDAPlan | None = None, has_initial_state: bool = True, ir_op: str = "kda_inter",
+                   loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """The sequential half of the prefill: one program per (V block, sequence x head) walks the chunks:
+        V_new = U - W S;  O = (scale Q e^Gamma) S + A_qk V_new;  S = diag(e^Gamma_C) S + (K e^(Gamma_C - Gamma))^T V_new
+    Args: wi, ui, qi, ki [total, H, D], ai [total, H, BT], ei [slots, H, D] fp32 (emit_kda_intra's outputs), o
+    [total, H, D] (o_dtype), s0 / sT [N, H, D, D] fp32 (s0 read when has_initial_state; may alias sT), cu, N.
+    Grid (D // BV, N * H)."""
+    H, D = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim")
+    check_float(o_dtype)
+    p = plan or kda_plan(D, "fp32", target)
+    interp = interpreted(target, interpret)
+    BT, BV = p.chunk, p.block_v
+    idt = inter_dtype(p.dot)
+    kname = ident(f"k3c_kda_inter_fwd_h{H}_d{D}_bt{BT}_bv{BV}_w{p.chunk_warps}_s{p.chunk_stages}_{p.dot}"
+                  + ("" if has_initial_state else "_nos0"))
+    sig = {"wi": f"*{idt}", "ui": f"*{idt}", "qi": f"*{idt}", "ki": f"*{idt}", "ai": f"*{idt}", "ei": "*fp32",
+           "o": f"*{o_dtype}", "s0": "*fp32", "sT": "*fp32", "cu": "*i32", "N": "i32"}
+    const = {"H": H, "D": D, "BT": BT, "BV": BV}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"kda state passing H={H} D={D} BT={BT} BV={BV} dot={p.dot} in:{idt} warps={p.chunk_warps} "
+                    f"stages={p.chunk_stages} o:{o_dtype}" + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    emit_math_helpers(w, rtne_bf16=interp and o_dtype == "bf16")
+    op_dt = "tl.bfloat16" if p.dot == "bf16" and not interp else "tl.float32"
+
+    def dot(a, b):
+        if interp or p.dot != "bf16":
+            return _dot(a, b, p.dot, interp)
+        return f"tl.dot({a}, {b})"          # operands already bf16
+
+    with w.jit_function(kname, list(sig), list(const)):
+        w.lines([
+            "pv = tl.program_id(0)",
+            "nh = tl.program_id(1)",
+            "n = nh // H",
+            "h = nh % H",
+            "bos = tl.load(cu + n).to(tl.int64)",
+            "L = tl.load(cu + n + 1).to(tl.int64) - bos",
+            "rt = tl.arange(0, BT)",
+            "rk = tl.arange(0, D)",
+            "rv = pv * BV + tl.arange(0, BV)",
+            "s_off = nh.to(tl.int64) * D * D + rk[:, None] * D + rv[None, :]",
+            "slot0 = bos // BT + n",
+        ])
+        w.line("S = tl.load(s0 + s_off)" if has_initial_state else "S = tl.zeros([D, BV], dtype=tl.float32)")
+        rng = "range(0, L, BT)" if p.chunk_stages <= 1 else f"tl.range(0, L, BT, num_stages={p.chunk_stages})"
+        w.line(f"for c0 in {rng}:")
+        with w.indent():
+            w.lines([
+                "row = bos + c0 + rt",
+                "m2 = (c0 + rt < L)[:, None]",
+                f"kof = row[:, None] * {H * D} + h * D + rk[None, :]",
+                f"vof = row[:, None] * {H * D} + h * D + rv[None, :]",
+                f"wc = tl.load(wi + kof, mask=m2, other=0.0).to({op_dt})",
+                f"qg = tl.load(qi + kof, mask=m2, other=0.0).to({op_dt})",
+                f"kd = tl.load(ki + kof, mask=m2, other=0.0).to({op_dt})",
+                "uc = tl.load(ui + vof, mask=m2, other=0.0).to(tl.float32)",
+                f"aq = tl.load(ai + row[:, None] * {H * BT} + h * BT + rt[None, :], mask=m2, other=0.0).to({op_dt})",
+                f"eG = tl.load(ei + ((slot0 + c0 // BT) * H + h) * D + rk)",
+                f"Sb = S.to({op_dt})",
+                f"vn = uc - {dot('wc', 'Sb')}",
+                f"vb = vn.to({op_dt})",
+                f"oc = {dot('qg', 'Sb')} + {dot('aq', 'vb')}",
+                f"tl.store(o + vof, {to_dtype('oc', o_dtype, interp)}, mask=m2)",
+                f"S = S * eG[:, None] + {dot('tl.trans(kd)', 'vb')}",
+            ])
+        w.line("tl.store(sT + s_off, S)")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
+                        grid=("D // BV", "N * H"), num_warps=p.chunk_warps, num_stages=max(1, p.chunk_stages),
+                        ir_op=ir_op, loc=loc)
+
+
 # ---- fused decode ---------------------------------------------------------------------------------------------
 def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str, gate_lower_bound: float,
                     l2norm_eps: float, norm_eps: float, target: Target, dtype: str = "bf16",
@@ -314,11 +514,16 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
                     ir_op: str = "kda_decode", loc: str = "", interpret: bool | None = None) -> KernelSource:
     """One token per sequence. Args: xq, xk, xv, xf [B, H*D], xb [B, H], xg [B, H*D] (output gate projection),
     wq, wk, wv [H*D, KW], a_log [H], dt_bias [H*D], nw [D] (o_norm weight), tq_in.. [B, H*D, KW-1] conv tails in,
-    tq_out.. out (may alias the inputs), s_in, s_out [B, H, D, D] fp32 (may alias), y [B, H*D] (`dtype`), B.
-    Grid (B * H, D // BV). With fuse_out one program holds a head's whole [D, D] state (the RMSNorm needs all of V);
-    without it there are no xg / nw args, y [B, H*D] is the fp32 o (kda_out follows) and the V columns are split
-    over D // plan.decode_block_v programs (more bytes in flight per SM). Split programs all read the q / k conv
-    tails and the first one writes them: the q / k tails must not be updated in place then (v's may)."""
+    tq_out.. out, s_in, s_out [B, H, D, D] fp32 (may alias), y [B, H*D] (`dtype`), B. Without fuse_out there are no
+    xg / nw args and y [B, H*D] is the fp32 o (kda_out follows).
+
+    Two layouts (plan.decode_split):
+      * looped (default): one program per (b, h) walks the V columns in slices of BV = plan.decode_block_v
+        (unrolled), loading slice j+1 before it updates and stores slice j; the o slices stay in registers, so the
+        per-head RMSNorm x gate fuses (fuse_out) and the conv tails update in place (one program owns them).
+      * split: grid (B*H, D // BV), one slice per program (as fla's fused_recurrent). Every program reads the q / k
+        conv tails and the first one writes them: q / k tails must not be updated in place (v's may); no fuse_out.
+    Both issue the first state load before any other work, so the 8 D^2 state bytes stream while the prep runs."""
     H, D, KW = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim"), check_dim(conv_kernel, "conv")
     check_float(dtype)
     _check_gate(gate, gate_lower_bound)
@@ -327,13 +532,14 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
     interp = interpreted(target, interpret)
     scale = D ** -0.5 if scale is None else float(scale)
     HD = H * D
-    BV = D if fuse_out else _check_pow2(p.decode_block_v, "decode_block_v")
-    if BV > D or BV < 16:
-        raise CodegenError(f"decode_block_v must be in [16, head_dim], got {BV}")
-    lanes = max(int(target.warp_size), 32)
-    warps = p.decode_warps if BV == D else max(1, min(16, D * BV // (32 * lanes)))
-    kname = ident(f"k3c_kda_decode_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}"
-                  + ("" if fuse_out else f"_noout_bv{BV}"))
+    BV = min(_check_pow2(p.decode_block_v, "decode_block_v"), D)
+    if BV < 8:
+        raise CodegenError(f"decode_block_v must be in [8, head_dim], got {BV}")
+    split = bool(p.decode_split) and not fuse_out and BV < D
+    NS = 1 if split else D // BV
+    warps = p.decode_warps
+    kname = ident(f"k3c_kda_decode_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}_bv{BV}_w{warps}"
+                  + ("_split" if split else "") + ("" if fuse_out else "_noout"))
     sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb", *(("xg",) if fuse_out else ()), "wq", "wk", "wv")}
     sig.update({"a_log": "*fp32", "dt_bias": "*fp32", **({"nw": "*fp32"} if fuse_out else {})})
     sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
@@ -342,63 +548,86 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"kda fused decode H={H} D={D} conv={KW} gate={gate} x:{dtype} BV={BV} warps={warps} "
-                    f"output norm x gate fused: {fuse_out}"
-                    + (" [interpreter variant]" if interp else "")])
+                    f"{'V split over programs' if split else f'{NS} V slices per program'} "
+                    f"output norm x gate fused: {fuse_out}" + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, sigmoid=True, rtne_bf16=interp and dtype == "bf16")
+
+    pending: list[tuple[str, str, str]] = []      # conv tail writes, issued after a barrier at the end
+
+    def conv(x, wt, tin, tout, name, cols, tag):
+        w.line(f"col = h * D + {cols}")
+        w.line(f"xo = b * {HD} + col")
+        w.line(f"tb{tag} = xo * (KW - 1)")
+        w.line(f"c{tag} = tl.load({x} + xo)")
+        w.line(f"acc = c{tag}.to(tl.float32) * tl.load({wt} + col * KW + KW - 1).to(tl.float32)")
+        for j in range(KW - 1):
+            w.line(f"t{tag}_{j} = tl.load({tin} + tb{tag} + {j})")
+            w.line(f"acc += t{tag}_{j}.to(tl.float32) * tl.load({wt} + col * KW + {j}).to(tl.float32)")
+        for j in range(KW - 2):
+            pending.append((tout, f"tb{tag} + {j}", f"t{tag}_{j + 1}"))
+        pending.append((tout, f"tb{tag} + {KW - 2}", f"c{tag}"))
+        w.line(f"acc = {_round_like('acc', dtype, interp)}")
+        w.line(f"{name} = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
+
     with w.jit_function(kname, list(sig), list(const)):
         w.lines([
             "pid = tl.program_id(0)",
-            "pv = tl.program_id(1)",
             "b = (pid // H).to(tl.int64)",
             "h = pid % H",
             "rk = tl.arange(0, D)",
-            "rv = pv * BV + tl.arange(0, BV)",
+            "s_base = pid.to(tl.int64) * D * D + rk[:, None] * D",
         ])
-        for x, wt, tin, tout, name in (("xq", "wq", "tq_in", "tq_out", "qv"), ("xk", "wk", "tk_in", "tk_out", "kv"),
-                                       ("xv", "wv", "tv_in", "tv_out", "vv")):
-            cols = "rv" if name == "vv" else "rk"
-            w.line(f"col = h * D + {cols}")
-            w.line(f"xo = b * {HD} + col")
-            w.line("tb = xo * (KW - 1)")
-            w.line(f"cur = tl.load({x} + xo)")
-            w.line(f"acc = cur.to(tl.float32) * tl.load({wt} + col * KW + KW - 1).to(tl.float32)")
-            for j in range(KW - 1):
-                w.line(f"t{j} = tl.load({tin} + tb + {j})")
-                w.line(f"acc += t{j}.to(tl.float32) * tl.load({wt} + col * KW + {j}).to(tl.float32)")
-            if name != "vv" and BV < D:
-                w.line("if pv == 0:")
-            with w.indent(1 if name != "vv" and BV < D else 0):
-                for j in range(KW - 2):
-                    w.line(f"tl.store({tout} + tb + {j}, t{j + 1})")
-                w.line(f"tl.store({tout} + tb + {KW - 2}, cur)")
-            w.line(f"acc = {_round_like('acc', dtype, interp)}")
-            w.line(f"{name} = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
-            if name != "vv":
-                w.line(f"{name} = {name} / tl.sqrt(tl.sum({name} * {name}, axis=0) + {fnum(l2norm_eps)})")
+        if split:
+            w.line("rv0 = tl.program_id(1) * BV + tl.arange(0, BV)")
+        else:
+            for j in range(NS):
+                w.line(f"rv{j} = {j * BV} + tl.arange(0, BV)")
+        w.line("S0 = tl.load(s_in + s_base + rv0[None, :])       # first state slice in flight during the prep")
+        # q / k over the whole K dim: read every tail before anything is written (in-place tails are safe)
+        for x, wt, tin, tout, name in (("xq", "wq", "tq_in", "tq_out", "qv"), ("xk", "wk", "tk_in", "tk_out", "kv")):
+            conv(x, wt, tin, tout, name, "rk", name[0])
+            w.line(f"{name} = {name} / tl.sqrt(tl.sum({name} * {name}, axis=0) + {fnum(l2norm_eps)})")
+        w.line(f"qv = qv * {fnum(scale)}")
         w.lines([
             "colk = h * D + rk",
             f"f = tl.load(xf + b * {HD} + colk).to(tl.float32) + tl.load(dt_bias + colk)",
             "a = tl.exp(tl.load(a_log + h))",
         ])
         w.lines(_gate_lines(gate, gate_lower_bound, "f", "a", "gk"))
-        w.lines([
-            "beta = _k3c_sigmoid(tl.load(xb + b * H + h).to(tl.float32))",
-            "s_off = pid.to(tl.int64) * D * D + rk[:, None] * D + rv[None, :]",
-            "S = tl.load(s_in + s_off) * tl.exp(gk)[:, None]",
-            "u = beta * (vv - tl.sum(kv[:, None] * S, axis=0))",
-            "S = S + kv[:, None] * u[None, :]",
-            f"o = tl.sum((qv * {fnum(scale)})[:, None] * S, axis=0)",
-            "tl.store(s_out + s_off, S)",
-        ])
-        w.line(f"yo = b * {HD} + h * D + rv")
-        if fuse_out:
+        w.lines(["eg = tl.exp(gk)[:, None]",
+                 "beta = _k3c_sigmoid(tl.load(xb + b * H + h).to(tl.float32))"])
+        for j in range(NS):
+            if j + 1 <= NS - 1:
+                w.line(f"S{j + 1} = tl.load(s_in + s_base + rv{j + 1}[None, :])   # next slice in flight")
+            conv("xv", "wv", "tv_in", "tv_out", "vv", f"rv{j}", f"v{j}")
             w.lines([
-                f"o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + {fnum(norm_eps)}) * tl.load(nw + rv)",
-                "o = o * _k3c_sigmoid(tl.load(xg + yo).to(tl.float32))",
+                f"S = S{j} * eg",
+                "u = beta * (vv - tl.sum(kv[:, None] * S, axis=0))",
+                "S = S + kv[:, None] * u[None, :]",
+                f"o{j} = tl.sum(qv[:, None] * S, axis=0)",
+                f"tl.store(s_out + s_base + rv{j}[None, :], S)",
             ])
-        w.line(f"tl.store(y + yo, {to_dtype('o', ydt, interp)})")
-    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const, grid=("B * H", "D // BV"),
+        w.line(f"yb = b * {HD} + h * D")
+        if fuse_out:
+            w.line("ss = " + " + ".join(f"tl.sum(o{j} * o{j}, axis=0)" for j in range(NS)))
+            w.line(f"rinv = tl.rsqrt(ss / D + {fnum(norm_eps)})")
+            for j in range(NS):
+                w.line(f"o{j} = o{j} * rinv * tl.load(nw + rv{j}) * _k3c_sigmoid(tl.load(xg + yb + rv{j}).to(tl.float32))")
+        for j in range(NS):
+            w.line(f"tl.store(y + yb + rv{j}, {to_dtype(f'o{j}', ydt, interp)})")
+        # tails last, after a barrier: a replicated element (more threads than columns) is read by one thread and
+        # written by another, so every read of the program must be done before any in-place write
+        w.line("tl.debug_barrier()")
+        for tout, off, val in pending:
+            if split and not val.startswith(("tv", "cv")):
+                w.line(f"if tl.program_id(1) == 0:")
+                with w.indent():
+                    w.line(f"tl.store({tout} + {off}, {val})")
+            else:
+                w.line(f"tl.store({tout} + {off}, {val})")
+    grid = ("B * H", "D // BV") if split else ("B * H",)
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const, grid=grid,
                         num_warps=warps, num_stages=1, ir_op=ir_op, loc=loc)
 
 
@@ -438,4 +667,5 @@ def emit_kda_out(num_heads: int, head_dim: int, *, norm_eps: float, target: Targ
                         grid=(f"cdiv(M * {H}, ROWS)",), num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
 
 
-__all__ = ["KDAPlan", "kda_plan", "emit_kda_prep", "emit_kda_chunk", "emit_kda_decode", "emit_kda_out"]
+__all__ = ["KDAPlan", "kda_plan", "inter_dtype", "emit_kda_prep", "emit_kda_chunk", "emit_kda_intra", "emit_kda_inter",
+           "emit_kda_decode", "emit_kda_out"]

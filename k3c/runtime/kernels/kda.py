@@ -14,7 +14,8 @@ import functools
 
 import torch
 
-from ...codegen.kernels.kda import emit_kda_chunk, emit_kda_decode, emit_kda_out, emit_kda_prep, kda_plan
+from ...codegen.kernels.kda import (emit_kda_chunk, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
+                                    emit_kda_prep, inter_dtype, kda_plan)
 from ...codegen.launch import launch, target_for, tt_dtype
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
@@ -26,6 +27,8 @@ from . import register_kernel_impl
 
 _emit_prep = functools.lru_cache(maxsize=128)(emit_kda_prep)
 _emit_chunk = functools.lru_cache(maxsize=128)(emit_kda_chunk)
+_emit_intra = functools.lru_cache(maxsize=128)(emit_kda_intra)
+_emit_inter = functools.lru_cache(maxsize=128)(emit_kda_inter)
 _emit_decode = functools.lru_cache(maxsize=128)(emit_kda_decode)
 _emit_out = functools.lru_cache(maxsize=128)(emit_kda_out)
 
@@ -48,9 +51,10 @@ def cu_seqlens(lengths, device) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32, device=device)
 
 
-def _plan(head_dim: int, dtype: torch.dtype, device, chunk=None, block_v=None, dot=None, chunk_warps=None):
+def _plan(head_dim: int, dtype: torch.dtype, device, chunk=None, block_v=None, dot=None, chunk_warps=None,
+          **overrides):
     return kda_plan(head_dim, tt_dtype(dtype), target_for(device), chunk=chunk, block_v=block_v, dot=dot,
-                    chunk_warps=chunk_warps)
+                    chunk_warps=chunk_warps, **overrides)
 
 
 def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads: int, head_dim: int, gate: str,
@@ -85,10 +89,13 @@ def unpack(packed: torch.Tensor, num_heads: int, head_dim: int):
 
 def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None, out_dtype=torch.float32,
               chunk: int | None = None, block_v: int | None = None, dot: str | None = None,
-              chunk_warps: int | None = None, final_state: torch.Tensor | None = None, ir_op: str = "kda_attn",
+              chunk_warps: int | None = None, split: bool | None = None, chunk_stages: int | None = None,
+              max_len: int | None = None, final_state: torch.Tensor | None = None, ir_op: str = "kda_attn",
               loc: str = ""):
     """q, k, g [total, H, D], v [total, H, D], beta [total, H] (token rows may be strided views with head stride D
-    / 1), cu int32 [N + 1], initial_state [N, H, D, D] fp32 or None. Returns (o [total, H, D], final state)."""
+    / 1), cu int32 [N + 1], initial_state [N, H, D, D] fp32 or None. Returns (o [total, H, D], final state).
+    Two kernels by default (intra-chunk + state passing; split=False: the single chunk kernel). max_len: the longest
+    sequence (the intra kernel's grid; computed from cu, a device sync, when not given)."""
     total, H, D = q.shape
     N = cu.numel() - 1
     for name, t, hs in (("q", q, D), ("k", k, D), ("v", v, D), ("g", g, D)):
@@ -97,38 +104,62 @@ def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None =
                                f"{tuple(t.shape)} strides {t.stride()}")
     if beta.shape != (total, H) or beta.stride(1) != 1:
         raise CodegenError(f"kda_chunk: beta must be [total, H] with unit head stride, got {tuple(beta.shape)}")
-    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps)
+    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps, split=split, chunk_stages=chunk_stages)
     tgt = target_for(q.device)
     has_s0 = initial_state is not None
-    ks = _emit_chunk(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), v_dtype=tt_dtype(v.dtype),
-                     g_dtype=tt_dtype(g.dtype), beta_dtype=tt_dtype(beta.dtype), o_dtype=tt_dtype(out_dtype),
-                     scale=scale, plan=plan, has_initial_state=has_s0, ir_op=ir_op, loc=loc, interpret=_interp(q))
+    interp = _interp(q)
     o = torch.empty(total, H, D, dtype=out_dtype, device=q.device)
     sT = final_state if final_state is not None else torch.empty(N, H, D, D, dtype=torch.float32, device=q.device)
     s0 = _c(initial_state, torch.float32) if has_s0 else sT
     if k.dtype != q.dtype:
         k = k.to(q.dtype)
-    launch(ks, q, k, v, g, beta, o, s0, sT, _c(cu, torch.int32), q.stride(0), k.stride(0), v.stride(0),
-           g.stride(0), beta.stride(0), N)
+    cu = _c(cu, torch.int32)
+    if not plan.split:
+        ks = _emit_chunk(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), v_dtype=tt_dtype(v.dtype),
+                         g_dtype=tt_dtype(g.dtype), beta_dtype=tt_dtype(beta.dtype), o_dtype=tt_dtype(out_dtype),
+                         scale=scale, plan=plan, has_initial_state=has_s0, ir_op=ir_op, loc=loc, interpret=interp)
+        launch(ks, q, k, v, g, beta, o, s0, sT, cu, q.stride(0), k.stride(0), v.stride(0), g.stride(0),
+               beta.stride(0), N)
+        return o, sT
+    if max_len is None:
+        max_len = int((cu[1:] - cu[:-1]).max().item()) if N > 0 else 0
+    BT = plan.chunk
+    idt = {"bf16": torch.bfloat16, "fp32": torch.float32}[inter_dtype(plan.dot)]
+    ki = _emit_intra(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), v_dtype=tt_dtype(v.dtype),
+                     g_dtype=tt_dtype(g.dtype), beta_dtype=tt_dtype(beta.dtype), scale=scale, plan=plan,
+                     ir_op=ir_op, loc=loc, interpret=interp)
+    kx = _emit_inter(H, D, target=tgt, o_dtype=tt_dtype(out_dtype), plan=plan, has_initial_state=has_s0,
+                     ir_op=ir_op, loc=loc, interpret=interp)
+    wu = torch.empty(4, total, H, D, dtype=idt, device=q.device)        # W, U, q e^Gamma, k e^(Gamma_C - Gamma)
+    aq = torch.empty(total, H, BT, dtype=idt, device=q.device)
+    eg = torch.empty(total // BT + N + 1, H, D, dtype=torch.float32, device=q.device)
+    launch(ki, q, k, v, g, beta, wu[0], wu[1], wu[2], wu[3], aq, eg, cu, q.stride(0), k.stride(0), v.stride(0),
+           g.stride(0), beta.stride(0), N, int(max_len))
+    launch(kx, wu[0], wu[1], wu[2], wu[3], aq, eg, o, s0, sT, cu, N)
     return o, sT
 
 
 def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, state, *, num_heads: int,
                head_dim: int, gate: str, gate_lower_bound: float, l2norm_eps: float, norm_eps: float,
-               inplace: bool = False, fuse_out: bool = True, ir_op: str = "kda_attn", loc: str = ""):
+               inplace: bool = False, fuse_out: bool = True, decode_block_v: int | None = None,
+               decode_warps: int | None = None, decode_split: bool | None = None, ir_op: str = "kda_attn",
+               loc: str = ""):
     """One token per sequence: x* [B, H*D] (xb [B, H]), tails (q, k, v) [B, H*D, KW-1], state [B, H, D, D] fp32.
     Returns (y [B, H*D] = RMSNorm(o) x sigmoid(xg), new tails, new state); with inplace the tails and the state are
-    updated in place (and returned). Without fuse_out (xg, o_norm_w ignored), y is the fp32 o [B, H*D]."""
+    updated in place (and returned). Without fuse_out (xg, o_norm_w ignored), y is the fp32 o [B, H*D].
+    decode_block_v / decode_warps / decode_split override the target's plan (benchmarks, tests)."""
     H, D = num_heads, head_dim
     B = xq.shape[0]
     dt = xq.dtype
     kw = conv_w[0].shape[-1]
     tgt = target_for(xq.device)
+    plan = _plan(D, dt, xq.device, decode_block_v=decode_block_v, decode_warps=decode_warps,
+                 decode_split=decode_split)
     ks = _emit_decode(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
-                      norm_eps=float(norm_eps), target=tgt, dtype=tt_dtype(dt), fuse_out=fuse_out, ir_op=ir_op,
-                      loc=loc, interpret=_interp(xq))
+                      norm_eps=float(norm_eps), target=tgt, dtype=tt_dtype(dt), plan=plan, fuse_out=fuse_out,
+                      ir_op=ir_op, loc=loc, interpret=_interp(xq))
     tails = tuple(_c(t, dt) for t in tails)
-    split = not fuse_out and _plan(D, dt, xq.device).decode_block_v < D
+    split = not fuse_out and plan.decode_split and plan.decode_block_v < D
     if inplace:
         if state.dtype != torch.float32 or not state.is_contiguous():
             raise CodegenError("kda_decode inplace needs a contiguous fp32 state")
@@ -244,7 +275,8 @@ def kernel_kda_attn(a, cache, data, w):
     # the IR's `dot` is the precision chosen for the model's declared (bf16) activations; a session running the
     # model in fp32 gets exact fp32 products (a bf16 dot there cost 0.3 relative error in k3-tiny's logits on the H200)
     dot = "ieee" if xq.dtype == torch.float32 else a["dot"]
-    o, s = kda_chunk(q, k, v, g, beta, cu, st.state, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot)
+    o, s = kda_chunk(q, k, v, g, beta, cu, st.state, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot,
+                     max_len=t)
     cache.layers[a["layer"]] = KDAState(s, tails)
     return o.view(b, t, h, d)
 
