@@ -162,6 +162,8 @@ class Engine:
             self.running.append(seq)
             self.stats["prompt_tokens"] += seq.prompt_len
             self.stats["resumed_tokens"] += seq.resumed
+            if self.prefix is not None:
+                self.prefix.record(seq)
 
     def _unresume(self, seq: SeqState) -> None:
         self.pool.decref(seq.pages)
@@ -241,12 +243,19 @@ class Engine:
                 raise ArgumentError(f"sequence {rid}: {seq.length} cached + {len(seg)} new tokens exceed "
                                     f"max_context {self.max_context}")
             plan.append((seq, seg))
-        out = self._run(plan, evict=True)
         for seq, seg in plan:
             seq.tokens.extend(seg)
-            seq.last_logits = out[seq.rid][-1]
-            self._maybe_checkpoint(seq)
-        return [out[r] for r in rids]
+        # rounds of pieces cut at prefix-cache checkpoint boundaries; a segment end is a prompt end
+        out: dict[int, list[torch.Tensor]] = {r: [] for r in rids}
+        while plan:
+            logits = self._run([(seq, self._segment(seq)) for seq, _ in plan], evict=True)
+            for seq, _ in plan:
+                out[seq.rid].append(logits[seq.rid])
+                seq.last_logits = logits[seq.rid][-1]
+                if self.prefix is not None and (not seq.pending or seq.length % self.prefix.interval == 0):
+                    self.prefix.insert(seq)
+            plan = [(seq, None) for seq, _ in plan if seq.pending]
+        return [torch.cat(out[r]) for r in rids]
 
     # -- graph calls ----------------------------------------------------------------------------------------------
     def _reserve(self, plan, evict: bool):
