@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", metavar="FILE.png", help="write the memory breakdown and roofline chart")
     pl.add_argument("--measured", metavar="BENCH.json",
                     help="benchmark records [{name, flops, bytes, seconds}] drawn on the roofline")
+    from .quant.commands import add_parsers as add_quant_parsers
+
+    add_quant_parsers(sub, _positive)            # quantize, calibrate-router
     return p
 
 
@@ -177,7 +180,20 @@ def _write_atomic(path: str, data: bytes) -> None:
         raise ArgumentError(f"cannot write {path}: {exc.strerror}") from None
 
 
-COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "run": cmd_run, "plan": cmd_plan}
+def cmd_quantize(args) -> int:
+    from .quant.commands import cmd_quantize as run
+
+    return run(args)
+
+
+def cmd_calibrate_router(args) -> int:
+    from .quant.commands import cmd_calibrate_router as run
+
+    return run(args)
+
+
+COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "run": cmd_run, "plan": cmd_plan,
+            "quantize": cmd_quantize, "calibrate-router": cmd_calibrate_router}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k3c {__version__}")
             return 0
         if not args.command:
-            raise ArgumentError("k3c: give a command: compile, inspect, run or plan (see k3c --help)")
+            raise ArgumentError("k3c: give a command: compile, inspect, run, plan, quantize or calibrate-router "
+                                "(see k3c --help)")
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"k3c: error: {exc}", file=sys.stderr)

@@ -156,9 +156,17 @@ def _normalize(spec: ModelSpec, key: str) -> _Src | None:
     """A checkpoint tensor name -> where it goes in k3c's canonical names; None = ignored (vision tower)."""
     if key.startswith(_IGNORED_PREFIXES) or key.endswith(".inv_freq"):
         return None
+    if key.endswith((".weight_packed", ".weight_scale")):
+        # MXFP4: k3c's stacked `experts.w1.weight_packed` or K3's per-expert `experts.{e}.w1.weight_packed`
+        key_base, _, part = key.rpartition(".")
+        src = _normalize(spec, key_base + ".weight")
+        if src is None or src.how not in ("direct", "expert"):
+            return src
+        canon = src.canon[: -len(".weight")] if src.canon.endswith(".weight") else src.canon
+        return _Src(src.how, f"{canon}.{part}", key, src.expert)
     if key.endswith(_PACKED_SUFFIXES):
-        raise _weight_error(f"tensor '{key}': MXFP4-packed experts not supported yet (compressed-tensors "
-                          f"weight_packed/weight_scale); load a BF16 checkpoint")
+        raise _weight_error(f"tensor '{key}': compressed-tensors {key.rpartition('.')[2]} is not part of the "
+                          f"MXFP4 layout k3c reads (weight_packed + weight_scale, group 32)")
     k = key
     if k.startswith("language_model.lm_head."):
         k = "lm_head." + k[len("language_model.lm_head."):]
@@ -228,7 +236,7 @@ def _fit(t: torch.Tensor, info: WeightInfo, expected: tuple[int, ...], key: str,
     """Check the shape; reshape the harmless variants (A_log [1,1,H,1], conv [W,K], proj_weight [1,d], ...)."""
     if not t.is_floating_point():
         raise _weight_error(f"{file}: tensor '{key}' has dtype {str(t.dtype).replace('torch.', '')}; expected a "
-                          f"floating-point tensor (MXFP4-packed experts not supported yet)")
+                          f"floating-point tensor (MXFP4 experts are read as `weight_packed` + `weight_scale`)")
     got = tuple(t.shape)
     if got == expected:
         return t
@@ -262,6 +270,13 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
     target = _to_dtype(dtype)
     files, weight_map = _resolve_files(path)
     table = weight_table(spec)
+    packed_table = packed_infos(table)
+    record = None
+    if os.path.isdir(path):                          # a `k3c quantize` directory says what it packed
+        from ..quant.checkpoint import read_quantization_json
+
+        record = read_quantization_json(path)
+    known = {**table, **packed_table}
 
     with contextlib.ExitStack() as stack:
         handles = {}
@@ -305,7 +320,7 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
             if src.how in ("direct", "expert"):
                 if src.canon == "lm_head.weight" and spec.tie_word_embeddings:
                     continue                        # tied: the embedding is the head
-                if src.canon not in table or (src.how == "expert" and src.expert >= table[src.canon].shape[0]):
+                if src.canon not in known or (src.how == "expert" and src.expert >= known[src.canon].shape[0]):
                     suffix = f"[{src.expert}]" if src.how == "expert" else ""
                     unexpected.append((key, src.canon + suffix))
                     continue
@@ -348,6 +363,17 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
                 if src.key not in cache:
                     cache[src.key] = get(src.key)
                 t = _cut(cache[src.key], info, src, where[src.key], spec)
+            elif info.kind == "experts" and (f"{name}.weight_packed" in owner or f"{name}.weight_scale" in owner):
+                for part in ("weight_packed", "weight_scale"):
+                    pname = f"{name}.{part}"
+                    if pname not in owner:
+                        other = owner[f"{name}.weight_packed" if part == "weight_scale" else f"{name}.weight_scale"]
+                        raise _weight_error(f"{path}: '{other.key}' has no matching {part} tensor (k3c '{pname}')")
+                    out[pname] = _load_packed(pname, packed_table[pname], direct.get(pname), experts.get(pname),
+                                              get, where, path)
+                if name in direct or name in experts:
+                    raise _weight_error(f"{path}: '{name}' is given both as floats and MXFP4-packed")
+                continue
             elif name in experts:
                 slot = experts[name]
                 n = info.shape[0]
@@ -371,7 +397,60 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
             if want is not None and t.dtype != want:
                 t = t.to(want)
             out[name] = t.contiguous()
+        for name in (record or {}).get("weights", ()):
+            if name in table and f"{name}.weight_packed" not in out:
+                raise _weight_error(f"{path}: quantization.json lists '{name}' as MXFP4 but the checkpoint holds "
+                                  f"no '{name}.weight_packed'")
         return out
+
+
+def packed_infos(table: dict[str, WeightInfo]) -> dict[str, WeightInfo]:
+    """`P.weight_packed` u8 [E, out, in/2] and `P.weight_scale` u8 [E, out, in/32] for every expert stack P."""
+    out = {}
+    for name, info in table.items():
+        if info.kind == "experts" and info.shape[-1] % 32 == 0:
+            lead, k = info.shape[:-1], info.shape[-1]
+            out[f"{name}.weight_packed"] = WeightInfo(f"{name}.weight_packed", (*lead, k // 2), "u8", "packed")
+            out[f"{name}.weight_scale"] = WeightInfo(f"{name}.weight_scale", (*lead, k // 32), "u8", "packed")
+    return out
+
+
+def _packed_part(t: torch.Tensor, info: WeightInfo, expected: tuple, key: str, file: str) -> torch.Tensor:
+    """One MXFP4 tensor as stored: uint8, or (compressed-tensors exports) weight_scale as float powers of two."""
+    if info.name.endswith(".weight_scale") and t.is_floating_point():
+        from ..quant.compressed_tensors import _float_scale_to_e8m0
+
+        try:
+            t = _float_scale_to_e8m0(t)
+        except ValueError as exc:
+            raise _weight_error(f"{file}: tensor '{key}': {exc}") from None
+    if t.dtype != torch.uint8:
+        raise _weight_error(f"{file}: tensor '{key}' (k3c '{info.name}') has dtype "
+                          f"{str(t.dtype).replace('torch.', '')}; MXFP4 payload and E8M0 scales are uint8")
+    if tuple(t.shape) != tuple(expected):
+        raise _weight_error(f"{file}: tensor '{key}' (k3c '{info.name}') has shape {_fmt(t.shape)}, expected "
+                          f"{_fmt(expected)} (MXFP4, blocks of 32 along the last dimension)")
+    return t
+
+
+def _load_packed(name: str, info: WeightInfo, direct: _Src | None, slot: dict | None, get, where, path
+                 ) -> torch.Tensor:
+    """A stacked MXFP4 tensor from k3c's stacked layout or from K3's per-expert compressed-tensors layout."""
+    if direct is not None:
+        return _packed_part(get(direct.key), info, info.shape, direct.key, where[direct.key]).contiguous()
+    n = info.shape[0]
+    missing = [e for e in range(n) if e not in slot]
+    if missing:
+        prefix, _, rest = name.partition(".experts.")
+        proj, _, part = rest.partition(".")
+        raise _weight_error(f"{path}: missing tensor for expert {missing[0]} of '{name}' (k3c), e.g. "
+                          f"'{K3_PREFIX}{prefix}.experts.{missing[0]}.{proj}.{part}'"
+                          f"{f' ({len(missing)} experts missing)' if len(missing) > 1 else ''}")
+    out = torch.empty(info.shape, dtype=torch.uint8)
+    for e in range(n):
+        src = slot[e]
+        out[e].copy_(_packed_part(get(src.key), info, info.shape[1:], src.key, where[src.key]))
+    return out
 
 
 def _cut(t: torch.Tensor, info: WeightInfo, src: _Src, file: str, spec: ModelSpec) -> torch.Tensor:
@@ -408,6 +487,11 @@ def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_di
 
     out_dir = os.fspath(out_dir)
     table = weight_table(spec)
+    packed = packed_infos(table)
+    for n in list(table):            # MXFP4 stacks are written per expert in compressed-tensors' layout
+        if n not in weights and f"{n}.weight_packed" in weights and f"{n}.weight_scale" in weights:
+            del table[n]
+            table.update({f"{n}.{p}": packed[f"{n}.{p}"] for p in ("weight_packed", "weight_scale")})
     missing = [n for n in table if n not in weights]
     if missing:
         raise _weight_error(f"cannot save: missing tensor '{missing[0]}' (expected shape "
@@ -422,7 +506,11 @@ def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_di
         if tuple(t.shape) != info.shape:
             raise _weight_error(f"cannot save: tensor '{name}' has shape {_fmt(t.shape)}, expected {_fmt(info.shape)}")
         t = t.detach().cpu()
-        if info.kind == "experts":
+        if info.kind == "packed":
+            src, _, part = name.rpartition(".")
+            for e, key in enumerate(names[src]):
+                tensors[f"{key[: -len('.weight')]}.{part}"] = t[e].clone().contiguous()
+        elif info.kind == "experts":
             for e, key in enumerate(names[name]):
                 tensors[key] = t[e].clone().contiguous()
         else:
@@ -431,7 +519,7 @@ def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_di
     os.makedirs(out_dir, exist_ok=True)
     config = spec_to_hf_config(spec)
     quant = config["text_config"].get("quantization_config")
-    if quant is not None:
+    if quant is not None and not any(i.kind == "packed" for i in table.values()):
         # the tensors written here are unpacked floats: say so (k3c quantizes at compile time, from the spec)
         quant["format"] = "dense"
         quant["quantization_status"] = "frozen"

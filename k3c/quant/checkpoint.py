@@ -1,0 +1,115 @@
+"""Packed MXFP4 checkpoints (`k3c quantize`): the spec's `quantization:` selection packed once, offline.
+
+    DIR/model.safetensors    canonical names (k3c/runtime/weight_names.py): each selected stack P as
+                             `P.weight_packed` u8 [E, out, in/2] + `P.weight_scale` u8 [E, out, in/32], the rest as
+                             loaded (bf16)
+    DIR/quantization.json    {"format": "mxfp4", "rule", "block": 32, "weights": [P, ...], "k3c_version", "spec"}
+
+`k3c.load_weights(spec, DIR)` reads it back and a session uses the packed tensors as they are. The directory is
+written atomically: into a temporary sibling, renamed into place when complete, so a failure leaves nothing
+half-written; an existing DIR is replaced only with `force`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from ..errors import ArgumentError, WeightError
+from .mx import BLOCK_SIZE, RULES
+
+QUANT_JSON = "quantization.json"
+MODEL_FILE = "model.safetensors"
+
+
+def quantize_weights(spec, weights: dict[str, torch.Tensor], rule: str | None = None
+                     ) -> tuple[dict[str, torch.Tensor], list[str], str]:
+    """(tensors to write, quantized source names, rule) for `spec`'s quantization section. Weights already packed
+    (`P.weight_packed`, from a packed checkpoint) are kept as they are."""
+    from ..frontend.quant_check import quantized_names
+    from ..runtime.weight_names import weight_table
+    from ..runtime.weight_prep import _quantize
+
+    if spec.quantization is None:
+        raise ArgumentError(f"spec '{spec.name}' has no quantization: section (add `quantization: {{format: mxfp4}}`"
+                            f" to pack its routed experts)")
+    rule = rule or spec.quantization.rule
+    if rule not in RULES:
+        raise ArgumentError(f"--rule must be one of {', '.join(RULES)}, got {rule!r}")
+    chosen = quantized_names(spec)
+    out: dict[str, torch.Tensor] = {}
+    for name in weight_table(spec):
+        if name in chosen and name not in weights and f"{name}.weight_packed" in weights:
+            out[f"{name}.weight_packed"] = weights[f"{name}.weight_packed"]
+            out[f"{name}.weight_scale"] = weights[f"{name}.weight_scale"]
+            continue
+        if name not in weights:
+            raise WeightError(f"weight '{name}' is missing")
+        t = weights[name]
+        if name in chosen:
+            out[f"{name}.weight_packed"], out[f"{name}.weight_scale"] = _quantize(name, t, rule)
+        else:
+            out[name] = t
+    return out, chosen, rule
+
+
+def save_quantized_checkpoint(spec, weights: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
+                              rule: str | None = None, force: bool = False) -> dict:
+    """Quantize per the spec and write DIR atomically; returns the quantization.json record."""
+    from safetensors.torch import save_file
+
+    from .. import __version__
+
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not force:
+        raise ArgumentError(f"{out_dir} exists; pass --force to replace it")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ArgumentError(f"{out_dir} exists and is not a directory")
+    tensors, chosen, rule = quantize_weights(spec, weights, rule)
+    record = {"format": "mxfp4", "rule": rule, "block": BLOCK_SIZE, "weights": chosen,
+              "k3c_version": __version__, "spec": spec.name}
+    parent = os.path.dirname(out_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    except OSError as exc:
+        raise ArgumentError(f"cannot write {out_dir}: {exc.strerror}") from None
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.path.join(tmp, MODEL_FILE),
+                  metadata={"format": "pt", "k3c_quantization": "mxfp4"})
+        with open(os.path.join(tmp, QUANT_JSON), "w", encoding="utf-8") as fh:
+            json.dump(record, fh, indent=2)
+            fh.write("\n")
+        if os.path.exists(out_dir):
+            old = out_dir + f".old-{os.getpid()}"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ArgumentError(f"cannot write {out_dir}: {exc.strerror}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def read_quantization_json(directory: str) -> dict | None:
+    """The record of a `k3c quantize` directory (None if absent), checked to be one k3c can read."""
+    path = os.path.join(directory, QUANT_JSON)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WeightError(f"{path}: cannot read the quantization record: {exc}") from None
+    if not isinstance(record, dict) or record.get("format") != "mxfp4" or record.get("block") != BLOCK_SIZE:
+        raise WeightError(f"{path}: expected format mxfp4 with block {BLOCK_SIZE}, got "
+                          f"{ {k: record.get(k) for k in ('format', 'block')} if isinstance(record, dict) else record}")
+    return record

@@ -1,0 +1,145 @@
+"""`k3c quantize` and `k3c calibrate-router` (registered by k3c/cli.py; the work lives here and in checkpoint.py).
+
+    k3c quantize SPEC WEIGHTS -o DIR [--rule floor|rceil] [--force]      (WEIGHTS: safetensors / HF dir)
+    k3c quantize SPEC --random --seed N -o DIR                            (a random checkpoint)
+    k3c calibrate-router SPEC SCORES -o OUT.safetensors [--iterations N] [--force]
+
+SCORES holds, per MoE layer i (0-based) to calibrate, `layers.{i}.block_sparse_moe.gate.scores`: the router scores
+s (after the sigmoid, before the bias) of recorded tokens, fp32 [tokens, num_experts]. It may also hold the current
+`layers.{i}.block_sparse_moe.gate.e_score_correction_bias` [num_experts] to start from (zeros otherwise). OUT gets
+the new `layers.{i}.block_sparse_moe.gate.e_score_correction_bias` (fp32) of each layer given.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from ..errors import ArgumentError, WeightError
+
+SCORES_RE = re.compile(r"^layers\.(\d+)\.block_sparse_moe\.gate\.scores$")
+BIAS = "layers.{}.block_sparse_moe.gate.e_score_correction_bias"
+
+
+def add_parsers(sub, positive) -> None:
+    q = sub.add_parser("quantize", help="write a packed MXFP4 checkpoint (the spec's quantization: section)")
+    q.add_argument("spec", help="YAML spec (with a quantization: section), config.json or model directory")
+    q.add_argument("weights", nargs="?", help="safetensors file or model directory (or --random)")
+    q.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
+    q.add_argument("--rule", choices=("floor", "rceil"), help="E8M0 scale rule (default: the spec's)")
+    q.add_argument("--random", action="store_true", help="quantize a random checkpoint (k3c.init_weights)")
+    q.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    q.add_argument("--force", action="store_true", help="replace an existing output directory")
+
+    c = sub.add_parser("calibrate-router", help="router biases by Quantile Balancing of recorded scores")
+    c.add_argument("spec", help="YAML spec, config.json or model directory")
+    c.add_argument("scores", help="safetensors with layers.{i}.block_sparse_moe.gate.scores [tokens, experts]")
+    c.add_argument("-o", "--output", required=True, help="safetensors file for the new biases")
+    c.add_argument("--iterations", type=positive("--iterations"), default=8,
+                   help="Quantile Balancing steps (default 8)")
+    c.add_argument("--force", action="store_true", help="replace an existing output file")
+
+
+def cmd_quantize(args) -> int:
+    import k3c
+
+    from .checkpoint import save_quantized_checkpoint
+
+    if args.random == bool(args.weights):
+        raise ArgumentError("k3c quantize: give WEIGHTS or --random (one of them)")
+    spec = k3c.load_spec(args.spec)
+    if spec.quantization is None:
+        raise ArgumentError(f"spec '{spec.name}' has no quantization: section (add `quantization: {{format: mxfp4}}` "
+                            f"to pack its routed experts)")
+    if args.random:
+        weights = k3c.init_weights(spec, seed=args.seed, dtype=torch.bfloat16)
+    else:
+        weights = k3c.load_weights(spec, args.weights)
+    record = save_quantized_checkpoint(spec, weights, args.output, rule=args.rule, force=args.force)
+    print(f"k3c: quantized {len(record['weights'])} weights of {spec.name} to MXFP4 ({record['rule']}) -> "
+          f"{args.output}")
+    return 0
+
+
+def read_scores(spec, path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """layer -> (scores fp32 [T, E], starting bias or None), checked against the spec."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise ArgumentError(f"{path}: no such file")
+    if spec.mlp.moe is None:
+        raise ArgumentError(f"spec '{spec.name}' has no MoE layers to calibrate")
+    n = spec.mlp.moe.num_experts
+    try:
+        with safe_open(path, framework="pt") as h:
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+    except Exception as exc:  # safetensors raises its own error types for a bad header
+        raise WeightError(f"{path}: not a readable safetensors file ({exc})") from None
+    out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for key, t in sorted(tensors.items()):
+        m = SCORES_RE.match(key)
+        if m is None:
+            if re.match(r"^layers\.\d+\.block_sparse_moe\.gate\.e_score_correction_bias$", key):
+                continue
+            raise WeightError(f"{path}: unexpected tensor '{key}' (expected layers.{{i}}.block_sparse_moe.gate.scores "
+                              f"and optionally layers.{{i}}.block_sparse_moe.gate.e_score_correction_bias)")
+        layer = int(m.group(1))
+        if not (layer < spec.num_layers and spec.is_moe_layer(layer)):
+            raise WeightError(f"{path}: '{key}': layer {layer} is not a MoE layer of spec '{spec.name}'")
+        if not t.is_floating_point() or t.dim() != 2 or t.shape[1] != n or t.shape[0] < 1:
+            raise WeightError(f"{path}: '{key}' must be float [tokens, {n}], got {str(t.dtype)[6:]} "
+                              f"{list(t.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise WeightError(f"{path}: '{key}' holds NaN or inf")
+        bias = tensors.get(BIAS.format(layer))
+        if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_floating_point()):
+            raise WeightError(f"{path}: '{BIAS.format(layer)}' must be float [{n}], got {list(bias.shape)}")
+        out[layer] = (t.to(torch.float32), None if bias is None else bias.to(torch.float32))
+    for key in tensors:
+        m = re.match(r"^layers\.(\d+)\.block_sparse_moe\.gate\.e_score_correction_bias$", key)
+        if m and int(m.group(1)) not in out:
+            raise WeightError(f"{path}: '{key}' has no matching layers.{m.group(1)}.block_sparse_moe.gate.scores")
+    if not out:
+        raise WeightError(f"{path}: no layers.{{i}}.block_sparse_moe.gate.scores tensor")
+    return out
+
+
+def calibrate(spec, scores: dict, iterations: int) -> dict[int, tuple[torch.Tensor, float, float]]:
+    """layer -> (new bias, max/mean load before, after), Quantile Balancing iterated on the recorded scores."""
+    from .balancing import load_imbalance, quantile_balancing
+
+    k = spec.mlp.moe.top_k
+    out = {}
+    for layer, (s, bias) in scores.items():
+        before = load_imbalance(s, k, bias)
+        b = bias
+        for _ in range(iterations):
+            b = quantile_balancing(s, k, b)
+        out[layer] = (b, before, load_imbalance(s, k, b))
+    return out
+
+
+def cmd_calibrate_router(args) -> int:
+    import k3c
+    from safetensors.torch import save_file
+
+    spec = k3c.load_spec(args.spec)
+    if os.path.exists(args.output) and not args.force:
+        raise ArgumentError(f"{args.output} exists; pass --force to replace it")
+    result = calibrate(spec, read_scores(spec, args.scores), args.iterations)
+    tensors = {BIAS.format(layer): b.contiguous() for layer, (b, _, _) in result.items()}
+    tmp = f"{args.output}.tmp-{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt", "k3c": "calibrate-router"})
+        os.replace(tmp, args.output)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise ArgumentError(f"cannot write {args.output}: {exc.strerror}") from None
+    print(f"k3c: Quantile Balancing, top-{spec.mlp.moe.top_k} of {spec.mlp.moe.num_experts} experts, "
+          f"{args.iterations} iterations; max/mean expert load:")
+    for layer, (_, before, after) in sorted(result.items()):
+        print(f"  layer {layer}: {before:.3f} -> {after:.3f}")
+    print(f"k3c: wrote {len(tensors)} biases -> {args.output}")
+    return 0
