@@ -198,16 +198,27 @@ def _is_artifact(path: str) -> bool:
 
 
 def compile(spec, target: str = "mi355x", *, passes: list[str] | None = None,  # noqa: A001 (public API name)
-            dump_ir: str | os.PathLike | None = None) -> CompiledModel:
-    """Run the pass pipeline on a spec (a ModelSpec or a path) for a target."""
+            dump_ir: str | os.PathLike | None = None, tp: int = 1, ep: int | None = None,
+            rank: int = 0) -> CompiledModel:
+    """Run the pass pipeline on a spec (a ModelSpec or a path) for a target.
+
+    tp / ep / rank: compile rank `rank`'s slice for tensor parallel tp x expert parallel ep (ep None = tp; the
+    ranks are max(tp, ep)): the `shard` pass runs first (docs/distributed.md)."""
     from .frontend.to_ir import spec_to_module
-    from .passes.pipeline import run_pipeline
+    from .passes.pipeline import resolve_passes, run_pipeline
+    from .passes.shard import check_divisible, make_layout
 
     tgt = get_target(target) if isinstance(target, str) else target
+    layout = make_layout(tp, tp if ep is None else ep, rank)
     if not isinstance(spec, ModelSpec):
         spec = load_spec(spec)
     module = spec_to_module(spec)
     names = list(passes) if passes is not None else ["default"]
+    if layout.world > 1:
+        module = module.replace(attrs={**module.attr_dict, "tp": layout.tp, "ep": layout.ep, "rank": layout.rank})
+        check_divisible(module, layout)           # bad --tp / --ep: a clear error before any pass runs
+        if "shard" not in resolve_passes(names):
+            names = ["shard"] + names
     stages: list = []
     final, records = run_pipeline(module, names, dump_dir=dump_ir, stages=stages)
     return CompiledModel(spec=spec, target=tgt, module=final, stages=stages, records=records)

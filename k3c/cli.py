@@ -35,6 +35,14 @@ def _passes(text: str) -> list[str]:
     return names
 
 
+def _parallel_args(p, rank: bool = False) -> None:
+    p.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--ep", type=_positive("--ep"), help="expert-parallel ranks (default: = --tp); the ranks are "
+                   "max(tp, ep), one must divide the other (docs/distributed.md)")
+    if rank:
+        p.add_argument("--rank", type=int, default=0, help="the rank whose slice to compile (default 0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .codegen.targets import TARGETS
 
@@ -49,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass as numbered .k3c files")
     c.add_argument("--passes", type=_passes, help="comma-separated pass names (default: the target's pipeline)")
     c.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    _parallel_args(c, rank=True)
 
     i = sub.add_parser("inspect", help="print the IR of a spec (after a pass) as text, DOT or ONNX")
     i.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory")
@@ -68,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default="cpu", help="cpu or cuda")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _parallel_args(r)
 
     pl = sub.add_parser("plan", help="memory plan, cost model and roofline for a target and a parallel layout")
     pl.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory")
@@ -99,7 +109,8 @@ def cmd_compile(args) -> int:
     from . import api
 
     t0 = time.perf_counter()
-    model = api.compile(args.spec, target=args.target, passes=args.passes, dump_ir=args.dump_ir)
+    model = api.compile(args.spec, target=args.target, passes=args.passes, dump_ir=args.dump_ir, tp=args.tp,
+                        ep=args.ep, rank=args.rank)
     model.save(args.output, overwrite=args.force, keep=args.dump_ir)
     n_ops = len(model.module.ops)
     print(f"k3c: compiled {model.spec.name} for {model.target.name}: {n_ops} ops after "
@@ -144,6 +155,15 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_run(args) -> int:
+    if args.tp > 1 or (args.ep or 1) > 1:       # one process per rank (or this process under torchrun)
+        from .runtime.distributed import run_report_distributed
+
+        text = run_report_distributed(args.spec, tp=args.tp, ep=args.ep, weights=args.weights, batch=args.batch,
+                                      prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
+                                      device=args.device, dtype=args.dtype)
+        if text:                                 # rank 0 reports (under torchrun the others print nothing)
+            print(text)
+        return 0
     from .runtime.runner import run_report
 
     print(run_report(args.spec, weights=args.weights, batch=args.batch, prompt_len=args.prompt_len,

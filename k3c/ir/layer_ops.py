@@ -189,6 +189,11 @@ def _check_moe(attrs):
         raise TypeCheck(f"top_k {attrs.get('top_k')} exceeds num_experts {attrs.get('num_experts')}")
     if attrs.get("latent_norm") and attrs.get("latent_dim") is None:
         raise TypeCheck("latent_norm needs latent_dim")
+    ep_rank, ep_size = attrs.get("ep_rank", 0), attrs.get("ep_size", 1)
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise TypeCheck(f"ep_rank {ep_rank} must be in [0, ep_size {ep_size})")
+    if attrs.get("num_experts", 0) % ep_size:
+        raise TypeCheck(f"num_experts {attrs.get('num_experts')} is not divisible by ep_size {ep_size}")
 
 
 def _infer_moe(attrs, ins):
@@ -198,14 +203,15 @@ def _infer_moe(attrs, ins):
     expect(ins["gate.weight"], "gate.weight", (e, d))
     if attrs["router_bias"]:
         expect(ins["gate.e_score_correction_bias"], "gate.e_score_correction_bias", (e,))
+    el = e // attrs.get("ep_size", 1)           # this rank's experts: [ep_rank * el, (ep_rank + 1) * el)
     if attrs.get("expert_format", "bf16") == "mxfp4":
-        _expect_mxfp4_experts(ins, e, z)
+        _expect_mxfp4_experts(ins, el, z)
     else:
         w1 = ins["experts.w1"]
-        expect(w1, "experts.w1", (e, None, z))
+        expect(w1, "experts.w1", (el, None, z))
         m = w1.shape[1]
-        expect(ins["experts.w3"], "experts.w3", (e, m, z))
-        expect(ins["experts.w2"], "experts.w2", (e, z, m))
+        expect(ins["experts.w3"], "experts.w3", (el, m, z))
+        expect(ins["experts.w2"], "experts.w2", (el, z, m))
     if attrs["num_shared_experts"] > 0:
         g = ins["shared_experts.gate_proj.weight"]
         expect(g, "shared_experts.gate_proj.weight", (None, d))
@@ -246,6 +252,9 @@ register_op(OpDef("moe", moe_roles, {
     "latent_dim": AttrSpec("int", nullable=True, doc="LatentMoE width; none: experts at hidden width"),
     "latent_norm": AttrSpec("bool"),
     "norm_eps": AttrSpec("float", doc="eps of the latent RMSNorm"),
+    "ep_rank": AttrSpec("int", required=False, doc="expert-parallel rank (shard pass); absent = 0"),
+    "ep_size": AttrSpec("int", required=False, doc="expert-parallel ranks: the experts.* params hold experts "
+                                                   "[ep_rank E/ep_size, (ep_rank+1) E/ep_size); absent = 1"),
     "expert_format": AttrSpec("str", required=False, choices=("bf16", "mxfp4"),
                               doc="routed expert weights: bf16 stacks (absent = bf16) or MXFP4 packed + scales"),
     **ACT_ATTRS,

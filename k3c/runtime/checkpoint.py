@@ -549,3 +549,97 @@ def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_di
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
         fh.write("\n")
     return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def load_weight_slices(spec: ModelSpec, path: str | os.PathLike, shards: dict, dtype=None) -> dict[str, torch.Tensor]:
+    """One rank's weights (the `shard` pass; docs/distributed.md): `shards` maps each canonical name the rank
+    needs to (dim, rank, size) or None (the whole tensor). Only those bytes are read: safetensors `get_slice` for
+    split tensors, only the rank's experts for per-expert layouts. Other tensors in the checkpoint are not read
+    or checked (load_weights validates a whole checkpoint)."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    target = _to_dtype(dtype)
+    files, _ = _resolve_files(path)
+    table = weight_table(spec)
+    with contextlib.ExitStack() as stack:
+        handles, where = {}, {}
+        for f in files:
+            try:
+                h = stack.enter_context(safe_open(f, framework="pt"))
+            except Exception as exc:  # safetensors raises its own error types for a bad header
+                raise _weight_error(f"{f}: not a readable safetensors file ({exc})") from None
+            for k in h.keys():
+                handles[k] = h
+                where[k] = f
+        direct, experts, fused = {}, {}, {}
+        for key in sorted(where):
+            src = _normalize(spec, key)
+            if src is None:
+                continue
+            if src.how == "direct":
+                direct[src.canon] = src
+            elif src.how == "expert":
+                experts.setdefault(src.canon, {})[src.expert] = src
+            else:
+                parts = ("w1", "w3") if src.how == "gate_up" else ("q_conv1d.weight", "k_conv1d.weight",
+                                                                   "v_conv1d.weight")
+                for part in parts:
+                    fused[src.canon + part] = src
+
+        def region(shape, shard):
+            """Index tuple selecting the shard of a tensor of `shape`, and the local shape."""
+            if shard is None:
+                return (), tuple(shape)
+            dim, rank, size = shard
+            n = shape[dim] // size
+            local = tuple(n if i == dim else s for i, s in enumerate(shape))
+            return (slice(None),) * dim + (slice(rank * n, (rank + 1) * n),), local
+
+        out: dict[str, torch.Tensor] = {}
+        for name, shard in shards.items():
+            info = table.get(name)
+            if info is None:
+                raise _weight_error(f"'{name}' is not a weight of spec '{spec.name}'")
+            idx, local = region(info.shape, shard)
+            if name in direct:
+                src = direct[name]
+                sl = handles[src.key].get_slice(src.key)
+                if tuple(sl.get_shape()) == info.shape:
+                    t = sl[idx] if idx else sl[:]
+                else:       # a harmless layout variant (A_log [1,1,H,1], ...): small, read whole, then cut
+                    t = _fit(handles[src.key].get_tensor(src.key), info, info.shape, src.key, where[src.key])
+                    t = t[idx] if idx else t
+            elif name in experts:
+                lo, hi = (0, info.shape[0]) if shard is None else (idx[0].start, idx[0].stop)
+                if shard is not None and shard[0] != 0:
+                    raise _weight_error(f"'{name}': per-expert checkpoints can only be split by expert")
+                slot = experts[name]
+                missing = [e for e in range(lo, hi) if e not in slot]
+                if missing:
+                    raise _weight_error(f"{path}: missing tensor for expert {missing[0]} of '{name}' (k3c)")
+                t = torch.stack([_fit(handles[slot[e].key].get_tensor(slot[e].key), info, info.shape[1:],
+                                      slot[e].key, where[slot[e].key]) for e in range(lo, hi)])
+            elif name in fused:
+                src = fused[name]
+                if src.how == "gate_up":            # [E, 2m, z]: read only this rank's experts
+                    e_idx = idx[0] if idx and shard[0] == 0 else slice(None)
+                    part = handles[src.key].get_slice(src.key)[e_idx]
+                    t = _cut(part, WeightInfo(info.name, (part.shape[0],) + info.shape[1:], info.dtype, info.kind),
+                             src, where[src.key], spec)
+                    if shard is not None and shard[0] != 0:
+                        t = t[idx]
+                else:                               # fused q/k/v conv: small
+                    t = _cut(handles[src.key].get_tensor(src.key), info, src, where[src.key], spec)
+                    t = t[idx] if idx else t
+            else:
+                raise _weight_error(f"{path}: missing tensor '{name}' (k3c name; K3 layout "
+                                    f"'{k3_checkpoint_names(spec)[name][0]}'), expected shape {_fmt(info.shape)}")
+            if tuple(t.shape) != local:
+                raise _weight_error(f"{path}: '{name}' slice has shape {_fmt(t.shape)}, expected {_fmt(local)}")
+            want = torch.float32 if info.dtype == "fp32" else target
+            if want is not None and t.dtype != want:
+                t = t.to(want)
+            out[name] = t.contiguous()
+        return out

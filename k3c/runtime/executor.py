@@ -102,6 +102,10 @@ def k3c_moe(a, cache, data, w):
                   latent_norm=a["latent_norm"], router_activation=a["router_activation"],
                   router_bias=a["router_bias"], renormalize=a["renormalize"],
                   routed_scaling_factor=a["routed_scaling_factor"])
+    if a.get("ep_size", 1) > 1:     # this rank's experts only; the routed combine is all-reduced over EP
+        from .distributed import moe_layer_ep
+
+        return moe_layer_ep(x, w, cfg, _activation(a), a["norm_eps"], a["ep_rank"], a["ep_size"])
     return ref.moe_layer(x, w, cfg, _activation(a), a["norm_eps"])
 
 
@@ -119,6 +123,21 @@ IMPLS: dict[str, Callable] = {
     "mla": k3c_mla, "mlp": k3c_mlp, "moe": k3c_moe, "attn_res_mix": k3c_attn_res_mix,
     "rmsnorm_residual": k3c_rmsnorm_residual,
 }
+
+
+def k3c_all_reduce(a, cache, data, w):
+    from .distributed import all_reduce
+
+    return all_reduce(data[0], a["group"], a["size"])
+
+
+def k3c_all_gather(a, cache, data, w):
+    from .distributed import all_gather
+
+    return all_gather(data[0], a["group"], a["size"], a["dim"])
+
+
+IMPLS.update({"all_reduce": k3c_all_reduce, "all_gather": k3c_all_gather})   # torch.distributed (shard pass)
 
 
 def register_impl(op_name: str, fn: Callable) -> None:

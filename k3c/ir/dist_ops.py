@@ -1,0 +1,47 @@
+"""Collective ops the `shard` pass introduces (docs/distributed.md). They run on torch.distributed process groups
+named by `group`: "tp" (the ranks splitting attention heads and dense columns) or "ep" (the ranks splitting the
+routed experts); `size` is that group's size, so the IR says how many ranks take part (a size of 1 is identity).
+
+    all_reduce  y = sum over the group of x (every rank gets the sum): row-parallel partial sums (o_proj, the
+                down projection of a column/row-split MLP, the routed-expert combine)
+    all_gather  y = concat over the group of x along `dim` (rank order): vocab-parallel logits
+"""
+from __future__ import annotations
+
+from .core import TensorType
+from .ops import AttrSpec, OpDef, TypeCheck, fixed_roles, register_op, require
+
+GROUPS = ("tp", "ep")
+COLLECTIVE_ATTRS = {
+    "group": AttrSpec("str", choices=GROUPS, doc="process group: tp (tensor parallel) or ep (expert parallel)"),
+    "size": AttrSpec("int", doc="ranks in the group"),
+}
+
+
+def _check_size(attrs):
+    if attrs.get("size") is not None and attrs["size"] < 1:
+        raise TypeCheck(f"attribute 'size' must be >= 1, got {attrs['size']}")
+
+
+def _infer_all_reduce(attrs, ins):
+    return (ins["x"],)
+
+
+register_op(OpDef("all_reduce", fixed_roles("x"), COLLECTIVE_ATTRS, _infer_all_reduce, _check_size,
+                  doc="sum of x over the ranks of `group` (same type out)"))
+
+
+def _infer_all_gather(attrs, ins):
+    x = ins["x"]
+    d = attrs["dim"]
+    require(-x.rank <= d < x.rank, f"dim {d} is out of range for x {x}")
+    d %= x.rank
+    require(isinstance(x.shape[d], int), f"x: dim {d} must be a fixed size to gather, got {x}")
+    shape = list(x.shape)
+    shape[d] = shape[d] * attrs["size"]
+    return (TensorType(x.dtype, tuple(shape)),)
+
+
+register_op(OpDef("all_gather", fixed_roles("x"), {**COLLECTIVE_ATTRS, "dim": AttrSpec("int", doc="concat dim")},
+                  _infer_all_gather, _check_size,
+                  doc="x of every rank of `group`, concatenated along `dim` in rank order"))

@@ -1,0 +1,220 @@
+"""shard: one rank's slice of the layer IR for tensor parallel (TP) x expert parallel (EP) execution
+(docs/distributed.md). Runs first, on the layer ops, so every lowering pass works on already-smaller ops.
+
+Options come from module attrs `tp`, `ep`, `rank` (k3c.compile(..., tp=, ep=, rank=) sets them); absent = 1, 1, 0.
+Layout: world = max(tp, ep) ranks, one of tp, ep divides the other; tp_rank = rank % tp, ep_rank = rank % ep; the
+TP group of a rank is its block of tp consecutive ranks, its EP group its block of ep consecutive ranks.
+
+    kda   heads split: q/k/v/f_b/g(_b) rows, convs, b_proj, A_log, dt_bias by head; o_proj columns (row parallel);
+          f_a / g_a (low rank) and o_norm (per head_dim) replicated          -> partial sum -> all_reduce tp
+    mla   heads split: q_b_proj, kv_b_proj, g_proj rows by head, o_proj columns; q_a, the latent projection
+          kv_a_proj_with_mqa, its norm and so the latent cache replicated, as deployments do -> all_reduce tp
+    mlp   gate/up rows, down columns                                          -> all_reduce tp
+    moe   routed experts split over EP (experts.* hold [ep_rank E/ep, (ep_rank+1) E/ep), attrs ep_rank/ep_size);
+          router, latent down/norm/up replicated; the op all-reduces its routed combine over EP before the latent
+          norm. Shared experts (tp > 1) leave the op as an `mlp` split like the dense MLP -> all_reduce tp, added
+          to the routed output.
+    lm_head (untied, vocab divisible by tp) vocab rows split                 -> all_gather tp (last dim)
+Embeddings, norms, AttnRes weights and block representations stay replicated.
+Every split param carries the local shape and `shard = "<group>:<dim>:<rank>/<size>"`; split layer ops carry
+`shard = "tp:heads"` etc. Counts: `kda`, `mla`, `mlp`, `moe`, `shared_experts`, `lm_head`, `all_reduce.tp`,
+`all_reduce.ep`, `all_gather.tp`, `params`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ArgumentError
+from ..ir.builder import Builder
+from ..ir.core import Module
+from ..ir.ops import get_op_def
+from .registry import PassContext, register_pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    ep: int = 1
+    rank: int = 0
+
+    @property
+    def world(self) -> int:
+        return max(self.tp, self.ep)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+    def group_ranks(self, group: str) -> list[int]:
+        size = self.tp if group == "tp" else self.ep
+        start = self.rank - self.rank % size
+        return list(range(start, start + size))
+
+
+def make_layout(tp=1, ep=1, rank=0) -> Layout:
+    """A checked Layout; ArgumentError naming --tp / --ep / rank otherwise."""
+    for name, v in (("--tp", tp), ("--ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ArgumentError(f"{name} must be an integer >= 1, got {v!r}")
+    if max(tp, ep) % min(tp, ep):
+        raise ArgumentError(f"--tp {tp} and --ep {ep}: one must divide the other (the ranks are max(tp, ep); "
+                            "EP groups and TP groups are blocks of consecutive ranks)")
+    world = max(tp, ep)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ArgumentError(f"rank must be in [0, {world}) for --tp {tp} --ep {ep}, got {rank!r}")
+    return Layout(tp, ep, rank)
+
+
+def module_layout(module: Module) -> Layout:
+    a = module.attr_dict
+    return make_layout(a.get("tp", 1), a.get("ep", 1), a.get("rank", 0))
+
+
+def check_divisible(module: Module, layout: Layout) -> None:
+    """Every split count divides: ArgumentError naming --tp / --ep and the op otherwise."""
+    tp, ep = layout.tp, layout.ep
+    for op in module.ops:
+        where = f"layer {op.attr('layer', '?')}"
+        if op.op in ("kda", "mla") and op.attr("num_heads") % tp:
+            raise ArgumentError(f"--tp {tp}: {op.op.upper()} num_heads {op.attr('num_heads')} ({where}) is not "
+                                f"divisible by {tp}")
+        if op.op == "moe" and op.attr("num_experts") % ep:
+            raise ArgumentError(f"--ep {ep}: num_experts {op.attr('num_experts')} ({where}) is not divisible by {ep}")
+        if op.op in ("mlp", "moe") and tp > 1:
+            roles = dict(zip((r.name for r in get_op_def(op.op).roles(op.attr_dict)), op.inputs))
+            gate = roles.get("gate_proj.weight", roles.get("shared_experts.gate_proj.weight"))
+            if gate is not None and module.type_of(gate).shape[0] % tp:
+                what = "dense MLP" if op.op == "mlp" else "shared-expert"
+                raise ArgumentError(f"--tp {tp}: {what} width {module.type_of(gate).shape[0]} ({where}) is not "
+                                    f"divisible by {tp}")
+
+
+def shard_attr(group: str, dim: int, rank: int, size: int) -> str:
+    return f"{group}:{dim}:{rank}/{size}"
+
+
+def parse_shard(text: str) -> tuple[str, int, int, int] | None:
+    """'tp:0:1/2' -> ('tp', 0, 1, 2); None for an op annotation ('tp:heads') or anything else."""
+    try:
+        group, dim, part = text.split(":")
+        rank, size = part.split("/")
+        return group, int(dim), int(rank), int(size)
+    except (ValueError, AttributeError):
+        return None
+
+
+# role suffix -> split dim, per layer op ("rep" = replicated: absent)
+_KDA = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_conv1d.weight": 0, "k_conv1d.weight": 0,
+        "v_conv1d.weight": 0, "f_b_proj.weight": 0, "b_proj.weight": 0, "g_proj.weight": 0, "g_b_proj.weight": 0,
+        "A_log": 0, "dt_bias": 0, "o_proj.weight": 1}
+_MLA = {"q_proj.weight": 0, "q_b_proj.weight": 0, "kv_b_proj.weight": 0, "g_proj.weight": 0, "o_proj.weight": 1}
+_MLP = {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1}
+_SHARED = tuple(f"shared_experts.{p}_proj.weight" for p in ("gate", "up", "down"))
+
+
+@register_pass("shard")
+def shard(module: Module, ctx: PassContext) -> Module:
+    """Split heads / columns over TP and experts over EP for one rank; collectives where partial sums meet."""
+    lay = module_layout(module)
+    if lay.world == 1:
+        return module
+    check_divisible(module, lay)
+    tp, ep = lay.tp, lay.ep
+    defs = {r: op for op in module.ops for r in op.results}
+    splits: dict[str, tuple[str, int]] = {}          # param value -> (group, dim)
+
+    def split(value: str, group: str, dim: int) -> None:
+        if (group == "tp" and tp == 1) or (group == "ep" and ep == 1):
+            return
+        prev = splits.setdefault(value, (group, dim))
+        if prev != (group, dim):
+            raise ArgumentError(f"weight '{defs[value].attr('name')}' would be split two ways ({prev} and "
+                                f"{(group, dim)})")
+
+    def roles_of(op) -> dict[str, str]:
+        return dict(zip((r.name for r in get_op_def(op.op).roles(op.attr_dict)), op.inputs))
+
+    vocab_split = False
+    for op in module.ops:
+        w = roles_of(op) if get_op_def(op.op) is not None and op.op != "param" else {}
+        table = {"kda": _KDA, "mla": _MLA, "mlp": _MLP}.get(op.op)
+        if table is not None:
+            for role, dim in table.items():
+                if role in w:
+                    split(w[role], "tp", dim)
+        elif op.op == "moe":
+            for role in ("experts.w1", "experts.w3", "experts.w2"):
+                split(w[role], "ep", 0)
+            if op.attr("num_shared_experts") > 0:
+                for role, dim in zip(_SHARED, (0, 0, 1)):
+                    split(w[role], "tp", dim)
+        elif op.op == "lm_head" and not op.attr("tied") and tp > 1:
+            wv = w["lm_head.weight"]
+            if module.type_of(wv).shape[0] % tp == 0:
+                split(wv, "tp", 0)
+                vocab_split = True
+
+    b = Builder.like(module)
+
+    def collective(kind: str, src: str, group: str, loc: str, name: str, **extra) -> str:
+        size = tp if group == "tp" else ep
+        ctx.count(f"{kind}.{group}")
+        return b.op(kind, [src], {"group": group, "size": size, **extra}, loc, name=name)
+
+    for op in ctx.walk(module.ops):     # results keep their names: the collective takes the op's old name
+        if op.op == "param" and op.results[0] in splits:
+            group, dim = splits[op.results[0]]
+            size, r = (tp, lay.tp_rank) if group == "tp" else (ep, lay.ep_rank)
+            ty = op.types[0]
+            shape = list(ty.shape)
+            shape[dim] //= size
+            b.append(op.replace(types=(ty.with_shape(shape),)).with_attrs(shard=shard_attr(group, dim, r, size)))
+            ctx.count("params")
+            continue
+        a = op.attr_dict
+        res = op.results[0] if op.results else None
+        if op.op in ("kda", "mla") and tp > 1:
+            part = b.fresh("tp")
+            b.append(b.make(op.op, op.inputs, {**a, "num_heads": a["num_heads"] // tp, "shard": "tp:heads"}, op.loc,
+                            results=(part,)))
+            collective("all_reduce", part, "tp", op.loc, res)
+            ctx.count(op.op)
+        elif op.op == "mlp" and tp > 1:
+            part = b.fresh("tp")
+            b.append(b.make("mlp", op.inputs, {**a, "shard": "tp:columns"}, op.loc, results=(part,)))
+            collective("all_reduce", part, "tp", op.loc, res)
+            ctx.count("mlp")
+        elif op.op == "moe":
+            w = roles_of(op)
+            attrs = {**a}
+            if ep > 1:
+                attrs.update(ep_rank=lay.ep_rank, ep_size=ep, shard="ep:experts")
+            shared = a["num_shared_experts"] > 0 and tp > 1
+            if shared:
+                attrs["num_shared_experts"] = 0
+            ins = [w[r.name] for r in get_op_def("moe").roles(attrs)]
+            if not shared:
+                b.append(b.make("moe", ins, attrs, op.loc, results=(res,)))
+            else:
+                routed = b.make("moe", ins, attrs, op.loc, results=(b.fresh("ep"),))
+                b.append(routed)
+                act = {k: a[k] for k in ("activation", "situ_beta_gate", "situ_beta_up") if k in a}
+                part = b.op("mlp", [w["x"]] + [w[r] for r in _SHARED],
+                            {"layer": a["layer"], **act, "shard": "tp:columns"}, op.loc, prefix="tp")
+                total = collective("all_reduce", part, "tp", op.loc, b.fresh("tp"))
+                # routed + shared, the reference's order
+                b.op("add", [routed.results[0], total], {"layer": a["layer"]}, op.loc, name=res)
+                ctx.count("shared_experts")
+            ctx.count("moe")
+        elif op.op == "lm_head" and vocab_split:
+            part = b.fresh("tp")
+            b.append(b.make("lm_head", op.inputs, {**a, "shard": "tp:vocab"}, op.loc, results=(part,)))
+            collective("all_gather", part, "tp", op.loc, res, dim=-1)
+            ctx.count("lm_head")
+        else:
+            b.append(op)
+    return b.build(module.outputs)

@@ -1,0 +1,132 @@
+"""The `shard` pass on k3-tiny and kimi-k3: local param shapes and annotations, collectives and counts, layouts,
+errors naming --tp / --ep, and per-rank weights (slice of a full init, random init, safetensors slices)."""
+import os
+
+import pytest
+import torch
+
+import k3c
+from k3c.cli import main
+from k3c.errors import ArgumentError
+from k3c.ir import parse_module, print_module
+from k3c.passes.shard import make_layout, parse_shard
+from k3c.runtime.distributed import init_sharded_weights, load_sharded_weights, param_shards, shard_weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "examples", "k3-tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return k3c.load_spec(TINY)
+
+
+def _params(module):
+    return {op.attr("name"): op for op in module.ops if op.op == "param"}
+
+
+def test_shard_runs_first_and_splits_heads_experts_columns(spec):
+    m = k3c.compile(spec, target="cpu", tp=2, ep=2, rank=1)
+    assert m.pass_names[0] == "shard"
+    s = m.module_after("shard")
+    counts = m.records[0].counts
+    # 6 KDA + 2 MLA + 1 dense MLP + 7 shared-expert MLPs all-reduce over TP; lm_head gathers the vocab
+    assert counts["all_reduce.tp"] == 16 and counts["all_gather.tp"] == 1
+    assert (counts["kda"], counts["mla"], counts["mlp"], counts["moe"], counts["shared_experts"]) == (6, 2, 1, 7, 7)
+    assert len(s.ops_named("all_reduce")) == 16 and len(s.ops_named("all_gather")) == 1
+    p = _params(s)
+    q = p["layers.0.self_attn.q_proj.weight"]
+    assert q.types[0].shape == (16, 64) and q.attr("shard") == "tp:0:1/2"
+    assert p["layers.0.self_attn.o_proj.weight"].types[0].shape == (64, 16)
+    assert p["layers.0.self_attn.o_proj.weight"].attr("shard") == "tp:1:1/2"
+    assert p["layers.0.self_attn.A_log"].types[0].shape == (1,)
+    assert not p["layers.0.self_attn.f_a_proj.weight"].has_attr("shard")          # low rank: replicated
+    # MLA: per-head slices; the latent projection (and so the latent cache) replicated
+    assert p["layers.3.self_attn.kv_b_proj.weight"].types[0].shape == (32, 32)
+    assert p["layers.3.self_attn.kv_a_proj_with_mqa.weight"].types[0].shape == (40, 64)
+    assert not p["layers.3.self_attn.kv_a_proj_with_mqa.weight"].has_attr("shard")
+    # experts: rank 1 of EP 2 holds experts 4..7; router replicated
+    assert p["layers.1.block_sparse_moe.experts.w1"].attr("shard") == "ep:0:1/2"
+    assert p["layers.1.block_sparse_moe.experts.w1"].types[0].shape == (4, 32, 32)
+    assert p["layers.1.block_sparse_moe.gate.weight"].types[0].shape == (8, 64)
+    moe = s.ops_named("moe")[0]
+    assert (moe.attr("ep_rank"), moe.attr("ep_size"), moe.attr("num_shared_experts")) == (1, 2, 0)
+    assert [op.attr("num_heads") for op in s.ops_named("kda")] == [1] * 6
+    assert p["lm_head.weight"].types[0].shape == (128, 64)
+    # the lowered IR keeps the collectives and round-trips through the printer/parser
+    final = m.module
+    groups = [op.attr("group") for op in final.ops_named("all_reduce")]
+    # moe-lower spells the routed combine's EP all-reduce out as an op (one per MoE layer); before, it is inside moe
+    assert groups.count("tp") == 16 and groups.count("ep") == (7 if "moe-lower" in m.pass_names else 0)
+    assert len(final.ops_named("all_gather")) == 1
+    assert parse_module(print_module(final)) == final
+    assert 'all_reduce(%' in m.ir() and 'group = "tp"' in m.ir()
+
+
+def test_layouts_and_groups():
+    lay = make_layout(2, 4, 3)
+    assert (lay.world, lay.tp_rank, lay.ep_rank) == (4, 1, 3)
+    assert lay.group_ranks("tp") == [2, 3] and lay.group_ranks("ep") == [0, 1, 2, 3]
+    assert make_layout(4, 2, 2).group_ranks("ep") == [2, 3]
+    assert parse_shard("ep:0:3/4") == ("ep", 0, 3, 4) and parse_shard("tp:heads") is None
+
+
+def test_ep_only_and_tp_only(spec):
+    ep = k3c.compile(spec, target="cpu", passes=["shard"], tp=1, ep=2, rank=0).module
+    assert not ep.ops_named("all_reduce") and all(o.attr("ep_size") == 2 for o in ep.ops_named("moe"))
+    assert all(o.attr("num_shared_experts") == 2 for o in ep.ops_named("moe"))      # no TP: shared stay inside
+    tp = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, ep=1, rank=0).module
+    assert all(not o.has_attr("ep_size") for o in tp.ops_named("moe"))
+    assert _params(tp)["layers.1.block_sparse_moe.experts.w1"].types[0].shape == (8, 32, 32)
+    assert len(tp.ops_named("all_reduce")) == 16
+    # ep defaults to tp
+    both = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, rank=0).module
+    assert all(o.attr("ep_size") == 2 for o in both.ops_named("moe"))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"tp": 4, "ep": 1}, r"--tp 4: KDA num_heads 2 \(layer 0\) is not divisible by 4"),
+    ({"tp": 1, "ep": 16}, r"--ep 16: num_experts 8 .* not divisible by 16"),
+    ({"tp": 2, "ep": 3}, r"--tp 2 and --ep 3: one must divide the other"),
+    ({"tp": 0}, r"--tp must be an integer >= 1"),
+    ({"tp": 2, "rank": 2}, r"rank must be in \[0, 2\)"),
+])
+def test_bad_layouts_name_the_argument(spec, kw, match):
+    with pytest.raises(ArgumentError, match=match):
+        k3c.compile(spec, target="cpu", **kw)
+
+
+def test_cli_bad_tp_exits_2(capsys, tmp_path):
+    assert main(["compile", TINY, "--target", "cpu", "-o", str(tmp_path / "o"), "--tp", "4", "--ep", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 4" in err and "Traceback" not in err and err.count("\n") == 1
+    assert main(["run", TINY, "--tp", "2", "--ep", "3"]) == 2
+    assert "--ep 3" in capsys.readouterr().err
+
+
+def test_kimi_k3_tp8_ep8_shapes():
+    m = k3c.compile(os.path.join(ROOT, "examples", "kimi-k3.yaml"), target="mi355x", passes=["shard"], tp=8,
+                    rank=7)
+    p = _params(m.module)
+    w1 = p["layers.1.block_sparse_moe.experts.w1"]
+    assert w1.types[0].shape == (112, 3072, 3584) and w1.attr("shard") == "ep:0:7/8"
+    assert p["layers.0.self_attn.q_proj.weight"].types[0].shape == (12 * 128, 7168)
+    assert m.records[0].counts["all_reduce.tp"] == 93 + 1 + 92
+
+
+def test_rank_weights_slice_init_and_safetensors(spec, tmp_path):
+    from k3c.runtime.checkpoint import save_k3_checkpoint
+
+    full = k3c.init_weights(spec, seed=5)
+    save_k3_checkpoint(spec, full, tmp_path)
+    for tp, ep, rank in ((2, 2, 1), (1, 2, 0), (2, 1, 1)):
+        m = k3c.compile(spec, target="cpu", passes=["shard"], tp=tp, ep=ep, rank=rank)
+        sliced = shard_weights(m, full)
+        random = init_sharded_weights(m, seed=5)
+        loaded = load_sharded_weights(m, str(tmp_path))
+        assert sliced.keys() == random.keys() == loaded.keys() == param_shards(m).keys()
+        for k, t in sliced.items():
+            assert torch.equal(t, random[k]) and torch.equal(t, loaded[k]), k
+        e = sliced["layers.1.block_sparse_moe.experts.w2"]
+        assert torch.equal(e, full["layers.1.block_sparse_moe.experts.w2"][4 * rank:4 * rank + 4] if ep == 2 else
+                           full["layers.1.block_sparse_moe.experts.w2"])          # EP rank r of 2: experts 4r..4r+3
