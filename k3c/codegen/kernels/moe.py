@@ -1,0 +1,613 @@
+"""(Latent)MoE kernels (K3.md sections 5 and 6): routing, grouped expert GEMMs over the permuted tokens, combine.
+
+Routing (four launches, deterministic: no atomics, the permutation is the stable sort of the (token, k) slots by
+expert, as torch.argsort(stable=True) gives):
+    emit_moe_topk     a block of tokens per program: scores (sigmoid or softmax) of the fp32 router logits, top-k of
+                      score + bias by k rounds of arg-max (ties -> lowest expert), weights renormalised and scaled;
+                      writes weights f32 [N, k], ids i32 [N, k] and the presence rows i32 [N, E_local] (1 where the
+                      token picked that local expert).
+    emit_moe_rank     one program per block of local experts: exclusive prefix count of the presence matrix down the
+                      tokens (in place: rank of the token among the expert's tokens) and the per-expert counts.
+    emit_moe_offsets  one program: expert row offsets and M-tile offsets per BLOCK_M bucket (exclusive scans).
+    emit_moe_scatter  a block of tokens per program: perm[offset[e] + rank(t, e)] = t * k + j for each local slot.
+Since the k experts of one token are distinct, rank(t, e) = #tokens before t that picked e, so no two slots collide.
+
+Grouped GEMM (`emit_moe_gemm`), all experts in one launch: grid (tile slots, N tiles). The tile schedule comes from
+the routing's tile offsets for the kernel's BLOCK_M (emit_moe_offsets): expert = #(tile ends <= tile), one vector
+compare over the experts; programs past the last tile exit. The tile-slot bound min(cdiv(S, BLOCK_M) +
+E, S) (every expert adds at most one partial tile, every tile holds a row; `tile_slots`) needs no host sync.
+    gate_up  A rows gathered through perm (token = slot // k), out = act(A W1^T, A W3^T) in permuted order.
+    down     A = the gate_up output (permuted order), out rows scattered back to slot order (row t * k + j).
+    dense    plain C = A W^T (no routing): the MXFP4 x bf16 GEMM for other quantized linears (same template).
+Weight formats (`mx`):
+    none     bf16 / fp32 weights [E, N, K], tl.dot.
+    upcast   MXFP4 packed u8 [E, N, K/2] + E8M0 scales u8 [E, N, K/32] (k3c.quant layout: element 2i in the low
+             nibble). Each packed tile is decoded in registers straight into fp32 bit patterns: E2M1 (s, e, m) with
+             block scale b is exponent field e + b - 1 and mantissa m (e = 0: field b - 1, mantissa 0, m = 0: zero),
+             exact, no multiply; the even/odd K elements (low/high nibbles) meet A's even/odd columns in two dots,
+             so no register shuffle interleaves nibbles. For sm_90 and gfx942 (no MX matrix units).
+    e4m3     native (target.native_mxfp4): A is quantized per 32 columns to MXFP8 in registers (OCP floor rule, as
+             k3c.quant.mxfp8_quantize: scale = floor(log2 amax) - 8, elements saturated to +-448, round to nearest
+             even) and tl.dot_scaled(e4m3, e2m1) runs on v_mfma_scale_f32_*_f8f6f4 (gfx950) / tcgen05.mma
+             kind::mxf8f6f4 (sm_100).
+    e2m1     native with MXFP4 activations (OCP floor rule, scale = floor(log2 amax) - 2, saturate +-6): the
+             fp4 x fp4 form, tcgen05.mma kind::mxf4 on sm_100, v_mfma_scale_*_f8f6f4 on gfx950.
+Combine (`emit_moe_combine`): one program per (token, column block), out = sum_j w[t, j] Y[t k + j] in fp32, k order,
++ residual (the shared experts when nothing sits between); with expert parallelism, slots of other ranks' experts
+are skipped (their rows are never written). A gather, not an atomic scatter in the down GEMM's epilogue: it is
+deterministic, needs no zeroed fp32 buffer, and rounds like the reference (Y in the activation dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..kernel import KernelSource
+from ..targets import Target
+from ..writer import CodegenError, SourceWriter, fnum, ident, name_part, num
+from .common import (ELEM_BYTES, TL_DTYPE, check_dim, check_float, emit_math_helpers, glu_act, glu_helpers,
+                     glu_lines, interpreted, pow2_ceil, to_dtype)
+
+MX_MODES = ("none", "upcast", "e4m3", "e2m1")
+KINDS = ("gate_up", "down", "dense")
+ROW_BUCKETS = (16, 32, 64, 128)     # BLOCK_M choices of the grouped GEMM (rows per expert, rounded up)
+
+
+def row_bucket(rows: int) -> int:
+    """BLOCK_M for an expected `rows` per expert (or per dense GEMM)."""
+    return max(ROW_BUCKETS[0], min(ROW_BUCKETS[-1], pow2_ceil(max(1, rows))))
+
+
+def mx_mode(expert_format: str, target: Target, activation_format: str | None = None) -> str:
+    """How MXFP4 weights run on `target`: natively through tl.dot_scaled where the target has MX matrix units
+    (activations quantized to MXFP8, or MXFP4 when the spec says so), else upcast in registers."""
+    if expert_format != "mxfp4":
+        return "none"
+    if not target.native_mxfp4:
+        return "upcast"
+    return "e2m1" if activation_format == "mxfp4" else "e4m3"
+
+
+@dataclass(frozen=True)
+class MoEGemmPlan:
+    block_m: int
+    block_n: int
+    block_k: int          # K elements per step (unpacked)
+    num_warps: int
+    num_stages: int
+
+
+def _divisor_block(k: int, want: int, floor: int) -> int:
+    """The largest power of two <= want that divides k (at least `floor`); 0 if none does."""
+    b = want
+    while b >= floor:
+        if k % b == 0:
+            return b
+        b //= 2
+    return 0
+
+
+def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, target: Target, *,
+                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> MoEGemmPlan:
+    """Tiles of the grouped expert GEMM. Few rows per expert (decode; the weight stream dominates): BLOCK_M 16-32,
+    narrow N tiles (32 columns, gate and up side by side for gate_up) so that the active experts' weights split over
+    many programs, and long K steps (256 elements: 128 packed bytes per row and stage) to keep bytes in flight.
+    Many rows (prefill; tensor cores): BLOCK_M 64-128, 128-wide N tiles (64 x 2 for gate_up), 64-128 K. MX weights
+    need BLOCK_K | K (K is a multiple of 32); others mask a ragged last K step. Stages fill the shared-memory
+    budget (3 at most; one on the interpreter). Overrides are for benchmarks and tests."""
+    bm = row_bucket(rows)
+    n_b = 2 if kind == "gate_up" else 1
+    eb = ELEM_BYTES[dtype]
+    if bm <= 32:    # the upcast decode of a 32 x 256 step spills on sm_90: 128 there
+        bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" else 128
+    else:
+        bn, bk = 128 // n_b, 128 if mx != "none" else 128 // eb
+    if target.backend == "cpu":     # the interpreter pays per program: whole rows of N in one tile
+        bn = 128 // n_b
+    bn = block_n or min(bn, max(16, pow2_ceil(n)))
+    want_k = block_k or bk
+    if mx != "none":
+        if k % 32:
+            raise CodegenError(f"MXFP4 weights need a reduction dim that is a multiple of 32, got {k}")
+        bk = _divisor_block(k, max(32, want_k), 32)
+    else:
+        bk = max(16, min(want_k, pow2_ceil(k)))
+    warps = num_warps or (4 if bm * bn <= 64 * 64 else 8)
+    if target.shared_mem_bytes <= 0:
+        stages = 1
+    elif num_stages:
+        stages = num_stages
+    else:
+        w_bytes = bk // 2 + bk // 32 if mx != "none" else bk * eb
+        stage = bm * bk * eb + n_b * bn * w_bytes
+        budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
+        stages = max(2, min(3, budget // max(1, stage)))
+    return MoEGemmPlan(bm, bn, bk, warps, stages)
+
+
+# -- routing ------------------------------------------------------------------------------------------------------
+ROUTER_ACTS = ("sigmoid", "softmax")
+
+
+def _route_names(kind: str, e: int, k: int, e_local: int, e0: int) -> str:
+    return ident(f"k3c_moe_{kind}_e{e}_k{k}" + (f"_l{e_local}_o{e0}" if e_local != e else ""))
+
+
+def tokens_per_program(target: Target) -> int:
+    """Tokens per routing / combine program: 4 on GPUs (a [4, E] score tile), 32 in the interpreter (which pays
+    per program and per op, not per element)."""
+    return 32 if target.backend == "cpu" else 4
+
+
+def emit_moe_topk(num_experts: int, top_k: int, *, target: Target, router_activation: str = "sigmoid",
+                  bias: bool = True, renormalize: bool = True, scaling: float = 1.0, e_local: int | None = None,
+                  e0: int = 0, ir_op: str = "moe_route", loc: str = "") -> KernelSource:
+    """Kernel args: logits_ptr f32 [N, E], (bias_ptr f32 [E]), w_ptr f32 [N, k], ids_ptr i32 [N, k],
+    pres_ptr i32 [N, E_local], N; grid (cdiv(N, BLOCK_T),)."""
+    E, K = check_dim(num_experts, "num_experts"), check_dim(top_k, "top_k")
+    EL = check_dim(e_local or E, "local experts")
+    if K > E or e0 < 0 or e0 + EL > E:
+        raise CodegenError(f"bad routing shape: top_k {K}, experts {E}, local [{e0}, {e0 + EL})")
+    if router_activation not in ROUTER_ACTS:
+        raise CodegenError(f"router activation must be one of {ROUTER_ACTS}, got {router_activation!r}")
+    kname = _route_names("topk", E, K, EL, e0) if router_activation == "sigmoid" else \
+        ident(f"{_route_names('topk', E, K, EL, e0)}_softmax")
+    kname = ident(kname + ("_bias" if bias else "") + ("" if renormalize else "_raw"))
+    sig = {"logits_ptr": "*fp32"}
+    if bias:
+        sig["bias_ptr"] = "*fp32"
+    sig.update({"w_ptr": "*fp32", "ids_ptr": "*i32", "pres_ptr": "*i32", "N": "i32"})
+    cx = {"E": E, "E_PAD": pow2_ceil(E), "TOP_K": K, "K_PAD": pow2_ceil(K), "E0": e0, "E_LOCAL": EL,
+          "BLOCK_T": tokens_per_program(target)}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"moe top-k: {router_activation} scores, bias={bias}, renormalize={renormalize}, "
+                    f"scaling={scaling!r}, E={E} k={K} local=[{e0}, {e0 + EL})"])
+    w.imports()
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.lines([
+            "t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)",
+            "t_ok = t < N",
+            "t64 = t.to(tl.int64)",
+            "ex = tl.arange(0, E_PAD)",
+            "e_ok = ex < E",
+            "ok = t_ok[:, None] & e_ok[None, :]",
+            "logit = tl.load(logits_ptr + t64[:, None] * E + ex[None, :], mask=ok, other=0.0)",
+        ])
+        if router_activation == "sigmoid":
+            w.line("s = tl.where(ok, 1.0 / (1.0 + tl.exp(-logit)), 0.0)")
+        else:
+            w.lines(["lm = tl.where(ok, logit, float('-inf'))",
+                     "p = tl.where(ok, tl.exp(lm - tl.max(lm, axis=1)[:, None]), 0.0)",
+                     "s = p / tl.maximum(tl.sum(p, axis=1), 1e-30)[:, None]"])
+        w.line("choice = s + tl.load(bias_ptr + ex, mask=e_ok, other=0.0)[None, :]" if bias else "choice = s")
+        w.lines([
+            "choice = tl.where(e_ok[None, :], choice, float('-inf'))",
+            "kk = tl.arange(0, K_PAD)",
+            "sel_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)",
+            "sel_i = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)",
+            "present = tl.zeros((BLOCK_T, E_PAD), dtype=tl.int32)",
+            "for j in tl.static_range(TOP_K):",
+            "    best = tl.max(choice, axis=1)",
+            "    idx = tl.min(tl.where(choice == best[:, None], ex[None, :], E_PAD), axis=1)",
+            "    hit = ex[None, :] == idx[:, None]",
+            "    sj = tl.sum(tl.where(hit, s, 0.0), axis=1)",
+            "    sel_w = tl.where(kk[None, :] == j, sj[:, None], sel_w)",
+            "    sel_i = tl.where(kk[None, :] == j, idx[:, None], sel_i)",
+            "    choice = tl.where(hit, float('-inf'), choice)",
+            "    present = tl.where(hit, 1, present)",
+        ])
+        if renormalize:
+            w.line("sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)")
+        w.lines([
+            f"sel_w = sel_w * {fnum(scaling)}",
+            "k_ok = t_ok[:, None] & (kk < TOP_K)[None, :]",
+            "tl.store(w_ptr + t64[:, None] * TOP_K + kk[None, :], sel_w, mask=k_ok)",
+            "tl.store(ids_ptr + t64[:, None] * TOP_K + kk[None, :], sel_i, mask=k_ok)",
+            "loc_ok = t_ok[:, None] & ((ex >= E0) & (ex < E0 + E_LOCAL))[None, :]",
+            "tl.store(pres_ptr + t64[:, None] * E_LOCAL + (ex - E0)[None, :], present, mask=loc_ok)",
+        ])
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=("cdiv(N, BLOCK_T)",),
+                        num_warps=4 if E <= 1024 else 8, num_stages=1, ir_op=ir_op, loc=loc)
+
+
+RANK_BLOCK_E, RANK_BLOCK_T = 32, 64
+
+
+def emit_moe_rank(e_local: int, *, target: Target, ir_op: str = "moe_route", loc: str = "") -> KernelSource:
+    """Kernel args: pres_ptr i32 [N, E_local] (presence in, exclusive rank out), cnt_ptr i32 [E_local], N;
+    grid (cdiv(E_local, BLOCK_E),). Sequential over token blocks, parallel over experts."""
+    EL = check_dim(e_local, "local experts")
+    kname = ident(f"k3c_moe_rank_l{EL}")
+    sig = {"pres_ptr": "*i32", "cnt_ptr": "*i32", "N": "i32"}
+    cx = {"E_LOCAL": EL, "BLOCK_E": RANK_BLOCK_E, "BLOCK_T": RANK_BLOCK_T}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"moe rank: exclusive prefix count down the tokens, E_local={EL}"])
+    w.imports()
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.lines([
+            "cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)",
+            "c_ok = cols < E_LOCAL",
+            "carry = tl.zeros((BLOCK_E,), dtype=tl.int32)",
+            "for t0 in range(0, N, BLOCK_T):",
+            "    rows = t0 + tl.arange(0, BLOCK_T)",
+            "    ok = (rows < N)[:, None] & c_ok[None, :]",
+            "    ptrs = pres_ptr + rows.to(tl.int64)[:, None] * E_LOCAL + cols[None, :]",
+            "    p = tl.load(ptrs, mask=ok, other=0)",
+            "    inc = tl.cumsum(p, axis=0)",
+            "    tl.store(ptrs, inc - p + carry[None, :], mask=ok)",
+            "    carry += tl.sum(p, axis=0)",
+            "tl.store(cnt_ptr + cols, carry, mask=c_ok)",
+        ])
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
+                        grid=("cdiv(E_LOCAL, BLOCK_E)",), num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
+
+
+def emit_moe_offsets(e_local: int, *, target: Target, ir_op: str = "moe_route", loc: str = "") -> KernelSource:
+    """Kernel args: cnt_ptr i32 [E_local], off_ptr i32 [1 + len(ROW_BUCKETS), E_local + 1]; grid (1,). Row 0: the
+    expert row offsets (exclusive scan of the counts); row 1 + b: the expert tile offsets for BLOCK_M =
+    ROW_BUCKETS[b] (exclusive scan of cdiv(count, BLOCK_M)), so the grouped GEMMs find their tile's expert
+    without a scan of their own."""
+    EL = check_dim(e_local, "local experts")
+    kname = ident(f"k3c_moe_offsets_l{EL}")
+    sig = {"cnt_ptr": "*i32", "off_ptr": "*i32"}
+    cx = {"E_LOCAL": EL, "E_PAD": pow2_ceil(EL + 1)}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"moe expert row and tile offsets (exclusive scans of the counts), E_local={EL}, "
+                    f"BLOCK_M buckets {ROW_BUCKETS}"])
+    w.imports()
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.lines([
+            "ex = tl.arange(0, E_PAD)",
+            "cnt = tl.load(cnt_ptr + ex, mask=ex < E_LOCAL, other=0)",
+            "tl.store(off_ptr + ex, tl.cumsum(cnt, axis=0) - cnt, mask=ex <= E_LOCAL)",
+        ])
+        for b, bm in enumerate(ROW_BUCKETS):
+            w.line(f"tiles = (cnt + {bm - 1}) // {bm}")
+            w.line(f"tl.store(off_ptr + {b + 1} * (E_LOCAL + 1) + ex, tl.cumsum(tiles, axis=0) - tiles,"
+                   f" mask=ex <= E_LOCAL)")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=("1",),
+                        num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
+
+
+def emit_moe_scatter(e_local: int, top_k: int, *, target: Target, e0: int = 0, ir_op: str = "moe_route",
+                     loc: str = "") -> KernelSource:
+    """Kernel args: ids_ptr i32 [N, k], rank_ptr i32 [N, E_local], off_ptr i32 [E_local + 1], perm_ptr i32
+    [N * k], N; grid (cdiv(N, BLOCK_T),): perm[off[e] + rank(t, e)] = t * k + j for the local slots."""
+    EL, K = check_dim(e_local, "local experts"), check_dim(top_k, "top_k")
+    kname = ident(f"k3c_moe_scatter_l{EL}_k{K}" + (f"_o{e0}" if e0 else ""))
+    sig = {"ids_ptr": "*i32", "rank_ptr": "*i32", "off_ptr": "*i32", "perm_ptr": "*i32", "N": "i32"}
+    cx = {"E_LOCAL": EL, "TOP_K": K, "K_PAD": pow2_ceil(K), "E0": e0, "BLOCK_T": tokens_per_program(target)}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"moe scatter: stable slot permutation, E_local={EL} k={K} first={e0}"])
+    w.imports()
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.lines([
+            "t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)",
+            "kk = tl.arange(0, K_PAD)",
+            "k_ok = (t < N)[:, None] & (kk < TOP_K)[None, :]",
+            "slot = t[:, None] * TOP_K + kk[None, :]",
+            "el = tl.load(ids_ptr + slot, mask=k_ok, other=-1) - E0",
+            "local = k_ok & (el >= 0) & (el < E_LOCAL)",
+            "el = tl.where(local, el, 0)",
+            "base = tl.load(off_ptr + el, mask=local, other=0)",
+            "rank = tl.load(rank_ptr + t.to(tl.int64)[:, None] * E_LOCAL + el, mask=local, other=0)",
+            "tl.store(perm_ptr + base + rank, slot, mask=local)",
+        ])
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=("cdiv(N, BLOCK_T)",),
+                        num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
+
+
+# -- grouped GEMM ---------------------------------------------------------------------------------------------------
+def _emit_dequant_helper(w: SourceWriter) -> None:
+    with w.jit_function("_k3c_e2m1_f32", ["c", "sc"]):
+        w.line("# E2M1 code c (i32, 0..15) x 2^(sc - 127) as fp32 bits: exact; results below 2^-126 flush to +-0")
+        w.line("mag = c & 7")
+        w.line("ex = mag >> 1")
+        w.line("field = tl.where(ex == 0, sc - 1, ex + sc - 1)")
+        w.line("bits = (field << 23) | ((mag & tl.where(ex == 0, 0, 1)) << 22)")
+        w.line("sign = (c & 8) << 28")
+        w.line("bits = tl.where((mag == 0) | (field <= 0), 0, bits) | sign")
+        w.line("return bits.to(tl.float32, bitcast=True)")
+
+
+def _emit_act_quant_helper(w: SourceWriter, fmt: str, bm: str, bk: str, interp: bool) -> None:
+    """_k3c_quant_a(a fp32 [BM, BK]) -> (elements, scales u8 [BM, BK/32]) in the OCP floor rule."""
+    emax, vmax = (8, 448.0) if fmt == "e4m3" else (2, 6.0)
+    with w.jit_function("_k3c_quant_a", ["a", "BM", "BK"]):
+        w.line("a3 = tl.reshape(a, (BM, BK // 32, 32))")
+        w.line("amax = tl.max(tl.abs(a3), axis=2)")
+        w.line(f"s = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 255) - {emax}, 0)")
+        w.line("rcp = ((254 - tl.maximum(s, 1)) << 23).to(tl.float32, bitcast=True)  # 1 / max(2^(s-127), 2^-126)")
+        w.line(f"q = tl.minimum(tl.maximum(a3 * rcp[:, :, None], {fnum(-vmax)}), {fnum(vmax)})")
+        if fmt == "e4m3":
+            if interp:      # the interpreter's fp8 cast truncates: round to nearest even first (then it is exact)
+                w.line("b = q.to(tl.uint32, bitcast=True)")
+                w.line("b = ((b + (((b >> 20) & 1) + 0x7FFFF)) >> 20) << 20")
+                w.line("sub = (q + 24576.0) - 24576.0  # multiples of 2^-9 below 2^-6 (E4M3 subnormals)")
+                w.line("q = tl.where(tl.abs(q) < 0.015625, sub, b.to(tl.float32, bitcast=True))")
+            w.line("q = tl.reshape(q, (BM, BK)).to(tl.float8e4nv)")
+        else:
+            w.line("m = tl.abs(q)")
+            w.line("code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)"
+                   " + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)"
+                   " + (m > 5.0).to(tl.int32))")
+            w.line("code = code | tl.where(q < 0, 8, 0)")
+            w.line("pairs = tl.reshape(code, (BM, BK // 2, 2))")
+            w.line("lo, hi = tl.split(pairs)")
+            w.line("q = (lo | (hi << 4)).to(tl.uint8)")
+        w.line("return q, s.to(tl.uint8)")
+
+
+def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPlan, num_experts: int = 1,
+                  top_k: int = 1, mx: str = "none", dtype: str = "bf16", w_dtype: str | None = None,
+                  out_dtype: str | None = None, act: object = "swiglu", name: str | None = None,
+                  ir_op: str = "moe_experts", loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Grouped (gate_up, down) or dense MXFP4/bf16 GEMM; see the module doc.
+
+    Kernel args (W = w1/w3 or w2 stacks [E, N, K]; mx: packed [E, N, K/2] + scale [E, N, K/32] pairs):
+        gate_up: a_ptr [T, K], wg(, wgs), wu(, wus), off_ptr i32 [E + 1], perm_ptr i32 [S], c_ptr [S, N], TILES
+        down:    a_ptr [S, K] (permuted), w(, ws), off_ptr, perm_ptr, c_ptr [S, N] (slot order), TILES
+        dense:   a_ptr [M, K], w(, ws), c_ptr [M, N], M
+    grid: routed (TILES, cdiv(N, BLOCK_N)) with TILES an upper bound of the M tiles (tile_slots()); dense
+    (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))."""
+    if kind not in KINDS:
+        raise CodegenError(f"moe gemm kind must be one of {KINDS}, got {kind!r}")
+    if mx not in MX_MODES:
+        raise CodegenError(f"mx mode must be one of {MX_MODES}, got {mx!r}")
+    N, K = check_dim(n, "N"), check_dim(k, "K")
+    E, TK = check_dim(num_experts, "num_experts"), check_dim(top_k, "top_k")
+    dt = check_float(dtype)
+    wdt = "u8" if mx != "none" else check_float(w_dtype or dt, "w_dtype")
+    odt = check_float(out_dtype or dt, "out_dtype")
+    interp = interpreted(target, interpret)
+    native = mx in ("e4m3", "e2m1")
+    if native and dt == "fp32":
+        raise CodegenError("native MX GEMMs take bf16/fp16 activations")
+    BM, BN, BK = plan.block_m, plan.block_n, plan.block_k
+    if kind != "dense" and BM not in ROW_BUCKETS:
+        raise CodegenError(f"grouped GEMM BLOCK_M must be one of {ROW_BUCKETS} (the routing's tile offsets)")
+    if mx != "none" and (K % BK or BK % 32):
+        raise CodegenError(f"MXFP4 GEMM: BLOCK_K {BK} must be a multiple of 32 dividing K {K}")
+    routed = kind != "dense"
+    glu = glu_act(act) if kind == "gate_up" else None
+    even_k = K % BK == 0
+    even_n = N % BN == 0
+    # dot operands: bf16 on GPUs; the interpreter multiplies bf16 tiles as raw bits, so it gets fp32 copies
+    up = interp and dt != "fp32"
+    op_dt = "tl.float32" if (up or dt == "fp32") else TL_DTYPE[dt]
+    dot_kw = ', input_precision="ieee"' if (up or dt == "fp32") else ""
+
+    tags = ["k3c_moe", kind, f"n{N}", f"k{K}", name_part(dt), f"m{BM}"]
+    if routed:
+        tags.insert(3, f"e{E}")
+    if mx != "none":
+        tags.append(f"mx{mx}")
+    if glu is not None:
+        tags.insert(2, name_part(glu.tag()))
+    kname = ident(name if name is not None else "_".join(tags))
+    wn = ["wg", "wu"] if glu is not None else ["w"]
+    sig: dict[str, str] = {"a_ptr": f"*{dt}"}
+    for x in wn:
+        sig[f"{x}_ptr"] = f"*{wdt}"
+        if mx != "none":
+            sig[f"{x}s_ptr"] = "*u8"
+    if routed:
+        sig.update({"off_ptr": "*i32", "perm_ptr": "*i32"})
+    sig.update({"c_ptr": f"*{odt}", "TILES" if routed else "M": "i32"})
+    cx = {"N": N, "K": K, "BLOCK_M": BM, "BLOCK_N": BN, "BLOCK_K": BK}
+    if routed:
+        cx.update({"E": E, "E_PAD": pow2_ceil(E), "TOP_K": TK})
+
+    w = SourceWriter()
+    what = f"{kind}" + (f" {glu.kind}" + (f" beta_gate={glu.beta_gate!r} beta_up={glu.beta_up!r}"
+                                          if glu.kind == "situ" else "") if glu is not None else "")
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"moe gemm {what} N={N} K={K} E={E} top_k={TK} a:{dt} w:{wdt} mx={mx} out:{odt}",
+                    f"tiles {BM}x{BN}x{BK} num_warps={plan.num_warps} num_stages={plan.num_stages}"
+                    + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    emit_math_helpers(w, **(glu_helpers(glu) if glu is not None else {}), rtne_bf16=interp and odt == "bf16")
+    if mx == "upcast":
+        _emit_dequant_helper(w)
+    if native:
+        _emit_act_quant_helper(w, mx, "BLOCK_M", "BLOCK_K", interp)
+    with w.jit_function(kname, list(sig), list(cx)):
+        if routed:
+            w.lines([
+                "tile = tl.program_id(0)",
+                "pid_n = tl.program_id(1)",
+                f"t_off = off_ptr + {ROW_BUCKETS.index(BM) + 1} * (E + 1)  # tile offsets for this BLOCK_M",
+                "if tile >= tl.load(t_off + E):",
+                "    return",
+                "ex = tl.arange(0, E_PAD)",
+                "e_ok = ex < E",
+                "ends = tl.load(t_off + ex + 1, mask=e_ok, other=2147483647)",
+                "e = tl.sum((ends <= tile).to(tl.int32), axis=0)",
+                "row0 = tl.load(off_ptr + e) + (tile - tl.load(t_off + e)) * BLOCK_M",
+                "row_end = tl.load(off_ptr + e + 1)",
+                "offs_m = row0 + tl.arange(0, BLOCK_M)",
+                "m_ok = offs_m < row_end",
+                "e64 = e.to(tl.int64)",
+            ])
+            if kind == "gate_up":
+                w.line("slot = tl.load(perm_ptr + offs_m, mask=m_ok, other=0)")
+                w.line("rows_a = (slot // TOP_K).to(tl.int64)")
+            else:
+                w.line("rows_a = tl.where(m_ok, offs_m, row0).to(tl.int64)")
+        else:
+            w.lines([
+                "pid_m = tl.program_id(0)",
+                "pid_n = tl.program_id(1)",
+                "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+                "m_ok = offs_m < M",
+                "rows_a = (offs_m % M).to(tl.int64)",
+                "e64 = 0",
+            ])
+        w.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        w.line("n_ok = offs_n < N")
+        w.line("rows_w = (offs_n % N).to(tl.int64)" if not even_n else "rows_w = offs_n.to(tl.int64)")
+        if mx == "upcast":
+            w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
+            w.line("a_ptrs = a_ptr + rows_a[:, None] * K + 2 * offs_h[None, :]  # even K columns; odd: + 1")
+            for x in wn:
+                w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
+                w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[None, :] * (K // 32)"
+                       f" + (offs_h // 16)[:, None]")
+        elif native:
+            w.line("offs_k = tl.arange(0, BLOCK_K)")
+            w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
+            w.line("offs_s = tl.arange(0, BLOCK_K // 32)")
+            w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
+            for x in wn:
+                w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
+                w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[:, None] * (K // 32)"
+                       f" + offs_s[None, :]")
+        else:
+            w.line("offs_k = tl.arange(0, BLOCK_K)")
+            w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
+            for x in wn:
+                w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * K) + rows_w[None, :] * K + offs_k[:, None]")
+        for x in wn:
+            w.line(f"acc_{x} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        w.line(f"for kb in range(0, {num(-(-K // BK))}):")
+        with w.indent():
+            if mx == "upcast":
+                w.line(f"a_e = tl.load(a_ptrs).to({op_dt})")
+                w.line(f"a_o = tl.load(a_ptrs + 1).to({op_dt})")
+                for x in wn:
+                    w.line(f"p = tl.load({x}_ptrs).to(tl.int32)")
+                    w.line(f"sc = tl.load({x}s_ptrs).to(tl.int32)")
+                    w.line(f"acc_{x} = tl.dot(a_e, _k3c_e2m1_f32(p & 15, sc).to({op_dt}), acc_{x}{dot_kw})")
+                    w.line(f"acc_{x} = tl.dot(a_o, _k3c_e2m1_f32(p >> 4, sc).to({op_dt}), acc_{x}{dot_kw})")
+                w.line("a_ptrs += BLOCK_K")
+                for x in wn:
+                    w.line(f"{x}_ptrs += BLOCK_K // 2")
+                    w.line(f"{x}s_ptrs += BLOCK_K // 32")
+            elif native:
+                w.line("aq, a_s = _k3c_quant_a(tl.load(a_ptrs).to(tl.float32), BLOCK_M, BLOCK_K)")
+                for x in wn:
+                    w.line(f"acc_{x} = tl.dot_scaled(aq, a_s, \"{mx}\", tl.load({x}_ptrs), tl.load({x}s_ptrs),"
+                           f" \"e2m1\", acc_{x})")
+                w.line("a_ptrs += BLOCK_K")
+                for x in wn:
+                    w.line(f"{x}_ptrs += BLOCK_K // 2")
+                    w.line(f"{x}s_ptrs += BLOCK_K // 32")
+            else:
+                if even_k:
+                    w.line("a = tl.load(a_ptrs)")
+                else:
+                    w.line("k_ok = offs_k < K - kb * BLOCK_K")
+                    w.line("a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)")
+                for x in wn:
+                    if even_k:
+                        w.line(f"{x} = tl.load({x}_ptrs)")
+                    else:
+                        w.line(f"{x} = tl.load({x}_ptrs, mask=k_ok[:, None], other=0.0)")
+                    if wdt != dt:   # as the reference's linear: W cast to A's dtype (rounded), then the product
+                        w.line(f"{x} = " + (to_dtype(f"{x}.to(tl.float32)", dt, interp) if dt != "fp32"
+                                            else f"{x}.to(tl.float32)"))
+                    w.line(f"acc_{x} = tl.dot(a.to({op_dt}), {x}.to({op_dt}), acc_{x}{dot_kw})")
+                w.line("a_ptrs += BLOCK_K")
+                for x in wn:
+                    w.line(f"{x}_ptrs += BLOCK_K")
+        w.line("c_mask = m_ok[:, None] & n_ok[None, :]")
+        if kind == "down":
+            w.line("rows_c = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)")
+        else:
+            w.line("rows_c = offs_m.to(tl.int64)")
+        w.line("c_offs = rows_c[:, None] * N + offs_n[None, :]")
+        if glu is not None:
+            w.lines(glu_lines(glu, "acc_wg", "acc_wu", "acc"))
+        else:
+            w.line("acc = acc_w")
+        w.line(f"tl.store(c_ptr + c_offs, {to_dtype('acc', odt, interp)}, mask=c_mask)")
+    grid = ("TILES", "cdiv(N, BLOCK_N)") if routed else ("cdiv(M, BLOCK_M)",
+                                                                                "cdiv(N, BLOCK_N)")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=grid,
+                        num_warps=plan.num_warps, num_stages=plan.num_stages, ir_op=ir_op, loc=loc)
+
+
+def tile_slots(slots: int, num_experts: int, block_m: int) -> int:
+    """Grid rows of a grouped GEMM over `slots` permuted rows: an upper bound of its M tiles."""
+    return min(-(-slots // block_m) + num_experts, slots)
+
+
+def emit_moe_linear(n: int, k: int, *, target: Target, m_hint: int, dtype: str = "bf16", w_dtype: str | None = None,
+                    out_dtype: str | None = None, residual: bool = False, interpret: bool | None = None
+                    ) -> KernelSource:
+    """The dense GEMMs of a MoE layer (router logits in fp32, latent down, latent up + residual): the generic GEMM
+    template (k3c.codegen.kernels.gemm) under its own name, so it never collides with another op's GEMM of the same
+    shape in an artifact. Kernel args: a_ptr, w_ptr, (res_ptr), c_ptr, M."""
+    from .gemm import emit_gemm
+
+    odt = out_dtype or dtype
+    name = "_".join(["k3c_moe_linear", f"n{check_dim(n, 'N')}", f"k{check_dim(k, 'K')}", name_part(dtype),
+                     f"m{int(m_hint)}"] + ([f"out_{name_part(odt)}"] if odt != dtype else [])
+                    + (["res"] if residual else []))
+    return emit_gemm(n, k, target=target, m_hint=m_hint, dtype=dtype, w_dtype=w_dtype, out_dtype=odt,
+                     residual=residual, name=ident(name), ir_op="moe_linear", interpret=interpret)
+
+
+# -- combine ----------------------------------------------------------------------------------------------------------
+def emit_moe_combine(z: int, top_k: int, *, target: Target, dtype: str = "bf16", out_dtype: str | None = None,
+                     residual: bool = False, e_local: int | None = None, e0: int = 0, ir_op: str = "moe_combine",
+                     loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """Kernel args: y_ptr [N * k, Z] (slot order), w_ptr f32 [N, k], (ids_ptr i32 [N, k] with expert
+    parallelism), (res_ptr [N, Z]), out_ptr [N, Z], N; grid (cdiv(N, BLOCK_T), cdiv(Z, BLOCK_Z)). e_local: this rank's experts
+    [e0, e0 + e_local) when the experts are split (None: all local, no id check)."""
+    Z, K = check_dim(z, "Z"), check_dim(top_k, "top_k")
+    dt = check_float(dtype)
+    odt = check_float(out_dtype or dt, "out_dtype")
+    interp = interpreted(target, interpret)
+    ep = e_local is not None
+    bt = 1 if target.backend != "cpu" else tokens_per_program(target)
+    block = min(pow2_ceil(Z), 1024 if bt == 1 else 128)
+    kname = ident(f"k3c_moe_combine_z{Z}_k{K}_{name_part(dt)}" + ("_res" if residual else "")
+                  + (f"_ep{e_local}_{e0}" if ep else ""))
+    sig = {"y_ptr": f"*{dt}", "w_ptr": "*fp32"}
+    if ep:
+        sig["ids_ptr"] = "*i32"
+    if residual:
+        sig["res_ptr"] = f"*{odt}"
+    sig.update({"out_ptr": f"*{odt}", "N": "i32"})
+    cx = {"Z": Z, "TOP_K": K, "BLOCK_Z": block, "BLOCK_T": bt}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"moe combine Z={Z} k={K} y:{dt} out:{odt} residual={residual} local="
+                    + (f"[{e0}, {e0 + e_local})" if ep else "all") + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    emit_math_helpers(w, rtne_bf16=interp and odt == "bf16")
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.lines([
+            "t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)",
+            "t_ok = t < N",
+            "cols = tl.program_id(1) * BLOCK_Z + tl.arange(0, BLOCK_Z)",
+            "ok = t_ok[:, None] & (cols < Z)[None, :]",
+            "acc = tl.zeros((BLOCK_T, BLOCK_Z), dtype=tl.float32)",
+            "for j in tl.static_range(TOP_K):",
+            "    p = tl.load(w_ptr + t * TOP_K + j, mask=t_ok, other=0.0)",
+        ])
+        with w.indent():
+            if ep:
+                w.line("e = tl.load(ids_ptr + t * TOP_K + j, mask=t_ok, other=-1)")
+                w.line(f"use = ok & ((e >= {num(e0)}) & (e < {num(e0 + e_local)}))[:, None]")
+            else:
+                w.line("use = ok")
+            w.line("y = tl.load(y_ptr + (t * TOP_K + j)[:, None] * Z + cols[None, :], mask=use, other=0.0)")
+            w.line("acc += y.to(tl.float32) * p[:, None]")
+        w.line("offs = t[:, None] * Z + cols[None, :]")
+        if residual:
+            w.line("acc += tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)")
+        w.line(f"tl.store(out_ptr + offs, {to_dtype('acc', odt, interp)}, mask=ok)")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
+                        grid=("cdiv(N, BLOCK_T)", "cdiv(Z, BLOCK_Z)"), num_warps=4, num_stages=1, ir_op=ir_op,
+                        loc=loc)
+
+
+__all__ = ["emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
+           "emit_moe_gemm", "emit_moe_combine",
+           "moe_gemm_plan", "MoEGemmPlan", "tile_slots", "emit_moe_linear", "mx_mode", "row_bucket", "MX_MODES", "ROW_BUCKETS"]

@@ -1,0 +1,121 @@
+"""moe-lower: every `moe` layer op -> router GEMM, routing kernel, grouped expert GEMMs, combine, latent projections
+and the shared experts (K3.md section 5).
+
+    %y = moe(x, gate.weight, bias, experts..., shared..., down, norm, up)
+ -> %lg = moe_linear(x, gate.weight) {proj="router", out_f32}            fp32 logits [..., E]
+    %w, %ids, %off, %perm = moe_route(lg, bias)                             top-k, offsets, stable slot permutation
+    %z = moe_linear(x, routed_expert_down_proj.weight) {proj="latent_down"} (LatentMoE; else z = x)
+    %h = moe_gate_up(z, off, perm, experts.w1, experts.w3)                  grouped, GLU epilogue, permuted rows
+    %o = moe_down(h, off, perm, experts.w2)                                 grouped, rows back in slot order
+    %s = mlp(x, shared_experts.*)                                            shared experts (full width)
+    %u = moe_combine(o, w, ids [, s])                                       weighted sum (+ shared when nothing sits
+                                                                            between: non-latent, one EP rank)
+    %u = all_reduce(u) {group="ep"}                                          ep_size > 1 only: partial -> full, before
+                                                                            the latent norm
+    %n = rmsnorm(u, routed_expert_norm.weight)                               (latent_norm)
+    %y = moe_linear(n, routed_expert_up_proj.weight, s) {proj="latent_up", residual}
+With expert parallelism (attrs ep_rank / ep_size from the shard pass) the expert stacks hold this rank's experts and
+routing still runs over all of them; a non-latent layer adds the shared experts after the all_reduce (`add`).
+MXFP4 experts (expert_format "mxfp4", the mxfp4 pass) run natively (tl.dot_scaled, activations quantized to the
+module's activation_format: mxfp8 -> e4m3, mxfp4 -> e2m1) on targets with MX matrix units, else upcast in registers
+(attr `mx`, k3c.codegen.kernels.moe.mx_mode; target = module attr `target`, else mi355x).
+Counts: `moe_layers`, `latent`, `shared`, `mxfp4`, `all_reduce`.
+"""
+from __future__ import annotations
+
+from ..codegen.kernels.moe import mx_mode
+from ..codegen.targets import TARGETS, get_target
+from ..ir.builder import Builder
+from ..ir.core import Module
+from ..ir.ops import get_op_def
+from .registry import PassContext, register_pass
+
+DEFAULT_TARGET = "mi355x"
+_ACT_KEYS = ("activation", "situ_beta_gate", "situ_beta_up")
+
+
+def _target(module: Module):
+    name = module.attr_dict.get("target")
+    return get_target(name) if isinstance(name, str) and name in TARGETS else get_target(DEFAULT_TARGET)
+
+
+@register_pass("moe-lower")
+def moe_lower(module: Module, ctx: PassContext) -> Module:
+    """MoE layers -> routing + grouped expert GEMM kernels + combine (+ latent projections, shared experts)."""
+    if not any(op.op == "moe" for op in module.ops):
+        return module
+    from ..ir import dist_ops as _dist  # noqa: F401  (registers all_reduce)
+    from ..ir import moe_ops as _ops  # noqa: F401
+
+    target = _target(module)
+    b = Builder.like(module)
+    rename: dict[str, str] = {}
+    for op in ctx.walk(module.ops):
+        if op.op != "moe":
+            b.append(op.replace(inputs=tuple(rename.get(v, v) for v in op.inputs)) if rename else op)
+            continue
+        a = op.attr_dict
+        ins = [rename.get(v, v) for v in op.inputs]
+        w = dict(zip((r.name for r in get_op_def("moe").roles(a)), ins))
+        x, loc = w["x"], op.loc
+        layer = {"layer": a["layer"]}
+        ep_rank, ep_size = a.get("ep_rank", 0), a.get("ep_size", 1)
+        ep = {"ep_rank": ep_rank, "ep_size": ep_size} if ep_size > 1 else {}
+        fmt = a.get("expert_format", "bf16")
+        act = {k: a[k] for k in _ACT_KEYS if k in a}
+        latent = a["latent_dim"] is not None
+
+        logits = b.op("moe_linear", [x, w["gate.weight"]], {**layer, "proj": "router", "out_f32": True}, loc,
+                      prefix="m")
+        route_in = [logits] + ([w["gate.e_score_correction_bias"]] if a["router_bias"] else [])
+        res = tuple(b.fresh("m") for _ in range(4))
+        route_attrs = {**layer, "num_experts": a["num_experts"], "top_k": a["top_k"],
+                       "router_activation": a["router_activation"], "router_bias": a["router_bias"],
+                       "renormalize": a["renormalize"], "routed_scaling_factor": a["routed_scaling_factor"], **ep}
+        b.append(b.make("moe_route", route_in, route_attrs, loc, results=res))
+        weights, ids, off, perm = res
+        z = b.op("moe_linear", [x, w["routed_expert_down_proj.weight"]], {**layer, "proj": "latent_down"}, loc,
+                 prefix="m") if latent else x
+        grouped = {**layer, "num_experts": a["num_experts"], "top_k": a["top_k"], "expert_format": fmt,
+                   "mx": mx_mode(fmt, target, module.attr_dict.get("activation_format")), **ep}
+
+        def experts(*names):
+            if fmt == "mxfp4":
+                return [w[f"experts.{n}.{p}"] for n in names for p in ("weight_packed", "weight_scale")]
+            return [w[f"experts.{n}"] for n in names]
+
+        h = b.op("moe_gate_up", [z, off, perm, *experts("w1", "w3")], {**grouped, **act}, loc, prefix="m")
+        o = b.op("moe_down", [h, off, perm, *experts("w2")], grouped, loc, prefix="m")
+        shared = None
+        if a["num_shared_experts"] > 0:
+            shared = b.op("mlp", [x] + [w[f"shared_experts.{p}_proj.weight"] for p in ("gate", "up", "down")],
+                          {**layer, **act}, loc, prefix="m")
+            ctx.count("shared")
+        fuse_shared = shared is not None and not latent and ep_size == 1
+        comb = {**layer, "num_experts": a["num_experts"], "top_k": a["top_k"], **ep}
+        if fuse_shared:
+            comb["residual"] = True
+        u = b.op("moe_combine", [o, weights, ids] + ([shared] if fuse_shared else []), comb, loc, prefix="m")
+        if ep_size > 1:
+            u = b.op("all_reduce", [u], {**layer, "group": "ep", "size": ep_size}, loc, prefix="m")
+            ctx.count("all_reduce")
+        if latent:
+            ctx.count("latent")
+            if a["latent_norm"]:
+                u = b.op("rmsnorm", [u, w["routed_expert_norm.weight"]], {**layer, "eps": a["norm_eps"]}, loc,
+                         prefix="m")
+            up = {**layer, "proj": "latent_up"}
+            if shared is not None:
+                up["residual"] = True
+            out = b.op("moe_linear", [u, w["routed_expert_up_proj.weight"]] + ([shared] if shared else []), up, loc,
+                       prefix="m")
+        elif shared is not None and not fuse_shared:
+            out = b.op("add", [u, shared], layer, loc, prefix="m")
+        else:
+            out = u
+        rename[op.results[0]] = out
+        ctx.count("moe_layers")
+        if fmt == "mxfp4":
+            ctx.count("mxfp4")
+    outputs = tuple(rename.get(v, v) for v in module.outputs)
+    return b.build(outputs)

@@ -1,0 +1,350 @@
+"""MoE runtime: launch wrappers of the generated MoE kernels (k3c.codegen.kernels.moe), the kernel implementations of
+the moe-lower pass's ops (impl="kernel") and their torch implementations (any other impl; the per-op check's
+reference).
+
+Wrappers (tensors on any device; CPU runs through the Triton interpreter):
+    route(logits [N, E] f32, bias, ...)                 -> (weights f32 [N, k], ids i32 [N, k], off i32 [EL + 1],
+                                                            perm i32 [N * k])
+    grouped_gemm(kind, a, weights, off, perm, ...)      -> gate_up: h [S, M] permuted; down: y [S, Z] slot order
+    mx_linear(a, packed, scale, ...)                     -> a W^T for an MXFP4 weight (dense, same template)
+    combine(y [N * k, Z], weights, ids, residual, ...)  -> u [N, Z]
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ...codegen import launch as _launch_mod
+from ...codegen.emitters.basic import act_from_attrs
+from ...codegen.kernel import KernelSource
+from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_gemm, emit_moe_linear,
+                                    emit_moe_offsets, emit_moe_rank, emit_moe_scatter, emit_moe_topk, moe_gemm_plan,
+                                    row_bucket, tile_slots)
+from ...codegen.launch import ENABLE_FP_FUSION, eval_grid, load_kernel, target_for, tt_dtype
+from ...codegen.writer import CodegenError
+from ...quant import mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_quantize
+from .. import reference as ref
+from ..executor import register_impl
+from ..reference.norms import acc
+from . import register_kernel_impl
+
+_PTR = {**_launch_mod.TORCH_TO_TT, torch.uint8: "u8"}
+
+_emit_topk = functools.lru_cache(maxsize=64)(emit_moe_topk)
+_emit_rank = functools.lru_cache(maxsize=64)(emit_moe_rank)
+_emit_scatter = functools.lru_cache(maxsize=64)(emit_moe_scatter)
+_emit_offsets = functools.lru_cache(maxsize=64)(emit_moe_offsets)
+_emit_gemm = functools.lru_cache(maxsize=256)(emit_moe_gemm)
+_emit_combine = functools.lru_cache(maxsize=64)(emit_moe_combine)
+_emit_linear = functools.lru_cache(maxsize=256)(emit_moe_linear)
+_plan = functools.lru_cache(maxsize=256)(moe_gemm_plan)
+
+
+def run(ks: KernelSource, *args) -> None:
+    """Launch `ks` (args in signature order). launch.launch without its dtype table, which has no u8 pointers."""
+    env = {k: v for k, v in ks.constexprs.items() if isinstance(v, int) and not isinstance(v, bool)}
+    device = None
+    for (name, ty), v in zip(ks.signature.items(), args):
+        if ty.startswith("*"):
+            if not isinstance(v, torch.Tensor) or _PTR.get(v.dtype) != ty[1:]:
+                raise CodegenError(f"kernel {ks.name}: arg {name} must be a {ty[1:]} tensor, got "
+                                   f"{getattr(v, 'dtype', type(v).__name__)}")
+            device = device or v.device
+        elif ty in ("i32", "i64"):
+            env[name] = int(v)
+    if len(args) != len(ks.signature):
+        raise CodegenError(f"kernel {ks.name} takes {len(ks.signature)} args, got {len(args)}")
+    grid = eval_grid(ks.grid, env)
+    if 0 in grid:
+        return
+    interp = device is None or device.type == "cpu"
+    fn = load_kernel(ks, interp)
+    kw = dict(ks.constexprs, num_warps=ks.num_warps, num_stages=ks.num_stages, enable_fp_fusion=ENABLE_FP_FUSION)
+    if interp:
+        with _launch_mod._interpret_env(True), np.errstate(over="ignore", under="ignore", invalid="ignore",
+                                                           divide="ignore"):
+            fn[grid](*args, **kw)
+    else:
+        fn[grid](*args, **kw)
+
+
+def _interp(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+# ---- routing ---------------------------------------------------------------------------------------------------
+def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router_activation: str = "sigmoid",
+          renormalize: bool = True, scaling: float = 1.0, ep_rank: int = 0, ep_size: int = 1, ir_op: str = "moe_route",
+          loc: str = ""):
+    """Routing kernels on fp32 logits [N, E]: (weights f32 [N, k], ids i32 [N, k], offsets i32 [1 + 4, EL + 1]
+    (row 0: expert row offsets; rows 1..4: expert tile offsets for BLOCK_M 16, 32, 64, 128), perm i32 [N * k]:
+    row r of the permuted order holds slot perm[r] = t * k + j; under expert parallelism only the first
+    off[0, EL] rows are this rank's, the rest are -1)."""
+    tgt = target_for(logits.device)
+    lg = logits.reshape(-1, logits.shape[-1]).to(torch.float32).contiguous()
+    N, E = lg.shape
+    el, e0 = E // ep_size, ep_rank * (E // ep_size)
+    dev = logits.device
+    w = torch.empty(N, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(N, top_k, dtype=torch.int32, device=dev)
+    pres = torch.empty(N, el, dtype=torch.int32, device=dev)
+    cnt = torch.empty(el, dtype=torch.int32, device=dev)
+    off = torch.empty(1 + len(ROW_BUCKETS), el + 1, dtype=torch.int32, device=dev)
+    perm = (torch.full((N * top_k,), -1, dtype=torch.int32, device=dev) if ep_size > 1
+            else torch.empty(N * top_k, dtype=torch.int32, device=dev))
+    ks = _emit_topk(E, top_k, target=tgt, router_activation=router_activation, bias=bias is not None,
+                    renormalize=renormalize, scaling=float(scaling), e_local=el, e0=e0, ir_op=ir_op, loc=loc)
+    extra = [bias.to(torch.float32).contiguous()] if bias is not None else []
+    run(ks, lg, *extra, w, ids, pres, N)
+    run(_emit_rank(el, target=tgt, ir_op=ir_op, loc=loc), pres, cnt, N)
+    run(_emit_offsets(el, target=tgt, ir_op=ir_op, loc=loc), cnt, off)
+    run(_emit_scatter(el, top_k, target=tgt, e0=e0, ir_op=ir_op, loc=loc), ids, pres, off, perm, N)
+    return w, ids, off, perm
+
+
+# ---- grouped GEMM ----------------------------------------------------------------------------------------------
+def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtype, plan=None, ir_op="", loc=""):
+    tgt = target_for(a.device)
+    dt = tt_dtype(a.dtype)
+    plan = plan or _plan(kind, n, k, rows, mx, dt, tgt)
+    return _emit_gemm(kind, n, k, target=tgt, plan=plan, num_experts=num_experts, top_k=top_k, mx=mx, dtype=dt,
+                      w_dtype=None if mx != "none" else tt_dtype(w_dtype), out_dtype=tt_dtype(out_dtype),
+                      act=act, ir_op=ir_op, loc=loc, interpret=_interp(a))
+
+
+def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: torch.Tensor, perm: torch.Tensor, *,
+                 top_k: int, mx: str = "none", act=None, slots: int | None = None, plan=None,
+                 ir_op: str = "", loc: str = "") -> torch.Tensor:
+    """kind gate_up: a = z [T, K] (rows gathered through perm), weights [w1, w3] (bf16 [EL, M, K]) or
+    [w1 packed, w1 scale, w3 packed, w3 scale]; returns h [S, M] in permuted order. kind down: a = h [S, K],
+    weights [w2] or [packed, scale]; returns y [S, Z] in slot order. S = T * k (slots)."""
+    el = weights[0].shape[0]
+    n = weights[0].shape[1]
+    k = a.shape[-1]
+    if mx != "none" and weights[0].shape[2] * 2 != k:
+        raise CodegenError(f"packed weight {tuple(weights[0].shape)} does not match K = {k}")
+    S = slots if slots is not None else (a.shape[0] * top_k if kind == "gate_up" else a.shape[0])
+    rows = -(-S // max(1, el))
+    ks = _gemm_ks(kind, n, k, rows, a, weights[0].dtype, mx, el, top_k, act if kind == "gate_up" else None,
+                  a.dtype, plan, ir_op or f"moe_{kind}", loc)
+    out = torch.empty(S, n, dtype=a.dtype, device=a.device)
+    bm = ks.constexprs["BLOCK_M"]
+    if _interp(a):      # the interpreter pays for every program, also those that exit: count the tiles exactly
+        tiles = int(off[1 + ROW_BUCKETS.index(bm), -1])
+    else:               # no host sync on a GPU: an upper bound, the programs past the last tile exit
+        tiles = tile_slots(S, el, bm)
+    run(ks, a.contiguous(), *[t.contiguous() for t in weights], off, perm, out, tiles)
+    return out
+
+
+def mx_linear(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, mx: str | None = None, plan=None,
+              ir_op: str = "mx_linear", loc: str = "") -> torch.Tensor:
+    """a [..., K] @ W^T for an MXFP4 weight W [N, K] held as packed u8 [N, K/2] + E8M0 scales u8 [N, K/32]: the
+    dense variant of the grouped template (native tl.dot_scaled on MX targets, upcast elsewhere)."""
+    tgt = target_for(a.device)
+    mx = mx or ("e4m3" if tgt.native_mxfp4 else "upcast")
+    a2 = a.reshape(-1, a.shape[-1]).contiguous()
+    M, K = a2.shape
+    N = packed.shape[0]
+    ks = _gemm_ks("dense", N, K, M, a2, torch.uint8, mx, 1, 1, None, a.dtype, plan, ir_op, loc)
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    run(ks, a2, packed.reshape(N, K // 2).contiguous(), scale.reshape(N, K // 32).contiguous(), out, M)
+    return out.view(*a.shape[:-1], N)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor | None = None, *,
+            top_k: int, num_experts: int, ep_rank: int = 0, ep_size: int = 1, ir_op: str = "moe_combine",
+            loc: str = "") -> torch.Tensor:
+    """u [N, Z] = sum_j weights[:, j] y[t k + j] (+ residual), fp32 inside, y's dtype out."""
+    tgt = target_for(y.device)
+    Z = y.shape[-1]
+    y2 = y.reshape(-1, Z).contiguous()
+    N = y2.shape[0] // top_k
+    el = num_experts // ep_size
+    ks = _emit_combine(Z, top_k, target=tgt, dtype=tt_dtype(y.dtype), residual=residual is not None,
+                       e_local=el if ep_size > 1 else None, e0=ep_rank * el, ir_op=ir_op, loc=loc,
+                       interpret=_interp(y))
+    out = torch.empty(N, Z, dtype=y.dtype, device=y.device)
+    extra = [ids.reshape(N, top_k).contiguous()] if ep_size > 1 else []
+    if residual is not None:
+        extra.append(residual.reshape(N, Z).to(y.dtype).contiguous())
+    run(ks, y2, weights.reshape(N, top_k).contiguous(), *extra, out, N)
+    return out
+
+
+# ---- the IR ops: kernel implementations ---------------------------------------------------------------------------
+def _experts(a, w, names):
+    if a.get("expert_format", "bf16") == "mxfp4":
+        return [w[f"experts.{n}.{p}"] for n in names for p in ("weight_packed", "weight_scale")]
+    return [w[f"experts.{n}"] for n in names]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] W[N, K]^T (+ residual) through the MoE layer's own GEMM kernels (emit_moe_linear)."""
+    from ...codegen.launch import launch, m_bucket
+
+    tgt = target_for(x.device)
+    N, K = w.shape
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    odt = out_dtype or x.dtype
+    ks = _emit_linear(N, K, target=tgt, m_hint=m_bucket(M), dtype=tt_dtype(x.dtype), w_dtype=tt_dtype(w.dtype),
+                      out_dtype=tt_dtype(odt), residual=residual is not None, interpret=_interp(x))
+    out = torch.empty(M, N, dtype=odt, device=x.device)
+    extra = [residual.reshape(M, N).contiguous()] if residual is not None else []
+    launch(ks, x2, w.contiguous(), *extra, out, M)
+    return out.view(*x.shape[:-1], N)
+
+
+@register_kernel_impl("moe_linear")
+def kernel_moe_linear(a, cache, data, w):
+    res = data[1] if a.get("residual") else None
+    return linear(data[0], w["weight"], res, torch.float32 if a.get("out_f32") else None)
+
+
+@register_kernel_impl("moe_route")
+def kernel_moe_route(a, cache, data, w):
+    lg = data[0]
+    lead = lg.shape[:-1]
+    k = a["top_k"]
+    wt, ids, off, perm = route(lg, w.get("gate.e_score_correction_bias"), top_k=k,
+                               router_activation=a["router_activation"], renormalize=a["renormalize"],
+                               scaling=a["routed_scaling_factor"], ep_rank=a.get("ep_rank", 0),
+                               ep_size=a.get("ep_size", 1))
+    return wt.view(*lead, k), ids.view(*lead, k), off, perm.view(*lead, k)
+
+
+@register_kernel_impl("moe_gate_up")
+def kernel_moe_gate_up(a, cache, data, w):
+    z, off, perm = data
+    k = a["top_k"]
+    z2 = z.reshape(-1, z.shape[-1])
+    h = grouped_gemm("gate_up", z2, _experts(a, w, ("w1", "w3")), off, perm.reshape(-1), top_k=k, mx=a["mx"],
+                     act=act_from_attrs(a), ir_op="moe_gate_up")
+    return h.view(*z.shape[:-1], k, h.shape[-1])
+
+
+@register_kernel_impl("moe_down")
+def kernel_moe_down(a, cache, data, w):
+    h, off, perm = data
+    y = grouped_gemm("down", h.reshape(-1, h.shape[-1]), _experts(a, w, ("w2",)), off, perm.reshape(-1),
+                     top_k=a["top_k"], mx=a["mx"], ir_op="moe_down")
+    return y.view(*h.shape[:-1], y.shape[-1])
+
+
+@register_kernel_impl("moe_combine")
+def kernel_moe_combine(a, cache, data, w):
+    y, wt, ids = data[:3]
+    res = data[3] if a.get("residual") else None
+    u = combine(y, wt, ids, res, top_k=a["top_k"], num_experts=a["num_experts"], ep_rank=a.get("ep_rank", 0),
+                ep_size=a.get("ep_size", 1))
+    return u.view(*y.shape[:-2], y.shape[-1])
+
+
+# ---- torch implementations (the per-op check's reference) ---------------------------------------------------------
+def _dequant(a, w, name, dtype):
+    if a.get("expert_format", "bf16") == "mxfp4":
+        return mxfp4_dequantize(w[f"experts.{name}.weight_packed"], w[f"experts.{name}.weight_scale"], dtype)
+    return w[f"experts.{name}"]
+
+
+def _act_quant(x: torch.Tensor, mx: str) -> torch.Tensor:
+    """What the native MX kernels feed the matrix units: activations quantized per 32 (OCP floor rule)."""
+    if mx == "e4m3":
+        return mxfp8_dequantize(*mxfp8_quantize(x), x.dtype)
+    if mx == "e2m1":
+        return mxfp4_dequantize(*mxfp4_quantize(x), x.dtype)
+    return x
+
+
+def torch_moe_linear(a, cache, data, w):
+    x = data[0]
+    y = ref.linear(acc(x), acc(w["weight"])) if a.get("out_f32") else ref.linear(x, w["weight"])
+    return y + data[1] if a.get("residual") else y
+
+
+def torch_route(logits, bias, *, top_k, router_activation, renormalize, scaling, ep_rank=0, ep_size=1):
+    lg = logits.reshape(-1, logits.shape[-1]).float()
+    N, E = lg.shape
+    s = torch.sigmoid(lg) if router_activation == "sigmoid" else torch.softmax(lg, dim=-1)
+    choice = s + bias.float() if bias is not None else s
+    idx = torch.topk(choice, top_k, dim=-1).indices
+    p = s.gather(-1, idx)
+    if renormalize:
+        p = p / (p.sum(-1, keepdim=True) + 1e-20)
+    p = p * scaling
+    el, e0 = E // ep_size, ep_rank * (E // ep_size)
+    flat = idx.reshape(-1) - e0
+    local = (flat >= 0) & (flat < el)
+    slots = torch.arange(flat.numel(), device=lg.device)[local]
+    order = torch.argsort(flat[local], stable=True)
+    perm = torch.full((flat.numel(),), -1, dtype=torch.int32, device=lg.device)
+    perm[:order.numel()] = slots[order].to(torch.int32)
+    counts = torch.bincount(flat[local], minlength=el)
+    off = torch.zeros(1 + len(ROW_BUCKETS), el + 1, dtype=torch.int32, device=lg.device)
+    for i, div in enumerate((1,) + ROW_BUCKETS):
+        off[i, 1:] = torch.cumsum((counts + div - 1) // div, 0).to(torch.int32)
+    return p, idx.to(torch.int32), off, perm
+
+
+def torch_moe_route(a, cache, data, w):
+    lg = data[0]
+    k = a["top_k"]
+    p, ids, off, perm = torch_route(lg, w.get("gate.e_score_correction_bias"), top_k=k,
+                                    router_activation=a["router_activation"], renormalize=a["renormalize"],
+                                    scaling=a["routed_scaling_factor"], ep_rank=a.get("ep_rank", 0),
+                                    ep_size=a.get("ep_size", 1))
+    lead = lg.shape[:-1]
+    return p.view(*lead, k), ids.view(*lead, k), off, perm.view(*lead, k)
+
+
+def _segments(off: torch.Tensor):
+    o = off[0].tolist()
+    return [(e, o[e], o[e + 1]) for e in range(len(o) - 1) if o[e + 1] > o[e]]
+
+
+def torch_moe_gate_up(a, cache, data, w):
+    z, off, perm = data
+    k = a["top_k"]
+    z2 = z.reshape(-1, z.shape[-1])
+    w1, w3 = _dequant(a, w, "w1", z.dtype), _dequant(a, w, "w3", z.dtype)
+    flat = perm.reshape(-1).long()
+    h = torch.zeros(flat.numel(), w1.shape[1], dtype=z.dtype, device=z.device)
+    act = act_from_attrs(a)
+    for e, lo, hi in _segments(off):
+        zs = _act_quant(z2[flat[lo:hi] // k], a["mx"])
+        h[lo:hi] = ref.glu_act(ref.linear(zs, w1[e]), ref.linear(zs, w3[e]), act)
+    return h.view(*z.shape[:-1], k, w1.shape[1])
+
+
+def torch_moe_down(a, cache, data, w):
+    h, off, perm = data
+    h2 = h.reshape(-1, h.shape[-1])
+    w2 = _dequant(a, w, "w2", h.dtype)
+    flat = perm.reshape(-1).long()
+    y = torch.zeros(h2.shape[0], w2.shape[1], dtype=h.dtype, device=h.device)
+    for e, lo, hi in _segments(off):
+        y[flat[lo:hi]] = ref.linear(_act_quant(h2[lo:hi], a["mx"]), w2[e])
+    return y.view(*h.shape[:-1], w2.shape[1])
+
+
+def torch_moe_combine(a, cache, data, w):
+    y, wt, ids = data[:3]
+    el = a["num_experts"] // a.get("ep_size", 1)
+    e0 = a.get("ep_rank", 0) * el
+    local = ((ids >= e0) & (ids < e0 + el)).unsqueeze(-1)
+    u = torch.where(local, acc(y) * wt.unsqueeze(-1), 0.0).sum(-2)
+    if a.get("residual"):
+        u = u + acc(data[3])
+    return u.to(y.dtype)
+
+
+for _name, _fn in (("moe_linear", torch_moe_linear), ("moe_route", torch_moe_route),
+                   ("moe_gate_up", torch_moe_gate_up), ("moe_down", torch_moe_down),
+                   ("moe_combine", torch_moe_combine)):
+    register_impl(_name, _fn)
+
+__all__ = ["linear", "route", "grouped_gemm", "mx_linear", "combine", "run", "torch_route", "row_bucket"]
