@@ -243,31 +243,52 @@ class Engine:
                 raise ArgumentError(f"sequence {rid}: {seq.length} cached + {len(seg)} new tokens exceed "
                                     f"max_context {self.max_context}")
             plan.append((seq, seg))
+        self._check_room(plan)
         for seq, seg in plan:
             seq.tokens.extend(seg)
         # rounds of pieces cut at prefix-cache checkpoint boundaries; a segment end is a prompt end
         out: dict[int, list[torch.Tensor]] = {r: [] for r in rids}
-        while plan:
-            logits = self._run([(seq, self._segment(seq)) for seq, _ in plan], evict=True)
-            for seq, _ in plan:
-                out[seq.rid].append(logits[seq.rid])
-                seq.last_logits = logits[seq.rid][-1]
-                if self.prefix is not None and (not seq.pending or seq.length % self.prefix.interval == 0):
-                    self.prefix.insert(seq)
-            plan = [(seq, None) for seq, _ in plan if seq.pending]
+        try:
+            while plan:
+                logits = self._run([(seq, self._segment(seq)) for seq, _ in plan], evict=True)
+                for seq, _ in plan:
+                    out[seq.rid].append(logits[seq.rid])
+                    seq.last_logits = logits[seq.rid][-1]
+                    if self.prefix is not None and (not seq.pending or seq.length % self.prefix.interval == 0):
+                        self.prefix.insert(seq)
+                plan = [(seq, None) for seq, _ in plan if seq.pending]
+        finally:
+            for seq, _ in plan:                  # what was not consumed is not part of the sequence
+                del seq.tokens[seq.length:]
         return [torch.cat(out[r]) for r in rids]
 
+    def _check_room(self, plan) -> None:
+        """CacheFullError now, before anything changes, if the whole plan cannot get its pages."""
+        pool = self.pool
+        need = sum(new + cow for new, cow in self._needs(plan))
+        while need > pool.num_free and self.prefix is not None and self.prefix.evict_for_pages():
+            pass
+        if need > pool.num_free:
+            raise CacheFullError(f"MLA cache full: this call needs up to {need} pages, {pool.num_free} of "
+                                 f"{pool.num_pages} are free (page size {pool.page_size}); finish sequences or give "
+                                 "the engine more num_pages")
+
     # -- graph calls ----------------------------------------------------------------------------------------------
+    def _needs(self, plan) -> list[tuple[int, bool]]:
+        """(new pages, whether the partly filled last page must be copied first) per (seq, segment)."""
+        pool, ps = self.pool, self.pool.page_size
+        out = []
+        for seq, seg in plan:
+            off = seq.length % ps
+            cow = bool(pool.used and off and pool.needs_copy(seq.pages[seq.length // ps], off))
+            out.append((pool.pages_for(seq.length + len(seg)) - len(seq.pages), cow))
+        return out
+
     def _reserve(self, plan, evict: bool):
         """Pages for every (seq, segment) of a step, or CacheFullError with nothing changed. Returns the undo log."""
         pool, ps = self.pool, self.pool.page_size
-        needs, total = [], 0
-        for seq, seg in plan:
-            new = pool.pages_for(seq.length + len(seg)) - len(seq.pages)
-            off = seq.length % ps
-            cow = bool(pool.used and off and pool.needs_copy(seq.pages[seq.length // ps], off))
-            needs.append((new, cow))
-            total += new + cow
+        needs = self._needs(plan)
+        total = sum(new + cow for new, cow in needs)
         # pages promised to admitted requests stay theirs unless this plan is theirs
         if pool.used and total > pool.num_free and evict and self.prefix is not None:
             while total > pool.num_free and self.prefix.evict_for_pages():

@@ -99,7 +99,7 @@ def test_out_of_pages_raises_before_any_state_changes(tiny, one_thread):
     eng.extend([a, b], [pa, pb])                           # 2 + 1 pages: 1 left
     before = {r: (list(eng.seqs[r].pages), eng.seqs[r].length, dict(eng.seqs[r].kda)) for r in (a, b)}
     free = eng.pool.num_free
-    with pytest.raises(CacheFullError, match="MLA cache full: this step needs 2 pages, 1 of 4 are free"):
+    with pytest.raises(CacheFullError, match="MLA cache full: this call needs up to 2 pages, 1 of 4 are free"):
         eng.extend([a, b], [prompts(spec, (7,), 5)[0], prompts(spec, (2,), 6)[0]])
     after = {r: (list(eng.seqs[r].pages), eng.seqs[r].length, dict(eng.seqs[r].kda)) for r in (a, b)}
     assert after == before and eng.pool.num_free == free
