@@ -185,20 +185,31 @@ def test_two_names_for_one_weight(tiny, saved, tmp_path):
         load_weights(spec, tmp_path / "d")
 
 
-def test_mxfp4_packed_experts_not_supported_yet(tiny, saved, tmp_path):
+def test_mxfp4_packed_experts_load_stacked(tiny, saved, tmp_path):
+    # K3's compressed-tensors layout (per expert weight_packed / weight_scale) -> stacked k3c packed tensors;
+    # tests/quant/test_quantized_model.py checks the bytes against compressed-tensors itself
     spec, _ = tiny
 
-    def packed(sd):
+    def packed(sd, bad=False):
         for k in [k for k in sd if ".experts." in k and k.endswith(".weight")]:
             v = sd.pop(k)
             base = k[: -len(".weight")]
-            sd[base + ".weight_packed"] = torch.zeros(v.shape[0], v.shape[1] // 2, dtype=torch.uint8)
-            sd[base + ".weight_scale"] = torch.zeros(v.shape[0], v.shape[1] // 32, dtype=torch.uint8)
+            e = int(base.split(".experts.")[1].split(".")[0])
+            sd[base + ".weight_packed"] = torch.full((v.shape[0], v.shape[1] // 2), e, dtype=torch.uint8)
+            sd[base + ".weight_scale"] = torch.zeros(v.shape[0], v.shape[1] // 32 + bad, dtype=torch.uint8)
         return sd
 
     rewrite(saved, tmp_path / "p", packed)
-    with pytest.raises(WeightError, match="MXFP4-packed experts not supported yet"):
-        load_weights(spec, tmp_path / "p")
+    w = load_weights(spec, tmp_path / "p")
+    stack = "layers.1.block_sparse_moe.experts.w2"
+    assert stack not in w and w[stack + ".weight_packed"].dtype == torch.uint8
+    e, rows, k = spec.mlp.moe.num_experts, spec.mlp.moe.latent_dim, spec.mlp.moe.expert_intermediate_size
+    assert w[stack + ".weight_packed"].shape == (e, rows, k // 2)
+    assert w[stack + ".weight_scale"].shape == (e, rows, k // 32)
+    assert w[stack + ".weight_packed"][:, 0, 0].tolist() == list(range(e))           # expert order kept
+    rewrite(saved, tmp_path / "bad", lambda sd: packed(sd, bad=True))
+    with pytest.raises(WeightError, match=r"weight_scale.*has shape .*expected"):
+        load_weights(spec, tmp_path / "bad")
 
 
 def test_pickles_are_refused(tiny, saved, tmp_path):

@@ -113,7 +113,8 @@ def test_k3_compressed_tensors_experts_load(qtiny, tmp_path):
             comp = MXFP4PackedCompressor.compress({"weight": t[e], "weight_scale": e8m0_to_float(scales).to(t.dtype)},
                                                   scheme)
             base = key[: -len(".weight")]
-            tensors[base + ".weight_packed"], tensors[base + ".weight_scale"] = comp["weight_packed"], comp["weight_scale"]
+            tensors[base + ".weight_packed"] = comp["weight_packed"]
+            tensors[base + ".weight_scale"] = comp["weight_scale"]
     save_file(tensors, str(tmp_path / "k3.safetensors"))
     got = load_weights(spec, tmp_path / "k3.safetensors")
     for n in experts(spec):
