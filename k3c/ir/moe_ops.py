@@ -16,7 +16,8 @@
 Expert weights: bf16 stacks `experts.w1` [E_local, M, Z] ..., or with expert_format "mxfp4" packed u8
 `experts.w1.weight_packed` [E_local, M, Z/2] + `experts.w1.weight_scale` [E_local, M, Z/32] pairs.
 `mx` says how the MXFP4 GEMMs run: "upcast" (decoded in registers, bf16 dot) or "e4m3" / "e2m1" (tl.dot_scaled on
-the target's MX matrix units with the activations quantized per 32 in registers); "none" for bf16 weights.
+the target's MX matrix units with the activations quantized per 32 in registers), "auto" (the pass's choice: decided
+by the target the kernels are emitted / run for, with `act_format`); "none" for bf16 weights.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .ops import AttrSpec, OpDef, Role, TypeCheck, activation, expect, register_
 
 U8 = frozenset({"u8"})
 OFFSET_ROWS = 5         # expert row offsets + tile offsets for the 4 BLOCK_M buckets (k3c.codegen.kernels.moe)
-MX = ("none", "upcast", "e4m3", "e2m1")
+MX = ("auto", "none", "upcast", "e4m3", "e2m1")
 
 
 def _pos(attrs, *names):
@@ -128,7 +129,7 @@ def _check_grouped(attrs):
     _pos(attrs, "num_experts", "top_k")
     _check_ep(attrs)
     fmt, mx = attrs.get("expert_format", "bf16"), attrs.get("mx", "none")
-    if (fmt == "mxfp4") != (mx != "none"):
+    if (fmt == "mxfp4") == (mx == "none"):
         raise TypeCheck(f"mx '{mx}' does not fit expert_format '{fmt}'")
 
 
@@ -165,7 +166,10 @@ GROUPED_ATTRS = {
     "num_experts": AttrSpec("int", doc="experts of the whole layer (E_local = num_experts / ep_size here)"),
     "top_k": AttrSpec("int"),
     "expert_format": AttrSpec("str", required=False, choices=("bf16", "mxfp4")),
-    "mx": AttrSpec("str", choices=MX, doc="how MXFP4 weights run: upcast | e4m3 | e2m1 (native); none for bf16"),
+    "mx": AttrSpec("str", choices=MX, doc="how MXFP4 weights run: auto (by the target that runs it, "
+                                          "k3c.codegen.kernels.moe.mx_mode) | upcast | e4m3 | e2m1; none for bf16"),
+    "act_format": AttrSpec("str", required=False, choices=("bf16", "mxfp8", "mxfp4"),
+                           doc="the spec's activation format (native MX GEMMs quantize to it); absent = bf16"),
     **EP_ATTRS,
 }
 register_op(OpDef("moe_gate_up", _gate_up_roles, {**GROUPED_ATTRS, **ACT_ATTRS}, _infer_gate_up,

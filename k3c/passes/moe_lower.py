@@ -16,27 +16,20 @@ and the shared experts (K3.md section 5).
     %y = moe_linear(n, routed_expert_up_proj.weight, s) {proj="latent_up", residual}
 With expert parallelism (attrs ep_rank / ep_size from the shard pass) the expert stacks hold this rank's experts and
 routing still runs over all of them; a non-latent layer adds the shared experts after the all_reduce (`add`).
-MXFP4 experts (expert_format "mxfp4", the mxfp4 pass) run natively (tl.dot_scaled, activations quantized to the
-module's activation_format: mxfp8 -> e4m3, mxfp4 -> e2m1) on targets with MX matrix units, else upcast in registers
-(attr `mx`, k3c.codegen.kernels.moe.mx_mode; target = module attr `target`, else mi355x).
+MXFP4 experts (expert_format "mxfp4", the mxfp4 pass) get mx = "auto" and the module's activation_format: the target
+the kernels are emitted or run for decides (k3c.codegen.kernels.moe.mx_mode): natively through tl.dot_scaled with the
+activations quantized to MXFP8 (e4m3) on targets with MX matrix units (mi355x, b200), upcast in registers elsewhere
+(h200, mi300x, and wherever the activations stay bf16).
 Counts: `moe_layers`, `latent`, `shared`, `mxfp4`, `all_reduce`.
 """
 from __future__ import annotations
 
-from ..codegen.kernels.moe import mx_mode
-from ..codegen.targets import TARGETS, get_target
 from ..ir.builder import Builder
 from ..ir.core import Module
 from ..ir.ops import get_op_def
 from .registry import PassContext, register_pass
 
-DEFAULT_TARGET = "mi355x"
 _ACT_KEYS = ("activation", "situ_beta_gate", "situ_beta_up")
-
-
-def _target(module: Module):
-    name = module.attr_dict.get("target")
-    return get_target(name) if isinstance(name, str) and name in TARGETS else get_target(DEFAULT_TARGET)
 
 
 @register_pass("moe-lower")
@@ -47,7 +40,9 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
     from ..ir import dist_ops as _dist  # noqa: F401  (registers all_reduce)
     from ..ir import moe_ops as _ops  # noqa: F401
 
-    target = _target(module)
+    act_format = module.attr_dict.get("activation_format", "bf16")
+    if act_format not in ("bf16", "mxfp8", "mxfp4"):
+        act_format = "bf16"
     b = Builder.like(module)
     rename: dict[str, str] = {}
     for op in ctx.walk(module.ops):
@@ -77,7 +72,9 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
         z = b.op("moe_linear", [x, w["routed_expert_down_proj.weight"]], {**layer, "proj": "latent_down"}, loc,
                  prefix="m") if latent else x
         grouped = {**layer, "num_experts": a["num_experts"], "top_k": a["top_k"], "expert_format": fmt,
-                   "mx": mx_mode(fmt, target, module.attr_dict.get("activation_format")), **ep}
+                   "mx": "auto" if fmt == "mxfp4" else "none", **ep}
+        if fmt == "mxfp4":
+            grouped["act_format"] = act_format
 
         def experts(*names):
             if fmt == "mxfp4":

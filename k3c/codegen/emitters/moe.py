@@ -4,7 +4,7 @@ rows-per-expert bucket, the combine)."""
 from __future__ import annotations
 
 from ..kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_gemm, emit_moe_linear, emit_moe_offsets,
-                           emit_moe_rank, emit_moe_scatter, emit_moe_topk, moe_gemm_plan)
+                           emit_moe_rank, emit_moe_scatter, emit_moe_topk, moe_gemm_plan, mx_mode)
 from . import register_emitter
 from .basic import act_from_attrs
 
@@ -51,7 +51,7 @@ def _grouped(op, module, target, kind):
     el, _, _ = _ep(a)
     x = module.types[op.inputs[0]]
     w = module.types[op.inputs[3]]
-    mx = a["mx"]
+    mx = mx_mode(a.get("expert_format", "bf16"), target, a.get("act_format"), a["mx"])
     n, k = w.shape[1], x.shape[-1]
     dt = _DT[x.dtype]
     act = act_from_attrs(a) if kind == "gate_up" else None

@@ -57,12 +57,15 @@ def row_bucket(rows: int) -> int:
     return max(ROW_BUCKETS[0], min(ROW_BUCKETS[-1], pow2_ceil(max(1, rows))))
 
 
-def mx_mode(expert_format: str, target: Target, activation_format: str | None = None) -> str:
-    """How MXFP4 weights run on `target`: natively through tl.dot_scaled where the target has MX matrix units
-    (activations quantized to MXFP8, or MXFP4 when the spec says so), else upcast in registers."""
+def mx_mode(expert_format: str, target: Target, activation_format: str | None = None, mx: str = "auto") -> str:
+    """How MXFP4 weights run on `target` (mx "auto"; anything else is taken as given): natively through
+    tl.dot_scaled where the target has MX matrix units and the spec quantizes activations (mxfp8 -> e4m3 x e2m1,
+    mxfp4 -> e2m1 x e2m1), else upcast in registers (bf16 activations stay bf16 on every target)."""
     if expert_format != "mxfp4":
         return "none"
-    if not target.native_mxfp4:
+    if mx != "auto":
+        return mx
+    if not target.native_mxfp4 or activation_format not in ("mxfp8", "mxfp4"):
         return "upcast"
     return "e2m1" if activation_format == "mxfp4" else "e4m3"
 
@@ -112,7 +115,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         bk = _divisor_block(k, max(32, want_k), 32)
     else:
         bk = max(16, min(want_k, pow2_ceil(k)))
-    warps = num_warps or (4 if bm * bn <= 64 * 64 else 8)
+    # 8 warps for the 32-row upcast tile: at 4 its two accumulators and decoded tiles spilled on sm_90
+    warps = num_warps or (4 if bm * bn <= 64 * 64 and not (bm == 32 and mx == "upcast") else 8)
     if target.shared_mem_bytes <= 0:
         stages = 1
     elif num_stages:
@@ -456,7 +460,7 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
             for x in wn:
                 w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
                 w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[None, :] * (K // 32)"
-                       f" + (offs_h // 16)[:, None]")
+                       f" + tl.arange(0, BLOCK_K // 32)[:, None]")
         elif native:
             w.line("offs_k = tl.arange(0, BLOCK_K)")
             w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
@@ -480,7 +484,9 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
                 w.line(f"a_o = tl.load(a_ptrs + 1).to({op_dt})")
                 for x in wn:
                     w.line(f"p = tl.load({x}_ptrs).to(tl.int32)")
-                    w.line(f"sc = tl.load({x}s_ptrs).to(tl.int32)")
+                    w.line(f"sc = tl.load({x}s_ptrs).to(tl.int32)  # [BLOCK_K / 32, BLOCK_N], one byte per block")
+                    w.line("sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),"
+                           " (BLOCK_K // 2, BLOCK_N))")
                     w.line(f"acc_{x} = tl.dot(a_e, _k3c_e2m1_f32(p & 15, sc).to({op_dt}), acc_{x}{dot_kw})")
                     w.line(f"acc_{x} = tl.dot(a_o, _k3c_e2m1_f32(p >> 4, sc).to({op_dt}), acc_{x}{dot_kw})")
                 w.line("a_ptrs += BLOCK_K")

@@ -21,7 +21,7 @@ from ...codegen.emitters.basic import act_from_attrs
 from ...codegen.kernel import KernelSource
 from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_gemm, emit_moe_linear,
                                     emit_moe_offsets, emit_moe_rank, emit_moe_scatter, emit_moe_topk, moe_gemm_plan,
-                                    row_bucket, tile_slots)
+                                    mx_mode, row_bucket, tile_slots)
 from ...codegen.launch import ENABLE_FP_FUSION, eval_grid, load_kernel, target_for, tt_dtype
 from ...codegen.writer import CodegenError
 from ...quant import mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_quantize
@@ -175,6 +175,11 @@ def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual:
 
 
 # ---- the IR ops: kernel implementations ---------------------------------------------------------------------------
+def _mx(a, t: torch.Tensor) -> str:
+    """The op's MX mode on the device of `t` (mx "auto": decided by that device's target)."""
+    return mx_mode(a.get("expert_format", "bf16"), target_for(t.device), a.get("act_format"), a["mx"])
+
+
 def _experts(a, w, names):
     if a.get("expert_format", "bf16") == "mxfp4":
         return [w[f"experts.{n}.{p}"] for n in names for p in ("weight_packed", "weight_scale")]
@@ -222,7 +227,7 @@ def kernel_moe_gate_up(a, cache, data, w):
     z, off, perm = data
     k = a["top_k"]
     z2 = z.reshape(-1, z.shape[-1])
-    h = grouped_gemm("gate_up", z2, _experts(a, w, ("w1", "w3")), off, perm.reshape(-1), top_k=k, mx=a["mx"],
+    h = grouped_gemm("gate_up", z2, _experts(a, w, ("w1", "w3")), off, perm.reshape(-1), top_k=k, mx=_mx(a, z),
                      act=act_from_attrs(a), ir_op="moe_gate_up")
     return h.view(*z.shape[:-1], k, h.shape[-1])
 
@@ -231,7 +236,7 @@ def kernel_moe_gate_up(a, cache, data, w):
 def kernel_moe_down(a, cache, data, w):
     h, off, perm = data
     y = grouped_gemm("down", h.reshape(-1, h.shape[-1]), _experts(a, w, ("w2",)), off, perm.reshape(-1),
-                     top_k=a["top_k"], mx=a["mx"], ir_op="moe_down")
+                     top_k=a["top_k"], mx=_mx(a, h), ir_op="moe_down")
     return y.view(*h.shape[:-1], y.shape[-1])
 
 
@@ -315,7 +320,7 @@ def torch_moe_gate_up(a, cache, data, w):
     h = torch.zeros(flat.numel(), w1.shape[1], dtype=z.dtype, device=z.device)
     act = act_from_attrs(a)
     for e, lo, hi in _segments(off):
-        zs = _act_quant(z2[flat[lo:hi] // k], a["mx"])
+        zs = _act_quant(z2[flat[lo:hi] // k], _mx(a, z))
         h[lo:hi] = ref.glu_act(ref.linear(zs, w1[e]), ref.linear(zs, w3[e]), act)
     return h.view(*z.shape[:-1], k, w1.shape[1])
 
@@ -327,7 +332,7 @@ def torch_moe_down(a, cache, data, w):
     flat = perm.reshape(-1).long()
     y = torch.zeros(h2.shape[0], w2.shape[1], dtype=h.dtype, device=h.device)
     for e, lo, hi in _segments(off):
-        y[flat[lo:hi]] = ref.linear(_act_quant(h2[lo:hi], a["mx"]), w2[e])
+        y[flat[lo:hi]] = ref.linear(_act_quant(h2[lo:hi], _mx(a, h)), w2[e])
     return y.view(*h.shape[:-1], w2.shape[1])
 
 
