@@ -3,7 +3,7 @@
     python bench/moe.py                            # H200: latent 3584 -> 2 x 3072 -> 3584, E in {128, 896}, top-16,
                                                    # tokens {1, 16, 64, 512, 4096}
     python bench/moe.py --json out.json            # also write every row
-    python bench/moe.py --sweep                    # also time tile variants of the decode kernels
+    python bench/moe.py --sweep                    # also time tile variants of the decode kernels (first E, 64 tokens)
     python bench/moe.py --smoke                    # tiny shapes on the CPU (interpreter): checks the code path
 
 Per row, the routing is fixed first (k3c's routing kernels on random router logits) and both sides compute
@@ -176,8 +176,7 @@ def decode_variants(args, dev):
     tgt = target_for(dev)
     mx = "e4m3" if tgt.native_mxfp4 else "upcast"
     out = {}
-    for bn, bk, warps, stages in ((16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 4), (64, 128, 4, 3),
-                                  (32, 512, 8, 2)):
+    for bn, bk, warps, stages in ((16, 256, 4, 4), (32, 128, 4, 4), (32, 512, 8, 3)):
         try:
             pg = moe_gemm_plan("gate_up", args.inter, args.latent, 1, mx, "bf16", tgt, block_n=bn, block_k=bk,
                                num_warps=warps, num_stages=stages)
@@ -187,6 +186,16 @@ def decode_variants(args, dev):
             continue
         out[f"bn{bn}x2/{2 * bn}_bk{bk}_w{warps}_s{stages}"] = (pg, pd)
     return out
+
+
+def write_json(args, dev, copy_bw):
+    if args.json:
+        import triton
+
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                       "torch": torch.__version__, "triton": triton.__version__,
+                       "copy_TBps": copy_bw / 1e12 if copy_bw else None, "rows": ROWS}, f, indent=1)
 
 
 def main():
@@ -216,17 +225,19 @@ def main():
             w3p, w3s = random_mxfp4(e, args.inter, args.latent, dev, gen)
             w2p, w2s = random_mxfp4(e, args.latent, args.inter, dev, gen)
             weights = ((None, None), (w1p, w1s, w3p, w3s), (w2p, w2s))
+            decode = [t for t in args.tokens if t <= 64]
             for t in args.tokens:
-                plans = decode_variants(args, dev) if args.sweep and t <= 16 else None
-                bench_case(e, t, args, weights, dev, gen, copy_bw, plans)
+                sweep = args.sweep and e == args.experts[0] and decode and t == max(decode)
+                try:
+                    bench_case(e, t, args, weights, dev, gen, copy_bw, decode_variants(args, dev) if sweep else None)
+                except Exception:  # noqa: BLE001 - report the row and go on with the others
+                    import traceback
+
+                    traceback.print_exc()
+                write_json(args, dev, copy_bw)
             del w1p, w1s, w3p, w3s, w2p, w2s, weights
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                       "torch": torch.__version__, "copy_TBps": copy_bw / 1e12 if copy_bw else None,
-                       "rows": ROWS}, f, indent=1)
 
 
 if __name__ == "__main__":
