@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default="cpu", help="cpu or cuda")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    r.add_argument("--no-kernels", action="store_true", help="run every op through torch (no generated kernels)")
+    r.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"),
+                   help="prefill at most this many tokens per sequence and step (default: the whole prompt)")
     _parallel_args(r)
 
     pl = sub.add_parser("plan", help="memory plan, cost model and roofline for a target and a parallel layout")
@@ -95,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "pipeline-communication estimate (default 4)")
     pl.add_argument("--vpp", type=_positive("--vpp"), default=2, help="virtual stages V per pipeline stage "
                     "(default 2)")
+    pl.add_argument("--sharded", action="store_true", help="plan rank 0's IR after the shard pass: the split "
+                    "k3c run --tp/--ep really holds (docs/distributed.md)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys) instead of text")
     pl.add_argument("--plot", metavar="FILE.png", help="write the memory breakdown and roofline chart")
     pl.add_argument("--measured", metavar="BENCH.json",
@@ -167,7 +172,8 @@ def cmd_run(args) -> int:
     from .runtime.runner import run_report
 
     print(run_report(args.spec, weights=args.weights, batch=args.batch, prompt_len=args.prompt_len,
-                     new_tokens=args.new_tokens, seed=args.seed, device=args.device, dtype=args.dtype))
+                     new_tokens=args.new_tokens, seed=args.seed, device=args.device, dtype=args.dtype,
+                     use_kernels=not args.no_kernels, prefill_chunk=args.prefill_chunk))
     return 0
 
 
@@ -178,7 +184,7 @@ def cmd_plan(args) -> int:
 
     result = plan(args.spec, args.target, tp=args.tp, ep=args.ep, context=args.context, batch=args.batch,
                   kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk, headroom=args.headroom, pp=args.pp,
-                  vpp=args.vpp, measured=args.measured)
+                  vpp=args.vpp, measured=args.measured, sharded=args.sharded)
     if args.plot:
         write_plot(result, args.plot)
     if args.json:

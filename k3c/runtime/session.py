@@ -52,6 +52,11 @@ class Session:
         return describe_graph(self.compiled, self.use_kernels)
 
     @property
+    def last_modes(self) -> dict[int, str]:
+        """MLA layer -> the mode ("mha" | "mqa") the cost model picked in the last call."""
+        return dict(self.cache.modes) if self.cache else {}
+
+    @property
     def length(self) -> int:
         return self.cache.length if self.cache else 0
 
