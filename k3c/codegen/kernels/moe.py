@@ -22,10 +22,13 @@ E, S) (every expert adds at most one partial tile, every tile holds a row; `tile
 Weight formats (`mx`):
     none     bf16 / fp32 weights [E, N, K], tl.dot.
     upcast   MXFP4 packed u8 [E, N, K/2] + E8M0 scales u8 [E, N, K/32] (k3c.quant layout: element 2i in the low
-             nibble). Each packed tile is decoded in registers straight into fp32 bit patterns: E2M1 (s, e, m) with
-             block scale b is exponent field e + b - 1 and mantissa m (e = 0: field b - 1, mantissa 0, m = 0: zero),
-             exact, no multiply; the even/odd K elements (low/high nibbles) meet A's even/odd columns in two dots,
-             so no register shuffle interleaves nibbles. For sm_90 and gfx942 (no MX matrix units).
+             nibble), for sm_90 and gfx942 (no MX matrix units). Per 32-block of K, the packed bytes are decoded in
+             registers to fp16 holding value x 2^-14 (exact; bit placement only, 1.75 integer ops per element with
+             CUDA's prmt/lop3), the low / high nibbles (even / odd K) meet A's even / odd columns in two fp16 dots
+             (no register shuffle interleaves nibbles), and the block's E8M0 scale multiplies the fp32 partial
+             product: acc += dot x 2^(s - 113). A full-register decode with the scale folded into the bit pattern
+             was integer-bound on an H200 (~16 ops per element: 0.46 TB/s of packed weights at decode).
+             A is rounded to fp16 for the dot (bf16 values within fp16's range are exact).
     e4m3     native (target.native_mxfp4): A is quantized per 32 columns to MXFP8 in registers (OCP floor rule, as
              k3c.quant.mxfp8_quantize: scale = floor(log2 amax) - 8, elements saturated to +-448, round to nearest
              even) and tl.dot_scaled(e4m3, e2m1) runs on v_mfma_scale_f32_*_f8f6f4 (gfx950) / tcgen05.mma
@@ -103,6 +106,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     eb = ELEM_BYTES[dtype]
     if bm <= 32:    # the upcast decode of a 32 x 256 step spills on sm_90: 128 there
         bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" else 128
+    elif mx == "upcast":  # one 32-block per step: the scaled partial products stay in registers without spills
+        bn, bk = 128 // n_b, 32
     else:
         bn, bk = 128 // n_b, 128 if mx != "none" else 128 // eb
     if target.backend == "cpu":     # the interpreter pays per program: whole rows of N in one tile
@@ -115,8 +120,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         bk = _divisor_block(k, max(32, want_k), 32)
     else:
         bk = max(16, min(want_k, pow2_ceil(k)))
-    # 8 warps for the 32-row upcast tile: at 4 its two accumulators and decoded tiles spilled on sm_90
-    warps = num_warps or (4 if bm * bn <= 64 * 64 and not (bm == 32 and mx == "upcast") else 8)
+    # 8 warps for the upcast prefill tiles: at 4 the accumulators, partial products and decoded tiles spilled
+    warps = num_warps or (4 if bm * bn <= 64 * 64 and not (bm >= 64 and mx == "upcast") else 8)
     if target.shared_mem_bytes <= 0:
         stages = 1
     elif num_stages:
@@ -306,16 +311,27 @@ def emit_moe_scatter(e_local: int, top_k: int, *, target: Target, e0: int = 0, i
 
 
 # -- grouped GEMM ---------------------------------------------------------------------------------------------------
-def _emit_dequant_helper(w: SourceWriter) -> None:
-    with w.jit_function("_k3c_e2m1_f32", ["c", "sc"]):
-        w.line("# E2M1 code c (i32, 0..15) x 2^(sc - 127) as fp32 bits: exact; results below 2^-126 flush to +-0")
-        w.line("mag = c & 7")
-        w.line("ex = mag >> 1")
-        w.line("field = tl.where(ex == 0, sc - 1, ex + sc - 1)")
-        w.line("bits = (field << 23) | ((mag & tl.where(ex == 0, 0, 1)) << 22)")
-        w.line("sign = (c & 8) << 28")
-        w.line("bits = tl.where((mag == 0) | (field <= 0), 0, bits) | sign")
-        w.line("return bits.to(tl.float32, bitcast=True)")
+# E2M1 nibbles -> fp16 holding value x 2^-14, exactly (code 1, 0.5 x 2^-14, is an fp16 subnormal, which the fp16
+# MMAs keep): magnitude bits e1 e0 m go to fp16 bits 11..9 (exponent low bits + mantissa top bit), sign to bit 15.
+# On CUDA one prmt spreads two bytes into the low bytes of two fp16 lanes, then two shift+and/or (lop3) pairs build a
+# nibble per lane: 1.75 integer ops per element. Elsewhere the same bits in Triton integer ops (5 per element).
+E2M1_FP16_ASM = (
+    "{ .reg .b32 x, y, t, u; "
+    "prmt.b32 x, $4, 0, 0x4140; prmt.b32 y, $4, 0, 0x4342; "
+    "shl.b32 t, x, 9; and.b32 t, t, 0x0E000E00; shl.b32 u, x, 12; and.b32 u, u, 0x80008000; or.b32 $0, t, u; "
+    "shl.b32 t, y, 9; and.b32 t, t, 0x0E000E00; shl.b32 u, y, 12; and.b32 u, u, 0x80008000; or.b32 $1, t, u; "
+    "shl.b32 t, x, 5; and.b32 t, t, 0x0E000E00; shl.b32 u, x, 8; and.b32 u, u, 0x80008000; or.b32 $2, t, u; "
+    "shl.b32 t, y, 5; and.b32 t, t, 0x0E000E00; shl.b32 u, y, 8; and.b32 u, u, 0x80008000; or.b32 $3, t, u; }")
+
+
+def _decode_lines(p: str, lo: str, hi: str, asm: bool) -> list[str]:
+    """Lines decoding the u8 tile `p` into fp16 tiles `lo` (low nibbles) and `hi` (high nibbles), value x 2^-14."""
+    if asm:
+        return [f"{lo}, {hi} = tl.inline_asm_elementwise(\"{E2M1_FP16_ASM}\", \"=r,=r,=r,=r,r\", [{p}],"
+                f" dtype=(tl.float16, tl.float16), is_pure=True, pack=4)"]
+    return [f"{p}_i = {p}.to(tl.int32)",
+            f"{lo} = ((({p}_i & 7) << 9) | (({p}_i & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)",
+            f"{hi} = ((({p}_i & 0x70) << 5) | (({p}_i & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)"]
 
 
 def _emit_act_quant_helper(w: SourceWriter, fmt: str, bm: str, bk: str, interp: bool) -> None:
@@ -384,6 +400,10 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     up = interp and dt != "fp32"
     op_dt = "tl.float32" if (up or dt == "fp32") else TL_DTYPE[dt]
     dot_kw = ', input_precision="ieee"' if (up or dt == "fp32") else ""
+    # upcast MXFP4: fp16 dots of the decoded weights (fp32 on the interpreter and for fp32 models)
+    up_dt = "tl.float32" if (interp or dt == "fp32") else "tl.float16"
+    dot_up = ', input_precision="ieee"' if up_dt == "tl.float32" else ""
+    use_asm = mx == "upcast" and target.backend == "cuda" and not interp
 
     tags = ["k3c_moe", kind, f"n{N}", f"k{K}", name_part(dt), f"m{BM}"]
     if routed:
@@ -415,8 +435,6 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, **(glu_helpers(glu) if glu is not None else {}), rtne_bf16=interp and odt == "bf16")
-    if mx == "upcast":
-        _emit_dequant_helper(w)
     if native:
         _emit_act_quant_helper(w, mx, "BLOCK_M", "BLOCK_K", interp)
     with w.jit_function(kname, list(sig), list(cx)):
@@ -455,12 +473,11 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         w.line("n_ok = offs_n < N")
         w.line("rows_w = (offs_n % N).to(tl.int64)" if not even_n else "rows_w = offs_n.to(tl.int64)")
         if mx == "upcast":
-            w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
-            w.line("a_ptrs = a_ptr + rows_a[:, None] * K + 2 * offs_h[None, :]  # even K columns; odd: + 1")
+            w.line("offs_h = tl.arange(0, 16)")
+            w.line("a_ptrs = a_ptr + rows_a[:, None] * K + 2 * offs_h[None, :]  # even K columns of a 32-block")
             for x in wn:
                 w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
-                w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[None, :] * (K // 32)"
-                       f" + tl.arange(0, BLOCK_K // 32)[:, None]")
+                w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w * (K // 32)")
         elif native:
             w.line("offs_k = tl.arange(0, BLOCK_K)")
             w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
@@ -480,15 +497,20 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         w.line(f"for kb in range(0, {num(-(-K // BK))}):")
         with w.indent():
             if mx == "upcast":
-                w.line(f"a_e = tl.load(a_ptrs).to({op_dt})")
-                w.line(f"a_o = tl.load(a_ptrs + 1).to({op_dt})")
-                for x in wn:
-                    w.line(f"p = tl.load({x}_ptrs).to(tl.int32)")
-                    w.line(f"sc = tl.load({x}s_ptrs).to(tl.int32)  # [BLOCK_K / 32, BLOCK_N], one byte per block")
-                    w.line("sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),"
-                           " (BLOCK_K // 2, BLOCK_N))")
-                    w.line(f"acc_{x} = tl.dot(a_e, _k3c_e2m1_f32(p & 15, sc).to({op_dt}), acc_{x}{dot_kw})")
-                    w.line(f"acc_{x} = tl.dot(a_o, _k3c_e2m1_f32(p >> 4, sc).to({op_dt}), acc_{x}{dot_kw})")
+                # one 32-block per dot (its E8M0 scale is per block and column): fp16 products of the decoded
+                # values (x 2^-14) with A, then acc += dot x 2^(s - 127 + 14) in fp32, exact
+                w.line("for b in tl.static_range(BLOCK_K // 32):")
+                with w.indent():
+                    w.line(f"a_e = tl.load(a_ptrs + b * 32).to({up_dt})")
+                    w.line(f"a_o = tl.load(a_ptrs + b * 32 + 1).to({up_dt})")
+                    for x in wn:
+                        w.lines(_decode_lines(f"tl.load({x}_ptrs + b * 16)", "w_lo", "w_hi", use_asm)
+                                if use_asm else
+                                [f"p = tl.load({x}_ptrs + b * 16)"] + _decode_lines("p", "w_lo", "w_hi", False))
+                        w.line(f"part = tl.dot(a_e, w_lo.to({up_dt}){dot_up})")
+                        w.line(f"part = tl.dot(a_o, w_hi.to({up_dt}), part{dot_up})")
+                        w.line(f"sc = ((tl.load({x}s_ptrs + b).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)")
+                        w.line(f"acc_{x} += part * sc[None, :]")
                 w.line("a_ptrs += BLOCK_K")
                 for x in wn:
                     w.line(f"{x}_ptrs += BLOCK_K // 2")
