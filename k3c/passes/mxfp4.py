@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..errors import IRError
 from ..frontend.quant_check import BLOCK, select
 from ..ir.builder import Builder
-from ..ir.core import Module, Op, TensorType
+from ..ir.core import Module, TensorType
 from ..ir.ops import get_op_def
 from .registry import PassContext, register_pass
 
@@ -93,8 +93,3 @@ def mxfp4(module: Module, ctx: PassContext) -> Module:
             continue
         b.append(op)
     return b.build(module.outputs)
-
-
-def quantized_params(module: Module) -> dict[str, Op]:
-    """Packed params of a module after this pass: name -> param op (attrs quant, rule, source)."""
-    return {n: op for n, op in module.params().items() if op.attr("quant", None) == "mxfp4"}

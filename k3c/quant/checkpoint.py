@@ -31,7 +31,7 @@ def quantize_weights(spec, weights: dict[str, torch.Tensor], rule: str | None = 
     (`P.weight_packed`, from a packed checkpoint) are kept as they are."""
     from ..frontend.quant_check import quantized_names
     from ..runtime.weight_names import weight_table
-    from ..runtime.weight_prep import _quantize
+    from ..runtime.weight_prep import quantize_stack
 
     if spec.quantization is None:
         raise ArgumentError(f"spec '{spec.name}' has no quantization: section (add `quantization: {{format: mxfp4}}`"
@@ -50,7 +50,7 @@ def quantize_weights(spec, weights: dict[str, torch.Tensor], rule: str | None = 
             raise WeightError(f"weight '{name}' is missing")
         t = weights[name]
         if name in chosen:
-            out[f"{name}.weight_packed"], out[f"{name}.weight_scale"] = _quantize(name, t, rule)
+            out[f"{name}.weight_packed"], out[f"{name}.weight_scale"] = quantize_stack(name, t, rule)
         else:
             out[name] = t
     return out, chosen, rule

@@ -64,12 +64,13 @@ def _quantized_part(name: str, op, weights: dict, made: dict) -> torch.Tensor | 
             return None
         if not w.is_floating_point():
             raise WeightError(f"weight '{source}' has dtype {w.dtype}; MXFP4 quantization needs a float tensor")
-        made[source] = _quantize(source, w, rule)
+        made[source] = quantize_stack(source, w, rule)
     packed, scales = made[source]
     return packed if name.endswith(".weight_packed") else scales
 
 
-def _quantize(name: str, w: torch.Tensor, rule: str, chunk_bytes: int = 1 << 28) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_stack(name: str, w: torch.Tensor, rule: str, chunk_bytes: int = 1 << 28
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """mxfp4_quantize along the last dim, a slab of leading rows at a time (bounded temporaries for K3 stacks)."""
     from ..quant import BLOCK_SIZE, mxfp4_quantize
 

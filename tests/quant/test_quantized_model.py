@@ -154,6 +154,13 @@ def test_prepare_weights_checks_packed_tensors(qtiny):
         prepare_weights(model.module, {**w, n + ".weight_packed": p})
     with pytest.raises(WeightError, match=f"'{n}.weight_packed' is missing"):
         prepare_weights(model.module, base)
+    # load-time quantization works a slab of rows at a time: the same bytes whatever the slab
+    from k3c.runtime.weight_prep import quantize_stack
+
+    for got, want in zip(quantize_stack(n, w[n], "rceil", chunk_bytes=3000), mxfp4_quantize(w[n], "rceil")):
+        assert torch.equal(got, want)
+    with pytest.raises(WeightError, match=r"multiple of 32"):
+        quantize_stack(n, torch.randn(2, 48), "floor")
     # an unquantized graph given packed experts dequantizes them at load
     plain = k3c.compile(k3c.load_spec(ROOT / "examples" / "k3-tiny.yaml"), target="cpu", passes=PASSES)
     got = prepare_weights(plain.module, {**base, n + ".weight_packed": p, n + ".weight_scale": s})
