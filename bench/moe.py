@@ -3,7 +3,7 @@
     python bench/moe.py                            # H200: latent 3584 -> 2 x 3072 -> 3584, E in {128, 896}, top-16,
                                                    # tokens {1, 16, 64, 512, 4096}
     python bench/moe.py --json out.json            # also write every row
-    python bench/moe.py --sweep                    # also time tile variants of the decode kernels (first E, 64 tokens)
+    python bench/moe.py --sweep                    # also time tile variants (first E; the largest decode and prefill T)
     python bench/moe.py --smoke                    # tiny shapes on the CPU (interpreter): checks the code path
 
 Per row, the routing is fixed first (k3c's routing kernels on random router logits) and both sides compute
@@ -173,16 +173,20 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None):
     return row
 
 
-def decode_variants(args, dev):
-    """Tile variants of the decode kernels (rows <= 16), for --sweep."""
+DECODE_VARIANTS = ((16, 256, 4, 4), (32, 512, 4, 3), (32, 256, 8, 4))     # (BLOCK_N per weight, BLOCK_K, warps, stages)
+PREFILL_VARIANTS = ((64, 64, 8, 3), (64, 128, 8, 3))
+
+
+def variants(args, dev, rows, specs):
+    """Tile variants of the grouped kernels at `rows` per expert, for --sweep."""
     tgt = target_for(dev)
     mx = "e4m3" if tgt.native_mxfp4 else "upcast"
     out = {}
-    for bn, bk, warps, stages in ((16, 256, 4, 4), (32, 128, 4, 4), (32, 512, 8, 3)):
+    for bn, bk, warps, stages in specs:
         try:
-            pg = moe_gemm_plan("gate_up", args.inter, args.latent, 1, mx, "bf16", tgt, block_n=bn, block_k=bk,
+            pg = moe_gemm_plan("gate_up", args.inter, args.latent, rows, mx, "bf16", tgt, block_n=bn, block_k=bk,
                                num_warps=warps, num_stages=stages)
-            pd = moe_gemm_plan("down", args.latent, args.inter, 1, mx, "bf16", tgt, block_n=2 * bn, block_k=bk,
+            pd = moe_gemm_plan("down", args.latent, args.inter, rows, mx, "bf16", tgt, block_n=2 * bn, block_k=bk,
                                num_warps=warps, num_stages=stages)
         except Exception:  # noqa: BLE001
             continue
@@ -230,9 +234,12 @@ def main():
             weights = ((None, None), (w1p, w1s, w3p, w3s), (w2p, w2s))
             decode = [t for t in args.tokens if t <= 64]
             for t in args.tokens:
-                sweep = args.sweep and e == args.experts[0] and decode and t == max(decode)
+                plans = None
+                if args.sweep and e == args.experts[0] and t in (max(decode or [0]), max(args.tokens)):
+                    rows = -(-t * args.top_k // e)
+                    plans = variants(args, dev, rows, DECODE_VARIANTS if t <= 64 else PREFILL_VARIANTS)
                 try:
-                    bench_case(e, t, args, weights, dev, gen, copy_bw, decode_variants(args, dev) if sweep else None)
+                    bench_case(e, t, args, weights, dev, gen, copy_bw, plans)
                 except Exception:  # noqa: BLE001 - report the row and go on with the others
                     import traceback
 

@@ -23,12 +23,13 @@ Weight formats (`mx`):
     none     bf16 / fp32 weights [E, N, K], tl.dot.
     upcast   MXFP4 packed u8 [E, N, K/2] + E8M0 scales u8 [E, N, K/32] (k3c.quant layout: element 2i in the low
              nibble), for sm_90 and gfx942 (no MX matrix units). Per 32-block of K, the packed bytes are decoded in
-             registers to fp16 holding value x 2^-14 (exact; bit placement only, 1.75 integer ops per element with
-             CUDA's prmt/lop3), the low / high nibbles (even / odd K) meet A's even / odd columns in two fp16 dots
-             (no register shuffle interleaves nibbles), and the block's E8M0 scale multiplies the fp32 partial
-             product: acc += dot x 2^(s - 113). A full-register decode with the scale folded into the bit pattern
-             was integer-bound on an H200 (~16 ops per element: 0.46 TB/s of packed weights at decode).
-             A is rounded to fp16 for the dot (bf16 values within fp16's range are exact).
+             registers by bit placement to fp16 holding value x 2^-14 (exact; 1.75 integer ops per element with
+             CUDA's prmt/lop3, 5 in plain Triton elsewhere), multiplied by the block's 2^(s - 113) in fp32 and
+             rounded to bf16 (exact: E2M1 values have 2 significant bits), and the low / high nibbles (even / odd
+             K) meet A's even / odd columns in two bf16 dots into the accumulator (no register shuffle interleaves
+             nibbles). Measured on an H200: a full-register decode folding the scale into the bit pattern (~16
+             integer ops per element) streamed 0.46 TB/s of packed weights at decode; scaling the fp32 partial
+             product per block instead (fp16 dots) 0.86-0.95 TB/s but serialised the prefill MMAs.
     e4m3     native (target.native_mxfp4): A is quantized per 32 columns to MXFP8 in registers (OCP floor rule, as
              k3c.quant.mxfp8_quantize: scale = floor(log2 amax) - 8, elements saturated to +-448, round to nearest
              even) and tl.dot_scaled(e4m3, e2m1) runs on v_mfma_scale_f32_*_f8f6f4 (gfx950) / tcgen05.mma
@@ -400,9 +401,6 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     up = interp and dt != "fp32"
     op_dt = "tl.float32" if (up or dt == "fp32") else TL_DTYPE[dt]
     dot_kw = ', input_precision="ieee"' if (up or dt == "fp32") else ""
-    # upcast MXFP4: fp16 dots of the decoded weights (fp32 on the interpreter and for fp32 models)
-    up_dt = "tl.float32" if (interp or dt == "fp32") else "tl.float16"
-    dot_up = ', input_precision="ieee"' if up_dt == "tl.float32" else ""
     use_asm = mx == "upcast" and target.backend == "cuda" and not interp
 
     tags = ["k3c_moe", kind, f"n{N}", f"k{K}", name_part(dt), f"m{BM}"]
@@ -497,20 +495,20 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         w.line(f"for kb in range(0, {num(-(-K // BK))}):")
         with w.indent():
             if mx == "upcast":
-                # one 32-block per dot (its E8M0 scale is per block and column): fp16 products of the decoded
-                # values (x 2^-14) with A, then acc += dot x 2^(s - 127 + 14) in fp32, exact
+                # per 32-block (its E8M0 scale is per block and column): decoded values (x 2^-14, fp16) times
+                # 2^(s - 113) in fp32 -> the exact bf16 weights, then the dots accumulate straight into acc
                 w.line("for b in tl.static_range(BLOCK_K // 32):")
                 with w.indent():
-                    w.line(f"a_e = tl.load(a_ptrs + b * 32).to({up_dt})")
-                    w.line(f"a_o = tl.load(a_ptrs + b * 32 + 1).to({up_dt})")
+                    w.line(f"a_e = tl.load(a_ptrs + b * 32).to({op_dt})")
+                    w.line(f"a_o = tl.load(a_ptrs + b * 32 + 1).to({op_dt})")
                     for x in wn:
                         w.lines(_decode_lines(f"tl.load({x}_ptrs + b * 16)", "w_lo", "w_hi", use_asm)
                                 if use_asm else
                                 [f"p = tl.load({x}_ptrs + b * 16)"] + _decode_lines("p", "w_lo", "w_hi", False))
-                        w.line(f"part = tl.dot(a_e, w_lo.to({up_dt}){dot_up})")
-                        w.line(f"part = tl.dot(a_o, w_hi.to({up_dt}), part{dot_up})")
-                        w.line(f"sc = ((tl.load({x}s_ptrs + b).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)")
-                        w.line(f"acc_{x} += part * sc[None, :]")
+                        w.line(f"sc = (((tl.load({x}s_ptrs + b).to(tl.int32) + 14) << 23)"
+                               f".to(tl.float32, bitcast=True))[None, :]")
+                        w.line(f"acc_{x} = tl.dot(a_e, (w_lo.to(tl.float32) * sc).to({op_dt}), acc_{x}{dot_kw})")
+                        w.line(f"acc_{x} = tl.dot(a_o, (w_hi.to(tl.float32) * sc).to({op_dt}), acc_{x}{dot_kw})")
                 w.line("a_ptrs += BLOCK_K")
                 for x in wn:
                     w.line(f"{x}_ptrs += BLOCK_K // 2")
