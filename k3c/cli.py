@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "pipeline-communication estimate (default 4)")
     pl.add_argument("--vpp", type=_positive("--vpp"), default=2, help="virtual stages V per pipeline stage "
                     "(default 2)")
+    pl.add_argument("--sharded", action="store_true", help="plan rank 0's IR after the shard pass: the split "
+                    "k3c run --tp/--ep really holds (docs/distributed.md)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys) instead of text")
     pl.add_argument("--plot", metavar="FILE.png", help="write the memory breakdown and roofline chart")
     pl.add_argument("--measured", metavar="BENCH.json",
@@ -182,7 +184,7 @@ def cmd_plan(args) -> int:
 
     result = plan(args.spec, args.target, tp=args.tp, ep=args.ep, context=args.context, batch=args.batch,
                   kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk, headroom=args.headroom, pp=args.pp,
-                  vpp=args.vpp, measured=args.measured)
+                  vpp=args.vpp, measured=args.measured, sharded=args.sharded)
     if args.plot:
         write_plot(result, args.plot)
     if args.json:

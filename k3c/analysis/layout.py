@@ -221,6 +221,7 @@ def classify_params(module: Module, layout: ParallelLayout) -> list[ParamInfo]:
     """Every param of the module with its category, precision, bytes and per-GPU share."""
     users = consumers(module)
     heads, experts = layer_attr(module, "num_heads"), layer_attr(module, "num_experts")
+    sharded = "tp" in module.attr_dict or "ep" in module.attr_dict      # the shard pass ran: read its annotations
     out = []
     for op in module.ops:
         if op.op != "param":
@@ -240,9 +241,17 @@ def classify_params(module: Module, layout: ParallelLayout) -> list[ParamInfo]:
             is_payload = name.endswith(".weight_packed")
             precision, numel = "mxfp4", 2 * numel if is_payload else 0
             payload, scales = (nbytes, 0) if is_payload else (0, nbytes)
+        fraction = None
+        if sharded:         # what the rank holds: annotated params are 1/size of the whole, the rest replicated
+            from ..passes.shard import parse_shard
+
+            s = parse_shard(op.attr("shard", "") or "")
+            split = "rep" if s is None else "ep" if s[0] == "ep" else {
+                "kda": "heads", "mla": "heads", "lm_head": "vocab", "embedding": "vocab"}.get(kind or "", "tp")
+            fraction = 1.0 if s is None else 1.0 / s[3]
         out.append(ParamInfo(name, ty, kind, role, _category(kind, role, split), precision,
                              numel, nbytes, payload, scales, split,
-                             _fraction(split, ty, units, layout)))
+                             _fraction(split, ty, units, layout) if fraction is None else fraction))
     return out
 
 

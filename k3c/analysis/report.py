@@ -161,10 +161,16 @@ def _module_of(model, target: Target) -> tuple[Module, str, list[str]]:
 def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None = None,
          context: int | None = None, batch: int = 1, kv_dtype: str = "bf16",
          prefill_chunk: int = DEFAULT_PREFILL_CHUNK, headroom: float = DEFAULT_HEADROOM, pp: int = 4, vpp: int = 2,
-         measured: str | list[Point] | None = None, mla_mode: str = "auto") -> Plan:
-    """Plan serving `model` (a spec path, ModelSpec, CompiledModel or IR Module) on `target` with TP x EP."""
+         measured: str | list[Point] | None = None, mla_mode: str = "auto", sharded: bool = False) -> Plan:
+    """Plan serving `model` (a spec path, ModelSpec, CompiledModel or IR Module) on `target` with TP x EP.
+    sharded: plan rank 0's IR from the `shard` pass (what `k3c run --tp --ep` holds) instead of applying the
+    planner's split rules to the whole model; a model already sharded is always read that way."""
     tgt = get_target(target) if isinstance(target, str) else target
     layout = ParallelLayout.make(tp, ep)
+    if sharded and not isinstance(model, Module) and not hasattr(model, "module"):
+        from ..api import compile as k3c_compile
+
+        model = k3c_compile(model, target=tgt, tp=layout.tp, ep=layout.ep, rank=0)
     if kv_dtype not in KV_BYTES:
         raise ArgumentError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}, got {kv_dtype!r}")
     for name, v in (("--batch", batch), ("--prefill-chunk", prefill_chunk), ("--pp", pp), ("--vpp", vpp)):
@@ -176,6 +182,11 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
         raise ArgumentError(f"mla_mode must be auto, mha or mqa, got {mla_mode!r}")
     points = load_measured(measured) if isinstance(measured, str) else list(measured or [])
     module, name, passes = _module_of(model, tgt)
+    from .sharded import is_sharded, sharded_layout, unshard_view
+
+    if is_sharded(module):          # one rank's IR (shard pass): its own layout and annotations decide the split
+        layout = sharded_layout(module, tp if tp != 1 else None, ep)
+        module = unshard_view(module)
     facts = ModelFacts.from_module(module)
     if context is None:
         context = facts.max_context or 4096

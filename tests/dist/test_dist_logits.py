@@ -4,9 +4,10 @@ One spawn of 2 ranks runs the three layouts of a 2-rank world in turn (TP 2, EP 
 each compiling its rank's slice, loading its slice of the weights, then prefill (batch 2, odd length), decode and
 append-prefill; a 4-rank spawn (TP 2 x EP 4: two attention replicas) is marked slow. Kernels off (the collectives
 and the sharding are under test here; the kernels have their own tests).
-Tolerances (relative): float64 1e-12 (the sharded math is the same math); fp32 1e-5, decode 2e-5: a TP split
-changes fp32 summation orders, and this random model's one-process fp32 decode logits are themselves 1.9e-5 from
-its float64 ones (prefill 3.8e-6), so two fp32 orders can differ by that much (measured: 1.6e-5).
+Tolerances (relative): float64 1e-12 (the sharded math is the same math; measured 1.7e-14); fp32 1e-5, decode
+4e-5: a TP split changes fp32 summation orders, and this random model's one-process fp32 decode logits are
+themselves 1.9e-5 from its float64 ones (prefill 3.8e-6), so two fp32 orders can differ by up to twice that
+(measured 1.6e-5 and 1.7e-5 for decode, 2.1e-6 prefill, 5.2e-6 append; EP alone is bit-exact in fp32).
 """
 import os
 
@@ -71,7 +72,7 @@ def _check(results, single, layout):
             got = torch.from_numpy(got)
             assert got.shape == want.shape and got.dtype == dtype
             err = float((got - want).norm() / want.norm())
-            tol = 1e-12 if dtype == torch.float64 else (2e-5 if what == "decode" else 1e-5)
+            tol = 1e-12 if dtype == torch.float64 else (4e-5 if what == "decode" else 1e-5)
             assert err <= tol, f"TP x EP {layout}, rank {rank}, {what}: rel. error {err:.2e} > {tol}"
 
 

@@ -130,3 +130,24 @@ def test_rank_weights_slice_init_and_safetensors(spec, tmp_path):
         e = sliced["layers.1.block_sparse_moe.experts.w2"]
         assert torch.equal(e, full["layers.1.block_sparse_moe.experts.w2"][4 * rank:4 * rank + 4] if ep == 2 else
                            full["layers.1.block_sparse_moe.experts.w2"])          # EP rank r of 2: experts 4r..4r+3
+
+
+def test_plan_reads_the_sharding(spec):
+    from k3c.analysis import plan
+
+    m = k3c.compile(spec, target="mi355x", tp=2, ep=2, rank=1)
+    p = plan(m, "mi355x", context=256)
+    assert (p.layout.tp, p.layout.ep) == (2, 2)
+    full = plan(TINY, "mi355x", tp=2, context=256)
+    assert p.weights.total_bytes == full.weights.total_bytes          # the whole model, whichever view
+    w = p.weights.by_name
+    # what the rank holds: half the experts (EP 2) and heads, the embedding and latent projections replicated
+    assert w["layers.1.block_sparse_moe.experts.w1" if "layers.1.block_sparse_moe.experts.w1" in w
+             else "layers.1.block_sparse_moe.experts.w1.weight_packed"].gpu_fraction == 0.5
+    assert w["layers.0.self_attn.q_proj.weight"].gpu_fraction == 0.5
+    assert w["embed_tokens.weight"].gpu_fraction == 1.0 and w["lm_head.weight"].gpu_fraction == 0.5
+    assert w["layers.1.block_sparse_moe.routed_expert_up_proj.weight"].gpu_fraction == 1.0
+    assert p.memory.kda_state_bytes == full.memory.kda_state_bytes    # state of the rank's heads, same rule
+    with pytest.raises(ArgumentError, match="--tp 4: this IR was sharded for TP 2 x EP 2"):
+        plan(m, "mi355x", tp=4)
+    assert main(["plan", TINY, "--target", "mi355x", "--tp", "2", "--sharded", "--json"]) == 0
