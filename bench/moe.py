@@ -173,8 +173,9 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None):
     return row
 
 
-DECODE_VARIANTS = ((16, 256, 4, 4), (32, 512, 4, 3), (32, 256, 8, 4))     # (BLOCK_N per weight, BLOCK_K, warps, stages)
-PREFILL_VARIANTS = ((64, 64, 8, 3), (64, 128, 8, 3))
+# (BLOCK_N per weight, BLOCK_K, warps, stages, scale the partial products instead of the weights)
+DECODE_VARIANTS = ((32, 256, 4, 4, True), (16, 256, 4, 4, False), (32, 512, 4, 3, False), (32, 256, 8, 4, False))
+PREFILL_VARIANTS = ((64, 32, 8, 3, True), (64, 64, 8, 3, False), (64, 128, 8, 3, False))
 
 
 def variants(args, dev, rows, specs):
@@ -182,15 +183,14 @@ def variants(args, dev, rows, specs):
     tgt = target_for(dev)
     mx = "e4m3" if tgt.native_mxfp4 else "upcast"
     out = {}
-    for bn, bk, warps, stages in specs:
+    for bn, bk, warps, stages, post in specs:
+        kw = dict(block_k=bk, num_warps=warps, num_stages=stages, post_scale=post)
         try:
-            pg = moe_gemm_plan("gate_up", args.inter, args.latent, rows, mx, "bf16", tgt, block_n=bn, block_k=bk,
-                               num_warps=warps, num_stages=stages)
-            pd = moe_gemm_plan("down", args.latent, args.inter, rows, mx, "bf16", tgt, block_n=2 * bn, block_k=bk,
-                               num_warps=warps, num_stages=stages)
+            pg = moe_gemm_plan("gate_up", args.inter, args.latent, rows, mx, "bf16", tgt, block_n=bn, **kw)
+            pd = moe_gemm_plan("down", args.latent, args.inter, rows, mx, "bf16", tgt, block_n=2 * bn, **kw)
         except Exception:  # noqa: BLE001
             continue
-        out[f"bn{bn}x2/{2 * bn}_bk{bk}_w{warps}_s{stages}"] = (pg, pd)
+        out[f"bn{bn}x2/{2 * bn}_bk{bk}_w{warps}_s{stages}" + ("_postscale" if post else "")] = (pg, pd)
     return out
 
 

@@ -76,7 +76,8 @@ def test_grouped_experts_equal_reference(case, dtype, tol):
     assert rel(got, want) <= tol
 
 
-def test_mxfp4_upcast_equals_reference_on_dequantized_weights():
+@pytest.mark.parametrize("post_scale", [False, True])
+def test_mxfp4_upcast_equals_reference_on_dequantized_weights(post_scale):
     g = torch.Generator().manual_seed(2)
     t, e, k, z, m = 3, 3, 2, 64, 64
     wt, ids, off, perm = M.route(torch.randn(t, e, generator=g), None, top_k=k)
@@ -84,7 +85,8 @@ def test_mxfp4_upcast_equals_reference_on_dequantized_weights():
     qs = [mxfp4_quantize(w) for w in experts(e, m, z, torch.float32, g)]
     d1, d3, d2 = (mxfp4_dequantize(p, s, torch.bfloat16) for p, s in qs)
     # two N tiles and two K steps per program: the nibble / scale indexing across tiles
-    plan = moe_gemm_plan("gate_up", m, z, 1, "upcast", "bf16", get_target("cpu"), block_n=32, block_k=32)
+    plan = moe_gemm_plan("gate_up", m, z, 1, "upcast", "bf16", get_target("cpu"), block_n=32, block_k=32,
+                         post_scale=post_scale)
     got = run_experts(x, [*qs[0], *qs[1]], [*qs[2]], wt, ids, off, perm, k, SITU, mx="upcast", plan=plan)
     assert rel(got, ref.routed_experts(x, d1, d3, d2, wt, ids.long(), SITU)) <= 1e-2
 

@@ -81,6 +81,7 @@ class MoEGemmPlan:
     block_k: int          # K elements per step (unpacked)
     num_warps: int
     num_stages: int
+    post_scale: bool = False   # upcast: scale the fp32 partial product per 32-block instead of the decoded weights
 
 
 def _divisor_block(k: int, want: int, floor: int) -> int:
@@ -95,7 +96,7 @@ def _divisor_block(k: int, want: int, floor: int) -> int:
 
 def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, target: Target, *,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> MoEGemmPlan:
+                  num_stages: int | None = None, post_scale: bool = False) -> MoEGemmPlan:
     """Tiles of the grouped expert GEMM. Few rows per expert (decode; the weight stream dominates): BLOCK_M 16-32,
     narrow N tiles (32 columns, gate and up side by side for gate_up) so that the active experts' weights split over
     many programs, and long K steps (256 elements: 128 packed bytes per row and stage) to keep bytes in flight.
@@ -132,7 +133,7 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         stage = bm * bk * eb + n_b * bn * w_bytes
         budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
         stages = max(2, min(3, budget // max(1, stage)))
-    return MoEGemmPlan(bm, bn, bk, warps, stages)
+    return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and mx == "upcast")
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -402,12 +403,16 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     op_dt = "tl.float32" if (up or dt == "fp32") else TL_DTYPE[dt]
     dot_kw = ', input_precision="ieee"' if (up or dt == "fp32") else ""
     use_asm = mx == "upcast" and target.backend == "cuda" and not interp
+    pdt = "tl.float32" if (interp or dt == "fp32") else "tl.float16"       # post_scale dots: fp16 on GPUs
+    pkw = ', input_precision="ieee"' if pdt == "tl.float32" else ""
 
     tags = ["k3c_moe", kind, f"n{N}", f"k{K}", name_part(dt), f"m{BM}"]
     if routed:
         tags.insert(3, f"e{E}")
     if mx != "none":
         tags.append(f"mx{mx}")
+    if plan.post_scale:
+        tags.append("ps")
     if glu is not None:
         tags.insert(2, name_part(glu.tag()))
     kname = ident(name if name is not None else "_".join(tags))
@@ -430,6 +435,7 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"moe gemm {what} N={N} K={K} E={E} top_k={TK} a:{dt} w:{wdt} mx={mx} out:{odt}",
                     f"tiles {BM}x{BN}x{BK} num_warps={plan.num_warps} num_stages={plan.num_stages}"
+                    + (" post_scale" if plan.post_scale else "")
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, **(glu_helpers(glu) if glu is not None else {}), rtne_bf16=interp and odt == "bf16")
@@ -496,19 +502,26 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         with w.indent():
             if mx == "upcast":
                 # per 32-block (its E8M0 scale is per block and column): decoded values (x 2^-14, fp16) times
-                # 2^(s - 113) in fp32 -> the exact bf16 weights, then the dots accumulate straight into acc
+                # 2^(s - 113) in fp32 -> the exact bf16 weights, then the dots accumulate straight into acc; or
+                # (plan.post_scale) fp16 dots of the decoded values and the fp32 partial product scaled per block
                 w.line("for b in tl.static_range(BLOCK_K // 32):")
                 with w.indent():
-                    w.line(f"a_e = tl.load(a_ptrs + b * 32).to({op_dt})")
-                    w.line(f"a_o = tl.load(a_ptrs + b * 32 + 1).to({op_dt})")
+                    a_dt = pdt if plan.post_scale else op_dt
+                    w.line(f"a_e = tl.load(a_ptrs + b * 32).to({a_dt})")
+                    w.line(f"a_o = tl.load(a_ptrs + b * 32 + 1).to({a_dt})")
                     for x in wn:
                         w.lines(_decode_lines(f"tl.load({x}_ptrs + b * 16)", "w_lo", "w_hi", use_asm)
                                 if use_asm else
                                 [f"p = tl.load({x}_ptrs + b * 16)"] + _decode_lines("p", "w_lo", "w_hi", False))
                         w.line(f"sc = (((tl.load({x}s_ptrs + b).to(tl.int32) + 14) << 23)"
                                f".to(tl.float32, bitcast=True))[None, :]")
-                        w.line(f"acc_{x} = tl.dot(a_e, (w_lo.to(tl.float32) * sc).to({op_dt}), acc_{x}{dot_kw})")
-                        w.line(f"acc_{x} = tl.dot(a_o, (w_hi.to(tl.float32) * sc).to({op_dt}), acc_{x}{dot_kw})")
+                        if plan.post_scale:
+                            w.line(f"part = tl.dot(a_e, w_lo.to({pdt}){pkw})")
+                            w.line(f"part = tl.dot(a_o, w_hi.to({pdt}), part{pkw})")
+                            w.line(f"acc_{x} += part * sc")
+                        else:
+                            w.line(f"acc_{x} = tl.dot(a_e, (w_lo.to(tl.float32) * sc).to({op_dt}), acc_{x}{dot_kw})")
+                            w.line(f"acc_{x} = tl.dot(a_o, (w_hi.to(tl.float32) * sc).to({op_dt}), acc_{x}{dot_kw})")
                 w.line("a_ptrs += BLOCK_K")
                 for x in wn:
                     w.line(f"{x}_ptrs += BLOCK_K // 2")
