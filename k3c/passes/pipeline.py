@@ -17,8 +17,8 @@ from .registry import PassContext, check_invariant, get_pass, registered_passes
 # Pipelines are plain lists of pass names; a pipeline name may appear inside another list and is expanded.
 # DESIGN order: lowering passes, fusion, codegen (impl marks), cleanup. The mxfp4 pass (issue 7) goes before codegen.
 PIPELINES: dict[str, tuple[str, ...]] = {
-    "default": ("kda-chunk", "fuse-residual-norm", "mla-absorb", "attnres-split", "mxfp4", "codegen", "dce",
-                "cse"),
+    "default": ("kda-chunk", "fuse-residual-norm", "mla-absorb", "attnres-split", "mxfp4", "moe-lower", "codegen",
+                "dce", "cse"),
     "cleanup": ("cse", "dce"),
     "none": (),
 }
