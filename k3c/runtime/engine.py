@@ -27,6 +27,7 @@ from ..errors import ArgumentError
 from .block_pool import BlockPool, CacheFullError
 from .executor import LayerCaches
 from .kernels.mla import LatentStore, PagedLatentCache
+from .reference.kda import KDAState
 from .seq_state import SeqState, gather_kda
 from .session import describe_graph, load_graph
 
@@ -119,6 +120,30 @@ class Engine:
     def open(self) -> int:
         """A sequence driven by extend() (not by step)."""
         return self._new_seq([], 0, scheduled=False).rid
+
+    def adopt(self, tokens, kda: dict, latent: dict) -> int:
+        """An opened sequence whose cache is given: `kda` {KDA layer: KDAState of batch 1}, `latent` {MLA layer:
+        rows [len(tokens), L+R]} (a migrated or synthetic context). Pages are taken from the pool (CacheFullError
+        when it cannot hold them, before anything changes)."""
+        tokens = self._tokens(tokens, "tokens")
+        n = len(tokens)
+        if n > self.max_context:
+            raise ArgumentError(f"{n} tokens exceed max_context {self.max_context}")
+        missing = [i for i in self.kda_layers if i not in kda] + [i for i in self.mla_layers if i not in latent]
+        if missing:
+            raise ArgumentError(f"adopt(): no state given for layers {missing}")
+        for i in self.mla_layers:
+            if tuple(latent[i].shape) != (n, self.pool.pools[i].shape[-1]):
+                raise ArgumentError(f"adopt(): layer {i} latent has shape {tuple(latent[i].shape)}, expected "
+                                    f"({n}, {self.pool.pools[i].shape[-1]})")
+        pages = self.pool.alloc(self.pool.pages_for(n))
+        self.pool.write_rows(pages, {i: latent[i] for i in self.mla_layers}, n)
+        seq = self._new_seq(tokens, 0, scheduled=False)
+        seq.pages, seq.length = pages, n
+        seq.kda = {i: (KDAState(kda[i].state.to(self.device), tuple(t.to(self.device, self.dtype)
+                                                                       for t in kda[i].conv)), 0)
+                   for i in self.kda_layers}
+        return seq.rid
 
     def finish(self, rid: int) -> None:
         """Remove a sequence (running, waiting or opened): checkpoint it in the prefix cache, release its pages."""

@@ -153,3 +153,22 @@ def test_bad_arguments(tiny):
         eng.extend([7], [[1]])
     with pytest.raises(ArgumentError, match="num_pages must be a positive integer"):
         engine(tiny, num_pages=0)
+
+
+def test_adopt_a_given_cache(tiny, one_thread):
+    """A sequence built from a reference cache (a migrated context) continues exactly like the reference."""
+    from k3c.runtime.reference import ReferenceModel
+
+    spec, model, w = tiny
+    p, nxt = prompts(spec, (19, 4), seed=11)
+    ref = ReferenceModel(spec, w)
+    _, cache = ref.prefill(torch.tensor([p]))
+    kda = {i: c for i, c in enumerate(cache.layers) if spec.layer_kinds[i] == "kda"}
+    latent = {i: c[0] for i, c in enumerate(cache.layers) if spec.layer_kinds[i] == "mla"}
+    eng = engine(tiny)
+    rid = eng.adopt(p, kda, latent)
+    got = eng.extend([rid], [nxt])[0]
+    want = k3c.reference_forward(spec, w, torch.tensor([p + nxt]))[0, 19:]
+    assert rel(got, want) <= 1e-5
+    with pytest.raises(ArgumentError, match="layer 3 latent has shape"):
+        eng.adopt(p, kda, {i: t[:5] for i, t in latent.items()})
