@@ -26,6 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# fla caches autotune results on disk, keyed without T: the precompile workers (T = 64) would otherwise pick fla's
+# configs for every shape (seen 2026-11-29: fla chunk_kda 3.59 ms at B=1 T=8192 H=96 against 2.62 ms in a clean run)
+os.environ.setdefault("FLA_CACHE_RESULTS", "0")
 
 import torch  # noqa: E402
 
@@ -85,10 +88,11 @@ def rel(a, b):
 
 
 # ---- plans swept (the defaults of k3c.codegen.kernels.kda.kda_plan are among them) -------------------------------
-PREFILL_VARIANTS = [dict(chunk=16, block_v=32, chunk_warps=4), dict(chunk=16, block_v=64, chunk_warps=4),
-                    dict(chunk=16, block_v=16, chunk_warps=4), dict(chunk=16, block_v=32, chunk_warps=4, chunk_stages=2),
-                    dict(chunk=32, block_v=32, chunk_warps=4), dict(chunk=32, block_v=64, chunk_warps=8),
-                    dict(chunk=16, block_v=128, chunk_warps=8)]
+# 2026-11-29 run: BT=16 BV=32 4 warps best at H=96 (2.51 ms), stages=2 best at B=4 H=12; BT=32 and BV=16 slower
+PREFILL_VARIANTS = [dict(chunk=16, block_v=32, chunk_warps=4), dict(chunk=16, block_v=128, chunk_warps=8),
+                    dict(chunk=16, block_v=32, chunk_warps=4, chunk_stages=2), dict(chunk=16, block_v=64, chunk_warps=8),
+                    dict(chunk=16, block_v=64, chunk_warps=4), dict(chunk=16, block_v=32, chunk_warps=8),
+                    dict(chunk=32, block_v=32, chunk_warps=4)]
 DECODE_REC_VARIANTS = [dict(decode_split=True, decode_block_v=16, decode_warps=2),
                        dict(decode_split=True, decode_block_v=32, decode_warps=4),
                        dict(decode_split=True, decode_block_v=64, decode_warps=4),
@@ -161,16 +165,50 @@ def prefill(b, t, h, variants):
     if best is None:
         return []
     var = best[1]
+    try:                                   # the best plan's two kernels timed alone
+        from k3c.codegen.kernels.kda import inter_dtype
+        from k3c.codegen.launch import launch, target_for
+        from k3c.runtime.kernels.kda import _emit_inter, _emit_intra, _plan
+        pl = _plan(D, q.dtype, q.device, **var)
+        idt = torch.bfloat16 if inter_dtype(pl.dot) == "bf16" else torch.float32
+        tgt = target_for(q.device)
+        ki = _emit_intra(h, D, target=tgt, qk_dtype="bf16", v_dtype="bf16", g_dtype="fp32", beta_dtype="bf16",
+                         plan=pl, interpret=DEV == "cpu")
+        kx = _emit_inter(h, D, target=tgt, o_dtype="bf16", plan=pl, interpret=DEV == "cpu")
+        n = b * t
+        wu = torch.empty(4, n, h, D, dtype=idt, device=DEV)
+        aq = torch.empty(n, h, pl.chunk, dtype=idt, device=DEV)
+        eg = torch.empty(n // pl.chunk + b + 1, h, D, dtype=torch.float32, device=DEV)
+        o = torch.empty(n, h, D, dtype=torch.bfloat16, device=DEV)
+        sT = torch.empty_like(s0)
+        intra = lambda: launch(ki, q, k, v, g, beta, wu[0], wu[1], wu[2], wu[3], aq, eg, cu, q.stride(0),  # noqa
+                               k.stride(0), v.stride(0), g.stride(0), beta.stride(0), b, t)
+        inter = lambda: launch(kx, wu[0], wu[1], wu[2], wu[3], aq, eg, o, s0, sT, cu, b)  # noqa: E731
+        intra()
+        inter()
+        nb = n * h * D * 2
+        record("prefill", shape, f"  intra kernel alone ({tag(var)})", bench(intra), flops, 3 * nb + 2 * nb + 4 * nb,
+               note="TB/s = q,k,v bf16 + g fp32 in, W,U,qg,kd bf16 out")
+        record("prefill", shape, f"  inter kernel alone ({tag(var)})", bench(inter), flops, 5 * nb,
+               note="TB/s = W,U,qg,kd bf16 in, o bf16 out")
+    except Exception as e:
+        print(f"per-kernel timing failed: {type(e).__name__}: {e}", flush=True)
     conv_w = tuple(randn(h * D, 1, 4, scale=0.5) for _ in range(3))
     tails = tuple(randn(b, h * D, 3) for _ in range(3))
 
+    def prep():
+        return kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, num_heads=h, head_dim=D,
+                        gate="safe", gate_lower_bound=LB, l2norm_eps=1e-6, max_len=t, qkv_dtype=torch.bfloat16)
+
     def full():
-        packed, _ = kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, num_heads=h, head_dim=D,
-                             gate="safe", gate_lower_bound=LB, l2norm_eps=1e-6, max_len=t)
+        packed, _ = prep()
         pq, pk, pv, pg, pb = unpack(packed, h, D)
-        return kda_chunk(pq, pk, pv, pg, pb, cu, s0, out_dtype=torch.bfloat16, max_len=t, **var)
+        # as the IR path for a bf16 model: bf16 q / k / v rows from the prep, dot = "bf16"
+        return kda_chunk(pq, pk, pv, pg, pb, cu, s0, out_dtype=torch.bfloat16, max_len=t, **{"dot": "bf16", **var})
     try:
         full()
+        record("prefill", shape, "  prep kernel alone", bench(prep), flops, b * t * h * (4 * D * 2 + 3 * D * 2 + D * 4),
+               note="TB/s = 4 x bf16 in, q,k,v bf16 + g fp32 out")
         record("prefill", shape, f"k3c prep+chunk ({tag(var)})", bench(full), flops, nbytes, t_fla,
                "incl. short conv, which fla's row does not do")
     except Exception as e:
@@ -340,8 +378,12 @@ def _warm(job):
                 run_fla_prefill(xq, xk, xv, xf, xb, a_log, dt_bias, s0, b, t, h)
             elif var == "prep":
                 conv_w = tuple(randn(h * D, 1, 4, scale=0.5) for _ in range(3))
-                kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, None, cu, num_heads=h, head_dim=D, gate="safe",
-                         gate_lower_bound=LB, l2norm_eps=1e-6, max_len=t)
+                packed, _ = kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, None, cu, num_heads=h, head_dim=D,
+                                     gate="safe", gate_lower_bound=LB, l2norm_eps=1e-6, max_len=t,
+                                     qkv_dtype=torch.bfloat16)
+                for v_ in PREFILL_VARIANTS[:3]:     # the prep+chunk row runs the best of the first shape's plans
+                    kda_chunk(*unpack(packed, h, D), cu, s0, out_dtype=torch.bfloat16, max_len=t,
+                              **{"dot": "bf16", **v_})
             else:
                 kda_chunk(q, k, v, g, beta, cu, s0, out_dtype=torch.bfloat16, max_len=t, **var)
         else:

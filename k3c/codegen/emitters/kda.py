@@ -23,15 +23,19 @@ def emit_attn(op, module, target) -> list[KernelSource]:
     dt = _dtype(module, op.inputs[0])
     h, d = a["num_heads"], a["head_dim"]
     loc = op.loc or ""
-    plan = kda_plan(d, dt, target, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=a["dot"])
+    dot = "ieee" if dt == "fp32" else a["dot"]          # as k3c.runtime.kernels.kda.kernel_kda_attn
+    plan = kda_plan(d, dt, target, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot)
+    qkv = "bf16" if dot == "bf16" else "fp32"           # the prep's q / k / v rows
     common = dict(gate=a["gate"], gate_lower_bound=a["gate_lower_bound"], l2norm_eps=a["l2norm_eps"], target=target,
                   dtype=dt, ir_op="kda_attn", loc=loc)
     if plan.split:
-        chunk = [emit_kda_intra(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc),
+        chunk = [emit_kda_intra(h, d, target=target, qk_dtype=qkv, v_dtype=qkv, plan=plan, ir_op="kda_attn",
+                                loc=loc),
                  emit_kda_inter(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc)]
     else:
-        chunk = [emit_kda_chunk(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc)]
-    return [emit_kda_prep(h, d, a["conv_kernel"], **common), *chunk,
+        chunk = [emit_kda_chunk(h, d, target=target, qk_dtype=qkv, v_dtype=qkv, plan=plan, ir_op="kda_attn",
+                                loc=loc)]
+    return [emit_kda_prep(h, d, a["conv_kernel"], qkv_dtype=qkv, **common), *chunk,
             emit_kda_decode(h, d, a["conv_kernel"], norm_eps=1e-5, fuse_out=False, **common)]
 
 

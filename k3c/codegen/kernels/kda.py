@@ -1,10 +1,14 @@
 """Kimi Delta Attention kernels (K3.md section 2): input prep, chunked prefill, fused recurrent decode, output.
 
     emit_kda_prep    causal short conv (conv tails in / out) + SiLU for q, k, v; L2 norm of q, k; gate activation
-                     (softplus or safe); beta = sigmoid(b). Writes one packed fp32 row per token:
-                     [q (H*D) | k (H*D) | v (H*D) | g (H*D) | beta (H)].
-    emit_kda_chunk   the chunked UT/WY form, one program per (sequence, head, V block), sequential over chunks of BT
-                     tokens, fp32 state in registers, initial state in / final state out, variable lengths (cu_seqlens).
+                     (softplus or safe); beta = sigmoid(b). Writes two packed rows per token: [q | k | v] (H*D each,
+                     fp32, or bf16 for bf16 models) and [g (H*D) | beta (H)] in fp32.
+    emit_kda_intra   prefill, token-parallel half: per chunk of BT tokens (all chunks at once) W, U, q e^Gamma,
+                     k e^(Gamma_C - Gamma), A_qk and e^Gamma_C (FlashKDA's split).
+    emit_kda_inter   prefill, sequential half: one program per (sequence, head, V block) walks the chunks with only
+                     the state-dependent matmuls; fp32 state in registers, initial state in / final state out,
+                     variable lengths (cu_seqlens).
+    emit_kda_chunk   both halves in one kernel (the earlier form; plan.split = False).
     emit_kda_decode  one token per sequence, everything fused: conv (tails updated), SiLU, L2 norm, gate, beta, the
                      delta-rule step on the fp32 state (in place allowed), per-head RMSNorm x sigmoid(output gate).
     emit_kda_out     per-head RMSNorm x sigmoid(output gate) for prefill.
@@ -144,33 +148,38 @@ def _round_like(expr: str, dtype: str, interp: bool) -> str:
 
 # ---- prep -----------------------------------------------------------------------------------------------------
 def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str, gate_lower_bound: float,
-                  l2norm_eps: float, target: Target, dtype: str = "bf16", block_t: int | None = None,
-                  ir_op: str = "kda_prep", loc: str = "", interpret: bool | None = None) -> KernelSource:
+                  l2norm_eps: float, target: Target, dtype: str = "bf16", qkv_dtype: str = "fp32",
+                  block_t: int | None = None, ir_op: str = "kda_prep", loc: str = "",
+                  interpret: bool | None = None) -> KernelSource:
     """Args: xq, xk, xv, xf [total, H*D], xb [total, H] (projections, `dtype`), wq, wk, wv [H*D, KW] (conv weights),
     a_log [H], dt_bias [H*D], tq_in, tk_in, tv_in [N, H*D, KW-1] (conv tails, `dtype`), tq_out, tk_out, tv_out,
-    out [total, 4*H*D + H] fp32, cu [N + 1] i32 (sequence starts), N, T_MAX. Grid (cdiv(T_MAX, BT), N * H)."""
+    qkv [total, 3*H*D] (`qkv_dtype`: bf16 halves the bytes for bf16 models, whose chunk matmuls take bf16 operands),
+    gb [total, H*D + H] fp32 (g, beta), cu [N + 1] i32 (sequence starts), N, T_MAX. Grid (cdiv(T_MAX, BT), N * H)."""
     H, D, KW = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim"), check_dim(conv_kernel, "conv")
     if KW < 2:
         raise CodegenError(f"conv_kernel must be >= 2, got {KW}")
     check_float(dtype)
+    check_float(qkv_dtype, "qkv_dtype")
     _check_gate(gate, gate_lower_bound)
     interp = interpreted(target, interpret)
     BT = _check_pow2(block_t or kda_plan(D, dtype, target).prep_block_t, "block_t")
     HD = H * D
-    kname = ident(f"k3c_kda_prep_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}")
+    kname = ident(f"k3c_kda_prep_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}"
+                  + ("" if qkv_dtype == "fp32" else f"_o{name_part(qkv_dtype)}"))
     sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb")}
     sig.update({n: f"*{dtype}" for n in ("wq", "wk", "wv")})
     sig.update({"a_log": "*fp32", "dt_bias": "*fp32"})
     sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
-    sig.update({"out": "*fp32", "cu": "*i32", "N": "i32", "T_MAX": "i32"})
+    sig.update({"qkv": f"*{qkv_dtype}", "gb": "*fp32", "cu": "*i32", "N": "i32", "T_MAX": "i32"})
     const = {"H": H, "D": D, "KW": KW, "BT": BT}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
-             notes=[f"kda prep H={H} D={D} conv={KW} gate={gate} lb={fnum(gate_lower_bound)} x:{dtype} BT={BT}"
+             notes=[f"kda prep H={H} D={D} conv={KW} gate={gate} lb={fnum(gate_lower_bound)} x:{dtype} "
+                    f"q/k/v out:{qkv_dtype} BT={BT}"
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
-    emit_math_helpers(w, sigmoid=True, rtne_bf16=interp and dtype == "bf16")
-    R = 4 * HD + H
+    emit_math_helpers(w, sigmoid=True, rtne_bf16=interp and "bf16" in (dtype, qkv_dtype))
+    R = HD + H
     with w.jit_function(kname, list(sig), list(const)):
         w.lines([
             "tb = tl.program_id(0)",
@@ -203,7 +212,8 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
             w.line(f"y = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
             if slot < 2:
                 w.line(f"y = y / tl.sqrt(tl.sum(y * y, axis=1) + {fnum(l2norm_eps)})[:, None]")
-            w.line(f"tl.store(out + (bos + rt)[:, None] * {R} + {slot * HD} + col[None, :], y, mask=tm[:, None])")
+            w.line(f"tl.store(qkv + (bos + rt)[:, None] * {3 * HD} + {slot * HD} + col[None, :], "
+                   f"{to_dtype('y', qkv_dtype, interp)}, mask=tm[:, None])")
             # the new tail: the last KW-1 pre-conv inputs (older tail entries when the segment is short)
             w.line("if tb == 0:")
             with w.indent():
@@ -222,9 +232,9 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
         ])
         w.lines(_gate_lines(gate, gate_lower_bound, "f", "a", "g"))
         w.lines([
-            f"tl.store(out + (bos + rt)[:, None] * {R} + {3 * HD} + col[None, :], g, mask=tm[:, None])",
+            f"tl.store(gb + (bos + rt)[:, None] * {R} + col[None, :], g, mask=tm[:, None])",
             "bb = tl.load(xb + (bos + rt) * H + h, mask=tm, other=0.0).to(tl.float32)",
-            f"tl.store(out + (bos + rt) * {R} + {4 * HD} + h, _k3c_sigmoid(bb), mask=tm)",
+            f"tl.store(gb + (bos + rt) * {R} + {HD} + h, _k3c_sigmoid(bb), mask=tm)",
         ])
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
                         grid=("cdiv(T_MAX, BT)", "N * H"), num_warps=max(4, min(8, BT * D // 256)), num_stages=1,

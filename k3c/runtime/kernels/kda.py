@@ -2,7 +2,8 @@
 of the kda-chunk pass's ops (impl="kernel") and their eager reference implementations (any other impl).
 
 Wrappers (tensors on any device; CPU runs through the Triton interpreter):
-    kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, ...) -> (packed fp32 [total, 4HD+H], new tails)
+    kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, ...) -> ((qkv [total, 3HD], g|beta fp32
+                                                                           [total, HD+H]), new tails)
     kda_chunk(q, k, v, g, beta, cu, initial_state, ...)                 -> (o [total, H, D], final state fp32)
     kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, state, ...) -> y [B, H*D]
     kda_out(o, gate, o_norm_w, eps)                                      -> y [M, H*D]
@@ -58,33 +59,40 @@ def _plan(head_dim: int, dtype: torch.dtype, device, chunk=None, block_v=None, d
 
 
 def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads: int, head_dim: int, gate: str,
-             gate_lower_bound: float, l2norm_eps: float, max_len: int, ir_op: str = "kda_attn", loc: str = ""):
+             gate_lower_bound: float, l2norm_eps: float, max_len: int, qkv_dtype=torch.float32,
+             ir_op: str = "kda_attn", loc: str = ""):
     """Projections [total, H*D] (xb [total, H]), conv_w (q, k, v) each [H*D, 1, KW] or [H*D, KW], tails (q, k, v) each
-    [N, H*D, KW-1] or None (zeros). Returns (packed [total, 4HD+H] fp32, new tails)."""
+    [N, H*D, KW-1] or None (zeros). Returns ((qkv [total, 3HD] in qkv_dtype, g|beta [total, HD+H] fp32), new tails);
+    `unpack` gives the q, k, v, g, beta views."""
     H, D = num_heads, head_dim
     dt = xq.dtype
     total, N = xq.shape[0], cu.numel() - 1
     kw = conv_w[0].shape[-1]
     tgt = target_for(xq.device)
     ks = _emit_prep(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
-                    target=tgt, dtype=tt_dtype(dt), ir_op=ir_op, loc=loc, interpret=_interp(xq))
+                    target=tgt, dtype=tt_dtype(dt), qkv_dtype=tt_dtype(qkv_dtype), ir_op=ir_op, loc=loc,
+                    interpret=_interp(xq))
     if tails is None:
         z = torch.zeros(N, H * D, kw - 1, dtype=dt, device=xq.device)
         tails = (z, z, z)
     new = tuple(torch.empty(N, H * D, kw - 1, dtype=dt, device=xq.device) for _ in range(3))
-    out = torch.empty(total, 4 * H * D + H, dtype=torch.float32, device=xq.device)
+    qkv = torch.empty(total, 3 * H * D, dtype=qkv_dtype, device=xq.device)
+    gb = torch.empty(total, H * D + H, dtype=torch.float32, device=xq.device)
     ws = [_c(w_.reshape(H * D, kw), dt) for w_ in conv_w]
     launch(ks, _c(xq), _c(xk, dt), _c(xv, dt), _c(xf, dt), _c(xb, dt), *ws, _c(a_log, torch.float32),
-           _c(dt_bias, torch.float32), *(_c(t, dt) for t in tails), *new, out, _c(cu, torch.int32), N, int(max_len))
-    return out, new
+           _c(dt_bias, torch.float32), *(_c(t, dt) for t in tails), *new, qkv, gb, _c(cu, torch.int32), N,
+           int(max_len))
+    return (qkv, gb), new
 
 
-def unpack(packed: torch.Tensor, num_heads: int, head_dim: int):
-    """Views (q, k, v, g [total, H, D], beta [total, H]) of a packed prep row (token stride 4HD+H)."""
+def unpack(packed, num_heads: int, head_dim: int):
+    """Views (q, k, v [total, H, D] at token stride 3HD, g [total, H, D] and beta [total, H] at token stride HD+H) of
+    kda_prep's (qkv, g|beta) rows."""
+    qkv, gb = packed
     H, D = num_heads, head_dim
     HD = H * D
-    q, k, v, g = (packed[:, i * HD:(i + 1) * HD].unflatten(-1, (H, D)) for i in range(4))
-    return q, k, v, g, packed[:, 4 * HD:]
+    q, k, v = (qkv[:, i * HD:(i + 1) * HD].unflatten(-1, (H, D)) for i in range(3))
+    return q, k, v, gb[:, :HD].unflatten(-1, (H, D)), gb[:, HD:]
 
 
 def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None, out_dtype=torch.float32,
@@ -269,12 +277,13 @@ def kernel_kda_attn(a, cache, data, w):
         cache.layers[a["layer"]] = KDAState(s, tails)
         return o.view(b, t, h, d)
     cu = cu_seqlens([t] * b, xq.device)
-    packed, tails = kda_prep(*flat, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), st.conv, cu,
-                             max_len=t, **common)
-    q, k, v, g, beta = unpack(packed, h, d)
     # the IR's `dot` is the precision chosen for the model's declared (bf16) activations; a session running the
     # model in fp32 gets exact fp32 products (a bf16 dot there cost 0.3 relative error in k3-tiny's logits on the H200)
     dot = "ieee" if xq.dtype == torch.float32 else a["dot"]
+    # bf16 matmul operands: the prep writes q / k / v in bf16 (half the bytes; the products round them anyway)
+    packed, tails = kda_prep(*flat, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), st.conv, cu,
+                             max_len=t, qkv_dtype=torch.bfloat16 if dot == "bf16" else torch.float32, **common)
+    q, k, v, g, beta = unpack(packed, h, d)
     o, s = kda_chunk(q, k, v, g, beta, cu, st.state, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot,
                      max_len=t)
     cache.layers[a["layer"]] = KDAState(s, tails)
