@@ -211,14 +211,15 @@ class Engine:
         work = [s for s in self.running if s.pending > 0]
         logits = self._run([(s, self._segment(s)) for s in work], evict=True) if work else {}
         outs = []
-        now = time.perf_counter()
-        for seq in list(self.running):
+        for seq in self.running:
             if seq.rid in logits:
                 seq.last_logits = logits[seq.rid][-1]
                 self._maybe_checkpoint(seq)
-            if seq.pending or seq.last_logits is None:
-                continue                                         # still prefilling
-            tok = int(seq.last_logits.argmax())
+        ready = [s for s in self.running if not s.pending and s.last_logits is not None]   # others: prefilling
+        # one argmax (and one device sync) for the whole batch
+        picks = torch.stack([s.last_logits for s in ready]).argmax(-1).tolist() if ready else []
+        now = time.perf_counter()
+        for seq, tok in zip(ready, picks):
             seq.generated.append(tok)
             seq.tokens.append(tok)
             if seq.t_first is None:

@@ -107,7 +107,7 @@ def test_lru_eviction_and_offload(tiny, one_thread, tmp_path):
     # device budget for about one request; host for one more; the rest goes to disk
     pc = PrefixCache(interval=1024, max_bytes=one, host_bytes=one, disk=True, disk_dir=str(tmp_path))
     eng = engine(tiny, pc)
-    prompts = [toks(spec, 20, 10 + i) for i in range(4)]
+    prompts = [toks(spec, 20, 10 + i) for i in range(3)]
     for p in prompts:
         serve(eng, p, 1)
     assert pc.tier_bytes("device") <= one and pc.tier_bytes("host") <= one
