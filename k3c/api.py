@@ -199,11 +199,13 @@ def _is_artifact(path: str) -> bool:
 
 def compile(spec, target: str = "mi355x", *, passes: list[str] | None = None,  # noqa: A001 (public API name)
             dump_ir: str | os.PathLike | None = None, tp: int = 1, ep: int | None = None,
-            rank: int = 0) -> CompiledModel:
+            rank: int = 0, seq_parallel: bool = True) -> CompiledModel:
     """Run the pass pipeline on a spec (a ModelSpec or a path) for a target.
 
     tp / ep / rank: compile rank `rank`'s slice for tensor parallel tp x expert parallel ep (ep None = tp; the
-    ranks are max(tp, ep)): the `shard` pass runs first (docs/distributed.md)."""
+    ranks are max(tp, ep)): the `shard` pass runs first (docs/distributed.md). seq_parallel: with tp > 1, the
+    residual stream and AttnRes blocks hold T/tp tokens per rank during prefill (reduce-scatter / all-gather
+    instead of all-reduce)."""
     from .frontend.to_ir import spec_to_module
     from .passes.pipeline import resolve_passes, run_pipeline
     from .passes.shard import check_divisible, make_layout
@@ -215,7 +217,8 @@ def compile(spec, target: str = "mi355x", *, passes: list[str] | None = None,  #
     module = spec_to_module(spec)
     names = list(passes) if passes is not None else ["default"]
     if layout.world > 1:
-        module = module.replace(attrs={**module.attr_dict, "tp": layout.tp, "ep": layout.ep, "rank": layout.rank})
+        module = module.replace(attrs={**module.attr_dict, "tp": layout.tp, "ep": layout.ep, "rank": layout.rank,
+                                       "seq_parallel": bool(seq_parallel)})
         check_divisible(module, layout)           # bad --tp / --ep: a clear error before any pass runs
         if "shard" not in resolve_passes(names):
             names = ["shard"] + names

@@ -159,11 +159,30 @@ def shard(module: Module, ctx: PassContext) -> Module:
                 vocab_split = True
 
     b = Builder.like(module)
+    # sequence parallel: the residual stream, AttnRes blocks and norms hold T/tp tokens per rank
+    sp = tp > 1 and module.attr_dict.get("seq_parallel", True) is not False
+    gathered: dict[str, str] = {}                  # local activation -> its seq_gather
 
-    def collective(kind: str, src: str, group: str, loc: str, name: str, **extra) -> str:
+    def collective(kind: str, src: str, group: str, loc: str, name: str | None = None, **extra) -> str:
         size = tp if group == "tp" else ep
         ctx.count(f"{kind}.{group}")
-        return b.op(kind, [src], {"group": group, "size": size, **extra}, loc, name=name)
+        return b.op(kind, [src], {"group": group, "size": size, **extra}, loc, name=name, prefix="tp")
+
+    def full(x: str, loc: str) -> str:
+        """x with every token (a layer op's input)."""
+        if not sp:
+            return x
+        if x not in gathered:
+            gathered[x] = collective("seq_gather", x, "tp", loc, dim=1, full=str(module.type_of(x).shape[1]))
+        return gathered[x]
+
+    def combine(part: str, loc: str, name: str | None) -> str:
+        """A TP partial sum -> the sum (all_reduce), or this rank's tokens of it (reduce_scatter)."""
+        return collective("reduce_scatter", part, "tp", loc, name, dim=1) if sp else \
+            collective("all_reduce", part, "tp", loc, name)
+
+    def emit(opname: str, ins, attrs, loc, results) -> None:
+        b.append(b.make(opname, ins, attrs, loc, results=results))
 
     for op in ctx.walk(module.ops):     # results keep their names: the collective takes the op's old name
         if op.op == "param" and op.results[0] in splits:
@@ -177,44 +196,56 @@ def shard(module: Module, ctx: PassContext) -> Module:
             continue
         a = op.attr_dict
         res = op.results[0] if op.results else None
+        ins = list(op.inputs)
         if op.op in ("kda", "mla") and tp > 1:
             part = b.fresh("tp")
-            b.append(b.make(op.op, op.inputs, {**a, "num_heads": a["num_heads"] // tp, "shard": "tp:heads"}, op.loc,
-                            results=(part,)))
-            collective("all_reduce", part, "tp", op.loc, res)
+            emit(op.op, [full(ins[0], op.loc)] + ins[1:], {**a, "num_heads": a["num_heads"] // tp,
+                                                           "shard": "tp:heads"}, op.loc, (part,))
+            combine(part, op.loc, res)
             ctx.count(op.op)
         elif op.op == "mlp" and tp > 1:
             part = b.fresh("tp")
-            b.append(b.make("mlp", op.inputs, {**a, "shard": "tp:columns"}, op.loc, results=(part,)))
-            collective("all_reduce", part, "tp", op.loc, res)
+            emit("mlp", [full(ins[0], op.loc)] + ins[1:], {**a, "shard": "tp:columns"}, op.loc, (part,))
+            combine(part, op.loc, res)
             ctx.count("mlp")
         elif op.op == "moe":
             w = roles_of(op)
+            w["x"] = full(w["x"], op.loc)
             attrs = {**a}
             if ep > 1:
                 attrs.update(ep_rank=lay.ep_rank, ep_size=ep, shard="ep:experts")
             shared = a["num_shared_experts"] > 0 and tp > 1
             if shared:
                 attrs["num_shared_experts"] = 0
-            ins = [w[r.name] for r in get_op_def("moe").roles(attrs)]
-            if not shared:
-                b.append(b.make("moe", ins, attrs, op.loc, results=(res,)))
-            else:
-                routed = b.make("moe", ins, attrs, op.loc, results=(b.fresh("ep"),))
-                b.append(routed)
+            moe_ins = [w[r.name] for r in get_op_def("moe").roles(attrs)]
+            routed = res if not (shared or sp) else b.fresh("ep")
+            emit("moe", moe_ins, attrs, op.loc, (routed,))
+            if sp:      # the routed output is replicated over TP: keep this rank's tokens
+                routed = collective("seq_scatter", routed, "tp", op.loc, None if shared else res, dim=1)
+            if shared:
                 act = {k: a[k] for k in ("activation", "situ_beta_gate", "situ_beta_up") if k in a}
                 part = b.op("mlp", [w["x"]] + [w[r] for r in _SHARED],
                             {"layer": a["layer"], **act, "shard": "tp:columns"}, op.loc, prefix="tp")
-                total = collective("all_reduce", part, "tp", op.loc, b.fresh("tp"))
+                total = combine(part, op.loc, None)
                 # routed + shared, the reference's order
-                b.op("add", [routed.results[0], total], {"layer": a["layer"]}, op.loc, name=res)
+                b.op("add", [routed, total], {"layer": a["layer"]}, op.loc, name=res)
                 ctx.count("shared_experts")
             ctx.count("moe")
-        elif op.op == "lm_head" and vocab_split:
-            part = b.fresh("tp")
-            b.append(b.make("lm_head", op.inputs, {**a, "shard": "tp:vocab"}, op.loc, results=(part,)))
-            collective("all_gather", part, "tp", op.loc, res, dim=-1)
-            ctx.count("lm_head")
+        elif op.op == "lm_head" and (vocab_split or sp):
+            x = full(ins[0], op.loc)
+            if vocab_split:
+                part = b.fresh("tp")
+                emit("lm_head", [x] + ins[1:], {**a, "shard": "tp:vocab"}, op.loc, (part,))
+                collective("all_gather", part, "tp", op.loc, res, dim=-1)
+                ctx.count("lm_head")
+            else:
+                emit("lm_head", [x] + ins[1:], a, op.loc, (res,))
+        elif op.op == "embedding" and sp:
+            emb = b.fresh("tp")
+            emit("embedding", ins, a, op.loc, (emb,))
+            collective("seq_scatter", emb, "tp", op.loc, res, dim=1)
+        elif sp and get_op_def(op.op) is not None and get_op_def(op.op).infer is not None and op.op != "param":
+            emit(op.op, ins, a, op.loc, op.results)     # per-token op on this rank's tokens: types re-inferred
         else:
             b.append(op)
     return b.build(module.outputs)

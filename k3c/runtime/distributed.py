@@ -32,6 +32,7 @@ class DistState:
     seconds: float = 0.0
     calls: int = 0
     timing: bool = False          # synchronise around each collective to time it (benchmarks only)
+    seq: tuple[int, int] | None = None   # sequence parallel in this forward: (tokens T, tokens per rank) or off
 
 
 _STATE = DistState()
@@ -126,6 +127,62 @@ def all_gather(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor
         gather(out, xs, group=g)
         return out.movedim(0, dim)
     return _timed(run, x)
+
+
+# ---- sequence parallel: the token dim split over the TP group during prefill ------------------------------------------
+def _pad_tokens(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    if x.shape[dim] == length:
+        return x
+    pad = list(x.shape)
+    pad[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad)], dim=dim)
+
+
+def seq_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
+    """This rank's block of tokens. Decides for the whole forward: split when T >= size (T padded with zero tokens
+    up to a multiple of size: per-token ops keep zeros harmless, seq_gather drops them), else every rank keeps all
+    T (decode) and the other sequence ops fall back to identity / all_reduce. Every rank sees the same T."""
+    g = _group(group, size)
+    if g is None:
+        return x
+    import torch.distributed as dist
+
+    t = x.shape[dim]
+    if t < size:
+        _STATE.seq = None
+        return x
+    chunk = -(-t // size)
+    _STATE.seq = (t, chunk)
+    r = dist.get_rank(g)
+    return _pad_tokens(x, dim, chunk * size).narrow(dim, r * chunk, chunk).contiguous()
+
+
+def reduce_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
+    """Sum over the group, keeping this rank's tokens (all_reduce when the forward is not split)."""
+    if _group(group, size) is None:
+        return x
+    if _STATE.seq is None:
+        return all_reduce(x, group, size)
+    import torch.distributed as dist
+
+    t, chunk = _STATE.seq
+    g = _group(group, size)
+
+    def run():
+        xs = _pad_tokens(x, dim, chunk * size).movedim(dim, 0).contiguous()
+        out = xs.new_empty((chunk,) + tuple(xs.shape[1:]))
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(out, xs, group=g)
+        return out.movedim(0, dim)
+    return _timed(run, x)
+
+
+def seq_gather(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tensor:
+    """Every rank's tokens in rank order, padding dropped (identity when the forward is not split)."""
+    if _group(group, size) is None or _STATE.seq is None:
+        return x
+    t, _ = _STATE.seq
+    return all_gather(x, group, size, dim).narrow(dim, 0, t)
 
 
 # ---- expert parallel MoE (the un-lowered moe op; moe-lower emits the same schedule as IR) -------------------------

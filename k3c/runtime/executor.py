@@ -137,7 +137,17 @@ def k3c_all_gather(a, cache, data, w):
     return all_gather(data[0], a["group"], a["size"], a["dim"])
 
 
-IMPLS.update({"all_reduce": k3c_all_reduce, "all_gather": k3c_all_gather})   # torch.distributed (shard pass)
+def _seq_impl(name: str) -> Callable:
+    def impl(a, cache, data, w):
+        from . import distributed
+
+        return getattr(distributed, name)(data[0], a["group"], a["size"], a["dim"])
+    impl.__name__ = f"k3c_{name}"
+    return impl
+
+
+IMPLS.update({"all_reduce": k3c_all_reduce, "all_gather": k3c_all_gather,     # torch.distributed (shard pass)
+              **{n: _seq_impl(n) for n in ("seq_scatter", "reduce_scatter", "seq_gather")}})
 
 
 def register_impl(op_name: str, fn: Callable) -> None:

@@ -1,8 +1,8 @@
 """Sharded execution across processes (gloo, torch.multiprocessing spawn) gives the logits of one process.
 
-One spawn of 2 ranks runs the three layouts of a 2-rank world in turn (TP 2, EP 2, TP 2 x EP 2 on the same 2 ranks),
-each compiling its rank's slice, loading its slice of the weights, then prefill (batch 2, odd length), decode and
-append-prefill; a 4-rank spawn (TP 2 x EP 4: two attention replicas) is marked slow. Kernels off (the collectives
+One spawn of 2 ranks runs the three layouts of a 2-rank world in turn (TP 2, EP 2, TP 2 x EP 2 on the same 2 ranks;
+TP with sequence parallel, and once without), each compiling its rank's slice, loading its slice of the weights,
+then prefill (batch 2, length 7: split 4 + 3 with a padding token), decode (T = 1: not split) and append-prefill; a 4-rank spawn (TP 2 x EP 4: two attention replicas) is marked slow. Kernels off (the collectives
 and the sharding are under test here; the kernels have their own tests).
 Tolerances (relative): float64 1e-12 (the sharded math is the same math; measured 1.7e-14); fp32 1e-5, decode
 4e-5: a TP split changes fp32 summation orders, and this random model's one-process fp32 decode logits are
@@ -41,13 +41,14 @@ def _rank(rank, device, layouts):
     """Every (tp, ep, dtype) on this rank: compile its slice, take its slice of the full init, run."""
     spec = k3c.load_spec(TINY)
     out = {}
-    for tp, ep, dtype in layouts:
+    for layout in layouts:
+        tp, ep, dtype = layout[:3]
         init_groups(tp, ep)                         # re-made per layout, on the same ranks
-        model = k3c.compile(spec, target="cpu", tp=tp, ep=ep, rank=rank)
+        model = k3c.compile(spec, target="cpu", tp=tp, ep=ep, rank=rank, seq_parallel=len(layout) < 4)
         before = state().calls
         # tiny model: slicing a full init is fine here (big models: init_sharded_weights / load_sharded_weights)
         logits = _run(model, shard_weights(model, _weights(spec, dtype)), device)
-        out[(tp, ep, dtype)] = ([t.numpy() for t in logits], state().calls - before)
+        out[layout] = ([t.numpy() for t in logits], state().calls - before)
     return out
 
 
@@ -76,7 +77,9 @@ def _check(results, single, layout):
             assert err <= tol, f"TP x EP {layout}, rank {rank}, {what}: rel. error {err:.2e} > {tol}"
 
 
-LAYOUTS_2 = ((2, 1, torch.float32), (1, 2, torch.float32), (2, 2, torch.float32), (2, 2, torch.float64))
+# (tp, ep, dtype[, "no-sp"]): with TP, sequence parallel is on unless "no-sp" (all-reduce after each row split)
+LAYOUTS_2 = ((2, 1, torch.float32), (1, 2, torch.float32), (2, 2, torch.float32), (2, 2, torch.float64),
+             (2, 2, torch.float32, "no-sp"))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +87,7 @@ def two_ranks():
     return run_ranks(_rank, 2, 2, (LAYOUTS_2,), timeout=300)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS_2, ids=["tp2", "ep2", "tp2xep2", "tp2xep2-f64"])
+@pytest.mark.parametrize("layout", LAYOUTS_2, ids=["tp2", "ep2", "tp2xep2", "tp2xep2-f64", "tp2xep2-no-sp"])
 def test_two_ranks_match_one_process(two_ranks, single, layout):
     _check(two_ranks, single, layout)
 

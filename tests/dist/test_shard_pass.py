@@ -30,10 +30,15 @@ def test_shard_runs_first_and_splits_heads_experts_columns(spec):
     assert m.pass_names[0] == "shard"
     s = m.module_after("shard")
     counts = m.records[0].counts
-    # 6 KDA + 2 MLA + 1 dense MLP + 7 shared-expert MLPs all-reduce over TP; lm_head gathers the vocab
-    assert counts["all_reduce.tp"] == 16 and counts["all_gather.tp"] == 1
+    # 6 KDA + 2 MLA + 1 dense MLP + 7 shared-expert MLPs reduce-scatter over TP (sequence parallel); every layer op
+    # and lm_head gathers its input's tokens (the shared experts reuse the MoE's); lm_head gathers the vocab
+    assert counts["reduce_scatter.tp"] == 16 and counts["seq_gather.tp"] == 16 + 1 and counts["all_gather.tp"] == 1
+    assert counts["seq_scatter.tp"] == 1 + 7                  # the embedding and each replicated routed output
     assert (counts["kda"], counts["mla"], counts["mlp"], counts["moe"], counts["shared_experts"]) == (6, 2, 1, 7, 7)
-    assert len(s.ops_named("all_reduce")) == 16 and len(s.ops_named("all_gather")) == 1
+    assert len(s.ops_named("reduce_scatter")) == 16 and not s.ops_named("all_reduce")
+    # the residual stream and the AttnRes blocks hold this rank's tokens; layer ops see all of them
+    assert s.defs["emb1"].type.shape == (("B", "T_sp", 64)) and s.ops_named("attn_res_mix")[0].type.shape[1] == "T_sp"
+    assert s.ops_named("kda")[0].type.shape[1] == "T"
     p = _params(s)
     q = p["layers.0.self_attn.q_proj.weight"]
     assert q.types[0].shape == (16, 64) and q.attr("shard") == "tp:0:1/2"
@@ -57,8 +62,11 @@ def test_shard_runs_first_and_splits_heads_experts_columns(spec):
     final = m.module
     groups = [op.attr("group") for op in final.ops_named("all_reduce")]
     # moe-lower spells the routed combine's EP all-reduce out as an op (one per MoE layer); before, it is inside moe
-    assert groups.count("tp") == 16 and groups.count("ep") == (7 if "moe-lower" in m.pass_names else 0)
-    assert len(final.ops_named("all_gather")) == 1
+    assert groups.count("tp") == 0 and groups.count("ep") == (7 if "moe-lower" in m.pass_names else 0)
+    assert len(final.ops_named("reduce_scatter")) == 16 and len(final.ops_named("all_gather")) == 1
+    assert len(final.ops_named("seq_gather")) == 17 and final.ops_named("attn_res_phase1")   # attnres-split ran
+    no_sp = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, ep=2, rank=1, seq_parallel=False)
+    assert no_sp.records[0].counts["all_reduce.tp"] == 16 and not no_sp.module.ops_named("seq_gather")
     assert parse_module(print_module(final)) == final
     assert 'all_reduce(%' in m.ir() and 'group = "tp"' in m.ir()
 
@@ -78,7 +86,7 @@ def test_ep_only_and_tp_only(spec):
     tp = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, ep=1, rank=0).module
     assert all(not o.has_attr("ep_size") for o in tp.ops_named("moe"))
     assert _params(tp)["layers.1.block_sparse_moe.experts.w1"].types[0].shape == (8, 32, 32)
-    assert len(tp.ops_named("all_reduce")) == 16
+    assert len(tp.ops_named("reduce_scatter")) == 16
     # ep defaults to tp
     both = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, rank=0).module
     assert all(o.attr("ep_size") == 2 for o in both.ops_named("moe"))
@@ -111,7 +119,7 @@ def test_kimi_k3_tp8_ep8_shapes():
     w1 = p["layers.1.block_sparse_moe.experts.w1"]
     assert w1.types[0].shape == (112, 3072, 3584) and w1.attr("shard") == "ep:0:7/8"
     assert p["layers.0.self_attn.q_proj.weight"].types[0].shape == (12 * 128, 7168)
-    assert m.records[0].counts["all_reduce.tp"] == 93 + 1 + 92
+    assert m.records[0].counts["reduce_scatter.tp"] == 93 + 1 + 92
 
 
 def test_rank_weights_slice_init_and_safetensors(spec, tmp_path):
