@@ -6,7 +6,7 @@ Layout: world = max(tp, ep) ranks, one of tp, ep divides the other; tp_rank = ra
 TP group of a rank is its block of tp consecutive ranks, its EP group its block of ep consecutive ranks.
 
     kda   heads split: q/k/v/f_b/g(_b) rows, convs, b_proj, A_log, dt_bias by head; o_proj columns (row parallel);
-          f_a / g_a (low rank) and o_norm (per head_dim) replicated          -> partial sum -> all_reduce tp
+          f_a / g_a (low rank) and o_norm (per head_dim) replicated   -> partial sum -> all_reduce (reduce_scatter) tp
     mla   heads split: q_b_proj, kv_b_proj, g_proj rows by head, o_proj columns; q_a, the latent projection
           kv_a_proj_with_mqa, its norm and so the latent cache replicated, as deployments do -> all_reduce tp
     mlp   gate/up rows, down columns                                          -> all_reduce tp
@@ -15,10 +15,13 @@ TP group of a rank is its block of tp consecutive ranks, its EP group its block 
           norm. Shared experts (tp > 1) leave the op as an `mlp` split like the dense MLP -> all_reduce tp, added
           to the routed output.
     lm_head (untied, vocab divisible by tp) vocab rows split                 -> all_gather tp (last dim)
-Embeddings, norms, AttnRes weights and block representations stay replicated.
+Embeddings, norms and AttnRes weights stay replicated. Sequence parallel (tp > 1, module attr `seq_parallel`
+not false): the embedding output is `seq_scatter`ed, so the residual stream, norms and AttnRes blocks hold T/tp
+tokens per rank (dim `T_sp`); each layer op's input is `seq_gather`ed and its partial sum `reduce_scatter`ed in
+place of the all_reduce; the replicated routed-MoE output is `seq_scatter`ed; lm_head gathers its input.
 Every split param carries the local shape and `shard = "<group>:<dim>:<rank>/<size>"`; split layer ops carry
-`shard = "tp:heads"` etc. Counts: `kda`, `mla`, `mlp`, `moe`, `shared_experts`, `lm_head`, `all_reduce.tp`,
-`all_reduce.ep`, `all_gather.tp`, `params`.
+`shard = "tp:heads"` etc. Counts: `kda`, `mla`, `mlp`, `moe`, `shared_experts`, `lm_head`, `params`, and
+`<collective>.<group>` per collective inserted.
 """
 from __future__ import annotations
 
