@@ -177,10 +177,10 @@ class Engine:
                     and self.prefix.evict_for_pages():
                 pass
             if self.pool.num_free - self._outstanding() < need:
-                if not self.running:
+                self._unresume(seq)
+                if not self.running:            # nothing will free pages: opened sequences hold them
                     raise CacheFullError(f"MLA cache full: request {seq.rid} needs {need} pages, "
                                          f"{self.pool.num_free} of {self.pool.num_pages} are free")
-                self._unresume(seq)
                 return                          # wait for running requests to leave
             self.waiting.popleft()
             self._budget[seq.rid] = need

@@ -111,6 +111,13 @@ def test_out_of_pages_raises_before_any_state_changes(tiny, one_thread):
     # a request that can never fit is refused when it is added; one that must wait is admitted later
     with pytest.raises(CacheFullError, match="needs 5 MLA pages, the pool has 4"):
         eng.add_request(prompts(spec, (30,), 8)[0], 6)
+    # a request that cannot be admitted while opened sequences hold the pages: the step fails, nothing changes
+    r0 = eng.add_request(prompts(spec, (20,), 12)[0], 4)
+    free = eng.pool.num_free
+    with pytest.raises(CacheFullError, match=f"request {r0} needs 3 pages, 1 of 4 are free"):
+        eng.step()
+    assert list(eng.waiting) == [eng.seqs[r0]] and eng.pool.num_free == free and eng.seqs[r0].length == 0
+    eng.finish(r0)
     eng.finish(a)
     eng.finish(b)
     r1 = eng.add_request(prompts(spec, (20,), 9)[0], 4)        # 3 pages each: the second waits for the first
