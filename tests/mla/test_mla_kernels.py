@@ -72,6 +72,38 @@ def test_decode_head_tiles_and_empty_splits(block_n):
     assert rel(out, mqa_oracle(q, store, lens, L, N, 0.2)) <= 1e-5
 
 
+@pytest.mark.parametrize("plan", [rt.DecodePlan(32, 4, 2, 16), rt.DecodePlan(64, 8, 2, 32, True),
+                                  rt.DecodePlan(16, 4, 2, 16, True, lazy=True)],
+                         ids=lambda p: p.tag.replace(" ", "_"))
+@pytest.mark.parametrize("tq", [1, 3])
+def test_decode_sm90_plans(plan, tq):
+    """The sm_90 plans (16-32 keys a step, scores as K q^T, lazy rescaling): full pages take the unmasked loop, the last page and
+    the causal band of a 3-token query the masked one; lengths on, before and after page boundaries."""
+    gen = torch.Generator().manual_seed(17 + tq)
+    B, N, L, R, ps = 3, 5, 32, 8, 32
+    lens = [32, 70, 131]
+    store = paged(B, lens, L + R, ps, torch.float32, gen)
+    q = torch.randn(B, tq * N, L + R, generator=gen)
+    for splits in (None, 2):
+        out = rt.mqa_decode(q, store, rt.lens_tensor(lens, "cpu"), 0.3, L, num_heads=N, splits=splits, plan=plan)
+        assert rel(out, mqa_oracle(q, store, lens, L, N, 0.3)) <= 1e-5
+
+
+def test_decode_many_splits_column_merge():
+    """More splits than the merge reads at once (40 > BLOCK_S), and few rows: the merge splits each row's
+    columns over several programs."""
+    gen = torch.Generator().manual_seed(23)
+    N, L, R, ps = 2, 128, 8, 4
+    lens = [157]
+    store = paged(1, lens, L + R, ps, torch.float32, gen)
+    q = torch.randn(1, N, L + R, generator=gen)
+    out = rt.mqa_decode(q, store, rt.lens_tensor(lens, "cpu"), 0.1, L, num_heads=N, splits=40)
+    assert rel(out, mqa_oracle(q, store, lens, L, N, 0.1)) <= 1e-5
+    ks_merge = rt._decode_setup(1, N, L + R, L, ps, torch.float32, torch.float32, None, 40, 40, 0.1, CPU,
+                                torch.device("cpu"), True)[3]
+    assert ks_merge.constexprs["BLOCK_D"] < L and 40 > ks_merge.constexprs["BLOCK_S"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_latent_write_fused_rmsnorm_paged(dtype):
     gen = torch.Generator().manual_seed(11)

@@ -3,7 +3,8 @@
 The pool is a real torch tensor of 2^31 + a few elements (bf16: 4.3 GB of *virtual* memory). CPU allocations this
 large are mmap'ed lazily, so only the few pages the kernels touch become resident (the test checks the process's
 peak RSS grows by far less than the pool). The block table puts a sequence's second page at the very end of the pool,
-where a 32-bit offset (page * PS * W) would wrap around to a negative number."""
+where a 32-bit offset (page * PS * W) would wrap around to a negative number, and the other sequence's first (full:
+unmasked decode loop) page across 2^31."""
 from __future__ import annotations
 
 import resource
@@ -40,7 +41,7 @@ def test_offsets_past_2_31_in_the_kernels():
     except RuntimeError as e:  # pragma: no cover - a host that refuses 4.3 GB of virtual memory
         pytest.skip(f"cannot map a 2^31-element pool here: {e}")
     gen = torch.Generator().manual_seed(2)
-    bt = torch.tensor([[0, huge], [1, 2]], dtype=torch.int32)
+    bt = torch.tensor([[0, huge], [huge - 1, 2]], dtype=torch.int32)     # full page huge - 1 crosses 2^31
     store = rt.LatentStore(pool, bt, [0, 0])
     D, T, N = 24, 2 * PS - 3, 2
     cfg = MLASpec(num_heads=N, kv_lora_rank=L, qk_nope_head_dim=8, qk_rope_head_dim=R, v_head_dim=8)

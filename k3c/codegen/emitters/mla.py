@@ -1,6 +1,6 @@
 """Emitter of `mla_absorbed`: the kernels the runtime (k3c.runtime.kernels.mla) launches for it, with the same
 emit_* arguments: the latent write (decode and prefill token buckets), the MQA split-KV decode for one query token
-per sequence (all heads, the plan of k3c.codegen.kernels.mla.decode_plan), the LSE merge, and the MHA prefill step
+per sequence (all heads, the plan of k3c.codegen.kernels.mla.decode_plan), the LSE merges, and the MHA prefill step
 (first chunk and continuation). Shapes the runtime meets later (speculative query lengths, other batch sizes) reuse
 these kernels except the decode kernel's head tile, which follows the rows (tokens x heads) of the call, and the
 prefill tiles for fewer than 128 query tokens."""
@@ -27,10 +27,13 @@ def mla_absorbed(op, module, target):
     out = [emit_mla_latent_write(d, lat, r, float(a["lora_norm_eps"]), ps, dtype=dt, w_dtype=DTYPES[wdkv.dtype],
                                  t_hint=1, **kw)]
     plan = decode_plan(n, lat, target)
+    bn = plan.block_n if plan.block_n and plan.block_n < ps and ps % plan.block_n == 0 else None
     out.append(emit_mla_decode(lat, r, ps, scale, dtype=dt, block_h=plan.block_h, num_warps=plan.num_warps,
-                               num_stages=plan.num_stages,
-                               block_n=plan.block_n if plan.block_n and plan.block_n < ps else None, **kw))
-    out.append(emit_mla_merge(lat, out_dtype=dt, **kw))
+                               num_stages=plan.num_stages, block_n=bn, keys_major=plan.keys_major,
+                               lazy=plan.lazy, **kw))
+    # the decode merges (whole rows for large batches, 64 columns a program for small ones) and the prefill one
+    out += [emit_mla_merge(lat, out_dtype=dt, block_d=bd, write_lse=False, **kw) for bd in (None, 64)]
+    out.append(emit_mla_merge(v, out_dtype="fp32", **kw))
     if not a.get("fold_uv_into_o_proj"):
         out += [emit_mla_prefill(p, r, v, scale, dtype=dt, has_prev=h, **kw) for h in (False, True)]
     return out

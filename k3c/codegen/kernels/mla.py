@@ -159,36 +159,68 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     block_n: int | None = None      # keys per step (a divisor of the page); None: the whole page
+    keys_major: bool = False        # scores as K q^T (q^T the MMA's B operand, from shared memory)
+    lazy: bool = False              # rescale the accumulator only when a row's running max grows (exact)
+
+    @property
+    def tag(self) -> str:
+        return (f"h{self.block_h} w{self.num_warps} s{self.num_stages}" + (f" n{self.block_n}" if self.block_n else "")
+                + (" kq" if self.keys_major else "") + (" lazy" if self.lazy else ""))
 
 
-DECODE_MAX_ROWS = 32     # fp32 accumulator [BLOCK_H, L] <= [32, 512]: the largest tile without spills (AOT resources)
+DECODE_MAX_ROWS = 32     # fp32 accumulator [BLOCK_H, L] <= [32, 512] in a plain tile: the largest without spills
 
 
 def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 block_n: int | None = None) -> DecodePlan:
-    """BLOCK_H = all rows of a sequence when they fit (12 heads: one head tile, each page loaded once), else the
-    head tiles split evenly (96 heads: 3 x 32); at least 16 (the MMA's smallest M). The cap keeps the fp32
-    accumulator [BLOCK_H, L] and the key tile in registers without spills on the GPU targets (checked with the AOT
-    resource report: a 64-row tile spills on sm_90 and gfx950). Warps grow with the accumulator. 64-lane targets
-    feed the MFMA operands from registers, so they step through a page 16 or 32 keys at a time."""
+    """The shipped decode plan by shape (rows = query tokens x heads of one sequence).
+
+    sm_90 (H100 / H200), 512-wide latent: 16-row head tiles, 4 warps, whole pages, 2 stages, for every head count
+    (12 heads: one tile, each page loaded once; 96 heads: six tiles, the page re-reads mostly hit L2). Measured on
+    an H200 (docs/perf.md, bench/mla.py's sweep), the fastest spill-free plan at 8 of the 9 96-head shapes (B=1
+    T=4K, launch-bound: 0.075 vs 0.070 ms): 1.24-1.45x faster than 32 rows on 8 warps, 1.33-1.43x than 64 rows
+    on 8 warps with K q^T scores (wgmma for P V), 1.75-1.9x than 32 rows on 4 warps stepping 16 keys at a time, and
+    1.04-1.17x than the 64-row tile (which spills). Only 32 rows on 4 warps with whole pages is faster (1.2-1.3x),
+    and it spills 120 B per thread on sm_90, which no shipped kernel may. Otherwise: BLOCK_H = all rows when they
+    fit, else even head tiles of <= 32 rows; 64-lane targets feed the MFMA operands from registers, so they step
+    through a page 16 or 32 keys at a time. Every shipped plan compiles without spills
+    (tests/codegen/test_artifact_kernels.py)."""
     lat = pow2_ceil(kv_lora_rank)
+    wide = target.warp_size >= 64
+    gpu = target.shared_mem_bytes > 0
+    if block_h is None and target.arch == "sm_90" and lat == 512 and num_warps is None and num_stages is None \
+            and block_n is None:
+        return DecodePlan(16, 4, 2)
     if block_h is None:
         cap = max(16, DECODE_MAX_ROWS * 512 // max(512, lat))
         tiles = -(-rows // cap)
         block_h = clamp(pow2_ceil(-(-rows // tiles)), 16, cap)
-    wide = target.warp_size >= 64
     warps = num_warps or clamp(block_h * lat * 4 // (max(1, target.warp_size) * 4 * 64), 4, 8)
     if block_n is None and wide:
         block_n = 16 if block_h > 16 else 32
-    stages = num_stages or (1 if target.shared_mem_bytes <= 0 or (wide and block_h > 16) else 2)
+    stages = num_stages or (1 if not gpu or (wide and block_h > 16) else 2)
     return DecodePlan(block_h, warps, stages, block_n)
+
+
+def decode_candidates(rows: int, kv_lora_rank: int, target: Target) -> list[DecodePlan]:
+    """The default and the other spill-free plans (sm_90 AOT report, triton 3.9) bench/mla.py times per shape."""
+    default = decode_plan(rows, kv_lora_rank, target)
+    if target.arch != "sm_90":
+        return [default]
+    if rows > 16:
+        cand = [DecodePlan(32, 8, 2), DecodePlan(64, 8, 2, 32, True), DecodePlan(32, 8, 2, lazy=True),
+                DecodePlan(32, 4, 2, 16), DecodePlan(16, 4, 3)]
+    else:
+        cand = [DecodePlan(16, 4, 3), DecodePlan(16, 4, 2, 32), DecodePlan(16, 8, 2)]
+    return [default] + [c for c in cand if c != default]
 
 
 def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *, target: Target,
                     dtype: str = "bf16", block_h: int = 16, num_warps: int = 4, num_stages: int = 2,
-                    block_n: int | None = None, name: str | None = None, ir_op: str = "mla_absorbed", loc: str = "",
-                    interpret: bool | None = None) -> KernelSource:
+                    block_n: int | None = None, keys_major: bool = False, lazy: bool = False,
+                    name: str | None = None,
+                    ir_op: str = "mla_absorbed", loc: str = "", interpret: bool | None = None) -> KernelSource:
     """Kernel args: q_ptr [B, ROWS, L+R] ([q_lat | q_pe], rows = token-major (t, head)), pool_ptr, bt_ptr i32,
     lens_ptr i32 [B] (total tokens incl. the new ones), o_ptr fp32 [S, B, ROWS, L], lse_ptr fp32 [S, B, ROWS],
     ROWS, NH (heads: the row's query token is row // NH), TQ, max_pages, pages_per_split, B, S;
@@ -204,7 +236,7 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
     if PS % bn or bn & (bn - 1):
         raise CodegenError(f"block_n {bn} must be a power of two dividing the page size {PS}")
     kname = ident(name or f"k3c_mla_decode_l{L}_r{R}_p{PS}_{name_part(dt)}_h{bh}_w{num_warps}_s{num_stages}"
-                  + (f"_n{bn}" if bn != PS else ""))
+                  + (f"_n{bn}" if bn != PS else "") + ("_kq" if keys_major else "") + ("_lz" if lazy else ""))
     sig = {"q_ptr": f"*{dt}", "pool_ptr": f"*{dt}", "bt_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*fp32",
            "lse_ptr": "*fp32", "ROWS": "i32", "NH": "i32", "TQ": "i32", "max_pages": "i32",
            "pages_per_split": "i32", "B": "i32", "S": "i32"}
@@ -225,15 +257,19 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
         w.line("seq_len = tl.load(lens_ptr + b)")
         w.line("rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)")
         w.line("row_ok = rows < ROWS")
-        w.line("qpos = seq_len - TQ + rows // NH  # the position of each row's query token (causal limit)")
         w.line("offs_l = tl.arange(0, BLOCK_L)")
         w.line("offs_r = tl.arange(0, BLOCK_R)")
         w.line("offs_n = tl.arange(0, BLOCK_N)")
         w.line("l_ok = offs_l < L")
         w.line("r_ok = offs_r < R")
         w.line("q_row = (b * ROWS + tl.where(row_ok, rows, 0).to(tl.int64)) * (L + R)")
-        w.line("ql = tl.load(q_ptr + q_row[:, None] + offs_l[None, :], mask=l_ok[None, :], other=0.0)")
-        w.line("qr = tl.load(q_ptr + q_row[:, None] + L + offs_r[None, :], mask=r_ok[None, :], other=0.0)")
+        qlm = ", mask=l_ok[None, :], other=0.0" if _blk(L) != L else ""
+        qrm = ", mask=r_ok[None, :], other=0.0" if _blk(R) != R else ""
+        w.line(f"ql = tl.load(q_ptr + q_row[:, None] + offs_l[None, :]{qlm})")
+        w.line(f"qr = tl.load(q_ptr + q_row[:, None] + L + offs_r[None, :]{qrm})")
+        if keys_major:
+            w.line("qlt = tl.trans(ql)  # scores as K q^T: the key tile is the MMA's A operand, q^T its B")
+            w.line("qrt = tl.trans(qr)")
         w.line("n_pages = tl.cdiv(seq_len, PS)")
         w.line("p_begin = split * pages_per_split")
         w.line("p_end = tl.minimum(p_begin + pages_per_split, n_pages)")
@@ -241,27 +277,71 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
         w.line("l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)")
         w.line("acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)")
         w.line("bt_row = bt_ptr + b * max_pages")
-        w.line("for it in range(p_begin * (PS // BLOCK_N), p_end * (PS // BLOCK_N)):  # BLOCK_N keys of a page")
-        with w.indent():
+        w.line("offs_kv = offs_n[:, None] * (L + R)  # i32 offsets inside one page step (the base is a scalar)")
+        w.comment("pages wholly visible to every row (keys <= seq_len - TQ) need no masks: unmasked loads feed the "
+                  "MMA straight from shared memory; the rest (the last page, the causal band of a multi-token "
+                  "query) is the masked tail loop")
+        w.line("p_full = tl.maximum(tl.minimum(p_end, (seq_len - TQ + 1) // PS), p_begin)")
+        lmask = "" if _blk(L) == L else "l_ok[None, :]"
+        rmask = "" if _blk(R) == R else "r_ok[None, :]"
+
+        def body(masked: bool) -> None:
             w.line("p = it // (PS // BLOCK_N)")
             w.line("sub = (it % (PS // BLOCK_N)) * BLOCK_N")
             w.line("page = tl.load(bt_row + p).to(tl.int64)")
-            w.line("kv = pool_ptr + page * (PS * (L + R)) + (sub + offs_n).to(tl.int64)[:, None] * (L + R)")
-            w.line("kpos = p * PS + sub + offs_n")
-            w.line("live = (kpos < seq_len)[:, None]  # slots past the end may hold anything (NaN): never read")
-            w.line("c = tl.load(kv + offs_l[None, :], mask=live & l_ok[None, :], other=0.0)  # [BLOCK_N, L]: keys = values")
-            w.line("kr = tl.load(kv + L + offs_r[None, :], mask=live & r_ok[None, :], other=0.0)  # [BLOCK_N, R]")
-            w.line(f"s = tl.dot(ql{up}, tl.trans(c{up}){dot_kw})")
-            w.line(f"s = tl.dot(qr{up}, tl.trans(kr{up}), s{dot_kw})")
-            w.line("ok = (kpos[None, :] <= qpos[:, None]) & (kpos < seq_len)[None, :]")
-            w.line(f"s = tl.where(ok, s * {fnum(scale * LOG2E)}, float('-inf'))  # log2 domain")
-            w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
-            w.line("m_use = tl.where(m_new == float('-inf'), 0.0, m_new)")
+            w.line("kv = pool_ptr + (page * (PS * (L + R)) + sub * (L + R))")
+            if masked:
+                w.line("qpos = seq_len - TQ + rows // NH  # each row's query position (causal limit)")
+                w.line("kpos = p * PS + sub + offs_n")
+                w.line("live = (kpos < seq_len)[:, None]  # slots past the end may hold anything (NaN): never read")
+                cm = " & ".join(x for x in ("live", lmask) if x)
+                rm = " & ".join(x for x in ("live", rmask) if x)
+                w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :], mask={cm}, other=0.0)  # keys = values")
+                w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :], mask={rm}, other=0.0)")
+            else:
+                cm = f", mask={lmask}, other=0.0" if lmask else ""
+                rm = f", mask={rmask}, other=0.0" if rmask else ""
+                w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :]{cm})  # [BLOCK_N, L]: keys = values")
+                w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :]{rm})  # [BLOCK_N, R]")
+            if keys_major:
+                w.line(f"s = tl.trans(tl.dot(c{up}, qlt{up}{dot_kw}) + tl.dot(kr{up}, qrt{up}{dot_kw}))")
+            else:
+                w.line(f"s = tl.dot(ql{up}, tl.trans(c{up}){dot_kw})")
+                w.line(f"s = tl.dot(qr{up}, tl.trans(kr{up}), s{dot_kw})")
+            if masked:
+                w.line("ok = (kpos[None, :] <= qpos[:, None]) & (kpos < seq_len)[None, :]")
+                w.line(f"s = tl.where(ok, s * {fnum(scale * LOG2E)}, float('-inf'))  # log2 domain")
+                w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+                w.line("m_use = tl.where(m_new == float('-inf'), 0.0, m_new)")
+            elif lazy:
+                w.line(f"s = s * {fnum(scale * LOG2E)}  # log2 domain; every key visible: the row max is finite")
+                w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+                w.line("if tl.max(m_new - m_i, axis=0) > 0.0:  # rescale only when some row's max grew (exact)")
+                with w.indent():
+                    w.line("alpha = tl.exp2(m_i - m_new)")
+                    w.line("l_i = l_i * alpha")
+                    w.line("acc = acc * alpha[:, None]")
+                    w.line("m_i = m_new")
+                w.line("p = tl.exp2(s - m_i[:, None])")
+                w.line("l_i = l_i + tl.sum(p, axis=1)")
+                w.line(f"acc = tl.dot({p_cast}, c{up}, acc{dot_kw})")
+                return
+            else:
+                w.line(f"s = s * {fnum(scale * LOG2E)}  # log2 domain; every key visible: m_new is finite")
+                w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+                w.line("m_use = m_new")
             w.line("alpha = tl.exp2(m_i - m_use)")
             w.line("p = tl.exp2(s - m_use[:, None])")
             w.line("l_i = l_i * alpha + tl.sum(p, axis=1)")
             w.line(f"acc = tl.dot({p_cast}, c{up}, acc * alpha[:, None]{dot_kw})")
             w.line("m_i = m_new")
+
+        w.line("for it in range(p_begin * (PS // BLOCK_N), p_full * (PS // BLOCK_N)):  # unmasked pages")
+        with w.indent():
+            body(False)
+        w.line("for it in range(p_full * (PS // BLOCK_N), p_end * (PS // BLOCK_N)):  # masked tail")
+        with w.indent():
+            body(True)
         w.line("has = l_i > 0.0")
         w.line("o = acc / tl.where(has, l_i, 1.0)[:, None]")
         w.line(f"lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * {fnum(1.0 / LOG2E)}, float('-inf'))")
@@ -274,45 +354,70 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
 
 
 # -- LSE merge ------------------------------------------------------------------------------------------------------
-def emit_mla_merge(width: int, *, target: Target, out_dtype: str = "fp32", name: str | None = None,
-                   ir_op: str = "mla_absorbed", loc: str = "", interpret: bool | None = None) -> KernelSource:
+MERGE_TILE = 4096        # elements of the [BLOCK_S, BLOCK_D] tile of partials a merge program reads per step
+
+
+def emit_mla_merge(width: int, *, target: Target, out_dtype: str = "fp32", block_d: int | None = None,
+                   write_lse: bool = True, name: str | None = None, ir_op: str = "mla_absorbed", loc: str = "",
+                   interpret: bool | None = None) -> KernelSource:
     """Kernel args: o_ptr fp32 [S, M, D], lse_ptr fp32 [S, M], out_ptr [M, D], out_lse_ptr fp32 [M], M, S;
-    grid (M,). Rows whose every split is empty (lse = -inf) get 0 and lse -inf. out may alias split 0 (each
-    program reads its row of every split before it writes)."""
+    grid (M, cdiv(D, BLOCK_D)). Rows whose every split is empty (lse = -inf) get 0 and lse -inf. The splits are
+    read BLOCK_S = MERGE_TILE / BLOCK_D (2..32) at a time (a [BLOCK_S] load of lse, a [BLOCK_S, BLOCK_D] load of o),
+    so a 64-column merge of 256 splits is 8 wide steps, not 256 dependent loads. block_d None: one program per row (BLOCK_D = the whole row), and then
+    out / out_lse may alias split 0 (each program reads its row of every split before it writes); with block_d
+    < width several programs share a row: no aliasing, and write_lse=False (out_lse unused) or a separate out_lse
+    (written by column block 0)."""
     D = check_dim(width, "width")
     odt = check_float(out_dtype, "out_dtype")
     interp = interpreted(target, interpret)
-    kname = ident(name or f"k3c_mla_lse_merge_d{D}_{name_part(odt)}")
+    bd = pow2_ceil(D) if block_d is None else check_dim(block_d, "block_d")
+    if bd & (bd - 1):
+        raise CodegenError(f"block_d {bd} must be a power of two")
+    kname = ident(name or f"k3c_mla_lse_merge_d{D}_{name_part(odt)}" + (f"_c{bd}" if bd < D else "")
+                  + ("" if write_lse else "_nolse"))
     sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{odt}", "out_lse_ptr": "*fp32", "M": "i32",
            "S": "i32"}
-    cx = {"D": D, "BLOCK_D": pow2_ceil(D)}
+    cx = {"D": D, "BLOCK_D": bd, "BLOCK_S": clamp(MERGE_TILE // bd, 2, 32)}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
-             notes=[f"log-sum-exp merge of split partials, D={D} out:{odt}" + (" [interpreter variant]" if interp else "")])
+             notes=[f"log-sum-exp merge of split partials, D={D} BLOCK_D={bd} out:{odt}"
+                    + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, rtne_bf16=interp and odt == "bf16")
     with w.jit_function(kname, list(sig), list(cx)):
         w.line("row = tl.program_id(0).to(tl.int64)")
-        w.line("cols = tl.arange(0, BLOCK_D)")
+        w.line("cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)")
         w.line("ok = cols < D")
-        w.line("m = tl.load(lse_ptr + row)")
-        w.line("for s in range(1, S):")
+        w.line("offs_s = tl.arange(0, BLOCK_S)")
+        w.line("m = tl.max(tl.load(lse_ptr + offs_s.to(tl.int64) * M + row, mask=offs_s < S, other=float('-inf')), "
+               "axis=0)")
+        w.line("for s0 in range(BLOCK_S, S, BLOCK_S):")
         with w.indent():
-            w.line("m = tl.maximum(m, tl.load(lse_ptr + s * M + row))")
+            w.line("ss = s0 + offs_s")
+            w.line("m = tl.maximum(m, tl.max(tl.load(lse_ptr + ss.to(tl.int64) * M + row, mask=ss < S, "
+                   "other=float('-inf')), axis=0))")
         w.line("m_use = tl.where(m == float('-inf'), 0.0, m)")
         w.line("den = m_use * 0.0")
         w.line("acc = tl.zeros((BLOCK_D,), dtype=tl.float32)")
-        w.line("for s in range(0, S):")
+        w.line("for s0 in range(0, S, BLOCK_S):")
         with w.indent():
-            w.line("wgt = tl.exp(tl.load(lse_ptr + s * M + row) - m_use)")
-            w.line("acc += wgt * tl.load(o_ptr + (s * M + row) * D + cols, mask=ok, other=0.0)")
-            w.line("den += wgt")
+            w.line("ss = s0 + offs_s")
+            w.line("s_ok = ss < S")
+            w.line("srow = ss.to(tl.int64) * M + row")
+            w.line("wgt = tl.exp(tl.load(lse_ptr + srow, mask=s_ok, other=float('-inf')) - m_use)  # 0 if empty")
+            w.line("o = tl.load(o_ptr + srow[:, None] * D + cols[None, :], mask=s_ok[:, None] & ok[None, :], "
+                   "other=0.0)")
+            w.line("acc += tl.sum(wgt[:, None] * o, axis=0)")
+            w.line("den += tl.sum(wgt, axis=0)")
         w.line("o = acc / tl.where(den > 0.0, den, 1.0)")
         w.line(f"tl.store(out_ptr + row * D + cols, {to_dtype('o', odt, interp)}, mask=ok)")
-        w.line("tl.store(out_lse_ptr + row, tl.where(den > 0.0, m_use + tl.log(tl.where(den > 0.0, den, 1.0)), "
-               "float('-inf')))")
-    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=("M",),
-                        num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
+        if write_lse:
+            w.line("if tl.program_id(1) == 0:")
+            with w.indent():
+                w.line("tl.store(out_lse_ptr + row, tl.where(den > 0.0, m_use + tl.log(tl.where(den > 0.0, den, "
+                       "1.0)), float('-inf')))")
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
+                        grid=("M", "cdiv(D, BLOCK_D)"), num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
 
 
 # -- MHA prefill step -----------------------------------------------------------------------------------------------
@@ -430,4 +535,5 @@ def emit_mla_prefill(nope_dim: int, rope_dim: int, v_dim: int, scale: float, *, 
 
 
 __all__ = ["emit_mla_latent_write", "emit_mla_decode", "emit_mla_merge", "emit_mla_prefill", "decode_plan",
+           "decode_candidates", "DecodePlan",
            "latent_write_plan", "prefill_plan", "paged_offset"]
