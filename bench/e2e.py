@@ -46,8 +46,10 @@ def make_weights(spec, module, device, dtype, seed: int = 0) -> dict[str, torch.
         n = math.prod(info.shape)
         if info.kind in ("linear", "experts", "embedding") and n >= 1 << 20:
             t = torch.empty(info.shape, dtype=dtype, device=device)
-            for i in range(info.shape[0]):               # one leading slice at a time: bounded fp32 temporaries
-                t[i] = torch.randn(info.shape[1:], generator=gen, device=device)
+            rows = max(1, (1 << 26) // math.prod(info.shape[1:]))     # slabs of <= 256 MB of fp32 temporaries
+            for i in range(0, info.shape[0], rows):
+                t[i:i + rows] = torch.randn((min(rows, info.shape[0] - i), *info.shape[1:]), generator=gen,
+                                            device=device)
             if info.kind != "embedding":
                 t /= math.sqrt(info.shape[-1])
         else:
@@ -176,6 +178,11 @@ def main(argv=None) -> int:
     pre["eager_ms"] = t_ref * 1e3
     pre["rel_err_last_logits_vs_eager"] = rel(out_k3c[-1], out_ref)
     if not args.skip_compiled:
+        # the reference's expert loop iterates over .tolist() of the routing (data-dependent): compiled as is, every
+        # new expert set recompiles the frame until the recompile limit; run it eagerly inside the compiled graph
+        from k3c.runtime.reference import moe as ref_moe
+
+        ref_moe.routed_experts = torch.compiler.disable(ref_moe.routed_experts)
         cfwd = torch.compile(ref_pre.forward, dynamic=True, backend=args.compile_backend)
         got = guarded("compiled_prefill", lambda: timer(ref_prefill(cfwd), reps), errors)
         if got:
