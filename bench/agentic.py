@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     spec = k3c.load_spec(args.spec)
     model = k3c.compile(spec, target="h200" if cuda else "cpu")
-    w = make_weights(spec, model.module, args.device, dtype)
+    w = make_weights(spec, model.module, args.device, dtype, reference=False)     # k3c only: packed experts
     from k3c.runtime.session import load_graph
 
     graph = load_graph(model, w, torch.device(args.device), not args.no_kernels)

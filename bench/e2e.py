@@ -29,10 +29,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def make_weights(spec, module, device, dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_weights(spec, module, device, dtype, seed: int = 0, reference: bool = True) -> dict[str, torch.Tensor]:
     """Random weights on the device: large matrices drawn there (scaled 1/sqrt(fan-in) as k3c.init_weights does),
-    small ones from k3c's initialiser; MXFP4 experts as packed tensors (what the graph reads) plus their exact
-    dequantized values (what the reference reads)."""
+    small ones from k3c's initialiser; MXFP4 experts as packed tensors (what the graph reads) plus, with
+    `reference`, their exact dequantized values (what the reference reads; 59 GB at k3-wide)."""
     from k3c.quant.mx import mxfp4_dequantize
     from k3c.runtime.weight_names import model_weights
     from k3c.runtime.weight_prep import graph_params, quantize_stack
@@ -58,6 +58,9 @@ def make_weights(spec, module, device, dtype, seed: int = 0) -> dict[str, torch.
         if info.name in packed_wanted:
             packed, scales = quantize_stack(info.name, t, rule)
             out[f"{info.name}.weight_packed"], out[f"{info.name}.weight_scale"] = packed, scales
+            if not reference:
+                del t
+                continue
             for i in range(t.shape[0]):                 # the reference gets exactly the values k3c runs
                 t[i] = mxfp4_dequantize(packed[i], scales[i], dtype)
         out[info.name] = t
