@@ -159,3 +159,12 @@ def test_plan_reads_the_sharding(spec):
     with pytest.raises(ArgumentError, match="--tp 4: this IR was sharded for TP 2 x EP 2"):
         plan(m, "mi355x", tp=4)
     assert main(["plan", TINY, "--target", "mi355x", "--tp", "2", "--sharded", "--json"]) == 0
+
+
+def test_cli_compile_one_rank_artifact_round_trips(tmp_path):
+    out = tmp_path / "rank1"
+    assert main(["compile", TINY, "--target", "cpu", "--tp", "2", "--rank", "1", "-o", str(out)]) == 0
+    loaded = k3c.load(out)
+    assert loaded.module == k3c.compile(TINY, target="cpu", tp=2, rank=1).module
+    shards = param_shards(loaded)                  # read from the saved IR after `shard`
+    assert shards["layers.0.self_attn.o_proj.weight"] == (1, 1, 2) and shards["embed_tokens.weight"] is None
