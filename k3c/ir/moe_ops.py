@@ -21,7 +21,7 @@ by the target the kernels are emitted / run for, with `act_format`); "none" for 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 from .core import TensorType
 from .layer_ops import ACT_ATTRS, _check_activation

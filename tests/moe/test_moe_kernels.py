@@ -95,8 +95,8 @@ def test_mxfp4_upcast_equals_reference_on_dequantized_weights(post_scale):
 
 
 def test_mxfp4_native_dot_scaled_quantizes_activations_like_k3c_quant():
-    """The native path (mi355x / b200): activations quantized to MXFP8 per 32 in registers, tl.dot_scaled; equals
-    the product of k3c.quant's MXFP8 activations and the dequantized weights."""
+    """The native path (mi355x / b200): activations quantized to MXFP8 (or MXFP4) per 32 in registers,
+    tl.dot_scaled; equals the product of k3c.quant's quantized activations and the dequantized weights."""
     g = torch.Generator().manual_seed(3)
     m, n, kd = 9, 48, 96
     a = torch.randn(m, kd, generator=g).to(torch.bfloat16)
@@ -105,4 +105,6 @@ def test_mxfp4_native_dot_scaled_quantizes_activations_like_k3c_quant():
     aq = mxfp8_dequantize(*mxfp8_quantize(a), torch.float32)
     want = aq @ mxfp4_dequantize(p, s, torch.float32).T
     assert rel(got, want) <= 5e-3                          # bf16 output rounding only
+    a4 = mxfp4_dequantize(*mxfp4_quantize(a), torch.float32)  # MXFP4 activations: the kind::mxf4 form on sm_100
+    assert rel(M.mx_linear(a, p, s, mx="e2m1"), a4 @ mxfp4_dequantize(p, s, torch.float32).T) <= 5e-3
     assert rel(M.mx_linear(a, p, s, mx="upcast"), a.float() @ mxfp4_dequantize(p, s, torch.float32).T) <= 5e-3

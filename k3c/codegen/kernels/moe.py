@@ -29,7 +29,8 @@ Weight formats (`mx`):
              K) meet A's even / odd columns in two bf16 dots into the accumulator (no register shuffle interleaves
              nibbles). Measured on an H200: a full-register decode folding the scale into the bit pattern (~16
              integer ops per element) streamed 0.46 TB/s of packed weights at decode; scaling the fp32 partial
-             product per block instead (fp16 dots) 0.86-0.95 TB/s but serialised the prefill MMAs.
+             product per block instead (fp16 dots; plan option post_scale) 0.86-0.95 TB/s but serialised the
+             prefill MMAs.
     e4m3     native (target.native_mxfp4): A is quantized per 32 columns to MXFP8 in registers (OCP floor rule, as
              k3c.quant.mxfp8_quantize: scale = floor(log2 amax) - 8, elements saturated to +-448, round to nearest
              even) and tl.dot_scaled(e4m3, e2m1) runs on v_mfma_scale_f32_*_f8f6f4 (gfx950) / tcgen05.mma
@@ -97,12 +98,15 @@ def _divisor_block(k: int, want: int, floor: int) -> int:
 def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, target: Target, *,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, post_scale: bool = False) -> MoEGemmPlan:
-    """Tiles of the grouped expert GEMM. Few rows per expert (decode; the weight stream dominates): BLOCK_M 16-32,
-    narrow N tiles (32 columns, gate and up side by side for gate_up) so that the active experts' weights split over
-    many programs, and long K steps (256 elements: 128 packed bytes per row and stage) to keep bytes in flight.
-    Many rows (prefill; tensor cores): BLOCK_M 64-128, 128-wide N tiles (64 x 2 for gate_up), 64-128 K. MX weights
-    need BLOCK_K | K (K is a multiple of 32); others mask a ragged last K step. Stages fill the shared-memory
-    budget (3 at most; one on the interpreter). Overrides are for benchmarks and tests."""
+    """Tiles of the grouped expert GEMM. BLOCK_M = rows per expert rounded up to 16..128 (the tile-offset buckets).
+    Decode (BLOCK_M 16-32; the weight stream dominates): narrow N tiles (32 columns, gate and up side by side for
+    gate_up) so that the active experts' weights spread over many programs, long K steps (256; 128 for the 32-row
+    upcast tile) to keep bytes in flight. Prefill (64-128 rows; tensor cores): 128-wide N tiles (64 x 2 for
+    gate_up), 64 K (bf16), 128 (native MX), 32 (upcast, 8 warps: spill-free on sm_90). MX weights need
+    BLOCK_K | K (K is a multiple of 32); bf16 weights mask a ragged last K step. Stages fill the shared-memory
+    budget (2-3; one on the interpreter, which also takes whole 128-column N tiles: it pays per program).
+    Overrides are for benchmarks and tests; post_scale selects the measured per-block partial-product scaling of
+    the upcast path (module doc)."""
     bm = row_bucket(rows)
     n_b = 2 if kind == "gate_up" else 1
     eb = ELEM_BYTES[dtype]
@@ -596,8 +600,8 @@ def emit_moe_combine(z: int, top_k: int, *, target: Target, dtype: str = "bf16",
                      residual: bool = False, e_local: int | None = None, e0: int = 0, ir_op: str = "moe_combine",
                      loc: str = "", interpret: bool | None = None) -> KernelSource:
     """Kernel args: y_ptr [N * k, Z] (slot order), w_ptr f32 [N, k], (ids_ptr i32 [N, k] with expert
-    parallelism), (res_ptr [N, Z]), out_ptr [N, Z], N; grid (cdiv(N, BLOCK_T), cdiv(Z, BLOCK_Z)). e_local: this rank's experts
-    [e0, e0 + e_local) when the experts are split (None: all local, no id check)."""
+    parallelism), (res_ptr [N, Z]), out_ptr [N, Z], N; grid (cdiv(N, BLOCK_T), cdiv(Z, BLOCK_Z)). e_local: this
+    rank's experts [e0, e0 + e_local) when the experts are split (None: all local, no id check)."""
     Z, K = check_dim(z, "Z"), check_dim(top_k, "top_k")
     dt = check_float(dtype)
     odt = check_float(out_dtype or dt, "out_dtype")
@@ -648,5 +652,5 @@ def emit_moe_combine(z: int, top_k: int, *, target: Target, dtype: str = "bf16",
 
 
 __all__ = ["emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
-           "emit_moe_gemm", "emit_moe_combine",
-           "moe_gemm_plan", "MoEGemmPlan", "tile_slots", "emit_moe_linear", "mx_mode", "row_bucket", "MX_MODES", "ROW_BUCKETS"]
+           "emit_moe_gemm", "emit_moe_combine", "emit_moe_linear", "moe_gemm_plan", "MoEGemmPlan", "tile_slots",
+           "mx_mode", "row_bucket", "MX_MODES", "ROW_BUCKETS"]
