@@ -16,7 +16,8 @@ from ..ir.ops import get_op_def
 from .registry import PassContext, register_pass
 
 # Ops executed by torch on purpose (not a stand-in for a missing kernel).
-EXTERN_OPS = frozenset({"lm_head", "add"})
+# collectives run through torch.distributed (NCCL / gloo), the engine that owns the transport
+EXTERN_OPS = frozenset({"lm_head", "add", "all_reduce", "all_gather", "reduce_scatter", "seq_scatter", "seq_gather"})
 NO_IMPL_OPS = frozenset({"input", "param"})
 
 
