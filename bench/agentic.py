@@ -57,7 +57,8 @@ def run(model, w, graph, args, use_prefix: bool, n_turns: int) -> dict:
         computed = eng.stats["prefill_tokens"] - before.get("prefill_tokens", 0)
         decoded = eng.stats["decode_tokens"] - before.get("decode_tokens", 0)
         ttft = [s.t_first - s.t_added for s in seqs]
-        turns.append({"turn": k, "resumed_per_request": [s.resumed for s in seqs], "prompt_tokens": sum(len(p) for p in prompts), "prefilled_tokens": computed,
+        turns.append({"turn": k, "resumed_per_request": [s.resumed for s in seqs],
+                      "prompt_tokens": sum(len(p) for p in prompts), "prefilled_tokens": computed,
                       "resumed_tokens": sum(s.resumed for s in seqs), "ttft_ms_mean": statistics.mean(ttft) * 1e3,
                       "ttft_ms_max": max(ttft) * 1e3, "wall_ms": wall * 1e3,
                       "tokens_per_s": (sum(len(p) for p in prompts) + decoded + len(rids)) / wall})
@@ -120,8 +121,8 @@ def main(argv=None) -> int:
     print(f"{'':14s} | {'with prefix cache':^29s} | {'without':^29s} |")
     for a, b in zip(with_pc["turns"], without["turns"]):
         print(f"{a['turn']:4d} {a['prompt_tokens'] // args.sessions:9d} | {a['prefilled_tokens']:9d} "
-              f"{a['ttft_ms_mean']:9.1f} {a['tokens_per_s']:9.1f} | {b['prefilled_tokens']:9d} {b['ttft_ms_mean']:9.1f} "
-              f"{b['tokens_per_s']:9.1f} | {b['ttft_ms_mean'] / a['ttft_ms_mean']:9.2f}x")
+              f"{a['ttft_ms_mean']:9.1f} {a['tokens_per_s']:9.1f} | {b['prefilled_tokens']:9d} "
+              f"{b['ttft_ms_mean']:9.1f} {b['tokens_per_s']:9.1f} | {b['ttft_ms_mean'] / a['ttft_ms_mean']:9.2f}x")
     print(f"prefix-cache hit rate {with_pc['hit_rate']:.1%} of prompt tokens; total {with_pc['seconds']:.2f} s with, "
           f"{without['seconds']:.2f} s without; identical answers {same}/{n}")
     if args.out:

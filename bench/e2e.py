@@ -234,8 +234,8 @@ def main(argv=None) -> int:
         for r in rids:
             eng.finish(r)
 
-        def ref_steps(fwd, n):
-            cache, out = ref_cache, None
+        def ref_steps(fwd, n, cache=ref_cache):
+            out = None
             with torch.no_grad():
                 for s in range(n):
                     out, cache = fwd(toks[s][:, None], cache)

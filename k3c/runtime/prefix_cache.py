@@ -56,9 +56,10 @@ class PrefixCache:
     def __init__(self, *, interval: int = 32768, max_bytes: int = 8 << 30, host_bytes: int = 0, disk: bool = False,
                  disk_dir: str | None = None, on_finish: bool = True):
         for name, v in (("interval", interval), ("max_bytes", max_bytes), ("host_bytes", host_bytes)):
-            if not isinstance(v, int) or v < (1 if name == "interval" else 0):
-                raise ArgumentError(f"prefix cache {name} must be a {'positive' if name == 'interval' else 'non-negative'}"
-                                    f" integer, got {v!r}")
+            low = 1 if name == "interval" else 0
+            if not isinstance(v, int) or v < low:
+                raise ArgumentError(f"prefix cache {name} must be a {'positive' if low else 'non-negative'} integer, "
+                                    f"got {v!r}")
         self.interval, self.max_bytes, self.host_bytes = interval, max_bytes, host_bytes
         self.disk, self.on_finish = disk, on_finish
         self._disk_dir, self._own_dir = disk_dir, disk_dir is None
