@@ -373,6 +373,7 @@ def emit_mla_merge(width: int, *, target: Target, out_dtype: str = "fp32", block
     bd = pow2_ceil(D) if block_d is None else check_dim(block_d, "block_d")
     if bd & (bd - 1):
         raise CodegenError(f"block_d {bd} must be a power of two")
+    bd = min(bd, pow2_ceil(D))       # a column block as wide as the row is the whole-row kernel (one name, one body)
     kname = ident(name or f"k3c_mla_lse_merge_d{D}_{name_part(odt)}" + (f"_c{bd}" if bd < D else "")
                   + ("" if write_lse else "_nolse"))
     sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{odt}", "out_lse_ptr": "*fp32", "M": "i32",
