@@ -67,6 +67,14 @@ def make_weights(spec, module, device, dtype, seed: int = 0, reference: bool = T
     return out
 
 
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    """Phase timestamps on stderr: a run cut short by a time limit still shows where the time went."""
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
 class Timer:
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
@@ -77,8 +85,10 @@ class Timer:
 
     def __call__(self, fn, reps: int) -> tuple[float, object]:
         """Median seconds of `reps` runs of fn() (after one warm-up run) and the last result."""
+        t0 = time.perf_counter()
         out = fn()
         self.sync()
+        progress(f"{getattr(fn, '__name__', 'run')}: warm-up {time.perf_counter() - t0:.1f} s")
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -154,6 +164,7 @@ def main(argv=None) -> int:
     eng = Engine(model, w, device=args.device, max_batch=max(batches), max_context=ctx_max,
                  num_pages=max(batches) * -(-ctx_max // ps) + 1, page_size=ps, use_kernels=use_kernels)
     result["k3c_executor"] = eng.describe()
+    progress("engine built")
 
     def k3c_prefill():
         rid = eng.open()
