@@ -3,7 +3,7 @@
     python bench/moe.py                            # H200: latent 3584 -> 2 x 3072 -> 3584, E in {128, 896}, top-16,
                                                    # tokens {1, 16, 64, 512, 4096}
     python bench/moe.py --json out.json            # also write every row
-    python bench/moe.py --sweep                    # also time tile variants (first E; the largest decode and prefill T)
+    python bench/moe.py --sweep --json out.json    # also time every plan variant of every row (within --budget s)
     python bench/moe.py --smoke                    # tiny shapes on the CPU (interpreter): checks the code path
 
 Per row, the routing is fixed first (k3c's routing kernels on random router logits) and both sides compute
@@ -13,7 +13,11 @@ baseline holds them dequantized to bf16):
         upcast path on sm_90 (native tl.dot_scaled on gfx950 / sm_100), all experts in one launch each
   bf16  torch: the active experts' bf16 weights (gathered once, outside the timing), tokens gathered per expert and
         padded to the largest count, torch.bmm (gate+up), SiTU-GLU, torch.bmm (down), weighted index_add
-Both are timed as CUDA graph replays (triton.testing.do_bench_cudagraph, median). Weight bandwidth = the active
+Both are timed as CUDA graph replays (triton.testing.do_bench_cudagraph, median). --sweep: every row also times
+the plan variants (VARIANTS: the upcast forms gemv / joined / split / postscale / dequant and their tiles) until the
+sweep's time budget is spent, prints the best per row and records each variant's plan tags; the kernels of a row's
+variants are compiled first by --jobs worker processes (Triton's disk cache), so the main process only loads them.
+Weight bandwidth = the active
 experts' bytes (k3c: packed payload + E8M0 scales, 4.25 bits per weight; bf16: 16 bits) over the time; copy = a
 2 GiB device-to-device copy in the same run, timed without a graph (read + write bytes over its time).
 """
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from k3c.codegen.kernels.moe import moe_gemm_plan  # noqa: E402
+from k3c.codegen.launch import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
 from k3c.codegen.launch import target_for  # noqa: E402
 from k3c.frontend.spec import ActivationSpec  # noqa: E402
 from k3c.runtime.kernels import moe as M  # noqa: E402
@@ -118,7 +123,7 @@ def copy_bandwidth(dev):
     return 2 * 2 * n / sec
 
 
-def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None):
+def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline=None, pool=None):
     zdim, mi, k = args.latent, args.inter, args.top_k
     (w13p, w13s), (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
     lg = torch.randn(tokens, e, device=dev, generator=gen)
@@ -147,15 +152,31 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None):
     mx_bytes = n_act * 3 * mi * zdim * (0.5 + 1 / 32)
     bf_bytes = n_act * 3 * mi * zdim * 2
     t_base = timed(base, dev)
+    if plans and pool is not None:
+        try:
+            precompile(pool, [k3c_fn(pg, pd) for pg, pd in plans.values()], deadline)
+        except Exception as exc:  # noqa: BLE001 - only a speed-up: the variants then compile in line
+            print(f"  precompile failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     t_k3c = timed(k3c_fn(), dev)
+    dg = M._plan("gate_up", mi, zdim, -(-tokens * k // e), mx, "bf16", tgt)
+    dd = M._plan("down", zdim, mi, -(-tokens * k // e), mx, "bf16", tgt)
     best = ("default", t_k3c)
     for name, (pg, pd) in (plans or {}).items():
+        if deadline is not None and time.time() > deadline:
+            print(f"  sweep budget spent: {name} and later variants not timed", flush=True)
+            break
         try:
-            t = timed(k3c_fn(pg, pd), dev)
+            fn = k3c_fn(pg, pd)
+            verr = rel(fn(), want)
+            t = timed(fn, dev, rep_ms=50)
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
-            print(f"  variant {name}: {type(exc).__name__}: {str(exc)[:200]}")
+            print(f"  variant {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
-        ROWS.append({"experts": e, "tokens": tokens, "variant": name, "k3c_s": t})
+        ROWS.append({"experts": e, "tokens": tokens, "variant": name, "k3c_s": t, "rel_err_vs_bf16": verr,
+                     "plan_gate_up": pg.tag, "plan_down": pd.tag,
+                     "k3c_TBps": mx_bytes / t / 1e12, "speedup": t_base / t})
+        print(f"  {name:22s} {t * 1e6:9.1f} us {mx_bytes / t / 1e12:5.2f} TB/s x{t_base / t:5.2f} err {verr:.1e}"
+              f"  ({pg.tag} / {pd.tag})", flush=True)
         if t < best[1]:
             best = (name, t)
     row = {"experts": e, "tokens": tokens, "top_k": k, "active_experts": n_act, "mx": mx, "k3c_s": t_k3c,
@@ -163,37 +184,104 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None):
            "k3c_TBps": mx_bytes / t_k3c / 1e12, "bf16_TBps": bf_bytes / t_base / 1e12,
            "copy_TBps": copy_bw / 1e12 if copy_bw else None,
            "k3c_frac_of_copy": mx_bytes / t_k3c / copy_bw if copy_bw else None, "rel_err_vs_bf16": err,
-           "best_variant": best[0], "best_variant_s": best[1]}
+           "best_variant": best[0], "best_variant_s": best[1], "default_plan_gate_up": dg.tag,
+           "default_plan_down": dd.tag}
     ROWS.append(row)
     t_route = timed(lambda: M.route(lg, None, top_k=k), dev)
     row["route_s"] = t_route
     frac = f"{row['k3c_frac_of_copy'] * 100:5.1f}%" if copy_bw else "   - "
     print(f"E={e:4d} T={tokens:5d} act={n_act:4d} | k3c {t_k3c * 1e6:9.1f} us {row['k3c_TBps']:5.2f} TB/s {frac} | "
           f"bf16 {t_base * 1e6:9.1f} us {row['bf16_TBps']:5.2f} TB/s | x{row['speedup']:5.2f} | route "
-          f"{t_route * 1e6:6.1f} us | err {err:.1e} | best {best[0]} {best[1] * 1e6:.1f} us", flush=True)
+          f"{t_route * 1e6:6.1f} us | err {err:.1e} | default {dg.tag} / {dd.tag} | best {best[0]} "
+          f"{best[1] * 1e6:.1f} us", flush=True)
     del w13, w2
     return row
 
 
-# (BLOCK_N per weight, BLOCK_K, warps, stages, scale the partial products instead of the weights)
-DECODE_VARIANTS = ((32, 256, 4, 4, True), (16, 256, 4, 4, False), (32, 512, 4, 3, False), (32, 256, 8, 4, False))
-PREFILL_VARIANTS = ((64, 32, 8, 3, True), (64, 64, 8, 3, False), (64, 128, 8, 3, False))
+# Plan variants per row: (name, moe_gemm_plan overrides for gate_up (BLOCK_N per weight), for down). "G" stands for
+# the GEMV row group of the row (min(4, rows per expert rounded up)). Decode rows (<= 64 tokens) and prefill rows.
+DECODE_VARIANTS = (
+    ("gemv", dict(gemv="G"), dict(gemv="G")),
+    ("gemv_bk512", dict(gemv="G", block_k=512), dict(gemv="G", block_k=512)),
+    ("gemv_bn32", dict(gemv="G", block_n=32), dict(gemv="G", block_n=64)),
+    ("gemv_bn8_w2", dict(gemv="G", block_n=8, num_warps=2), dict(gemv="G", block_n=16, num_warps=2)),
+    ("gemv1", dict(gemv=1), dict(gemv=1)),
+    ("joined", dict(gemv=0, joined=True), dict(gemv=0, joined=True)),
+    ("joined_bk512_s2", dict(gemv=0, joined=True, block_k=512, num_stages=2),
+     dict(gemv=0, joined=True, block_k=512, num_stages=2)),
+    ("joined_bn16", dict(gemv=0, joined=True, block_n=16), dict(gemv=0, joined=True, block_n=32)),
+    ("split", dict(gemv=0, joined=False), dict(gemv=0, joined=False)),
+    ("postscale", dict(gemv=0, post_scale=True), dict(gemv=0, post_scale=True)),
+)
+PREFILL_VARIANTS = (
+    ("dequant", dict(dequant=True), dict(dequant=True)),
+    ("dequant_s4", dict(dequant=True, num_stages=4), dict(dequant=True, num_stages=4)),
+    ("dequant_bn128", dict(dequant=True, block_n=128), dict(dequant=True, block_n=256)),
+    ("joined", dict(dequant=False, joined=True), dict(dequant=False, joined=True)),
+    ("joined_bk128", dict(dequant=False, joined=True, block_k=128), dict(dequant=False, joined=True, block_k=128)),
+    ("joined_bn128", dict(dequant=False, joined=True, block_n=128), dict(dequant=False, joined=True, block_n=256)),
+)
 
 
 def variants(args, dev, rows, specs):
-    """Tile variants of the grouped kernels at `rows` per expert, for --sweep."""
+    """Plan variants of the grouped kernels at `rows` per expert, for --sweep (duplicates of another dropped)."""
     tgt = target_for(dev)
     mx = "e4m3" if tgt.native_mxfp4 else "upcast"
-    out = {}
-    for bn, bk, warps, stages, post in specs:
-        kw = dict(block_k=bk, num_warps=warps, num_stages=stages, post_scale=post)
+    group = min(4, 1 << max(0, rows - 1).bit_length())
+    out, seen = {}, set()
+    for name, kg, kd in specs:
+        if mx != "upcast" and any(x in kg for x in ("gemv", "joined", "dequant", "post_scale")):
+            continue
+        kg, kd = ({k: group if v == "G" else v for k, v in kw.items()} for kw in (kg, kd))
         try:
-            pg = moe_gemm_plan("gate_up", args.inter, args.latent, rows, mx, "bf16", tgt, block_n=bn, **kw)
-            pd = moe_gemm_plan("down", args.latent, args.inter, rows, mx, "bf16", tgt, block_n=2 * bn, **kw)
+            pg = moe_gemm_plan("gate_up", args.inter, args.latent, rows, mx, "bf16", tgt, **kg)
+            pd = moe_gemm_plan("down", args.latent, args.inter, rows, mx, "bf16", tgt, **kd)
         except Exception:  # noqa: BLE001
             continue
-        out[f"bn{bn}x2/{2 * bn}_bk{bk}_w{warps}_s{stages}" + ("_postscale" if post else "")] = (pg, pd)
+        if (pg, pd) not in seen:
+            seen.add((pg, pd))
+            out[name] = (pg, pd)
     return out
+
+
+# -- parallel precompile: worker processes fill Triton's disk cache with a row's variant kernels ------------------
+def _warm(ks, specs):
+    """Worker: compile `ks` for the args described by `specs` (("t", dtype) for a tensor, an int as is)."""
+    args = [torch.empty(64, dtype=getattr(torch, v[1]), device="cuda") if isinstance(v, tuple) else v for v in specs]
+    env = {k: v for k, v in ks.constexprs.items() if isinstance(v, int) and not isinstance(v, bool)}
+    env.update({n: v for n, v in zip(ks.signature, specs) if not isinstance(v, tuple)})
+    grid = eval_grid(ks.grid, env)
+    load_kernel(ks, False).warmup(*args, grid=grid, **dict(ks.constexprs, num_warps=ks.num_warps,
+                                                           num_stages=ks.num_stages, enable_fp_fusion=ENABLE_FP_FUSION))
+    return ks.name
+
+
+def precompile(pool, fns, deadline):
+    """Record the launches of `fns` without running them, compile their kernels in `pool`, wait (to the deadline)."""
+    seen, launches = set(), []
+
+    def record(ks, *args):
+        if ks.digest not in seen:
+            seen.add(ks.digest)
+            launches.append((ks, [("t", str(a.dtype).split(".")[-1]) if isinstance(a, torch.Tensor) else int(a)
+                                  for a in args]))
+    real = M.run
+    M.run = record
+    try:
+        for fn in fns:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the timing loop reports it
+                pass
+    finally:
+        M.run = real
+    t0 = time.time()
+    futs = [pool.submit(_warm, ks, specs) for ks, specs in launches]
+    from concurrent.futures import wait
+
+    done, _ = wait(futs, timeout=max(1.0, (deadline or t0 + 120) - t0))
+    bad = sum(1 for f in done if f.exception() is not None)
+    print(f"  precompiled {len(done) - bad}/{len(futs)} kernels in {time.time() - t0:.1f} s", flush=True)
 
 
 def write_json(args, dev, copy_bw):
@@ -213,7 +301,9 @@ def main():
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--latent", type=int, default=3584)
     ap.add_argument("--inter", type=int, default=3072)
-    ap.add_argument("--sweep", action="store_true", help="time tile variants of the decode kernels too")
+    ap.add_argument("--sweep", action="store_true", help="time the plan variants of every row too")
+    ap.add_argument("--budget", type=float, default=110.0, help="seconds for the whole run's variant timings")
+    ap.add_argument("--jobs", type=int, default=16, help="precompile processes for --sweep (0: compile in line)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -224,6 +314,14 @@ def main():
         args.experts, args.tokens, args.top_k, args.latent, args.inter = [8], [1, 5], 2, 64, 32
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
+    t_start = time.time()
+    deadline = t_start + args.budget if args.sweep else None
+    pool = None
+    if args.sweep and args.jobs > 0 and dev.type == "cuda":
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"))
     copy_bw = copy_bandwidth(dev)
     if copy_bw:
         copy_bw = max(copy_bw, copy_bandwidth(dev))
@@ -234,14 +332,13 @@ def main():
             w3p, w3s = random_mxfp4(e, args.inter, args.latent, dev, gen)
             w2p, w2s = random_mxfp4(e, args.latent, args.inter, dev, gen)
             weights = ((None, None), (w1p, w1s, w3p, w3s), (w2p, w2s))
-            decode = [t for t in args.tokens if t <= 64]
             for t in args.tokens:
                 plans = None
-                if args.sweep and e == args.experts[0] and t in (max(decode or [0]), max(args.tokens)):
+                if args.sweep:
                     rows = -(-t * args.top_k // e)
                     plans = variants(args, dev, rows, DECODE_VARIANTS if t <= 64 else PREFILL_VARIANTS)
                 try:
-                    bench_case(e, t, args, weights, dev, gen, copy_bw, plans)
+                    bench_case(e, t, args, weights, dev, gen, copy_bw, plans, deadline, pool)
                 except Exception:  # noqa: BLE001 - report the row and go on with the others
                     import traceback
 
@@ -250,6 +347,9 @@ def main():
             del w1p, w1s, w3p, w3s, w2p, w2s, weights
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+    if pool is not None:
+        pool.shutdown(cancel_futures=True)
+    print(f"total {time.time() - t_start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

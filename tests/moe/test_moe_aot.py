@@ -1,7 +1,7 @@
 """Proof of native code: the grouped MXFP4 expert GEMM compiled ahead of time runs on the MX matrix units where the
 target has them (gfx950: v_mfma_scale_f32_*_f8f6f4; sm_100: tcgen05.mma block-scaled, kind::mxf4 with MXFP4
-activations, kind::mxf8f6f4 with MXFP8 ones) and upcasts in registers on sm_90 (prmt bit placement, bf16 MMAs),
-without spills."""
+activations, kind::mxf8f6f4 with MXFP8 ones) and upcasts in registers on sm_90 (prmt bit placement; FMA GEMV at
+decode rows, bf16 MMAs in between, a dequant kernel + bf16 wgmma GEMM at prefill rows), without spills."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,7 @@ import re
 import pytest
 
 from k3c.codegen.aot import compile_kernels, shutdown_workers
-from k3c.codegen.kernels.moe import emit_moe_gemm, moe_gemm_plan, mx_mode
+from k3c.codegen.kernels.moe import emit_moe_dequant, emit_moe_gemm, moe_gemm_plan, mx_mode
 from k3c.codegen.targets import get_target
 
 N, K, E, TOP_K = 128, 128, 8, 2
@@ -28,11 +28,16 @@ def compile_expert_gemm(aot_dir, target: str, mx: str, rows: int = 1):
     """The grouped down GEMM (the gate/up kernel has the same main loop, plus a second weight and the GLU)."""
     t = get_target(target)
     plan = moe_gemm_plan("down", N, K, rows, mx, "bf16", t)
-    ks = emit_moe_gemm("down", N, K, target=t, plan=plan, num_experts=E, top_k=TOP_K, mx=mx, interpret=False)
-    (ck,) = compile_kernels([ks], t, str(aot_dir / f"{target}_{mx}"), progress=False)
-    asm = (aot_dir / f"{target}_{mx}" / ck.files["amdgcn" if t.backend == "hip" else "ptx"]).read_text()
-    assert not ck.resources.has_spills, ck.resources
-    return ck, asm
+    ks = [emit_moe_gemm("down", N, K, target=t, plan=plan, num_experts=E, top_k=TOP_K, interpret=False,
+                        mx="none" if plan.dequant else mx, w_dtype="bf16" if plan.dequant else None,
+                        expert_chunk=plan.dequant)]
+    if plan.dequant:
+        ks.append(emit_moe_dequant(N, K, target=t, interpret=False))
+    out = aot_dir / f"{target}_{mx}_{rows}"
+    cks = compile_kernels(ks, t, str(out), progress=False)
+    asm = "\n".join((out / ck.files["amdgcn" if t.backend == "hip" else "ptx"]).read_text() for ck in cks)
+    assert not any(ck.resources.has_spills for ck in cks), [ck.resources for ck in cks]
+    return cks[0], asm
 
 
 def test_mode_follows_the_target():
@@ -55,7 +60,12 @@ def test_sm100_runs_block_scaled_tcgen05_mxf4(aot_dir):
     assert re.search(r"tcgen05\.mma\S*\.kind::mxf4\.block_scale", ptx), "no block-scaled tcgen05.mma kind::mxf4"
 
 
-def test_sm90_upcasts_in_registers(aot_dir):
-    ck, ptx = compile_expert_gemm(aot_dir, "h200", "upcast")
-    assert "prmt.b32" in ptx and "mma.sync" in ptx and ".bf16" in ptx
-    assert not re.search(r"tcgen05|mfma_scale", ptx)
+@pytest.mark.parametrize("rows, mma", [(1, None), (16, "mma.sync"), (512, "wgmma")])
+def test_sm90_upcasts_in_registers(aot_dir, rows, mma):
+    """Default forms by rows: 1 the FMA GEMV (no MMA), 16 the joined MMA form, 512 dequant + bf16 wgmma."""
+    ck, ptx = compile_expert_gemm(aot_dir, "h200", "upcast", rows)
+    assert "prmt.b32" in ptx and not re.search(r"tcgen05|mfma_scale", ptx)
+    if mma is None:
+        assert "mma" not in ptx
+    else:
+        assert mma in ptx and ".bf16" in ptx

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3c.codegen.kernels import moe as KM
 from k3c.codegen.kernels.moe import moe_gemm_plan
 from k3c.codegen.targets import get_target
 from k3c.frontend.spec import ActivationSpec
@@ -79,19 +80,55 @@ def test_grouped_experts_equal_reference(case, dtype, tol):
     assert rel(got, want) <= tol
 
 
-@pytest.mark.parametrize("post_scale", [False, True])
-def test_mxfp4_upcast_equals_reference_on_dequantized_weights(post_scale):
+UPCAST_FORMS = {"split": dict(gemv=0, joined=False), "post_scale": dict(gemv=0, post_scale=True),
+                "joined": dict(gemv=0, joined=True), "gemv1": dict(gemv=1), "gemv2": dict(gemv=2),
+                "dequant": dict(dequant=True)}
+
+
+@pytest.mark.parametrize("form", list(UPCAST_FORMS))
+def test_mxfp4_upcast_equals_reference_on_dequantized_weights(form, monkeypatch):
     g = torch.Generator().manual_seed(2)
-    t, e, k, z, m = 3, 3, 2, 64, 64
+    t, e, k, z, m = 5, 3, 2, 64, 64
     wt, ids, off, perm = M.route(torch.randn(t, e, generator=g), None, top_k=k)
     x = torch.randn(t, z, generator=g).to(torch.bfloat16)
     qs = [mxfp4_quantize(w) for w in experts(e, m, z, torch.float32, g)]
     d1, d3, d2 = (mxfp4_dequantize(p, s, torch.bfloat16) for p, s in qs)
-    # two N tiles and two K steps per program: the nibble / scale indexing across tiles
-    plan = moe_gemm_plan("gate_up", m, z, 1, "upcast", "bf16", get_target("cpu"), block_n=32, block_k=32,
-                         post_scale=post_scale)
-    got = run_experts(x, [*qs[0], *qs[1]], [*qs[2]], wt, ids, off, perm, k, SITU, mx="upcast", plan=plan)
+    # dequant: a workspace of two experts' gate/up weights, so the 3 experts run in two chunks (2 + 1)
+    monkeypatch.setattr(KM, "DEQUANT_WORKSPACE_BYTES", 2 * 2 * m * z * 2)
+    # two N tiles and two K steps per program: the nibble / scale indexing across tiles (gemv2 with 3-4 rows per
+    # expert: a full and a partial row group)
+    cpu = get_target("cpu")
+    pg = moe_gemm_plan("gate_up", m, z, 1, "upcast", "bf16", cpu, block_n=32, block_k=32, **UPCAST_FORMS[form])
+    pd = moe_gemm_plan("down", z, m, 1, "upcast", "bf16", cpu, block_n=32, block_k=32, **UPCAST_FORMS[form])
+    assert (pg.dequant, pg.gemv, pg.joined, pg.post_scale) == (form == "dequant", int(form[-1]) if "gemv" in form
+                                                               else 0, form == "joined", form == "post_scale")
+    h = M.grouped_gemm("gate_up", x, [*qs[0], *qs[1]], off, perm, top_k=k, mx="upcast", act=SITU, plan=pg)
+    y = M.grouped_gemm("down", h, [*qs[2]], off, perm, top_k=k, mx="upcast", plan=pd)
+    got = M.combine(y, wt, ids, top_k=k, num_experts=e)
     assert rel(got, ref.routed_experts(x, d1, d3, d2, wt, ids.long(), SITU)) <= 1e-2
+
+
+@pytest.mark.parametrize("form", ["gemv2", "dequant"])
+def test_mxfp4_dense_forms(form):
+    """The dense MXFP4 x bf16 GEMM in the GEMV form (5 rows: groups of 2, the last partial) and the dequant form."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    p, s = mxfp4_quantize(torch.randn(48, 64, generator=g))
+    plan = moe_gemm_plan("dense", 48, 64, 5, "upcast", "bf16", get_target("cpu"), block_k=32, **UPCAST_FORMS[form])
+    got = M.mx_linear(a, p, s, mx="upcast", plan=plan)
+    assert rel(got, a.float() @ mxfp4_dequantize(p, s, torch.float32).T) <= 5e-3
+
+
+def test_upcast_default_forms_follow_the_rows():
+    """The runtime's default upcast form by rows per expert (the rules the bench's sweep is meant to retune)."""
+    h200 = get_target("h200")
+
+    def plan(rows, mx="upcast"):
+        return moe_gemm_plan("gate_up", 3072, 3584, rows, mx, "bf16", h200)
+    assert plan(1).gemv == 1 and plan(3).gemv == (4 if KM.GEMV_MAX_ROWS >= 3 else 0)
+    assert plan(KM.GEMV_MAX_ROWS + 1).gemv == 0 and plan(KM.GEMV_MAX_ROWS + 1).joined == KM.JOINED_DEFAULT
+    assert plan(KM.DEQUANT_MIN_ROWS).dequant and not plan(KM.DEQUANT_MIN_ROWS - 1).dequant
+    assert not any(p.dequant or p.gemv or p.joined for p in (plan(1, "e4m3"), plan(4096, "e4m3"), plan(1, "none")))
 
 
 def test_mxfp4_native_dot_scaled_quantizes_activations_like_k3c_quant():

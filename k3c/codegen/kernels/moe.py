@@ -30,7 +30,15 @@ Weight formats (`mx`):
              nibbles). Measured on an H200: a full-register decode folding the scale into the bit pattern (~16
              integer ops per element) streamed 0.46 TB/s of packed weights at decode; scaling the fp32 partial
              product per block instead (fp16 dots; plan option post_scale) 0.86-0.95 TB/s but serialised the
-             prefill MMAs.
+             prefill MMAs. That two-dot "split" form is kept as a plan option; the forms the plan picks by rows
+             per expert (moe_gemm_plan; rules DEQUANT_MIN_ROWS, GEMV_MAX_ROWS, JOINED_DEFAULT):
+               gemv     (decode, <= 4 rows) a 16-row tile's real rows, 1-4 at a time, FMAs against the decoded
+                        K-contiguous tile (16-byte loads), each 32-block's partial sum scaled once; no MMA.
+               joined   (MMA) the scaled nibbles interleaved back into a [BLOCK_N, BLOCK_K] tile (tl.join), one
+                        dot per K step with contiguous activation loads (mma.sync at 16-32 rows, wgmma at 64+).
+               dequant  (prefill, >= 256 rows) emit_moe_dequant writes the experts' bf16 weights once per call
+                        (chunks of experts within DEQUANT_WORKSPACE_BYTES), then the bf16 grouped GEMM with
+                        expert_chunk runs those experts' tiles: the decode is not repeated per M tile.
     e4m3     native (target.native_mxfp4): A is quantized per 32 columns to MXFP8 in registers (OCP floor rule, as
              k3c.quant.mxfp8_quantize: scale = floor(log2 amax) - 8, elements saturated to +-448, round to nearest
              even) and tl.dot_scaled(e4m3, e2m1) runs on v_mfma_scale_f32_*_f8f6f4 (gfx950) / tcgen05.mma
@@ -83,6 +91,24 @@ class MoEGemmPlan:
     num_warps: int
     num_stages: int
     post_scale: bool = False   # upcast: scale the fp32 partial product per 32-block instead of the decoded weights
+    joined: bool = False       # upcast: nibbles interleaved back into one [BLOCK_N, BLOCK_K] tile, one dot per step
+    gemv: int = 0              # upcast, BLOCK_M 16: FMA GEMV over the tile's real rows, this many rows at a time
+    dequant: bool = False      # upcast: dequantize the experts to a bf16 workspace once, then the bf16 GEMM (tiles)
+
+    @property
+    def tag(self) -> str:
+        """Short name of the variant (bench tables)."""
+        form = ("dequant" if self.dequant else f"gemv{self.gemv}" if self.gemv else "joined" if self.joined
+                else "postscale" if self.post_scale else "split")
+        return f"{form}_m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+
+
+# Default-plan rules of the upcast (sm_90 / gfx942) grouped GEMM, by expected rows per expert; the bench's --sweep
+# times the alternatives, so switching the default to the measured best is a change of one of these lines.
+DEQUANT_MIN_ROWS = 256      # prefill: dequantize once to bf16 and run the bf16 grouped GEMM from this many rows up
+GEMV_MAX_ROWS = 4           # decode: the FMA GEMV form up to this many rows (else the MMA form)
+JOINED_DEFAULT = True       # the MMA form: one interleaved tile per step (False: two half-K dots per 32-block)
+DEQUANT_WORKSPACE_BYTES = 2 << 30   # the bf16 workspace of one call (experts are processed in chunks that fit)
 
 
 def _divisor_block(k: int, want: int, floor: int) -> int:
@@ -97,23 +123,36 @@ def _divisor_block(k: int, want: int, floor: int) -> int:
 
 def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, target: Target, *,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, post_scale: bool = False) -> MoEGemmPlan:
+                  num_stages: int | None = None, post_scale: bool = False, joined: bool | None = None,
+                  gemv: int | None = None, dequant: bool | None = None) -> MoEGemmPlan:
     """Tiles of the grouped expert GEMM. BLOCK_M = rows per expert rounded up to 16..128 (the tile-offset buckets).
     Decode (BLOCK_M 16-32; the weight stream dominates): narrow N tiles (32 columns, gate and up side by side for
     gate_up) so that the active experts' weights spread over many programs, long K steps (256; 128 for the 32-row
     upcast tile) to keep bytes in flight. Prefill (64-128 rows; tensor cores): 128-wide N tiles (64 x 2 for
-    gate_up), 64 K (bf16), 128 (native MX), 32 (upcast, 8 warps: spill-free on sm_90). MX weights need
-    BLOCK_K | K (K is a multiple of 32); bf16 weights mask a ragged last K step. Stages fill the shared-memory
-    budget (2-3; one on the interpreter, which also takes whole 128-column N tiles: it pays per program).
-    Overrides are for benchmarks and tests; post_scale selects the measured per-block partial-product scaling of
-    the upcast path (module doc)."""
+    gate_up), 64 K (bf16), 128 (native MX), 32 (upcast split form, 8 warps: spill-free on sm_90), 64 (joined).
+    MX weights need BLOCK_K | K (K is a multiple of 32); bf16 weights mask a ragged last K step. Stages fill the
+    shared-memory budget (2-3; one on the interpreter, which also takes whole 128-column N tiles: it pays per
+    program). Upcast forms (module doc; None = the rules DEQUANT_MIN_ROWS / GEMV_MAX_ROWS / JOINED_DEFAULT):
+    dequant (bf16 workspace + the bf16 tiles of this plan), gemv (FMA over the real rows of a 16-row tile), joined
+    or split MMA forms, post_scale (split form, partial products scaled per block). Overrides are for benchmarks."""
+    up = mx == "upcast"
+    if up and (dequant if dequant is not None else rows >= DEQUANT_MIN_ROWS):
+        base = moe_gemm_plan(kind, n, k, rows, "none", dtype, target, block_n=block_n, block_k=block_k,
+                             num_warps=num_warps, num_stages=num_stages)
+        return MoEGemmPlan(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, dequant=True)
     bm = row_bucket(rows)
     n_b = 2 if kind == "gate_up" else 1
     eb = ELEM_BYTES[dtype]
-    if bm <= 32:    # the upcast decode of a 32 x 256 step spills on sm_90: 128 there
-        bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" else 128
-    elif mx == "upcast":  # one 32-block per step: the scaled partial products stay in registers without spills
-        bn, bk = 128 // n_b, 32
+    # GEMV rows per group: the expected rows (1, 2, 4), so a one-token expert does no masked FMAs
+    use_gemv = (gemv if gemv is not None else min(4, pow2_ceil(rows)) if rows <= GEMV_MAX_ROWS else 0) \
+        if up and not post_scale else 0
+    use_joined = up and not post_scale and not use_gemv and (joined if joined is not None else JOINED_DEFAULT)
+    if use_gemv:    # one 16-row tile; its real rows stream the weight tile once (FMA, no MMA layouts)
+        bm, bn, bk = 16, (32 if use_gemv == 1 else 64) // n_b, 256   # 8 warps for 2-4 rows: 16-byte loads
+    elif bm <= 32:    # the split-form decode of a 32 x 256 step spills on sm_90: 128 there
+        bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" or use_joined else 128
+    elif up:  # split: one 32-block per step (the scaled partial products stay in registers); joined: 64
+        bn, bk = 128 // n_b, 64 if use_joined else 32
     else:
         bn, bk = 128 // n_b, 128 if mx != "none" else 128 // eb
     if target.backend == "cpu":     # the interpreter pays per program: whole rows of N in one tile
@@ -127,7 +166,9 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     else:
         bk = max(16, min(want_k, pow2_ceil(k)))
     # 8 warps for the upcast prefill tiles: at 4 the accumulators, partial products and decoded tiles spilled
-    warps = num_warps or (4 if bm * bn <= 64 * 64 and not (bm >= 64 and mx == "upcast") else 8)
+    warps = num_warps or (4 if bm * bn <= 64 * 64 and not (bm >= 64 and up) else 8)
+    if use_gemv and not num_warps:  # 2-4 row groups: 8 warps (at 4 the per-row partial sums spilled on sm_90)
+        warps = 4 if use_gemv == 1 else 8
     if target.shared_mem_bytes <= 0:
         stages = 1
     elif num_stages:
@@ -137,7 +178,7 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         stage = bm * bk * eb + n_b * bn * w_bytes
         budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
         stages = max(2, min(3, budget // max(1, stage)))
-    return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and mx == "upcast")
+    return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and up, joined=use_joined, gemv=use_gemv)
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -371,7 +412,8 @@ def _emit_act_quant_helper(w: SourceWriter, fmt: str, bm: str, bk: str, interp: 
 def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPlan, num_experts: int = 1,
                   top_k: int = 1, mx: str = "none", dtype: str = "bf16", w_dtype: str | None = None,
                   out_dtype: str | None = None, act: object = "swiglu", name: str | None = None,
-                  ir_op: str = "moe_experts", loc: str = "", interpret: bool | None = None) -> KernelSource:
+                  ir_op: str = "moe_experts", loc: str = "", interpret: bool | None = None,
+                  expert_chunk: bool = False) -> KernelSource:
     """Grouped (gate_up, down) or dense MXFP4/bf16 GEMM; see the module doc.
 
     Kernel args (W = w1/w3 or w2 stacks [E, N, K]; mx: packed [E, N, K/2] + scale [E, N, K/32] pairs):
@@ -379,7 +421,8 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         down:    a_ptr [S, K] (permuted), w(, ws), off_ptr, perm_ptr, c_ptr [S, N] (slot order), TILES
         dense:   a_ptr [M, K], w(, ws), c_ptr [M, N], M
     grid: routed (TILES, cdiv(N, BLOCK_N)) with TILES an upper bound of the M tiles (tile_slots()); dense
-    (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))."""
+    (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). expert_chunk (routed): two more args E0, E1; only the tiles of experts
+    [E0, E1) run and the weight stacks hold just those experts (the dequant path's bf16 workspace)."""
     if kind not in KINDS:
         raise CodegenError(f"moe gemm kind must be one of {KINDS}, got {kind!r}")
     if mx not in MX_MODES:
@@ -398,7 +441,14 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         raise CodegenError(f"grouped GEMM BLOCK_M must be one of {ROW_BUCKETS} (the routing's tile offsets)")
     if mx != "none" and (K % BK or BK % 32):
         raise CodegenError(f"MXFP4 GEMM: BLOCK_K {BK} must be a multiple of 32 dividing K {K}")
+    if plan.dequant and mx != "none":
+        raise CodegenError("a dequant plan runs the bf16 kernel (mx 'none') on the dequantized workspace")
+    gemv = plan.gemv and mx == "upcast"
+    joined = plan.joined and mx == "upcast" and not gemv
+    if gemv and BM != 16:
+        raise CodegenError("the GEMV form takes 16-row tiles")
     routed = kind != "dense"
+    chunk = expert_chunk and routed
     glu = glu_act(act) if kind == "gate_up" else None
     even_k = K % BK == 0
     even_n = N % BN == 0
@@ -417,6 +467,10 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         tags.append(f"mx{mx}")
     if plan.post_scale:
         tags.append("ps")
+    if gemv or joined:
+        tags.append(f"gv{plan.gemv}" if gemv else "j")
+    if chunk:
+        tags.append("ch")
     if glu is not None:
         tags.insert(2, name_part(glu.tag()))
     kname = ident(name if name is not None else "_".join(tags))
@@ -429,6 +483,8 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     if routed:
         sig.update({"off_ptr": "*i32", "perm_ptr": "*i32"})
     sig.update({"c_ptr": f"*{odt}", "TILES" if routed else "M": "i32"})
+    if chunk:
+        sig.update({"E0": "i32", "E1": "i32"})
     cx = {"N": N, "K": K, "BLOCK_M": BM, "BLOCK_N": BN, "BLOCK_K": BK}
     if routed:
         cx.update({"E": E, "E_PAD": pow2_ceil(E), "TOP_K": TK})
@@ -439,7 +495,8 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"moe gemm {what} N={N} K={K} E={E} top_k={TK} a:{dt} w:{wdt} mx={mx} out:{odt}",
                     f"tiles {BM}x{BN}x{BK} num_warps={plan.num_warps} num_stages={plan.num_stages}"
-                    + (" post_scale" if plan.post_scale else "")
+                    + (" post_scale" if plan.post_scale else "") + (" gemv" if gemv else "")
+                    + (" joined" if joined else "") + (" expert_chunk" if chunk else "")
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, **(glu_helpers(glu) if glu is not None else {}), rtne_bf16=interp and odt == "bf16")
@@ -447,12 +504,19 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         _emit_act_quant_helper(w, mx, "BLOCK_M", "BLOCK_K", interp)
     with w.jit_function(kname, list(sig), list(cx)):
         if routed:
+            w.line(f"t_off = off_ptr + {ROW_BUCKETS.index(BM) + 1} * (E + 1)  # tile offsets for this BLOCK_M")
             w.lines([
+                "tile = tl.program_id(0) + tl.load(t_off + E0)",
+                "pid_n = tl.program_id(1)",
+                "if tile >= tl.load(t_off + E1):",
+                "    return",
+            ] if chunk else [
                 "tile = tl.program_id(0)",
                 "pid_n = tl.program_id(1)",
-                f"t_off = off_ptr + {ROW_BUCKETS.index(BM) + 1} * (E + 1)  # tile offsets for this BLOCK_M",
                 "if tile >= tl.load(t_off + E):",
                 "    return",
+            ])
+            w.lines([
                 "ex = tl.arange(0, E_PAD)",
                 "e_ok = ex < E",
                 "ends = tl.load(t_off + ex + 1, mask=e_ok, other=2147483647)",
@@ -461,6 +525,7 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
                 "row_end = tl.load(off_ptr + e + 1)",
                 "offs_m = row0 + tl.arange(0, BLOCK_M)",
                 "m_ok = offs_m < row_end",
+                "e64 = (e - E0).to(tl.int64)  # the workspace holds experts E0.. only" if chunk else
                 "e64 = e.to(tl.int64)",
             ])
             if kind == "gate_up":
@@ -480,98 +545,240 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         w.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
         w.line("n_ok = offs_n < N")
         w.line("rows_w = (offs_n % N).to(tl.int64)" if not even_n else "rows_w = offs_n.to(tl.int64)")
-        if mx == "upcast":
-            w.line("offs_h = tl.arange(0, 16)")
-            w.line("a_ptrs = a_ptr + rows_a[:, None] * K + 2 * offs_h[None, :]  # even K columns of a 32-block")
-            for x in wn:
-                w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
-                w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w * (K // 32)")
-        elif native:
-            w.line("offs_k = tl.arange(0, BLOCK_K)")
-            w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
-            w.line("offs_s = tl.arange(0, BLOCK_K // 32)")
-            w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
-            for x in wn:
-                w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
-                w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[:, None] * (K // 32)"
-                       f" + offs_s[None, :]")
+        if gemv:
+            _emit_gemv_body(w, kind, wn, glu, odt, interp, use_asm, plan.gemv)
         else:
-            w.line("offs_k = tl.arange(0, BLOCK_K)")
-            w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
-            for x in wn:
-                w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * K) + rows_w[None, :] * K + offs_k[:, None]")
-        for x in wn:
-            w.line(f"acc_{x} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
-        w.line(f"for kb in range(0, {num(-(-K // BK))}):")
-        with w.indent():
-            if mx == "upcast":
-                # per 32-block (its E8M0 scale is per block and column): decoded values (x 2^-14, fp16) times
-                # 2^(s - 113) in fp32 -> the exact bf16 weights, then the dots accumulate straight into acc; or
-                # (plan.post_scale) fp16 dots of the decoded values and the fp32 partial product scaled per block
-                w.line("for b in tl.static_range(BLOCK_K // 32):")
-                with w.indent():
-                    a_dt = pdt if plan.post_scale else op_dt
-                    w.line(f"a_e = tl.load(a_ptrs + b * 32).to({a_dt})")
-                    w.line(f"a_o = tl.load(a_ptrs + b * 32 + 1).to({a_dt})")
-                    for x in wn:
-                        w.lines(_decode_lines(f"tl.load({x}_ptrs + b * 16)", "w_lo", "w_hi", use_asm)
-                                if use_asm else
-                                [f"p = tl.load({x}_ptrs + b * 16)"] + _decode_lines("p", "w_lo", "w_hi", False))
-                        w.line(f"sc = (((tl.load({x}s_ptrs + b).to(tl.int32) + 14) << 23)"
-                               f".to(tl.float32, bitcast=True))[None, :]")
-                        if plan.post_scale:
-                            w.line(f"part = tl.dot(a_e, w_lo.to({pdt}){pkw})")
-                            w.line(f"part = tl.dot(a_o, w_hi.to({pdt}), part{pkw})")
-                            w.line(f"acc_{x} += part * sc")
-                        else:
-                            w.line(f"acc_{x} = tl.dot(a_e, (w_lo.to(tl.float32) * sc).to({op_dt}), acc_{x}{dot_kw})")
-                            w.line(f"acc_{x} = tl.dot(a_o, (w_hi.to(tl.float32) * sc).to({op_dt}), acc_{x}{dot_kw})")
-                w.line("a_ptrs += BLOCK_K")
+            if joined:
+                w.line("offs_k = tl.arange(0, BLOCK_K)")
+                w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
+                _emit_wtile_ptrs(w, wn)
+            elif mx == "upcast":
+                w.line("offs_h = tl.arange(0, 16)")
+                w.line("a_ptrs = a_ptr + rows_a[:, None] * K + 2 * offs_h[None, :]  # even K columns of a 32-block")
                 for x in wn:
-                    w.line(f"{x}_ptrs += BLOCK_K // 2")
-                    w.line(f"{x}s_ptrs += BLOCK_K // 32")
+                    w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
+                    w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w * (K // 32)")
             elif native:
-                w.line("aq, a_s = _k3c_quant_a(tl.load(a_ptrs).to(tl.float32), BLOCK_M, BLOCK_K)")
+                w.line("offs_k = tl.arange(0, BLOCK_K)")
+                w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
+                w.line("offs_s = tl.arange(0, BLOCK_K // 32)")
+                w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
                 for x in wn:
-                    w.line(f"acc_{x} = tl.dot_scaled(aq, a_s, \"{mx}\", tl.load({x}_ptrs), tl.load({x}s_ptrs),"
-                           f" \"e2m1\", acc_{x})")
-                w.line("a_ptrs += BLOCK_K")
-                for x in wn:
-                    w.line(f"{x}_ptrs += BLOCK_K // 2")
-                    w.line(f"{x}s_ptrs += BLOCK_K // 32")
+                    w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
+                    w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[:, None] * (K // 32)"
+                           f" + offs_s[None, :]")
             else:
-                if even_k:
-                    w.line("a = tl.load(a_ptrs)")
+                w.line("offs_k = tl.arange(0, BLOCK_K)")
+                w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
+                for x in wn:
+                    w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * K) + rows_w[None, :] * K + offs_k[:, None]")
+            for x in wn:
+                w.line(f"acc_{x} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+            w.line(f"for kb in range(0, {num(-(-K // BK))}):")
+            with w.indent():
+                if joined:
+                    # nibbles decoded and scaled per 32-block, interleaved back into K order: one dot per step
+                    w.line(f"a = tl.load(a_ptrs).to({op_dt})")
+                    for x in wn:
+                        _emit_wtile_decode(w, x, f"wv_{x}", use_asm, op_dt)
+                        w.line(f"acc_{x} = tl.dot(a, tl.trans(wv_{x}), acc_{x}{dot_kw})")
+                    w.line("a_ptrs += BLOCK_K")
+                    _emit_wtile_advance(w, wn)
+                elif mx == "upcast":
+                    # per 32-block (its E8M0 scale is per block and column): decoded values (x 2^-14, fp16) times
+                    # 2^(s - 113) in fp32 -> the exact bf16 weights, then the dots accumulate straight into acc; or
+                    # (plan.post_scale) fp16 dots of the decoded values and the fp32 partial product scaled per block
+                    w.line("for b in tl.static_range(BLOCK_K // 32):")
+                    with w.indent():
+                        a_dt = pdt if plan.post_scale else op_dt
+                        w.line(f"a_e = tl.load(a_ptrs + b * 32).to({a_dt})")
+                        w.line(f"a_o = tl.load(a_ptrs + b * 32 + 1).to({a_dt})")
+                        for x in wn:
+                            w.lines(_decode_lines(f"tl.load({x}_ptrs + b * 16)", "w_lo", "w_hi", use_asm)
+                                    if use_asm else
+                                    [f"p = tl.load({x}_ptrs + b * 16)"] + _decode_lines("p", "w_lo", "w_hi", False))
+                            w.line(f"sc = (((tl.load({x}s_ptrs + b).to(tl.int32) + 14) << 23)"
+                                   f".to(tl.float32, bitcast=True))[None, :]")
+                            if plan.post_scale:
+                                w.line(f"part = tl.dot(a_e, w_lo.to({pdt}){pkw})")
+                                w.line(f"part = tl.dot(a_o, w_hi.to({pdt}), part{pkw})")
+                                w.line(f"acc_{x} += part * sc")
+                            else:
+                                w.line(f"acc_{x} = tl.dot(a_e, (w_lo.to(tl.float32) * sc).to({op_dt}),"
+                                       f" acc_{x}{dot_kw})")
+                                w.line(f"acc_{x} = tl.dot(a_o, (w_hi.to(tl.float32) * sc).to({op_dt}),"
+                                       f" acc_{x}{dot_kw})")
+                    w.line("a_ptrs += BLOCK_K")
+                    for x in wn:
+                        w.line(f"{x}_ptrs += BLOCK_K // 2")
+                        w.line(f"{x}s_ptrs += BLOCK_K // 32")
+                elif native:
+                    w.line("aq, a_s = _k3c_quant_a(tl.load(a_ptrs).to(tl.float32), BLOCK_M, BLOCK_K)")
+                    for x in wn:
+                        w.line(f"acc_{x} = tl.dot_scaled(aq, a_s, \"{mx}\", tl.load({x}_ptrs), tl.load({x}s_ptrs),"
+                               f" \"e2m1\", acc_{x})")
+                    w.line("a_ptrs += BLOCK_K")
+                    for x in wn:
+                        w.line(f"{x}_ptrs += BLOCK_K // 2")
+                        w.line(f"{x}s_ptrs += BLOCK_K // 32")
                 else:
-                    w.line("k_ok = offs_k < K - kb * BLOCK_K")
-                    w.line("a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)")
-                for x in wn:
                     if even_k:
-                        w.line(f"{x} = tl.load({x}_ptrs)")
+                        w.line("a = tl.load(a_ptrs)")
                     else:
-                        w.line(f"{x} = tl.load({x}_ptrs, mask=k_ok[:, None], other=0.0)")
-                    if wdt != dt:   # as the reference's linear: W cast to A's dtype (rounded), then the product
-                        w.line(f"{x} = " + (to_dtype(f"{x}.to(tl.float32)", dt, interp) if dt != "fp32"
-                                            else f"{x}.to(tl.float32)"))
-                    w.line(f"acc_{x} = tl.dot(a.to({op_dt}), {x}.to({op_dt}), acc_{x}{dot_kw})")
-                w.line("a_ptrs += BLOCK_K")
-                for x in wn:
-                    w.line(f"{x}_ptrs += BLOCK_K")
-        w.line("c_mask = m_ok[:, None] & n_ok[None, :]")
-        if kind == "down":
-            w.line("rows_c = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)")
-        else:
-            w.line("rows_c = offs_m.to(tl.int64)")
-        w.line("c_offs = rows_c[:, None] * N + offs_n[None, :]")
-        if glu is not None:
-            w.lines(glu_lines(glu, "acc_wg", "acc_wu", "acc"))
-        else:
-            w.line("acc = acc_w")
-        w.line(f"tl.store(c_ptr + c_offs, {to_dtype('acc', odt, interp)}, mask=c_mask)")
+                        w.line("k_ok = offs_k < K - kb * BLOCK_K")
+                        w.line("a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)")
+                    for x in wn:
+                        if even_k:
+                            w.line(f"{x} = tl.load({x}_ptrs)")
+                        else:
+                            w.line(f"{x} = tl.load({x}_ptrs, mask=k_ok[:, None], other=0.0)")
+                        if wdt != dt:   # as the reference's linear: W cast to A's dtype (rounded), then the product
+                            w.line(f"{x} = " + (to_dtype(f"{x}.to(tl.float32)", dt, interp) if dt != "fp32"
+                                                else f"{x}.to(tl.float32)"))
+                        w.line(f"acc_{x} = tl.dot(a.to({op_dt}), {x}.to({op_dt}), acc_{x}{dot_kw})")
+                    w.line("a_ptrs += BLOCK_K")
+                    for x in wn:
+                        w.line(f"{x}_ptrs += BLOCK_K")
+            w.line("c_mask = m_ok[:, None] & n_ok[None, :]")
+            if kind == "down":
+                w.line("rows_c = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)")
+            else:
+                w.line("rows_c = offs_m.to(tl.int64)")
+            w.line("c_offs = rows_c[:, None] * N + offs_n[None, :]")
+            if glu is not None:
+                w.lines(glu_lines(glu, "acc_wg", "acc_wu", "acc"))
+            else:
+                w.line("acc = acc_w")
+            w.line(f"tl.store(c_ptr + c_offs, {to_dtype('acc', odt, interp)}, mask=c_mask)")
     grid = ("TILES", "cdiv(N, BLOCK_N)") if routed else ("cdiv(M, BLOCK_M)",
                                                                                 "cdiv(N, BLOCK_N)")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=grid,
                         num_warps=plan.num_warps, num_stages=plan.num_stages, ir_op=ir_op, loc=loc)
+
+
+def _emit_wtile_ptrs(w: SourceWriter, wn: list[str]) -> None:
+    """Pointers of the [BLOCK_N, BLOCK_K / 2] packed tile (K contiguous: 16-byte loads) and its scales."""
+    w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
+    w.line("offs_s = tl.arange(0, BLOCK_K // 32)")
+    for x in wn:
+        w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[:, None] * (K // 2) + offs_h[None, :]")
+        w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[:, None] * (K // 32) + offs_s[None, :]")
+
+
+def _emit_wtile_advance(w: SourceWriter, wn: list[str]) -> None:
+    for x in wn:
+        w.line(f"{x}_ptrs += BLOCK_K // 2")
+        w.line(f"{x}s_ptrs += BLOCK_K // 32")
+
+
+def _emit_wtile_decode(w: SourceWriter, x: str, out: str, use_asm: bool, out_dt: str) -> None:
+    """`out` [BLOCK_N, BLOCK_K] = the weight tile: E2M1 values (fp16 x 2^-14) times 2^(s - 113) in fp32 (exact),
+    in `out_dt`, low / high nibbles joined back into K order (element 2i is the low nibble)."""
+    w.lines(_decode_lines(f"tl.load({x}_ptrs)", "w_lo", "w_hi", True) if use_asm else
+            [f"p = tl.load({x}_ptrs)"] + _decode_lines("p", "w_lo", "w_hi", False))
+    w.line(f"sc = (((tl.load({x}s_ptrs).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True))[:, :, None]")
+    w.line("w_lo = tl.reshape(w_lo.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16)) * sc")
+    w.line("w_hi = tl.reshape(w_hi.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16)) * sc")
+    w.line(f"{out} = tl.reshape(tl.join(w_lo.to({out_dt}), w_hi.to({out_dt})), (BLOCK_N, BLOCK_K))")
+
+
+def _emit_gemv_body(w: SourceWriter, kind: str, wn: list[str], glu, odt: str, interp: bool, use_asm: bool,
+                    group: int) -> None:
+    """The GEMV form of a 16-row tile: its real rows, `group` at a time, each group streaming the weight tile once;
+    the decoded values meet each row's even / odd activations in fp32 FMAs, summed per 32-block and then scaled
+    (no per-element scale multiply, no nibble interleave, no MMA operand layout: ~3.75 ops per weight and row
+    group on CUDA; at 1-4 rows the FMAs cost less than the decode)."""
+    if kind == "dense":
+        w.line("row0 = pid_m * BLOCK_M")
+        w.line("r_end = tl.minimum(M, row0 + BLOCK_M)")
+    else:
+        w.line("r_end = tl.minimum(row_end, row0 + BLOCK_M)")
+    w.line("offs_k = tl.arange(0, BLOCK_K)")
+    w.line(f"for r0 in range(row0, r_end, {group}):")
+    with w.indent():
+        for g in range(group):
+            w.line(f"r{g} = r0 + {g}")
+            w.line(f"ok{g} = r{g} < r_end")
+            if kind == "gate_up":
+                w.line(f"ar{g} = (tl.load(perm_ptr + r{g}, mask=ok{g}, other=0) // TOP_K).to(tl.int64) * K")
+            else:
+                w.line(f"ar{g} = tl.where(ok{g}, r{g}, row0).to(tl.int64) * K")
+            for x in wn:
+                w.line(f"acc{g}_{x} = tl.zeros((BLOCK_N,), dtype=tl.float32)")
+        _emit_wtile_ptrs(w, wn)
+        w.line("for kb in range(0, K // BLOCK_K):")
+        with w.indent():
+            for x in wn:    # unscaled values (x 2^-14) in fp32; the scale multiplies each 32-block's partial sum
+                w.lines(_decode_lines(f"tl.load({x}_ptrs)", "w_lo", "w_hi", True) if use_asm else
+                        [f"p = tl.load({x}_ptrs)"] + _decode_lines("p", "w_lo", "w_hi", False))
+                w.line(f"lo_{x} = tl.reshape(w_lo.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16))")
+                w.line(f"hi_{x} = tl.reshape(w_hi.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16))")
+                w.line(f"sc_{x} = ((tl.load({x}s_ptrs).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)")
+            for g in range(group):
+                w.line(f"a_e, a_o = tl.split(tl.reshape(tl.load(a_ptr + ar{g} + kb * BLOCK_K + offs_k)"
+                       f".to(tl.float32), (BLOCK_K // 32, 16, 2)))")
+                for x in wn:
+                    w.line(f"part = tl.sum(lo_{x} * a_e[None, :, :] + hi_{x} * a_o[None, :, :], axis=2)")
+                    w.line(f"acc{g}_{x} += tl.sum(part * sc_{x}, axis=1)")
+            _emit_wtile_advance(w, wn)
+        for g in range(group):
+            if glu is not None:
+                w.lines(glu_lines(glu, f"acc{g}_wg", f"acc{g}_wu", f"out{g}"))
+            else:
+                w.line(f"out{g} = acc{g}_w")
+            if kind == "down":
+                w.line(f"rc{g} = tl.load(perm_ptr + r{g}, mask=ok{g}, other=0).to(tl.int64)")
+            else:
+                w.line(f"rc{g} = r{g}.to(tl.int64)")
+            w.line(f"tl.store(c_ptr + rc{g} * N + offs_n, {to_dtype(f'out{g}', odt, interp)},"
+                   f" mask=n_ok & (offs_n * 0 + r{g} < r_end))")
+
+
+DEQUANT_BLOCKS = 256    # 32-element blocks per dequant program: 4 KiB of packed bytes in, 16 KiB of bf16 out
+
+
+def emit_moe_dequant(n: int, k: int, *, target: Target, dtype: str = "bf16", ir_op: str = "moe_experts",
+                     loc: str = "", interpret: bool | None = None) -> KernelSource:
+    """The dequant path's first half: experts [E0, E1) of an MXFP4 stack (packed u8 [E, N, K/2] + E8M0 u8
+    [E, N, K/32]) to `dtype` [E1 - E0, N, K] (exact: E2M1 x 2^s has 2 significant bits). A stream: 16 packed bytes
+    and one scale per 32 outputs, the same register decode as the GEMMs; experts without rows (off row 0) exit.
+    Kernel args: p_ptr, s_ptr, off_ptr i32, out_ptr, E0, E1; grid (E1 - E0, cdiv(N * K / 32, BLOCK_B))."""
+    N, K = check_dim(n, "N"), check_dim(k, "K")
+    if K % 32:
+        raise CodegenError(f"MXFP4 weights need a reduction dim that is a multiple of 32, got {K}")
+    dt = check_float(dtype)
+    interp = interpreted(target, interpret)
+    use_asm = target.backend == "cuda" and not interp
+    kname = ident(f"k3c_moe_dequant_n{N}_k{K}_{name_part(dt)}")
+    sig = {"p_ptr": "*u8", "s_ptr": "*u8", "off_ptr": "*i32", "out_ptr": f"*{dt}", "E0": "i32", "E1": "i32"}
+    cx = {"N": N, "K": K, "BLOCK_B": DEQUANT_BLOCKS}
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"moe MXFP4 expert dequant N={N} K={K} -> {dt}" + (" [interpreter variant]" if interp else "")])
+    w.imports()
+    with w.jit_function(kname, list(sig), list(cx)):
+        w.lines([
+            "e = E0 + tl.program_id(0)",
+            "if tl.load(off_ptr + e + 1) == tl.load(off_ptr + e):",
+            "    return",
+            "e64 = e.to(tl.int64)",
+            "blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # 32-blocks, row-major over [N, K / 32]",
+            "ok = blk < N * (K // 32)",
+            "p = tl.load(p_ptr + e64 * (N * (K // 2)) + blk[:, None] * 16 + tl.arange(0, 16)[None, :],"
+            " mask=ok[:, None], other=0)",
+        ])
+        w.lines(_decode_lines("p", "w_lo", "w_hi", use_asm))
+        w.lines([
+            "sc = (((tl.load(s_ptr + e64 * (N * (K // 32)) + blk, mask=ok, other=0).to(tl.int32) + 14) << 23)"
+            ".to(tl.float32, bitcast=True))[:, None]",
+            f"v = tl.reshape(tl.join((w_lo.to(tl.float32) * sc).to({TL_DTYPE[dt]}),"
+            f" (w_hi.to(tl.float32) * sc).to({TL_DTYPE[dt]})), (BLOCK_B, 32))",
+            "dst = out_ptr + (e - E0).to(tl.int64) * (N * K) + blk[:, None] * 32 + tl.arange(0, 32)[None, :]",
+            "tl.store(dst, v, mask=ok[:, None])",
+        ])
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
+                        grid=("E1 - E0", "cdiv(N * (K // 32), BLOCK_B)"), num_warps=4, num_stages=1, ir_op=ir_op,
+                        loc=loc)
 
 
 def tile_slots(slots: int, num_experts: int, block_m: int) -> int:
@@ -652,5 +859,6 @@ def emit_moe_combine(z: int, top_k: int, *, target: Target, dtype: str = "bf16",
 
 
 __all__ = ["emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
-           "emit_moe_gemm", "emit_moe_combine", "emit_moe_linear", "moe_gemm_plan", "MoEGemmPlan", "tile_slots",
-           "mx_mode", "row_bucket", "MX_MODES", "ROW_BUCKETS"]
+           "emit_moe_gemm", "emit_moe_dequant", "DEQUANT_MIN_ROWS", "GEMV_MAX_ROWS", "JOINED_DEFAULT",
+           "DEQUANT_WORKSPACE_BYTES", "emit_moe_combine", "emit_moe_linear", "moe_gemm_plan", "MoEGemmPlan",
+           "tile_slots", "mx_mode", "row_bucket", "MX_MODES", "ROW_BUCKETS"]

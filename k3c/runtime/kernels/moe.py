@@ -19,7 +19,8 @@ import torch
 from ...codegen import launch as _launch_mod
 from ...codegen.emitters.basic import act_from_attrs
 from ...codegen.kernel import KernelSource
-from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_gemm, emit_moe_linear,
+from ...codegen.kernels import moe as _kmoe
+from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_dequant, emit_moe_gemm, emit_moe_linear,
                                     emit_moe_offsets, emit_moe_rank, emit_moe_scatter, emit_moe_topk, moe_gemm_plan,
                                     mx_mode, row_bucket, tile_slots)
 from ...codegen.launch import ENABLE_FP_FUSION, eval_grid, load_kernel, target_for, tt_dtype
@@ -37,6 +38,7 @@ _emit_rank = functools.lru_cache(maxsize=64)(emit_moe_rank)
 _emit_scatter = functools.lru_cache(maxsize=64)(emit_moe_scatter)
 _emit_offsets = functools.lru_cache(maxsize=64)(emit_moe_offsets)
 _emit_gemm = functools.lru_cache(maxsize=256)(emit_moe_gemm)
+_emit_dequant = functools.lru_cache(maxsize=64)(emit_moe_dequant)
 _emit_combine = functools.lru_cache(maxsize=64)(emit_moe_combine)
 _emit_linear = functools.lru_cache(maxsize=256)(emit_moe_linear)
 _plan = functools.lru_cache(maxsize=256)(moe_gemm_plan)
@@ -109,9 +111,39 @@ def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtyp
     tgt = target_for(a.device)
     dt = tt_dtype(a.dtype)
     plan = plan or _plan(kind, n, k, rows, mx, dt, tgt)
+    if plan.dequant and mx == "upcast":     # the bf16 kernel over the dequantized workspace, by expert chunks
+        return _emit_gemm(kind, n, k, target=tgt, plan=plan, num_experts=num_experts, top_k=top_k, mx="none",
+                          dtype=dt, w_dtype=dt, out_dtype=tt_dtype(out_dtype), act=act, ir_op=ir_op, loc=loc,
+                          interpret=_interp(a), expert_chunk=kind != "dense")
     return _emit_gemm(kind, n, k, target=tgt, plan=plan, num_experts=num_experts, top_k=top_k, mx=mx, dtype=dt,
                       w_dtype=None if mx != "none" else tt_dtype(w_dtype), out_dtype=tt_dtype(out_dtype),
                       act=act, ir_op=ir_op, loc=loc, interpret=_interp(a))
+
+
+def _dequant_run(ks, a, weights, off, *tail, el, n, k, slots, ir_op, loc):
+    """The dequant path: per chunk of experts that fits DEQUANT_WORKSPACE_BYTES, the packed stacks to bf16 (one
+    streaming kernel each), then the bf16 grouped GEMM `ks` on those experts' tiles. The stream orders the
+    workspace's reuse; experts without rows are skipped by the dequant kernel and have no tiles."""
+    dq = _emit_dequant(n, k, target=target_for(a.device), dtype=tt_dtype(a.dtype), ir_op=ir_op, loc=loc,
+                       interpret=_interp(a))
+    pairs = list(zip(weights[0::2], weights[1::2]))
+    per_expert = n * k * a.element_size() * len(pairs)
+    chunk = max(1, min(el, _kmoe.DEQUANT_WORKSPACE_BYTES // per_expert))
+    ws = [torch.empty(chunk, n, k, dtype=a.dtype, device=a.device) for _ in pairs]
+    routed = "E0" in ks.signature
+    bm = ks.constexprs["BLOCK_M"]
+    rows_off = off if routed else torch.tensor([0, 1], dtype=torch.int32, device=a.device)
+    for e0 in range(0, el, chunk):
+        e1 = min(el, e0 + chunk)
+        for (p, s), w in zip(pairs, ws):
+            run(dq, p, s, rows_off, w, e0, e1)
+        if not routed:
+            run(ks, a, *ws, *tail)
+        elif _interp(a):
+            t_off = off[1 + ROW_BUCKETS.index(bm)]
+            run(ks, a, *ws, off, *tail, int(t_off[e1] - t_off[e0]), e0, e1)
+        else:
+            run(ks, a, *ws, off, *tail, tile_slots(slots, e1 - e0, bm), e0, e1)
 
 
 def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: torch.Tensor, perm: torch.Tensor, *,
@@ -130,6 +162,10 @@ def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: t
     ks = _gemm_ks(kind, n, k, rows, a, weights[0].dtype, mx, el, top_k, act if kind == "gate_up" else None,
                   a.dtype, plan, ir_op or f"moe_{kind}", loc)
     out = torch.empty(S, n, dtype=a.dtype, device=a.device)
+    if "E0" in ks.signature:
+        _dequant_run(ks, a.contiguous(), [t.contiguous() for t in weights], off, perm, out, el=el, n=n, k=k,
+                     slots=S, ir_op=ks.ir_op, loc=loc)
+        return out
     bm = ks.constexprs["BLOCK_M"]
     if _interp(a):      # the interpreter pays for every program, also those that exit: count the tiles exactly
         tiles = int(off[1 + ROW_BUCKETS.index(bm), -1])
@@ -150,7 +186,11 @@ def mx_linear(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, mx:
     N = packed.shape[0]
     ks = _gemm_ks("dense", N, K, M, a2, torch.uint8, mx, 1, 1, None, a.dtype, plan, ir_op, loc)
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    run(ks, a2, packed.reshape(N, K // 2).contiguous(), scale.reshape(N, K // 32).contiguous(), out, M)
+    w = [packed.reshape(N, K // 2).contiguous(), scale.reshape(N, K // 32).contiguous()]
+    if mx == "upcast" and ks.signature["w_ptr"] != "*u8":    # a dequant plan: bf16 weight, then the dense GEMM
+        _dequant_run(ks, a2, w, None, out, M, el=1, n=N, k=K, slots=M, ir_op=ir_op, loc=loc)
+    else:
+        run(ks, a2, *w, out, M)
     return out.view(*a.shape[:-1], N)
 
 
