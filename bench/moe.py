@@ -123,16 +123,10 @@ def copy_bandwidth(dev):
     return 2 * 2 * n / sec
 
 
-def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline=None, pool=None):
-    zdim, mi, k = args.latent, args.inter, args.top_k
-    (w13p, w13s), (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
-    lg = torch.randn(tokens, e, device=dev, generator=gen)
-    wt, ids, off, perm = M.route(lg, None, top_k=k)
-    z = torch.randn(tokens, zdim, device=dev, generator=gen).to(torch.bfloat16)
-    tgt = target_for(dev)
-    mx = "e4m3" if tgt.native_mxfp4 else "upcast"
-    active = torch.unique(ids.reshape(-1).long())
-    n_act = active.numel()
+def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
+    """k3c_fn(plan_gate_up, plan_down) -> the k3c side of one row (None plans: the runtime's default)."""
+    k = args.top_k
+    _, (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
 
     def k3c_fn(pg=None, pd=None):
         def run():
@@ -140,6 +134,20 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
             y = M.grouped_gemm("down", h, [w2p, w2s], off, perm, top_k=k, mx=mx, plan=pd)
             return M.combine(y, wt, ids, top_k=k, num_experts=e)
         return run
+    return k3c_fn
+
+
+def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline=None):
+    zdim, mi, k = args.latent, args.inter, args.top_k
+    lg = torch.randn(tokens, e, device=dev, generator=gen)
+    wt, ids, off, perm = M.route(lg, None, top_k=k)
+    z = torch.randn(tokens, zdim, device=dev, generator=gen).to(torch.bfloat16)
+    tgt = target_for(dev)
+    mx = "e4m3" if tgt.native_mxfp4 else "upcast"
+    active = torch.unique(ids.reshape(-1).long())
+    n_act = active.numel()
+    _, (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
+    k3c_fn = k3c_runner(e, args, weights, z, wt, ids, off, perm, mx)
 
     act_cpu = active.cpu()
     w13 = torch.empty(n_act, 2 * mi, zdim, dtype=torch.bfloat16, device=dev)
@@ -152,11 +160,6 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
     mx_bytes = n_act * 3 * mi * zdim * (0.5 + 1 / 32)
     bf_bytes = n_act * 3 * mi * zdim * 2
     t_base = timed(base, dev)
-    if plans and pool is not None:
-        try:
-            precompile(pool, [k3c_fn(pg, pd) for pg, pd in plans.values()], deadline)
-        except Exception as exc:  # noqa: BLE001 - only a speed-up: the variants then compile in line
-            print(f"  precompile failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     t_k3c = timed(k3c_fn(), dev)
     dg = M._plan("gate_up", mi, zdim, -(-tokens * k // e), mx, "bf16", tgt)
     dd = M._plan("down", zdim, mi, -(-tokens * k // e), mx, "bf16", tgt)
@@ -256,6 +259,22 @@ def _warm(ks, specs):
     return ks.name
 
 
+def precompile_rows(pool, e, args, weights, dev, row_plans, wait_s):
+    """Compile every row's default and variant kernels of `e` experts in `pool` before the rows run."""
+    mx = "e4m3" if target_for(dev).native_mxfp4 else "upcast"
+    gen = torch.Generator(device=dev).manual_seed(1)
+    fns = []
+    for t, plans in row_plans.items():
+        wt, ids, off, perm = M.route(torch.randn(t, e, device=dev, generator=gen), None, top_k=args.top_k)
+        z = torch.zeros(t, args.latent, dtype=torch.bfloat16, device=dev)
+        mk = k3c_runner(e, args, weights, z, wt, ids, off, perm, mx)
+        fns += [mk()] + [mk(pg, pd) for pg, pd in (plans or {}).values()]
+    try:
+        precompile(pool, fns, time.time() + wait_s)
+    except Exception as exc:  # noqa: BLE001 - only a speed-up: the kernels then compile in line
+        print(f"  precompile failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
 def precompile(pool, fns, deadline):
     """Record the launches of `fns` without running them, compile their kernels in `pool`, wait (to the deadline)."""
     seen, launches = set(), []
@@ -304,6 +323,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time the plan variants of every row too")
     ap.add_argument("--budget", type=float, default=110.0, help="seconds for the whole run's variant timings")
     ap.add_argument("--jobs", type=int, default=16, help="precompile processes for --sweep (0: compile in line)")
+    ap.add_argument("--compile-wait", type=float, default=45.0, help="most seconds to wait for a precompile batch")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -332,13 +352,17 @@ def main():
             w3p, w3s = random_mxfp4(e, args.inter, args.latent, dev, gen)
             w2p, w2s = random_mxfp4(e, args.latent, args.inter, dev, gen)
             weights = ((None, None), (w1p, w1s, w3p, w3s), (w2p, w2s))
-            for t in args.tokens:
-                plans = None
-                if args.sweep:
-                    rows = -(-t * args.top_k // e)
-                    plans = variants(args, dev, rows, DECODE_VARIANTS if t <= 64 else PREFILL_VARIANTS)
+            row_plans = {t: variants(args, dev, -(-t * args.top_k // e), DECODE_VARIANTS if t <= 64 else
+                                     PREFILL_VARIANTS) if args.sweep else None for t in args.tokens}
+            if pool is not None:
+                precompile_rows(pool, e, args, weights, dev, row_plans, args.compile_wait)
+            for i, t in enumerate(args.tokens):
+                row_deadline = None
+                if deadline is not None:    # the rest of this E's share of the budget, split over its rows left
+                    e_end = t_start + args.budget * (args.experts.index(e) + 1) / len(args.experts)
+                    row_deadline = time.time() + max(0.0, e_end - time.time()) / (len(args.tokens) - i)
                 try:
-                    bench_case(e, t, args, weights, dev, gen, copy_bw, plans, deadline, pool)
+                    bench_case(e, t, args, weights, dev, gen, copy_bw, row_plans[t], row_deadline)
                 except Exception:  # noqa: BLE001 - report the row and go on with the others
                     import traceback
 

@@ -706,14 +706,24 @@ def _emit_gemv_body(w: SourceWriter, kind: str, wn: list[str], glu, odt: str, in
             for x in wn:
                 w.line(f"acc{g}_{x} = tl.zeros((BLOCK_N,), dtype=tl.float32)")
         _emit_wtile_ptrs(w, wn)
+        # the next K step's packed tile and scales are loaded before this step's decode (register double buffer:
+        # these loads feed no dot, so the pipeliner leaves them alone); the last step reloads its own tile
+        for x in wn:
+            w.line(f"p_{x} = tl.load({x}_ptrs)")
+            w.line(f"s_{x} = tl.load({x}s_ptrs)")
         w.line("for kb in range(0, K // BLOCK_K):")
         with w.indent():
+            w.line("nxt = 1 - (kb + 1) // (K // BLOCK_K)  # 0 on the last step")
+            for x in wn:
+                w.line(f"p_{x}_n = tl.load({x}_ptrs + nxt * (BLOCK_K // 2))")
+                w.line(f"s_{x}_n = tl.load({x}s_ptrs + nxt * (BLOCK_K // 32))")
             for x in wn:    # unscaled values (x 2^-14) in fp32; the scale multiplies each 32-block's partial sum
-                w.lines(_decode_lines(f"tl.load({x}_ptrs)", "w_lo", "w_hi", True) if use_asm else
-                        [f"p = tl.load({x}_ptrs)"] + _decode_lines("p", "w_lo", "w_hi", False))
+                w.lines(_decode_lines(f"p_{x}", "w_lo", "w_hi", use_asm))
                 w.line(f"lo_{x} = tl.reshape(w_lo.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16))")
                 w.line(f"hi_{x} = tl.reshape(w_hi.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16))")
-                w.line(f"sc_{x} = ((tl.load({x}s_ptrs).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)")
+                w.line(f"sc_{x} = ((s_{x}.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)")
+                w.line(f"p_{x} = p_{x}_n")
+                w.line(f"s_{x} = s_{x}_n")
             for g in range(group):
                 w.line(f"a_e, a_o = tl.split(tl.reshape(tl.load(a_ptr + ar{g} + kb * BLOCK_K + offs_k)"
                        f".to(tl.float32), (BLOCK_K // 32, 16, 2)))")
