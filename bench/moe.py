@@ -14,9 +14,10 @@ baseline holds them dequantized to bf16):
   bf16  torch: the active experts' bf16 weights (gathered once, outside the timing), tokens gathered per expert and
         padded to the largest count, torch.bmm (gate+up), SiTU-GLU, torch.bmm (down), weighted index_add
 Both are timed as CUDA graph replays (triton.testing.do_bench_cudagraph, median). --sweep: every row also times
-the plan variants (VARIANTS: the upcast forms gemv / joined / split / postscale / dequant and their tiles) until the
-sweep's time budget is spent, prints the best per row and records each variant's plan tags; the kernels of a row's
-variants are compiled first by --jobs worker processes (Triton's disk cache), so the main process only loads them.
+the plan variants (DECODE_VARIANTS at <= 16 rows per expert, else PREFILL_VARIANTS: the upcast forms gemv / joined /
+split / postscale / dequant and their tiles; JSON rows with "variant" and the plans' tags), within --budget seconds of
+variant timing shared by the rows, and prints the best per row; before an E's rows, --jobs worker processes compile
+all its rows' kernels into Triton's disk cache, so the main process only loads them.
 Weight bandwidth = the active
 experts' bytes (k3c: packed payload + E8M0 scales, 4.25 bits per weight; bf16: 16 bits) over the time; copy = a
 2 GiB device-to-device copy in the same run, timed without a graph (read + write bytes over its time).
@@ -164,6 +165,7 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
     dg = M._plan("gate_up", mi, zdim, -(-tokens * k // e), mx, "bf16", tgt)
     dd = M._plan("down", zdim, mi, -(-tokens * k // e), mx, "bf16", tgt)
     best = ("default", t_k3c)
+    t_var = time.time()
     for name, (pg, pd) in (plans or {}).items():
         if deadline is not None and time.time() > deadline:
             print(f"  sweep budget spent: {name} and later variants not timed", flush=True)
@@ -171,7 +173,7 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
         try:
             fn = k3c_fn(pg, pd)
             verr = rel(fn(), want)
-            t = timed(fn, dev, rep_ms=50)
+            t = timed(fn, dev, rep_ms=25)
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
             print(f"  variant {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
@@ -188,9 +190,9 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
            "copy_TBps": copy_bw / 1e12 if copy_bw else None,
            "k3c_frac_of_copy": mx_bytes / t_k3c / copy_bw if copy_bw else None, "rel_err_vs_bf16": err,
            "best_variant": best[0], "best_variant_s": best[1], "default_plan_gate_up": dg.tag,
-           "default_plan_down": dd.tag}
+           "default_plan_down": dd.tag, "variants_s": time.time() - t_var}
     ROWS.append(row)
-    t_route = timed(lambda: M.route(lg, None, top_k=k), dev)
+    t_route = timed(lambda: M.route(lg, None, top_k=k), dev, rep_ms=25)
     row["route_s"] = t_route
     frac = f"{row['k3c_frac_of_copy'] * 100:5.1f}%" if copy_bw else "   - "
     print(f"E={e:4d} T={tokens:5d} act={n_act:4d} | k3c {t_k3c * 1e6:9.1f} us {row['k3c_TBps']:5.2f} TB/s {frac} | "
@@ -202,7 +204,8 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
 
 
 # Plan variants per row: (name, moe_gemm_plan overrides for gate_up (BLOCK_N per weight), for down). "G" stands for
-# the GEMV row group of the row (min(4, rows per expert rounded up)). Decode rows (<= 64 tokens) and prefill rows.
+# the GEMV row group of the row (min(4, rows per expert rounded up)); "rows" plans for that many rows per expert
+# instead of the row's (BLOCK_M). Decode rows (<= 64 tokens) and prefill rows.
 DECODE_VARIANTS = (
     ("gemv", dict(gemv="G"), dict(gemv="G")),
     ("gemv_bk512", dict(gemv="G", block_k=512), dict(gemv="G", block_k=512)),
@@ -223,6 +226,7 @@ PREFILL_VARIANTS = (
     ("joined", dict(dequant=False, joined=True), dict(dequant=False, joined=True)),
     ("joined_bk128", dict(dequant=False, joined=True, block_k=128), dict(dequant=False, joined=True, block_k=128)),
     ("joined_bn128", dict(dequant=False, joined=True, block_n=128), dict(dequant=False, joined=True, block_n=256)),
+    ("joined_m64", dict(dequant=False, joined=True, rows=64), dict(dequant=False, joined=True, rows=64)),
 )
 
 
@@ -237,8 +241,8 @@ def variants(args, dev, rows, specs):
             continue
         kg, kd = ({k: group if v == "G" else v for k, v in kw.items()} for kw in (kg, kd))
         try:
-            pg = moe_gemm_plan("gate_up", args.inter, args.latent, rows, mx, "bf16", tgt, **kg)
-            pd = moe_gemm_plan("down", args.latent, args.inter, rows, mx, "bf16", tgt, **kd)
+            pg = moe_gemm_plan("gate_up", args.inter, args.latent, kg.pop("rows", rows), mx, "bf16", tgt, **kg)
+            pd = moe_gemm_plan("down", args.latent, args.inter, kd.pop("rows", rows), mx, "bf16", tgt, **kd)
         except Exception:  # noqa: BLE001
             continue
         if (pg, pd) not in seen:
@@ -321,9 +325,10 @@ def main():
     ap.add_argument("--latent", type=int, default=3584)
     ap.add_argument("--inter", type=int, default=3072)
     ap.add_argument("--sweep", action="store_true", help="time the plan variants of every row too")
-    ap.add_argument("--budget", type=float, default=110.0, help="seconds for the whole run's variant timings")
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds of variant timing for the whole run (shared "
+                    "by the rows; compile waits, baselines and defaults come on top)")
     ap.add_argument("--jobs", type=int, default=16, help="precompile processes for --sweep (0: compile in line)")
-    ap.add_argument("--compile-wait", type=float, default=45.0, help="most seconds to wait for a precompile batch")
+    ap.add_argument("--compile-wait", type=float, default=40.0, help="most seconds to wait for a precompile batch")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -335,7 +340,8 @@ def main():
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
     t_start = time.time()
-    deadline = t_start + args.budget if args.sweep else None
+    budget_left = args.budget if args.sweep else None       # seconds of variant timing left, shared by the rows
+    rows_left = len(args.experts) * len(args.tokens)
     pool = None
     if args.sweep and args.jobs > 0 and dev.type == "cuda":
         import multiprocessing as mp
@@ -352,17 +358,18 @@ def main():
             w3p, w3s = random_mxfp4(e, args.inter, args.latent, dev, gen)
             w2p, w2s = random_mxfp4(e, args.latent, args.inter, dev, gen)
             weights = ((None, None), (w1p, w1s, w3p, w3s), (w2p, w2s))
-            row_plans = {t: variants(args, dev, -(-t * args.top_k // e), DECODE_VARIANTS if t <= 64 else
-                                     PREFILL_VARIANTS) if args.sweep else None for t in args.tokens}
+            rows_of = {t: -(-t * args.top_k // e) for t in args.tokens}
+            row_plans = {t: variants(args, dev, r, DECODE_VARIANTS if r <= 16 else PREFILL_VARIANTS)
+                         if args.sweep else None for t, r in rows_of.items()}
             if pool is not None:
                 precompile_rows(pool, e, args, weights, dev, row_plans, args.compile_wait)
-            for i, t in enumerate(args.tokens):
-                row_deadline = None
-                if deadline is not None:    # the rest of this E's share of the budget, split over its rows left
-                    e_end = t_start + args.budget * (args.experts.index(e) + 1) / len(args.experts)
-                    row_deadline = time.time() + max(0.0, e_end - time.time()) / (len(args.tokens) - i)
+            for t in args.tokens:
+                row_deadline = time.time() + max(0.0, budget_left) / rows_left if budget_left is not None else None
+                rows_left -= 1
                 try:
-                    bench_case(e, t, args, weights, dev, gen, copy_bw, row_plans[t], row_deadline)
+                    row = bench_case(e, t, args, weights, dev, gen, copy_bw, row_plans[t], row_deadline)
+                    if budget_left is not None:
+                        budget_left -= row["variants_s"]
                 except Exception:  # noqa: BLE001 - report the row and go on with the others
                     import traceback
 
