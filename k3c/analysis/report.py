@@ -155,7 +155,13 @@ def _module_of(model, target: Target) -> tuple[Module, str, list[str]]:
         return model, model.name, []
     if not isinstance(model, CompiledModel):
         model = k3c_compile(model, target=target)
-    return model.module, model.spec.name, model.pass_names
+    module = model.module
+    names = model.pass_names
+    if "moe-lower" in names and names.index("moe-lower") > 0:
+        # the MoE cost and memory rules price the layer-level `moe` op (routing, active experts, dispatch): read
+        # the IR just before moe-lower, where every other layer is already lowered
+        module = model.module_after(names[names.index("moe-lower") - 1])
+    return module, model.spec.name, model.pass_names
 
 
 def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None = None,
