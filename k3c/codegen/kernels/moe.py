@@ -152,7 +152,7 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     elif bm <= 32:    # the split-form decode of a 32 x 256 step spills on sm_90: 128 there
         bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" or use_joined else 128
     elif up:  # split: one 32-block per step (the scaled partial products stay in registers); joined: 64
-        bn, bk = 128 // n_b, 64 if use_joined else 32
+        bn, bk = 128 // n_b, ((128 if bm >= 128 else 64) if use_joined else 32)   # H200: 128-K at 128 rows 1.28x
     else:
         bn, bk = 128 // n_b, 128 if mx != "none" else 128 // eb
     if target.backend == "cpu":     # the interpreter pays per program: whole rows of N in one tile
