@@ -76,7 +76,10 @@ def check_ops(compiled, weights: dict[str, torch.Tensor], input_ids: torch.Tenso
             return out
         return checked
 
-    on_device = {k: v.to(device) for k, v in weights.items()}
+    from .weight_prep import prepare_weights
+
+    # what the graph reads (packed MXFP4 experts quantized from float stacks, shapes checked), once
+    on_device = {k: v.to(device) for k, v in prepare_weights(compiled.module, weights, compiled.spec).items()}
     gm = build_graph_module(compiled.module, on_device, use_kernels=True, wrap=wrap)
     ids = input_ids.to(device)
     t = ids.shape[1] - decode_steps
