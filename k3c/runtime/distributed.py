@@ -191,7 +191,8 @@ def moe_layer_ep(x: torch.Tensor, w: dict, cfg, act, eps: float, ep_rank: int, e
     Routing runs over all E (router replicated), only local experts are computed, the fp32 routed combine is
     all-reduced over EP, then the (nonlinear) latent RMSNorm and up projection and the shared experts, as
     k3c.runtime.reference.moe_layer does on one rank."""
-    from .reference import glu_act, linear, mlp, rms_norm, route
+    from .reference import glu_act, linear, route
+    from .reference.moe import moe_output
     from .reference.norms import acc, acc_dtype
 
     shape = x.shape
@@ -215,16 +216,7 @@ def moe_layer_ep(x: torch.Tensor, w: dict, cfg, act, eps: float, ep_rank: int, e
         y = linear(glu_act(linear(zs, w1[e]), linear(zs, w3[e]), act), w2[e])
         u.index_add_(0, tokens, acc(y) * p[tokens, ks[sel]][:, None])
     u = all_reduce(u, "ep", ep_size).to(z.dtype)          # partial over experts -> full, before the norm
-    if cfg.latent_dim is not None:
-        if cfg.latent_norm:
-            u = rms_norm(u, w["routed_expert_norm.weight"], eps)
-        y = linear(u, w["routed_expert_up_proj.weight"])
-    else:
-        y = u
-    if cfg.num_shared_experts:
-        y = y + mlp(x2, {k[len("shared_experts."):]: v for k, v in w.items() if k.startswith("shared_experts.")},
-                    act)
-    return y.reshape(shape)
+    return moe_output(u, x2, w, cfg, act, eps).reshape(shape)
 
 
 # ---- per-rank weights ----------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ Skipped only while k3c/cli.py does not exist; it activates by itself when the CL
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,7 +13,6 @@ import pytest
 
 from .conftest import BAD_SPECS, REPO
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("k3c.cli") is None, reason="k3c.cli not written yet")
 
 SAMPLE = [
     "syntax_tab_indent.yaml",

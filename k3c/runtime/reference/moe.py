@@ -70,6 +70,11 @@ def moe_layer(x: torch.Tensor, w: dict[str, torch.Tensor], cfg: MoESpec, act: Ac
     p, idx, _ = route(x2, w, cfg)
     z = linear(x2, w["routed_expert_down_proj.weight"]) if cfg.latent_dim is not None else x2
     u = routed_experts(z, w["experts.w1"], w["experts.w3"], w["experts.w2"], p, idx, act)
+    return moe_output(u, x2, w, cfg, act, eps).reshape(shape)
+
+
+def moe_output(u: torch.Tensor, x2: torch.Tensor, w: dict, cfg: MoESpec, act, eps: float) -> torch.Tensor:
+    """After the routed combine u: the LatentMoE RMSNorm + up projection, plus the shared experts on x2."""
     if cfg.latent_dim is not None:
         if cfg.latent_norm:
             u = rms_norm(u, w["routed_expert_norm.weight"], eps)
@@ -79,4 +84,4 @@ def moe_layer(x: torch.Tensor, w: dict[str, torch.Tensor], cfg: MoESpec, act: Ac
     if cfg.num_shared_experts:
         y = y + mlp(x2, {k[len("shared_experts."):]: v for k, v in w.items() if k.startswith("shared_experts.")},
                     act)
-    return y.reshape(shape)
+    return y
