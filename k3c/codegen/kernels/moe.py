@@ -94,12 +94,15 @@ class MoEGemmPlan:
     joined: bool = False       # upcast: nibbles interleaved back into one [BLOCK_N, BLOCK_K] tile, one dot per step
     gemv: int = 0              # upcast, BLOCK_M 16: FMA GEMV over the tile's real rows, this many rows at a time
     dequant: bool = False      # upcast: dequantize the experts to a bf16 workspace once, then the bf16 GEMM (tiles)
+    pairs: bool = False        # upcast joined form, CUDA, bf16: E2M1 decoded straight to scaled bf16x2 K pairs (PTX)
+    swap: bool = False         # pairs: the weight tile is the MMA's A operand (acc [BLOCK_N, BLOCK_M], transposed)
 
     @property
     def tag(self) -> str:
         """Short name of the variant (bench tables)."""
-        form = ("dequant" if self.dequant else f"gemv{self.gemv}" if self.gemv else "joined" if self.joined
-                else "postscale" if self.post_scale else "split")
+        form = ("dequant" if self.dequant else f"gemv{self.gemv}" if self.gemv else
+                (("pairsT" if self.swap else "pairs") if self.pairs else "joined") if self.joined else
+                "postscale" if self.post_scale else "split")
         return f"{form}_m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
 
 
@@ -124,7 +127,8 @@ def _divisor_block(k: int, want: int, floor: int) -> int:
 def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, target: Target, *,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, post_scale: bool = False, joined: bool | None = None,
-                  gemv: int | None = None, dequant: bool | None = None) -> MoEGemmPlan:
+                  gemv: int | None = None, dequant: bool | None = None, pairs: bool | None = None,
+                  swap: bool | None = None) -> MoEGemmPlan:
     """Tiles of the grouped expert GEMM. BLOCK_M = rows per expert rounded up to 16..128 (the tile-offset buckets).
     Decode (BLOCK_M 16-32; the weight stream dominates): narrow N tiles (32 columns, gate and up side by side for
     gate_up) so that the active experts' weights spread over many programs, long K steps (256; 128 for the 32-row
@@ -182,7 +186,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         stage = bm * bk * eb + n_b * bn * w_bytes
         budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
         stages = max(2, min(3, budget // max(1, stage)))
-    return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and up, joined=use_joined, gemv=use_gemv)
+    return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and up, joined=use_joined, gemv=use_gemv,
+                       pairs=use_joined and bool(pairs), swap=use_joined and bool(pairs) and bool(swap))
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -375,6 +380,47 @@ E2M1_FP16_ASM = (
     "shl.b32 t, y, 5; and.b32 t, t, 0x0E000E00; shl.b32 u, y, 8; and.b32 u, u, 0x80008000; or.b32 $3, t, u; }")
 
 
+# E2M1 pairs -> scaled bf16x2, for the joined MMA form on CUDA with bf16 activations ("pairs" plans). The packed
+# tile is loaded as 32-bit words (8 weights, all in one 32-block); byte j of a word (K elements 2j, 2j+1 in its low /
+# high nibble) becomes one bf16x2 register holding exactly the K pair an mma / wgmma B operand takes, so no
+# interleave, fp32 round trip or cvt follows. Per byte: a prmt puts the low nibble at bits 12..15 and the high
+# nibble at bits 28..31 (bytes of the word shifted left by 4, and of the word); the sign bits 15 / 31 stay, the
+# magnitude bits (e1 e0 m) go down to bits 6..8 / 22..24: the bf16 pattern of value x 2^-126 (code 1, 0.5 x 2^-126,
+# is a bf16 subnormal). One bf16x2 multiply by 2^126 makes it the exact E2M1 value, a second by the block's
+# 2^(s - 127) (bf16 bits max(s << 7, 0x40) in both halves: s = 0 is the subnormal 2^-127) rounds once, as the
+# reference's bf16 dequantization (E2M1 value in bf16 times the scale in bf16) does. 24 ops per 8 weights plus 3
+# per word for the scale, against ~52 for the fp16 decode + fp32 scale + bf16 repack of the "joined" form.
+# Operands: $0..$3 the bf16x2 pairs of bytes 0..3 (int32), $4 the packed word, $5 its block's E8M0 scale (int32).
+E2M1_PAIRS_OPS = [("shl", "w4", "$4", 4), ("mov", "c", 0x7E807E80), ("mul", "m", "$5", 0x800080),
+                  ("mov", "lo", 0x00400040), ("max16", "m", "m", "lo")]
+for _j in range(4):
+    E2M1_PAIRS_OPS += [
+        ("prmt", f"q{_j}", "$4", "w4", _j | (4 + _j) << 4 | _j << 8 | _j << 12),   # byte1 <- w4.j, byte3 <- w.j
+        ("shr", f"t{_j}", f"q{_j}", 6),
+        ("and", f"t{_j}", f"t{_j}", 0x01C001C0),
+        ("and", f"q{_j}", f"q{_j}", 0x80008000),
+        ("or", f"q{_j}", f"q{_j}", f"t{_j}"),
+        ("mulbf", f"q{_j}", f"q{_j}", "c"),
+        ("mulbf", f"${_j}", f"q{_j}", "m"),
+    ]
+del _j
+
+
+def _ptx_ops(ops) -> str:
+    """PTX text of an op list (E2M1_PAIRS_OPS): b32 integer ops, prmt, u16x2 max, bf16x2 multiplies."""
+    regs = sorted({o[1] for o in ops if not o[1].startswith("$")})
+    out = ["{ .reg .b32 " + ", ".join(regs) + ";"]
+    for op, d, *src in ops:
+        args = ", ".join([d] + [hex(x) if isinstance(x, int) else x for x in src])
+        out.append({"shl": "shl.b32", "shr": "shr.u32", "and": "and.b32", "or": "or.b32", "mov": "mov.b32",
+                    "mul": "mul.lo.u32", "max16": "max.u16x2", "prmt": "prmt.b32",
+                    "mulbf": "mul.rn.bf16x2"}[op] + f" {args};")
+    return " ".join(out + ["}"])
+
+
+E2M1_PAIRS_ASM = _ptx_ops(E2M1_PAIRS_OPS)
+
+
 def _decode_lines(p: str, lo: str, hi: str, asm: bool) -> list[str]:
     """Lines decoding the u8 tile `p` into fp16 tiles `lo` (low nibbles) and `hi` (high nibbles), value x 2^-14."""
     if asm:
@@ -449,6 +495,9 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
         raise CodegenError("a dequant plan runs the bf16 kernel (mx 'none') on the dequantized workspace")
     gemv = plan.gemv and mx == "upcast"
     joined = plan.joined and mx == "upcast" and not gemv
+    # the bf16x2 pair decode: PTX, bf16 dots (elsewhere the same plan runs the portable decode, same numerics)
+    pairs = joined and plan.pairs and mx == "upcast" and target.backend == "cuda" and not interp and dt == "bf16"
+    swap = pairs and plan.swap
     if gemv and BM != 16:
         raise CodegenError("the GEMV form takes 16-row tiles")
     routed = kind != "dense"
@@ -472,7 +521,7 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     if plan.post_scale:
         tags.append("ps")
     if gemv or joined:
-        tags.append(f"gv{plan.gemv}" if gemv else "j")
+        tags.append(f"gv{plan.gemv}" if gemv else ("jpt" if swap else "jp") if pairs else "j")
     if chunk:
         tags.append("ch")
     if glu is not None:
@@ -500,7 +549,7 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
              notes=[f"moe gemm {what} N={N} K={K} E={E} top_k={TK} a:{dt} w:{wdt} mx={mx} out:{odt}",
                     f"tiles {BM}x{BN}x{BK} num_warps={plan.num_warps} num_stages={plan.num_stages}"
                     + (" post_scale" if plan.post_scale else "") + (" gemv" if gemv else "")
-                    + (" joined" if joined else "") + (" expert_chunk" if chunk else "")
+                    + (" joined" if joined else "") + (" pairs" if pairs else "") + (" expert_chunk" if chunk else "")
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, **(glu_helpers(glu) if glu is not None else {}), rtne_bf16=interp and odt == "bf16")
@@ -556,6 +605,11 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
                 w.line("offs_k = tl.arange(0, BLOCK_K)")
                 w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
                 _emit_wtile_ptrs(w, wn)
+                if pairs:   # the packed tile as 32-bit words (K / 2 is a multiple of 16 bytes: aligned rows)
+                    w.line("offs_q = tl.arange(0, BLOCK_K // 8)")
+                    for x in wn:
+                        w.line(f"{x}_wptrs = {x}_ptr.to(tl.pointer_type(tl.int32)) + e64 * (N * (K // 8))"
+                               f" + rows_w[:, None] * (K // 8) + offs_q[None, :]")
             elif mx == "upcast":
                 w.line("offs_h = tl.arange(0, 16)")
                 w.line("a_ptrs = a_ptr + rows_a[:, None] * K + 2 * offs_h[None, :]  # even K columns of a 32-block")
@@ -577,17 +631,26 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
                 for x in wn:
                     w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * K) + rows_w[None, :] * K + offs_k[:, None]")
             for x in wn:
-                w.line(f"acc_{x} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+                # pairs: the weight tile is the MMA's A operand (its decoded registers feed the MMA in place), the
+                # accumulator [BLOCK_N, BLOCK_M] is transposed back after the loop
+                w.line(f"acc_{x} = tl.zeros(({'BLOCK_N, BLOCK_M' if swap else 'BLOCK_M, BLOCK_N'}),"
+                       f" dtype=tl.float32)")
             w.line(f"for kb in range(0, {num(-(-K // BK))}):")
             with w.indent():
                 if joined:
                     # nibbles decoded and scaled per 32-block, interleaved back into K order: one dot per step
                     w.line(f"a = tl.load(a_ptrs).to({op_dt})")
                     for x in wn:
-                        _emit_wtile_decode(w, x, f"wv_{x}", use_asm, op_dt)
-                        w.line(f"acc_{x} = tl.dot(a, tl.trans(wv_{x}), acc_{x}{dot_kw})")
+                        if pairs:
+                            _emit_wtile_pairs(w, x, f"wv_{x}")
+                        else:
+                            _emit_wtile_decode(w, x, f"wv_{x}", use_asm, op_dt)
+                        w.line(f"acc_{x} = tl.dot(wv_{x}, tl.trans(a), acc_{x})" if swap else
+                               f"acc_{x} = tl.dot(a, tl.trans(wv_{x}), acc_{x}{dot_kw})")
                     w.line("a_ptrs += BLOCK_K")
                     _emit_wtile_advance(w, wn)
+                    for x in (wn if pairs else []):
+                        w.line(f"{x}_wptrs += BLOCK_K // 8")
                 elif mx == "upcast":
                     # per 32-block (its E8M0 scale is per block and column): decoded values (x 2^-14, fp16) times
                     # 2^(s - 113) in fp32 -> the exact bf16 weights, then the dots accumulate straight into acc; or
@@ -643,6 +706,8 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
                     w.line("a_ptrs += BLOCK_K")
                     for x in wn:
                         w.line(f"{x}_ptrs += BLOCK_K")
+            for x in (wn if swap else []):
+                w.line(f"acc_{x} = tl.trans(acc_{x})")
             w.line("c_mask = m_ok[:, None] & n_ok[None, :]")
             if kind == "down":
                 w.line("rows_c = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)")
@@ -684,6 +749,18 @@ def _emit_wtile_decode(w: SourceWriter, x: str, out: str, use_asm: bool, out_dt:
     w.line("w_lo = tl.reshape(w_lo.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16)) * sc")
     w.line("w_hi = tl.reshape(w_hi.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16)) * sc")
     w.line(f"{out} = tl.reshape(tl.join(w_lo.to({out_dt}), w_hi.to({out_dt})), (BLOCK_N, BLOCK_K))")
+
+
+def _emit_wtile_pairs(w: SourceWriter, x: str, out: str) -> None:
+    """`out` bf16 [BLOCK_N, BLOCK_K] = the weight tile decoded by E2M1_PAIRS_ASM from 32-bit words of the packed
+    tile: each byte -> one bf16x2 (its K pair), the block scale applied in bf16 (exact; see E2M1_PAIRS_OPS)."""
+    w.line(f"s_{x} = tl.reshape(tl.broadcast_to(tl.load({x}s_ptrs).to(tl.int32)[:, :, None],"
+           f" (BLOCK_N, BLOCK_K // 32, 4)), (BLOCK_N, BLOCK_K // 8))")
+    w.line(f"o0, o1, o2, o3 = tl.inline_asm_elementwise(\"{E2M1_PAIRS_ASM}\", \"=r,=r,=r,=r,r,r\","
+           f" [tl.load({x}_wptrs), s_{x}], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)")
+    w.line(f"v_{x} = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (BLOCK_N, BLOCK_K // 2))  # byte order")
+    w.line(f"{out} = tl.reshape(tl.join(v_{x}.to(tl.int16).to(tl.bfloat16, bitcast=True),"
+           f" (v_{x} >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)), (BLOCK_N, BLOCK_K))")
 
 
 def _emit_gemv_body(w: SourceWriter, kind: str, wn: list[str], glu, odt: str, interp: bool, use_asm: bool,
