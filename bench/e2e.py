@@ -67,6 +67,110 @@ def make_weights(spec, module, device, dtype, seed: int = 0, reference: bool = T
     return out
 
 
+class WideReference:
+    """The eager reference with its activations in a wider dtype (float64 by default) on the *same* weights: the
+    numerics probe's "truth". Weights stay as generated (bf16) and are upcast where they are used (reference.norms
+    .linear casts the weight to the activation dtype), so it needs no second copy of the big matrices; the small
+    ones (norms, AttnRes queries, gates, kv_b) are upcast once. With float64 its distance to the exact function of
+    these weights is ~1e-15, and the fp32 reference's is ~1e-6 (bench/e2e.py reports the latter as a calibration)."""
+
+    def __new__(cls, spec, w, act: torch.dtype, **options):
+        from k3c.runtime.reference import ReferenceModel
+        from k3c.runtime.reference.model import strip_prefix
+
+        class _Wide(ReferenceModel):
+            def embed(self, input_ids):
+                return super().embed(input_ids).to(act)
+
+        m = _Wide(spec, w, **options)
+        small = {n: v.to(act) for n, v in m.w.items() if v.is_floating_point() and v.numel() <= 1 << 24}
+        m.w = {**m.w, **small}
+        m.attn_w = [strip_prefix(m.w, f"layers.{i}.self_attn.") for i in range(spec.num_layers)]
+        m.ffn_w = [strip_prefix(m.w, f"layers.{i}.block_sparse_moe." if spec.is_moe_layer(i) else f"layers.{i}.mlp.")
+                   for i in range(spec.num_layers)]
+        m.dtype = act
+        return m
+
+
+def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """Logit agreement of rows [N, vocab]: relative error of the last row, of all rows together, the median and
+    max per-row relative error, and the share of rows whose argmax agrees."""
+    got, want = got.double().reshape(-1, got.shape[-1]), want.double().reshape(-1, want.shape[-1])
+    per_row = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    return {"last": float(per_row[-1]), "all": float((got - want).norm() / want.norm()),
+            "row_median": float(per_row.median()), "row_max": float(per_row.max()),
+            "top1_agree": float((got.argmax(-1) == want.argmax(-1)).double().mean())}
+
+
+def numerics_probe(spec, eng, w, device: str, dtype: torch.dtype, check_len: int, truth_dtype: torch.dtype,
+                   eager_pre=None) -> dict:
+    """Independent of the timed runs: one prompt of check_len tokens through k3c, the eager reference in the run's
+    dtype, the reference in fp32 (calibration) and the wide "truth" (WideReference), then one decode step of each
+    from the same cache (the truth's prefill cache rounded as the run's dtype stores it). The gap of k3c to the
+    truth, next to eager's own gap to the truth, says whether k3c's difference from eager is the bf16 floor of the
+    model (same order) or a bug (k3c much worse)."""
+    from k3c.runtime.reference import ReferenceModel
+    from k3c.runtime.reference.kda import KDAState
+    from k3c.runtime.reference.model import ReferenceCache
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    ids = torch.randint(0, spec.vocab_size, (1, check_len + 1), generator=g).to(device)
+    prompt, nxt = ids[:, :check_len], ids[:, check_len:]
+    models = {"truth": WideReference(spec, w, truth_dtype, mla_mode="mha")}
+    if dtype != torch.float32:
+        models["eager_fp32"] = WideReference(spec, w, torch.float32, mla_mode="mha")
+    models["eager"] = eager_pre if eager_pre is not None else ReferenceModel(spec, w, mla_mode="mha")
+    pre, caches = {}, {}
+    t0 = time.perf_counter()
+    for name, m in models.items():
+        pre[name], caches[name] = m.forward(prompt, None)
+        pre[name] = pre[name][0]
+    rid = eng.open()
+    pre["k3c"] = eng.extend([rid], [prompt[0]])[0]
+    eng.finish(rid)
+
+    # decode: every model continues from the truth's cache, stored as the run's dtype stores it
+    tc = caches["truth"]
+
+    def cast(c, act):
+        if isinstance(c, KDAState):     # state fp32 (wider in the truth), conv tails in the activation dtype
+            st = c.state.to(torch.float32).to(act if act == torch.float64 else torch.float32)
+            return KDAState(st, tuple(t.to(dtype).to(act) for t in c.conv))
+        return c.to(dtype).to(act)
+
+    dec = {}
+    for name, m in models.items():
+        act = m.dtype if name != "eager" else dtype
+        mode, m.mla_mode = m.mla_mode, "mqa"
+        dec[name] = m.forward(nxt, ReferenceCache(tuple(cast(c, act) for c in tc.layers), tc.length))[0][0, -1:]
+        m.mla_mode = mode
+    rid = eng.adopt(prompt[0].tolist(),
+                    {i: KDAState(c.state.to(torch.float32), tuple(t.to(dtype) for t in c.conv))
+                     for i, c in enumerate(tc.layers) if isinstance(c, KDAState)},
+                    {i: c[0].to(dtype) for i, c in enumerate(tc.layers) if not isinstance(c, KDAState)})
+    dec["k3c"] = eng.extend([rid], [nxt[0].tolist()])[0][-1:]
+    eng.finish(rid)
+    out = {"check_len": check_len, "truth_dtype": str(truth_dtype).replace("torch.", ""),
+           "seconds": time.perf_counter() - t0}
+    for phase, got in (("prefill", pre), ("decode", dec)):
+        t = got["truth"]
+        out[phase] = {"k3c_vs_truth": compare(got["k3c"], t), "eager_vs_truth": compare(got["eager"], t),
+                      "k3c_vs_eager": compare(got["k3c"], got["eager"])}
+        if "eager_fp32" in got:
+            out[phase]["eager_fp32_vs_truth"] = compare(got["eager_fp32"], t)
+    return out
+
+
+def print_numerics(nm: dict) -> None:
+    print(f"numerics probe ({nm['check_len']} tokens, truth = reference in {nm['truth_dtype']} on the same weights):")
+    print(f"  {'pair':22s} {'phase':8s} {'last row':>9s} {'all rows':>9s} {'row med':>9s} {'row max':>9s} "
+          f"{'top1':>6s}")
+    for phase in ("prefill", "decode"):
+        for pair, c in nm[phase].items():
+            print(f"  {pair:22s} {phase:8s} {c['last']:9.2e} {c['all']:9.2e} {c['row_median']:9.2e} "
+                  f"{c['row_max']:9.2e} {c['top1_agree']:6.1%}")
+
+
 _T0 = time.perf_counter()
 
 
@@ -107,6 +211,18 @@ def guarded(name: str, fn, errors: dict):
         return None
 
 
+def dynamo_counts() -> dict:
+    """torch._dynamo's counters: frames compiled, graphs produced, graph breaks (a recompile adds frames/graphs)."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": int(counters["frames"]["total"]), "graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def count_delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="examples/k3-wide.yaml")
@@ -115,14 +231,27 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, help="prefill tokens (cuda 8192, cpu 256)")
     ap.add_argument("--cached", type=int, help="cached tokens per sequence for decode (cuda 8192, cpu 256)")
     ap.add_argument("--batches", help="decode batch sizes, comma separated (cuda 1,32, cpu 1,4)")
-    ap.add_argument("--steps", type=int, default=None, help="timed decode steps (cuda 16, cpu 3)")
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps of k3c (cuda 16, cpu 3)")
+    ap.add_argument("--peer-steps", type=int, default=None,
+                    help="timed decode steps of the eager and compiled peers (default: --steps)")
+    ap.add_argument("--eager-decode-batches", help="decode batches the eager peer runs (default: all of --batches)")
     ap.add_argument("--reps", type=int, default=None, help="timed prefill repetitions (cuda 3, cpu 1)")
     ap.add_argument("--ref-chunk", type=int, default=2048, help="reference prefill chunk (append path)")
     ap.add_argument("--no-kernels", action="store_true", help="k3c with every op through torch")
     ap.add_argument("--skip-compiled", action="store_true", help="no torch.compile peer")
+    ap.add_argument("--skip-eager", action="store_true", help="no eager peer in the timed runs (the probe still runs)")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the peer (inductor; aot_eager checks the plumbing on a CPU)")
-    ap.add_argument("--out", help="JSON file")
+    ap.add_argument("--check-len", type=int, default=256,
+                    help="numerics probe prompt (0: no probe): k3c, eager and the eager fp32 reference against a "
+                         "wide reference (--truth-dtype) on the same weights, prefill and one decode step")
+    ap.add_argument("--truth-dtype", choices=("float64", "float32"), default="float64")
+    ap.add_argument("--probe-only", action="store_true", help="the numerics probe, no timed runs")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds since start after which no further timed phase starts (skipped ones are listed "
+                         "in the JSON); the JSON is rewritten after every phase either way")
+    ap.add_argument("--seed", type=int, default=0, help="weights")
+    ap.add_argument("--out", help="JSON file (rewritten after every phase)")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -132,6 +261,9 @@ def main(argv=None) -> int:
     cached = args.cached or (8192 if cuda else 256)
     batches = [int(b) for b in (args.batches or ("1,32" if cuda else "1,4")).split(",")]
     steps = args.steps or (16 if cuda else 3)
+    peer_steps = args.peer_steps or steps
+    eager_batches = batches if args.eager_decode_batches is None else \
+        [int(b) for b in args.eager_decode_batches.split(",") if b]
     reps = args.reps or (3 if cuda else 1)
 
     import k3c
@@ -144,35 +276,69 @@ def main(argv=None) -> int:
     spec = k3c.load_spec(args.spec)
     model = k3c.compile(spec, target="h200" if cuda else "cpu")
     t0 = time.perf_counter()
-    w = make_weights(spec, model.module, args.device, dtype)
-    print(f"weights: {sum(t.numel() * t.element_size() for t in w.values()) / 2**30:.1f} GiB generated in "
-          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    w = make_weights(spec, model.module, args.device, dtype, seed=args.seed)
     timer = Timer(args.device)
     use_kernels = not args.no_kernels
     errors: dict[str, str] = {}
     result = {"spec": spec.name, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
               "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
               "k3c_kernels": use_kernels, "compile_backend": None if args.skip_compiled else args.compile_backend,
-              "prefill": {}, "decode": [], "errors": errors}
+              "args": vars(args), "weights_gib": sum(t.numel() * t.element_size() for t in w.values()) / 2**30,
+              "phase_seconds": {"weights": time.perf_counter() - t0}, "prefill": {}, "decode": [],
+              "errors": errors, "skipped": []}
 
-    # -- prefill ------------------------------------------------------------------------------------------------
-    ids = torch.randint(0, spec.vocab_size, (1, prompt_len), device=args.device)
+    def save():
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=2)
+
+    def phase(name: str, fn):
+        """Run one phase (timestamped, errors kept, deadline honoured); the JSON is rewritten after it."""
+        if args.deadline is not None and time.perf_counter() - _T0 > args.deadline:
+            result["skipped"].append(name)
+            progress(f"{name}: skipped (past --deadline {args.deadline:.0f} s)")
+            save()
+            return None
+        t = time.perf_counter()
+        progress(f"{name} ...")
+        got = guarded(name, fn, errors)
+        result["phase_seconds"][name] = time.perf_counter() - t
+        progress(f"{name}: done in {time.perf_counter() - t:.1f} s")
+        save()
+        return got
+
+    progress(f"weights: {result['weights_gib']:.1f} GiB in {result['phase_seconds']['weights']:.1f} s")
+    save()
+
     from k3c.codegen.launch import target_for
 
-    ctx_max = max(prompt_len, cached + steps + 2)
+    ctx_max = max(prompt_len, cached + max(steps, peer_steps) + 4, args.check_len + 2)
     ps = target_for(args.device).mla_page_size
     eng = Engine(model, w, device=args.device, max_batch=max(batches), max_context=ctx_max,
                  num_pages=max(batches) * -(-ctx_max // ps) + 1, page_size=ps, use_kernels=use_kernels)
     result["k3c_executor"] = eng.describe()
     progress("engine built")
+    ref_pre = ReferenceModel(spec, w, mla_mode="mha")
+
+    # -- numerics probe (independent of the timed runs) -----------------------------------------------------------
+    if args.check_len:
+        nm = phase("numerics", lambda: numerics_probe(spec, eng, w, args.device, dtype, args.check_len,
+                                                      getattr(torch, args.truth_dtype), ref_pre))
+        if nm:
+            result["numerics"] = nm
+            print_numerics(nm)
+            save()
+    if args.probe_only:
+        return 0
+
+    # -- prefill ------------------------------------------------------------------------------------------------
+    ids = torch.randint(0, spec.vocab_size, (1, prompt_len), device=args.device)
 
     def k3c_prefill():
         rid = eng.open()
         out = eng.extend([rid], [ids[0]])[0]
         eng.finish(rid)
         return out
-
-    ref_pre = ReferenceModel(spec, w, mla_mode="mha")
 
     def ref_prefill(fwd):
         def run():
@@ -186,27 +352,53 @@ def main(argv=None) -> int:
 
     pre = result["prefill"]
     pre["tokens"] = prompt_len
-    t_k3c, out_k3c = timer(k3c_prefill, reps)
-    pre["k3c_ms"], pre["mla_modes"] = t_k3c * 1e3, {str(k): v for k, v in eng.last_modes.items()}
-    t_ref, out_ref = timer(ref_prefill(ref_pre.forward), reps)
-    pre["eager_ms"] = t_ref * 1e3
-    pre["rel_err_last_logits_vs_eager"] = rel(out_k3c[-1], out_ref)
+    last = {}
+
+    def k3c_pre():
+        t, out = timer(k3c_prefill, reps)
+        pre["k3c_ms"], pre["mla_modes"] = t * 1e3, {str(k): v for k, v in eng.last_modes.items()}
+        last["k3c"] = out[-1]
+
+    def eager_pre():
+        t, out = timer(ref_prefill(ref_pre.forward), reps)
+        pre["eager_ms"] = t * 1e3
+        if "k3c" in last:
+            pre["rel_err_last_logits_vs_eager"] = rel(last["k3c"], out)
+
+    phase("prefill_k3c", k3c_pre)
+    if not args.skip_eager:
+        phase("prefill_eager", eager_pre)
     if not args.skip_compiled:
         # the reference's expert loop iterates over .tolist() of the routing (data-dependent): compiled as is, every
         # new expert set recompiles the frame until the recompile limit; run it eagerly inside the compiled graph
         from k3c.runtime.reference import moe as ref_moe
 
         ref_moe.routed_experts = torch.compiler.disable(ref_moe.routed_experts)
+        import torch._dynamo as dynamo
+
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
         cfwd = torch.compile(ref_pre.forward, dynamic=True, backend=args.compile_backend)
-        got = guarded("compiled_prefill", lambda: timer(ref_prefill(cfwd), reps), errors)
-        if got:
-            pre["compiled_ms"] = got[0] * 1e3
+
+        def compiled_pre():
+            c0 = dynamo_counts()
+            t = time.perf_counter()
+            ref_prefill(cfwd)()                          # compile (+ the first run)
+            timer.sync()
+            pre["compiled_warmup_s"] = time.perf_counter() - t
+            c1 = dynamo_counts()
+            t, _ = timer(ref_prefill(cfwd), reps)
+            pre["compiled_ms"] = t * 1e3
+            pre["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
+
+        phase("prefill_compiled", compiled_pre)
     if cuda:
         pre["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    del out_k3c, out_ref
+    last.clear()
+    save()
 
     # -- decode -------------------------------------------------------------------------------------------------
     ref_dec = ReferenceModel(spec, w, mla_mode="mqa")
+    cdec = None if args.skip_compiled else torch.compile(ref_dec.forward, dynamic=True, backend=args.compile_backend)
     cfg, mcfg = spec.kda, spec.mla
     for B in batches:
         g = torch.Generator(device=args.device).manual_seed(B)
@@ -221,86 +413,101 @@ def main(argv=None) -> int:
                 layers.append(torch.randn(B, cached, mcfg.kv_lora_rank + mcfg.qk_rope_head_dim, generator=g,
                                           device=args.device).to(dtype))
         ref_cache = ReferenceCache(tuple(layers), cached)
-        toks = torch.randint(0, spec.vocab_size, (steps + 1, B), device=args.device)
-        ctx = [0] * cached
-        rids = [eng.adopt(ctx, {i: KDAState(c.state[b:b + 1], tuple(t[b:b + 1] for t in c.conv))
-                                for i, c in enumerate(layers) if isinstance(c, KDAState)},
-                          {i: c[b] for i, c in enumerate(layers) if not isinstance(c, KDAState)})
-                for b in range(B)]
-        rec = {"batch": B, "cached": cached, "steps": steps}
+        toks = torch.randint(0, spec.vocab_size, (max(steps, peer_steps) + 4, B), device=args.device)
+        rec = {"batch": B, "cached": cached, "steps": steps, "peer_steps": peer_steps}
+        result["decode"].append(rec)
+        firsts = {}
 
-        def k3c_steps(n):
-            out = None
-            for s in range(n):
-                out = eng.extend(rids, [[int(t)] for t in toks[s].tolist()])
-            return torch.stack([o[-1] for o in out])
+        def k3c_dec():
+            ctx = [0] * cached
+            rids = [eng.adopt(ctx, {i: KDAState(c.state[b:b + 1], tuple(t[b:b + 1] for t in c.conv))
+                                    for i, c in enumerate(layers) if isinstance(c, KDAState)},
+                              {i: c[b] for i, c in enumerate(layers) if not isinstance(c, KDAState)})
+                    for b in range(B)]
 
-        first = k3c_steps(1)                             # warm-up step, also the numerics probe
-        timer.sync()
-        t0 = time.perf_counter()
-        k3c_steps(steps)
-        timer.sync()
-        rec["k3c_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
-        rec["mla_modes"] = {str(k): v for k, v in eng.last_modes.items()}
-        for r in rids:
-            eng.finish(r)
+            def k3c_steps(n, s0=0):
+                out = None
+                for s in range(s0, s0 + n):
+                    out = eng.extend(rids, [[int(t)] for t in toks[s].tolist()])
+                return torch.stack([o[-1] for o in out])
 
-        def ref_steps(fwd, n, cache=ref_cache):
-            out = None
+            firsts["k3c"] = k3c_steps(1)                  # warm-up step (JIT), also compared with the eager step
+            timer.sync()
+            t0 = time.perf_counter()
+            k3c_steps(steps, 1)
+            timer.sync()
+            rec["k3c_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
+            rec["mla_modes"] = {str(k): v for k, v in eng.last_modes.items()}
+            for r in rids:
+                eng.finish(r)
+
+        def ref_steps(fwd, n, s0=0):
+            out, cache = None, ref_cache
             with torch.no_grad():
-                for s in range(n):
+                for s in range(s0, s0 + n):
                     out, cache = fwd(toks[s][:, None], cache)
             return out[:, -1]
 
-        ref_first = ref_steps(ref_dec.forward, 1)
-        rec["rel_err_first_step_vs_eager"] = rel(first, ref_first)
-        timer.sync()
-        t0 = time.perf_counter()
-        ref_steps(ref_dec.forward, steps)
-        timer.sync()
-        rec["eager_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
-        if not args.skip_compiled:
-            cdec = torch.compile(ref_dec.forward, dynamic=True, backend=args.compile_backend)
+        def eager_dec():
+            firsts["eager"] = ref_steps(ref_dec.forward, 1)
+            if "k3c" in firsts:
+                rec["rel_err_first_step_vs_eager"] = rel(firsts["k3c"], firsts["eager"])
+            timer.sync()
+            t0 = time.perf_counter()
+            ref_steps(ref_dec.forward, peer_steps)
+            timer.sync()
+            rec["eager_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / peer_steps
 
-            def compiled():
-                ref_steps(cdec, 3)                       # compile (cache lengths vary: dynamic shapes)
-                timer.sync()
-                t = time.perf_counter()
-                ref_steps(cdec, steps)
-                timer.sync()
-                return (time.perf_counter() - t) * 1e3 / steps
-            ms = guarded(f"compiled_decode_b{B}", compiled, errors)
-            if ms is not None:
-                rec["compiled_ms_per_step"] = ms
+        def compiled_dec():
+            c0 = dynamo_counts()
+            t = time.perf_counter()
+            ref_steps(cdec, 3)                       # compile (cache lengths vary: dynamic shapes)
+            timer.sync()
+            rec["compiled_warmup_s"] = time.perf_counter() - t
+            c1 = dynamo_counts()
+            t = time.perf_counter()
+            ref_steps(cdec, peer_steps)
+            timer.sync()
+            rec["compiled_ms_per_step"] = (time.perf_counter() - t) * 1e3 / peer_steps
+            rec["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
+
+        phase(f"decode_b{B}_k3c", k3c_dec)
+        if not args.skip_eager and B in eager_batches:
+            phase(f"decode_b{B}_eager", eager_dec)
+        if cdec is not None:
+            phase(f"decode_b{B}_compiled", compiled_dec)
         if cuda:
             rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        result["decode"].append(rec)
-        del ref_cache, layers
+        save()
+        del ref_cache, layers, firsts
 
     # -- report -------------------------------------------------------------------------------------------------
     def ratio(peer, ours):
         return f"{peer / ours:.2f}x" if peer and ours else "n/a"
 
+    nan = float("nan")
     print(f"{spec.name} on {result['gpu'] or args.device}, {result['dtype']}; k3c: {result['k3c_executor']}")
     print(f"{'phase':28s} {'k3c ms':>10s} {'eager ms':>10s} {'compile ms':>11s} {'vs eager':>9s} {'vs compile':>11s}"
           f" {'k3c tok/s':>11s} {'rel err':>9s}")
     p = result["prefill"]
-    print(f"{'prefill ' + str(prompt_len):28s} {p['k3c_ms']:10.2f} {p['eager_ms']:10.2f} "
-          f"{p.get('compiled_ms', float('nan')):11.2f} {ratio(p['eager_ms'], p['k3c_ms']):>9s} "
-          f"{ratio(p.get('compiled_ms'), p['k3c_ms']):>11s} {prompt_len / p['k3c_ms'] * 1e3:11.1f} "
-          f"{p['rel_err_last_logits_vs_eager']:9.2e}")
+    if "k3c_ms" in p:
+        print(f"{'prefill ' + str(prompt_len):28s} {p['k3c_ms']:10.2f} {p.get('eager_ms', nan):10.2f} "
+              f"{p.get('compiled_ms', nan):11.2f} {ratio(p.get('eager_ms'), p['k3c_ms']):>9s} "
+              f"{ratio(p.get('compiled_ms'), p['k3c_ms']):>11s} {prompt_len / p['k3c_ms'] * 1e3:11.1f} "
+              f"{p.get('rel_err_last_logits_vs_eager', nan):9.2e}")
     for d in result["decode"]:
+        if "k3c_ms_per_step" not in d:
+            continue
         print(f"{'decode b' + str(d['batch']) + ' @' + str(d['cached']):28s} {d['k3c_ms_per_step']:10.2f} "
-              f"{d['eager_ms_per_step']:10.2f} {d.get('compiled_ms_per_step', float('nan')):11.2f} "
-              f"{ratio(d['eager_ms_per_step'], d['k3c_ms_per_step']):>9s} "
+              f"{d.get('eager_ms_per_step', nan):10.2f} {d.get('compiled_ms_per_step', nan):11.2f} "
+              f"{ratio(d.get('eager_ms_per_step'), d['k3c_ms_per_step']):>9s} "
               f"{ratio(d.get('compiled_ms_per_step'), d['k3c_ms_per_step']):>11s} "
-              f"{d['batch'] / d['k3c_ms_per_step'] * 1e3:11.1f} {d['rel_err_first_step_vs_eager']:9.2e}")
-    print(f"MLA modes (k3c, per layer): prefill {p['mla_modes']}; decode {result['decode'][-1]['mla_modes']}")
+              f"{d['batch'] / d['k3c_ms_per_step'] * 1e3:11.1f} {d.get('rel_err_first_step_vs_eager', nan):9.2e}")
     for k, v in errors.items():
         print(f"peer failed: {k}: {v}")
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
+    if result["skipped"]:
+        print(f"skipped (deadline): {', '.join(result['skipped'])}")
+    save()
     return 0
 
 
