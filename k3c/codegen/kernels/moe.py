@@ -95,13 +95,16 @@ class MoEGemmPlan:
     gemv: int = 0              # upcast, BLOCK_M 16: FMA GEMV over the tile's real rows, this many rows at a time
     dequant: bool = False      # upcast: dequantize the experts to a bf16 workspace once, then the bf16 GEMM (tiles)
     pairs: bool = False        # upcast joined form, CUDA, bf16: E2M1 decoded straight to scaled bf16x2 K pairs (PTX)
-    swap: bool = False         # pairs: the weight tile is the MMA's A operand (acc [BLOCK_N, BLOCK_M], transposed)
+    swap: bool = False         # joined: the weight tile is the MMA's A operand (acc [BLOCK_N, BLOCK_M], transposed)
+    one_mul: bool = False      # pairs: one bf16x2 multiply per pair, exact for scales <= PAIRS1_MAX_SCALE (the runtime
+                               # checks the weights' scales and else runs the two-multiply decode)
 
     @property
     def tag(self) -> str:
         """Short name of the variant (bench tables)."""
         form = ("dequant" if self.dequant else f"gemv{self.gemv}" if self.gemv else
-                (("pairsT" if self.swap else "pairs") if self.pairs else "joined") if self.joined else
+                ("pairs" + ("1" if self.one_mul else "") if self.pairs else "joined") + ("T" if self.swap else "")
+                if self.joined else
                 "postscale" if self.post_scale else "split")
         return f"{form}_m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
 
@@ -128,7 +131,7 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, post_scale: bool = False, joined: bool | None = None,
                   gemv: int | None = None, dequant: bool | None = None, pairs: bool | None = None,
-                  swap: bool | None = None) -> MoEGemmPlan:
+                  swap: bool | None = None, one_mul: bool | None = None) -> MoEGemmPlan:
     """Tiles of the grouped expert GEMM. BLOCK_M = rows per expert rounded up to 16..128 (the tile-offset buckets).
     Decode (BLOCK_M 16-32; the weight stream dominates): narrow N tiles (32 columns, gate and up side by side for
     gate_up) so that the active experts' weights spread over many programs, long K steps (256; 128 for the 32-row
@@ -187,7 +190,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
         stages = max(2, min(3, budget // max(1, stage)))
     return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and up, joined=use_joined, gemv=use_gemv,
-                       pairs=use_joined and bool(pairs), swap=use_joined and bool(pairs) and bool(swap))
+                       pairs=use_joined and bool(pairs), swap=use_joined and bool(swap),
+                       one_mul=use_joined and bool(pairs) and bool(one_mul))
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -391,19 +395,32 @@ E2M1_FP16_ASM = (
 # reference's bf16 dequantization (E2M1 value in bf16 times the scale in bf16) does. 24 ops per 8 weights plus 3
 # per word for the scale, against ~52 for the fp16 decode + fp32 scale + bf16 repack of the "joined" form.
 # Operands: $0..$3 the bf16x2 pairs of bytes 0..3 (int32), $4 the packed word, $5 its block's E8M0 scale (int32).
-E2M1_PAIRS_OPS = [("shl", "w4", "$4", 4), ("mov", "c", 0x7E807E80), ("mul", "m", "$5", 0x800080),
-                  ("mov", "lo", 0x00400040), ("max16", "m", "m", "lo")]
-for _j in range(4):
-    E2M1_PAIRS_OPS += [
-        ("prmt", f"q{_j}", "$4", "w4", _j | (4 + _j) << 4 | _j << 8 | _j << 12),   # byte1 <- w4.j, byte3 <- w.j
-        ("shr", f"t{_j}", f"q{_j}", 6),
-        ("and", f"t{_j}", f"t{_j}", 0x01C001C0),
-        ("and", f"q{_j}", f"q{_j}", 0x80008000),
-        ("or", f"q{_j}", f"q{_j}", f"t{_j}"),
-        ("mulbf", f"q{_j}", f"q{_j}", "c"),
-        ("mulbf", f"${_j}", f"q{_j}", "m"),
-    ]
-del _j
+def _pairs_ops(one_mul: bool) -> list:
+    """The op list of the pair decode: exact for every scale (two bf16x2 multiplies: 2^126, then 2^(s - 127)), or
+    (one_mul) a single multiply by 2^(s - 1), exact for s <= PAIRS1_MAX_SCALE = 128 (|w| < 16): 2^(s - 1) overflows
+    bf16 above that, so the runtime takes that variant only for weights whose scales fit."""
+    ops = [("shl", "w4", "$4", 4)]
+    if one_mul:     # bf16 bits of 2^(s - 1) = (s + 126) << 7 in both halves
+        ops += [("mad", "m", "$5", 0x800080, 126 * 0x800080)]
+    else:           # 2^(s - 127): s << 7, or the subnormal 0x0040 for s = 0
+        ops += [("mov", "c", 0x7E807E80), ("mul", "m", "$5", 0x800080), ("mov", "lo", 0x00400040),
+                ("max16", "m", "m", "lo")]
+    for j in range(4):
+        ops += [
+            ("prmt", f"q{j}", "$4", "w4", j | (4 + j) << 4 | j << 8 | j << 12),   # byte1 <- w4.j, byte3 <- w.j
+            ("shr", f"t{j}", f"q{j}", 6),
+            ("and", f"t{j}", f"t{j}", 0x01C001C0),
+            ("and", f"q{j}", f"q{j}", 0x80008000),
+            ("or", f"q{j}", f"q{j}", f"t{j}"),
+        ]
+        ops += [("mulbf", f"${j}", f"q{j}", "m")] if one_mul else \
+            [("mulbf", f"q{j}", f"q{j}", "c"), ("mulbf", f"${j}", f"q{j}", "m")]
+    return ops
+
+
+PAIRS1_MAX_SCALE = 128      # the one-multiply decode is exact for E8M0 scales up to this
+E2M1_PAIRS_OPS = _pairs_ops(False)
+E2M1_PAIRS1_OPS = _pairs_ops(True)
 
 
 def _ptx_ops(ops) -> str:
@@ -413,12 +430,13 @@ def _ptx_ops(ops) -> str:
     for op, d, *src in ops:
         args = ", ".join([d] + [hex(x) if isinstance(x, int) else x for x in src])
         out.append({"shl": "shl.b32", "shr": "shr.u32", "and": "and.b32", "or": "or.b32", "mov": "mov.b32",
-                    "mul": "mul.lo.u32", "max16": "max.u16x2", "prmt": "prmt.b32",
+                    "mul": "mul.lo.u32", "mad": "mad.lo.u32", "max16": "max.u16x2", "prmt": "prmt.b32",
                     "mulbf": "mul.rn.bf16x2"}[op] + f" {args};")
     return " ".join(out + ["}"])
 
 
 E2M1_PAIRS_ASM = _ptx_ops(E2M1_PAIRS_OPS)
+E2M1_PAIRS1_ASM = _ptx_ops(E2M1_PAIRS1_OPS)
 
 
 def _decode_lines(p: str, lo: str, hi: str, asm: bool) -> list[str]:
@@ -497,7 +515,7 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     joined = plan.joined and mx == "upcast" and not gemv
     # the bf16x2 pair decode: PTX, bf16 dots (elsewhere the same plan runs the portable decode, same numerics)
     pairs = joined and plan.pairs and mx == "upcast" and target.backend == "cuda" and not interp and dt == "bf16"
-    swap = pairs and plan.swap
+    swap = joined and plan.swap     # (also in the interpreter, with the portable decode: the same epilogue runs)
     if gemv and BM != 16:
         raise CodegenError("the GEMV form takes 16-row tiles")
     routed = kind != "dense"
@@ -521,7 +539,8 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     if plan.post_scale:
         tags.append("ps")
     if gemv or joined:
-        tags.append(f"gv{plan.gemv}" if gemv else ("jpt" if swap else "jp") if pairs else "j")
+        tags.append(f"gv{plan.gemv}" if gemv else ("jp" + ("1" if plan.one_mul else "") if pairs else "j")
+                    + ("t" if swap else ""))
     if chunk:
         tags.append("ch")
     if glu is not None:
@@ -642,10 +661,10 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
                     w.line(f"a = tl.load(a_ptrs).to({op_dt})")
                     for x in wn:
                         if pairs:
-                            _emit_wtile_pairs(w, x, f"wv_{x}")
+                            _emit_wtile_pairs(w, x, f"wv_{x}", plan.one_mul)
                         else:
                             _emit_wtile_decode(w, x, f"wv_{x}", use_asm, op_dt)
-                        w.line(f"acc_{x} = tl.dot(wv_{x}, tl.trans(a), acc_{x})" if swap else
+                        w.line(f"acc_{x} = tl.dot(wv_{x}, tl.trans(a), acc_{x}{dot_kw})" if swap else
                                f"acc_{x} = tl.dot(a, tl.trans(wv_{x}), acc_{x}{dot_kw})")
                     w.line("a_ptrs += BLOCK_K")
                     _emit_wtile_advance(w, wn)
@@ -751,12 +770,13 @@ def _emit_wtile_decode(w: SourceWriter, x: str, out: str, use_asm: bool, out_dt:
     w.line(f"{out} = tl.reshape(tl.join(w_lo.to({out_dt}), w_hi.to({out_dt})), (BLOCK_N, BLOCK_K))")
 
 
-def _emit_wtile_pairs(w: SourceWriter, x: str, out: str) -> None:
+def _emit_wtile_pairs(w: SourceWriter, x: str, out: str, one_mul: bool) -> None:
     """`out` bf16 [BLOCK_N, BLOCK_K] = the weight tile decoded by E2M1_PAIRS_ASM from 32-bit words of the packed
     tile: each byte -> one bf16x2 (its K pair), the block scale applied in bf16 (exact; see E2M1_PAIRS_OPS)."""
     w.line(f"s_{x} = tl.reshape(tl.broadcast_to(tl.load({x}s_ptrs).to(tl.int32)[:, :, None],"
            f" (BLOCK_N, BLOCK_K // 32, 4)), (BLOCK_N, BLOCK_K // 8))")
-    w.line(f"o0, o1, o2, o3 = tl.inline_asm_elementwise(\"{E2M1_PAIRS_ASM}\", \"=r,=r,=r,=r,r,r\","
+    asm = E2M1_PAIRS1_ASM if one_mul else E2M1_PAIRS_ASM
+    w.line(f"o0, o1, o2, o3 = tl.inline_asm_elementwise(\"{asm}\", \"=r,=r,=r,=r,r,r\","
            f" [tl.load({x}_wptrs), s_{x}], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)")
     w.line(f"v_{x} = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (BLOCK_N, BLOCK_K // 2))  # byte order")
     w.line(f"{out} = tl.reshape(tl.join(v_{x}.to(tl.int16).to(tl.bfloat16, bitcast=True),"
