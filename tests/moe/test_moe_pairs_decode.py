@@ -54,6 +54,8 @@ def run_ops(ops, regs: dict) -> dict:
             r = s[0]
         elif op == "mul":
             r = (s[0] * s[1]) & M32
+        elif op == "mad":
+            r = (s[0] * s[1] + s[2]) & M32
         elif op == "max16":
             r = torch.maximum(s[0] & 0xFFFF, s[1] & 0xFFFF) | (torch.maximum(s[0] >> 16, s[1] >> 16) << 16)
         elif op == "prmt":
@@ -66,8 +68,11 @@ def run_ops(ops, regs: dict) -> dict:
     return regs
 
 
-@pytest.mark.parametrize("scales", [range(0, 64), range(64, 128), range(128, 192), range(192, 255)])
-def test_pairs_decode_equals_dequantize_bitwise(scales):
+@pytest.mark.parametrize("ops, scales", [("E2M1_PAIRS_OPS", range(0, 64)), ("E2M1_PAIRS_OPS", range(64, 128)),
+                                         ("E2M1_PAIRS_OPS", range(128, 192)), ("E2M1_PAIRS_OPS", range(192, 255)),
+                                         ("E2M1_PAIRS1_OPS", range(0, KM.PAIRS1_MAX_SCALE + 1))])
+def test_pairs_decode_equals_dequantize_bitwise(ops, scales):
+    """Both decodes: the exact two-multiply one on every scale, the one-multiply one on the scales it is used for."""
     g = torch.Generator().manual_seed(0)
     s = torch.tensor(list(scales), dtype=torch.int64)
     # every byte value at every position of a word: words (b, b+1, b+2, b+3) for b in 0..255 and random words
@@ -76,7 +81,7 @@ def test_pairs_decode_equals_dequantize_bitwise(scales):
     byts = torch.cat([byts, torch.randint(0, 256, (256, 4), generator=g)])
     words = (byts << torch.tensor([0, 8, 16, 24])).sum(1)
     W, S = torch.meshgrid(words, s, indexing="ij")
-    out = run_ops(KM.E2M1_PAIRS_OPS, {"$4": W.reshape(-1), "$5": S.reshape(-1)})
+    out = run_ops(getattr(KM, ops), {"$4": W.reshape(-1), "$5": S.reshape(-1)})
     got = torch.stack([out[f"${j}"] for j in range(4)], dim=1)                       # [n, 4] bf16x2 words
     got = torch.stack([got & 0xFFFF, got >> 16], dim=2).reshape(-1, 8)               # K order: 8 bf16 bit patterns
     packed = byts[:, None, :].expand(-1, len(s), -1).reshape(-1, 4).to(torch.uint8)
@@ -86,7 +91,14 @@ def test_pairs_decode_equals_dequantize_bitwise(scales):
     assert torch.equal(got, want)
 
 
+def test_pairs1_overflows_above_its_scale_range():
+    """Why the runtime checks the scales before it takes the one-multiply decode: 2^(s - 1) is not a bf16 above."""
+    out = run_ops(KM.E2M1_PAIRS1_OPS, {"$4": torch.tensor([0x22222222]), "$5": torch.tensor([KM.PAIRS1_MAX_SCALE + 1])})
+    assert (out["$0"] & 0x7F80) == 0x7F80                          # inf, where the reference has 2^2
+
+
 def test_pairs_asm_text_is_the_ops():
-    text = KM.E2M1_PAIRS_ASM
-    assert text.count(";") == len(KM.E2M1_PAIRS_OPS) + 1          # the .reg line + one line per op
-    assert "mul.rn.bf16x2" in text and "prmt.b32" in text and "max.u16x2" in text
+    for ops, text in ((KM.E2M1_PAIRS_OPS, KM.E2M1_PAIRS_ASM), (KM.E2M1_PAIRS1_OPS, KM.E2M1_PAIRS1_ASM)):
+        assert text.count(";") == len(ops) + 1                      # the .reg line + one line per op
+        assert "mul.rn.bf16x2" in text and "prmt.b32" in text
+    assert "max.u16x2" in KM.E2M1_PAIRS_ASM and KM.E2M1_PAIRS1_ASM.count("mul.rn.bf16x2") == 4
