@@ -114,6 +114,10 @@ class MoEGemmPlan:
 DEQUANT_MIN_ROWS = 256      # prefill: dequantize once to bf16 and run the bf16 grouped GEMM from this many rows up
 GEMV_MAX_ROWS = 1           # decode: the FMA GEMV form up to this many rows (H200: at 2 rows MMA is 1.6-2.6x faster)
 JOINED_DEFAULT = True       # the MMA form: one interleaved tile per step (False: two half-K dots per 32-block)
+PAIRS_MAX_ROWS = 16         # CUDA, bf16 activations: the joined form with the pair decode (E2M1 -> scaled bf16x2 in
+                            # PTX, one multiply where the scales allow) up to this many rows per expert, in place of
+                            # gemv / the fp16 decode (sm_90 SASS: 4.0-4.3 instructions per weight in the K loop
+                            # against 6.8-7.6; docs/perf.md MoE)
 DEQUANT_WORKSPACE_BYTES = 2 << 30   # the bf16 workspace of one call (experts are processed in chunks that fit)
 
 
@@ -139,7 +143,9 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     gate_up), 64 K (bf16), 128 (native MX), 32 (upcast split form, 8 warps: spill-free on sm_90), 64 (joined).
     MX weights need BLOCK_K | K (K is a multiple of 32); bf16 weights mask a ragged last K step. Stages fill the
     shared-memory budget (2-3; one on the interpreter, which also takes whole 128-column N tiles: it pays per
-    program). Upcast forms (module doc; None = the rules DEQUANT_MIN_ROWS / GEMV_MAX_ROWS / JOINED_DEFAULT):
+    program). Upcast forms (module doc; None = the rules DEQUANT_MIN_ROWS / PAIRS_MAX_ROWS / GEMV_MAX_ROWS /
+    JOINED_DEFAULT): pairs (CUDA, bf16: the joined form with the PTX pair decode, one_mul by default; swap puts the
+    weights in the MMA's A operand),
     dequant (bf16 workspace + the bf16 tiles of this plan), gemv (FMA over the real rows of a 16-row tile), joined
     or split MMA forms, post_scale (split form, partial products scaled per block). Overrides are for benchmarks."""
     up = mx == "upcast"
@@ -154,12 +160,19 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     bm = row_bucket(rows)
     n_b = 2 if kind == "gate_up" else 1
     eb = ELEM_BYTES[dtype]
+    # the pair decode (PTX, bf16 dots): by default at decode rows unless a form is asked for
+    can_pair = up and not post_scale and target.backend == "cuda" and dtype == "bf16"
+    use_pairs = can_pair and (pairs if pairs is not None else
+                              rows <= PAIRS_MAX_ROWS and not gemv and joined is not False)
     # GEMV rows per group: the expected rows (1, 2, 4), so a one-token expert does no masked FMAs
     use_gemv = (gemv if gemv is not None else min(4, pow2_ceil(rows)) if rows <= GEMV_MAX_ROWS else 0) \
-        if up and not post_scale else 0
-    use_joined = up and not post_scale and not use_gemv and (joined if joined is not None else JOINED_DEFAULT)
+        if up and not post_scale and not use_pairs else 0
+    use_joined = up and not post_scale and not use_gemv and \
+        (use_pairs or (joined if joined is not None else JOINED_DEFAULT))
     if use_gemv:    # one 16-row tile; its real rows stream the weight tile once (FMA, no MMA layouts)
         bm, bn, bk = 16, (32 if use_gemv == 1 else 64) // n_b, 256   # 8 warps for 2-4 rows: 16-byte loads
+    elif use_pairs and bm == 16:    # decode: 1-warp 16 x 64 tiles, 64-K steps (fewest instructions per weight)
+        bn, bk = 64 // n_b, 64
     elif bm <= 32:    # the split-form decode of a 32 x 256 step spills on sm_90: 128 there
         bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" or use_joined else 128
     elif up:  # split: one 32-block per step (the scaled partial products stay in registers); joined: 64
@@ -180,6 +193,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     warps = num_warps or (4 if bm * bn <= 64 * 64 and not (bm >= 64 and up) else 8)
     if use_gemv and not num_warps:  # 2-4 row groups: 8 warps (at 4 the per-row partial sums spilled on sm_90)
         warps = 4 if use_gemv == 1 else 8
+    if use_pairs and bm == 16 and not num_warps:   # one warp: each A fragment feeds all the tile's n8 MMAs
+        warps = 1
     if target.shared_mem_bytes <= 0:
         stages = 1
     elif num_stages:
@@ -188,10 +203,10 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         w_bytes = bk // 2 + bk // 32 if mx != "none" else bk * eb
         stage = bm * bk * eb + n_b * bn * w_bytes
         budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
-        stages = max(2, min(3, budget // max(1, stage)))
+        stages = max(2, min(4 if use_pairs and bm == 16 else 3, budget // max(1, stage)))
     return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and up, joined=use_joined, gemv=use_gemv,
-                       pairs=use_joined and bool(pairs), swap=use_joined and bool(swap),
-                       one_mul=use_joined and bool(pairs) and bool(one_mul))
+                       pairs=use_pairs, swap=use_joined and bool(swap),
+                       one_mul=use_pairs and (one_mul if one_mul is not None else True))
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -970,6 +985,7 @@ def emit_moe_combine(z: int, top_k: int, *, target: Target, dtype: str = "bf16",
 
 
 __all__ = ["emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
-           "emit_moe_gemm", "emit_moe_dequant", "DEQUANT_MIN_ROWS", "GEMV_MAX_ROWS", "JOINED_DEFAULT",
+           "emit_moe_gemm", "emit_moe_dequant", "DEQUANT_MIN_ROWS", "GEMV_MAX_ROWS", "JOINED_DEFAULT", "PAIRS_MAX_ROWS",
+           "PAIRS1_MAX_SCALE",
            "DEQUANT_WORKSPACE_BYTES", "emit_moe_combine", "emit_moe_linear", "moe_gemm_plan", "MoEGemmPlan",
            "tile_slots", "mx_mode", "row_bucket", "MX_MODES", "ROW_BUCKETS"]
