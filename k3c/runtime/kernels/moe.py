@@ -11,7 +11,9 @@ Wrappers (tensors on any device; CPU runs through the Triton interpreter):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
 
 import numpy as np
 import torch
@@ -107,10 +109,34 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router
 
 
 # ---- grouped GEMM ----------------------------------------------------------------------------------------------
-def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtype, plan=None, ir_op="", loc=""):
+_SCALES_FIT: dict[int, tuple[int, bool]] = {}   # id(scale tensor) -> (its _version, all scales <= PAIRS1_MAX_SCALE)
+
+
+def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
+    """Whether every E8M0 scale is <= PAIRS1_MAX_SCALE, so the one-multiply pair decode is exact on these weights.
+    One reduction per scale tensor, remembered while the tensor lives and is not written in place; during CUDA
+    graph capture an unchecked tensor counts as not fitting (no host sync there: the exact decode runs)."""
+    for t in scales:
+        hit = _SCALES_FIT.get(id(t))
+        if hit is None or hit[0] != t._version:
+            if t.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False
+            fits = t.numel() == 0 or int(t.max()) <= _kmoe.PAIRS1_MAX_SCALE
+            if hit is None:
+                weakref.finalize(t, _SCALES_FIT.pop, id(t), None)
+            hit = _SCALES_FIT[id(t)] = (t._version, fits)
+        if not hit[1]:
+            return False
+    return True
+
+
+def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtype, plan=None, ir_op="", loc="",
+             scales=()):
     tgt = target_for(a.device)
     dt = tt_dtype(a.dtype)
     plan = plan or _plan(kind, n, k, rows, mx, dt, tgt)
+    if plan.one_mul and not scales_fit_one_mul(list(scales)):     # a scale above 2: the exact two-multiply decode
+        plan = dataclasses.replace(plan, one_mul=False)
     if plan.dequant and mx == "upcast":     # the bf16 kernel over the dequantized workspace, by expert chunks
         return _emit_gemm(kind, n, k, target=tgt, plan=plan, num_experts=num_experts, top_k=top_k, mx="none",
                           dtype=dt, w_dtype=dt, out_dtype=tt_dtype(out_dtype), act=act, ir_op=ir_op, loc=loc,
@@ -160,7 +186,7 @@ def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: t
     S = slots if slots is not None else (a.shape[0] * top_k if kind == "gate_up" else a.shape[0])
     rows = -(-S // max(1, el))
     ks = _gemm_ks(kind, n, k, rows, a, weights[0].dtype, mx, el, top_k, act if kind == "gate_up" else None,
-                  a.dtype, plan, ir_op or f"moe_{kind}", loc)
+                  a.dtype, plan, ir_op or f"moe_{kind}", loc, scales=weights[1::2] if mx != "none" else ())
     out = torch.empty(S, n, dtype=a.dtype, device=a.device)
     if "E0" in ks.signature:
         _dequant_run(ks, a.contiguous(), [t.contiguous() for t in weights], off, perm, out, el=el, n=n, k=k,
@@ -184,7 +210,7 @@ def mx_linear(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, mx:
     a2 = a.reshape(-1, a.shape[-1]).contiguous()
     M, K = a2.shape
     N = packed.shape[0]
-    ks = _gemm_ks("dense", N, K, M, a2, torch.uint8, mx, 1, 1, None, a.dtype, plan, ir_op, loc)
+    ks = _gemm_ks("dense", N, K, M, a2, torch.uint8, mx, 1, 1, None, a.dtype, plan, ir_op, loc, scales=[scale])
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     w = [packed.reshape(N, K // 2).contiguous(), scale.reshape(N, K // 32).contiguous()]
     if mx == "upcast" and ks.signature["w_ptr"] != "*u8":    # a dequant plan: bf16 weight, then the dense GEMM
@@ -392,4 +418,5 @@ for _name, _fn in (("moe_linear", torch_moe_linear), ("moe_route", torch_moe_rou
                    ("moe_combine", torch_moe_combine)):
     register_impl(_name, _fn)
 
-__all__ = ["linear", "route", "grouped_gemm", "mx_linear", "combine", "run", "torch_route", "row_bucket"]
+__all__ = ["linear", "route", "grouped_gemm", "mx_linear", "combine", "run", "torch_route", "row_bucket",
+           "scales_fit_one_mul"]
