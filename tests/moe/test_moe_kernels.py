@@ -82,7 +82,7 @@ def test_grouped_experts_equal_reference(case, dtype, tol):
 
 UPCAST_FORMS = {"split": dict(gemv=0, joined=False), "post_scale": dict(gemv=0, post_scale=True),
                 "joined": dict(gemv=0, joined=True), "gemv1": dict(gemv=1), "gemv2": dict(gemv=2),
-                "dequant": dict(dequant=True)}
+                "dequant": dict(dequant=True), "swap": dict(gemv=0, joined=True, swap=True)}
 
 
 @pytest.mark.parametrize("form", list(UPCAST_FORMS))
@@ -100,8 +100,9 @@ def test_mxfp4_upcast_equals_reference_on_dequantized_weights(form, monkeypatch)
     cpu = get_target("cpu")
     pg = moe_gemm_plan("gate_up", m, z, 1, "upcast", "bf16", cpu, block_n=32, block_k=32, **UPCAST_FORMS[form])
     pd = moe_gemm_plan("down", z, m, 1, "upcast", "bf16", cpu, block_n=32, block_k=32, **UPCAST_FORMS[form])
-    assert (pg.dequant, pg.gemv, pg.joined, pg.post_scale) == (form == "dequant", int(form[-1]) if "gemv" in form
-                                                               else 0, form == "joined", form == "post_scale")
+    assert (pg.dequant, pg.gemv, pg.joined, pg.post_scale, pg.swap) == (
+        form == "dequant", int(form[-1]) if "gemv" in form else 0, form in ("joined", "swap"), form == "post_scale",
+        form == "swap")
     h = M.grouped_gemm("gate_up", x, [*qs[0], *qs[1]], off, perm, top_k=k, mx="upcast", act=SITU, plan=pg)
     y = M.grouped_gemm("down", h, [*qs[2]], off, perm, top_k=k, mx="upcast", plan=pd)
     got = M.combine(y, wt, ids, top_k=k, num_experts=e)
@@ -123,8 +124,8 @@ def test_upcast_default_forms_follow_the_rows():
     """The runtime's default upcast form by rows per expert (the rules the bench's sweep is meant to retune)."""
     h200 = get_target("h200")
 
-    def plan(rows, mx="upcast"):
-        return moe_gemm_plan("gate_up", 3072, 3584, rows, mx, "bf16", h200)
+    def plan(rows, mx="upcast"):    # pairs=False: the rules without the pair decode (test_pair_decode_default_plans)
+        return moe_gemm_plan("gate_up", 3072, 3584, rows, mx, "bf16", h200, pairs=False)
     assert plan(1).gemv == 1 and plan(3).gemv == (4 if KM.GEMV_MAX_ROWS >= 3 else 0)
     assert plan(KM.GEMV_MAX_ROWS + 1).gemv == 0 and plan(KM.GEMV_MAX_ROWS + 1).joined == KM.JOINED_DEFAULT
     assert plan(KM.DEQUANT_MIN_ROWS).dequant and not plan(KM.DEQUANT_MIN_ROWS - 1).dequant
@@ -145,3 +146,59 @@ def test_mxfp4_native_dot_scaled_quantizes_activations_like_k3c_quant():
     a4 = mxfp4_dequantize(*mxfp4_quantize(a), torch.float32)  # MXFP4 activations: the kind::mxf4 form on sm_100
     assert rel(M.mx_linear(a, p, s, mx="e2m1"), a4 @ mxfp4_dequantize(p, s, torch.float32).T) <= 5e-3
     assert rel(M.mx_linear(a, p, s, mx="upcast"), a.float() @ mxfp4_dequantize(p, s, torch.float32).T) <= 5e-3
+
+
+@pytest.mark.parametrize("case", ["odd", "one_expert_everywhere", "empty_experts"])
+@pytest.mark.parametrize("form", ["pairs1", "pairs1_swap"])
+def test_pair_decode_plans_equal_reference(case, form):
+    """The decode-row plans of the pair decode (CUDA: E2M1_PAIRS(1)_OPS, checked bit for bit in
+    test_moe_pairs_decode.py) through the launcher: on the interpreter the same plan runs the portable decode, so this
+    checks the plan plumbing, the scale check and (swap) the transposed MMA and epilogue on random inputs."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(5)
+    t, e, k, z, m = {"odd": (7, 6, 3, 64, 96), "one_expert_everywhere": (5, 4, 2, 64, 64),
+                     "empty_experts": (3, 16, 2, 96, 64)}[case]
+    lg = torch.randn(t, e, generator=g)
+    if case == "one_expert_everywhere":
+        lg[:, 2] += 50.0
+    wt, ids, off, perm = M.route(lg, None, top_k=k)
+    x = torch.randn(t, z, generator=g).to(torch.bfloat16)
+    qs = [mxfp4_quantize(w) for w in experts(e, m, z, torch.float32, g)]
+    d1, d3, d2 = (mxfp4_dequantize(p, s, torch.bfloat16) for p, s in qs)
+    cpu = get_target("cpu")
+    kw = dict(gemv=0, joined=True, block_n=32, block_k=32, swap=form.endswith("swap"))
+    pg, pd = (dataclasses.replace(moe_gemm_plan(kind, a, b, 1, "upcast", "bf16", cpu, **kw), pairs=True, one_mul=True)
+              for kind, a, b in (("gate_up", m, z), ("down", z, m)))
+    assert pg.tag.startswith("pairs1") and pg.swap == form.endswith("swap")
+    h = M.grouped_gemm("gate_up", x, [*qs[0], *qs[1]], off, perm, top_k=k, mx="upcast", act=SITU, plan=pg)
+    y = M.grouped_gemm("down", h, [*qs[2]], off, perm, top_k=k, mx="upcast", plan=pd)
+    got = M.combine(y, wt, ids, top_k=k, num_experts=e)
+    assert rel(got, ref.routed_experts(x, d1, d3, d2, wt, ids.long(), SITU)) <= 1e-2
+
+
+def test_one_mul_scale_check():
+    """scales_fit_one_mul: <= PAIRS1_MAX_SCALE everywhere, remembered per tensor, re-checked after an in-place write."""
+    s = torch.full((4, 8), KM.PAIRS1_MAX_SCALE, dtype=torch.uint8)
+    assert M.scales_fit_one_mul([s])
+    s[1, 3] = KM.PAIRS1_MAX_SCALE + 1
+    assert not M.scales_fit_one_mul([s])
+    assert not M.scales_fit_one_mul([torch.zeros(2, dtype=torch.uint8), s])
+    s.fill_(3)
+    assert M.scales_fit_one_mul([s])
+
+
+def test_pair_decode_default_plans():
+    """Decode rows on CUDA with bf16 activations default to the pair decode (one multiply); pairs=False, other
+    targets and fp16 activations keep the previous rules."""
+    h200 = get_target("h200")
+
+    def plan(rows, t=h200, dt="bf16", **kw):
+        return moe_gemm_plan("down", 3584, 3072, rows, "upcast", dt, t, **kw)
+    for rows in (1, 2, KM.PAIRS_MAX_ROWS):
+        p = plan(rows)
+        assert p.pairs and p.one_mul and p.joined and not p.gemv and p.block_m == 16
+    assert not plan(KM.PAIRS_MAX_ROWS + 1).pairs
+    assert plan(1, pairs=False).gemv == 1 and not plan(2, pairs=False).pairs
+    assert not plan(1, get_target("mi300x")).pairs and not plan(1, dt="fp16").pairs
+    assert plan(1, gemv=1).gemv == 1 and not plan(1, gemv=1).pairs
