@@ -69,3 +69,36 @@ def test_sm90_upcasts_in_registers(aot_dir, rows, mma):
         assert "mma" not in ptx
     else:
         assert mma in ptx and ".bf16" in ptx
+
+
+def test_sm90_pair_decode_plans_at_k3_shapes(aot_dir):
+    """The decode-row default on sm_90 (pair decode, one multiply; the exact two-multiply fallback; swap) at K3 expert
+    shapes: bf16x2 multiplies and mma.sync, no fp16 decode, no spills."""
+    t = get_target("h200")
+    ks = []
+    for tag, kw in (("one", {}), ("exact", dict(one_mul=False)), ("swap", dict(swap=True))):
+        for kind, n, k in (("gate_up", 3072, 3584), ("down", 3584, 3072)):
+            plan = moe_gemm_plan(kind, n, k, 1, "upcast", "bf16", t, **kw)
+            assert plan.pairs and plan.one_mul == (tag != "exact")
+            ks.append(emit_moe_gemm(kind, n, k, target=t, plan=plan, num_experts=896, top_k=16, mx="upcast",
+                                    act="swiglu" if kind == "gate_up" else None, interpret=False))
+    cks = compile_kernels(ks, t, str(aot_dir / "h200_pairs"), progress=False)
+    for ck in cks:
+        ptx = (aot_dir / "h200_pairs" / ck.files["ptx"]).read_text()
+        assert not ck.resources.has_spills, (ck.name, ck.resources)
+        assert "mul.rn.bf16x2" in ptx and "mma.sync" in ptx and "cvt.f32.f16" not in ptx, ck.name
+
+
+def test_gfx950_upcast_decode_plans_at_k3_shapes(aot_dir):
+    """gfx950 with bf16 activations upcasts too (no pair decode off CUDA): the decode-row defaults and the swap form
+    compile without spills."""
+    t = get_target("mi355x")
+    ks = []
+    for tag, rows, kw in (("gemv", 1, {}), ("joined", 2, {}), ("swap", 2, dict(swap=True))):
+        for kind, n, k in (("gate_up", 3072, 3584), ("down", 3584, 3072)):
+            plan = moe_gemm_plan(kind, n, k, rows, "upcast", "bf16", t, **kw)
+            assert not plan.pairs and plan.swap == (tag == "swap")
+            ks.append(emit_moe_gemm(kind, n, k, target=t, plan=plan, num_experts=896, top_k=16, mx="upcast",
+                                    act="swiglu" if kind == "gate_up" else None, interpret=False))
+    cks = compile_kernels(ks, t, str(aot_dir / "mi355x_decode"), progress=False)
+    assert not [ck.resources for ck in cks if ck.resources.has_spills]
