@@ -1,14 +1,19 @@
-"""Sharded prefill / decode throughput and time in collectives (TP x EP on torch.distributed; docs/distributed.md).
+"""Sharded prefill / decode throughput, time in collectives and logits against the one-rank run (TP x EP on
+torch.distributed; docs/distributed.md).
 
-    python bench/dist.py --tp 1 --device cuda                         # one GPU today (NCCL group of one rank)
-    python bench/dist.py --tp 8 --ep 8 --device cuda --spec examples/kimi-linear-48b.yaml --out dist.json
-    torchrun --nproc-per-node 8 bench/dist.py --tp 8 --ep 8 --device cuda   # or one process per rank under torchrun
-    python bench/dist.py --tp 2 --ep 2 --device cpu --prompt-len 32 --decode 4   # gloo, tiny, CPU
+    python bench/dist.py --configs 1x1,2x1,1x2,2x2 --spec examples/k3-wide.yaml --device cuda --out dist.json
+    python bench/dist.py --tp 8 --ep 8 --device cuda --spec examples/kimi-linear-48b.yaml
+    torchrun --nproc-per-node 8 bench/dist.py --tp 8 --ep 8 --device cuda   # one process per rank under torchrun
+    python bench/dist.py --configs 1x1,2x2 --device cpu --prompt-len 32 --decode 4   # gloo, tiny, CPU
 
-Each rank compiles its slice (`shard` pass), generates only its slice of the random weights, then runs: warm-up,
-timed prefill (`--reps` times) and decode steps for throughput (no synchronisation inside), then the same once
-more with every collective synchronised and timed (`collective_s`: time inside all_reduce / all_gather, and the
-share of the step it is). Rank 0 prints a table and writes JSON (per-rank rows included).
+`--configs` lists TP x EP layouts run one after the other (max(tp, ep) processes each; NCCL with one GPU per rank
+on CUDA, gloo on a CPU). Each rank compiles its slice (`shard` pass) and draws only its slice of the random weights
+(on a GPU, drawn there: the same values for every layout). Then: warm-up, timed prefill (`--reps`, best kept) and
+decode steps (no synchronisation inside), then the same once more with every collective synchronised and timed
+(`collective_s`: time inside the collectives and its share of the step). The decode inputs are fixed tokens (not
+argmax), so every layout sees the same inputs: rank 0's prefill last-token logits and every decode step's logits
+are compared with the first layout's (relative error, max over steps). Speed-up and scaling efficiency are against
+the first layout (efficiency = speed-up / ranks). Rank 0 of each layout reports; the JSON is rewritten after each.
 """
 from __future__ import annotations
 
@@ -25,59 +30,89 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _rank(rank: int, device: str, a: dict) -> dict:
     import k3c
-    from k3c.runtime.distributed import init_sharded_weights, state
+    from k3c.runtime.distributed import compile_target, init_sharded_weights, state
 
     dtype = getattr(torch, a["dtype"])
-    target = "h200" if device.startswith("cuda") else "cpu"
-    model = k3c.compile(a["spec"], target=target, tp=a["tp"], ep=a["ep"], rank=rank)
-    w = init_sharded_weights(model, seed=0, dtype=dtype)
+    t0 = time.perf_counter()
+    model = k3c.compile(a["spec"], target=compile_target(device), tp=a["tp"], ep=a["ep"], rank=rank)
+    t_compile = time.perf_counter() - t0
+    w = init_sharded_weights(model, seed=0, dtype=dtype, device=device)
     weight_bytes = sum(t.numel() * t.element_size() for t in w.values())
-    sess = model.session(w, device=device, max_batch=a["batch"], max_context=a["prompt_len"] + a["decode"] + 1,
+    sess = model.session(w, device=device, max_batch=a["batch"], max_context=a["prompt_len"] + 2 * a["decode"] + 2,
                          use_kernels=a["kernels"])
-    g = torch.Generator().manual_seed(0)
+    del w                                         # expert stacks were quantized at load: drop the float copies
+    g = torch.Generator().manual_seed(0)          # the same inputs on every rank and in every layout
     ids = torch.randint(0, model.spec.vocab_size, (a["batch"], a["prompt_len"]), generator=g)
+    toks = torch.randint(0, model.spec.vocab_size, (a["decode"], a["batch"]), generator=g)
     st = state()
 
     def sync():
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def prefill() -> float:
+    def prefill():
         sync()
         t0 = time.perf_counter()
         logits = sess.prefill(ids)
         sync()
-        return time.perf_counter() - t0, logits
+        return time.perf_counter() - t0, logits[:, -1]
 
-    def decode(first: torch.Tensor) -> float:
-        tok = first
+    def decode(keep: bool = False):
+        outs = []
         sync()
         t0 = time.perf_counter()
-        for _ in range(a["decode"]):
-            tok = sess.decode(tok).argmax(-1)
+        for s in range(a["decode"]):
+            out = sess.decode(toks[s])
+            if keep:
+                outs.append(out.float().cpu())
         sync()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, outs
 
-    _, logits = prefill()                         # warm-up (kernel compilation / caches)
-    decode(logits[:, -1].argmax(-1))
+    t0 = time.perf_counter()
+    prefill()                                     # warm-up (kernel compilation / caches)
+    decode()
+    t_warm = time.perf_counter() - t0
     pre = [prefill() for _ in range(a["reps"])]
-    pre_s = min(t for t, _ in pre)
-    dec_s = decode(pre[-1][1][:, -1].argmax(-1))
+    pre_s, last = min(t for t, _ in pre), pre[-1][1].float().cpu()
+    dec_s, dec_logits = decode(keep=rank == 0)   # cache: prompt + decode steps (the timed pass copies to host
+    prefill()                                     # after each step only on rank 0: a sync it would not have;
+    dec_s = min(dec_s, decode()[0])              # the second, copy-free pass is kept when faster)
     st.timing = True                              # timed collectives: synchronised, so measured apart
     st.seconds, st.calls = 0.0, 0
-    pre_t, logits = prefill()
+    pre_t, _ = prefill()
     pre_coll, pre_calls = st.seconds, st.calls
     st.seconds, st.calls = 0.0, 0
-    dec_t = decode(logits[:, -1].argmax(-1))
+    dec_t, _ = decode()
     dec_coll, dec_calls = st.seconds, st.calls
     st.timing = False
     mem = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
-    return {"rank": rank, "device": device, "weight_bytes": weight_bytes, "peak_bytes": mem,
-            "prefill_s": pre_s, "prefill_tok_s": a["batch"] * a["prompt_len"] / pre_s,
-            "decode_s": dec_s, "decode_tok_s": a["batch"] * a["decode"] / dec_s,
-            "prefill_collective_s": pre_coll, "prefill_collective_calls": pre_calls, "prefill_timed_s": pre_t,
-            "decode_collective_s": dec_coll, "decode_collective_calls": dec_calls, "decode_timed_s": dec_t,
-            "describe": sess.describe()}
+    row = {"rank": rank, "device": device, "weight_bytes": weight_bytes, "peak_bytes": mem,
+           "compile_s": t_compile, "warmup_s": t_warm,
+           "prefill_s": pre_s, "prefill_tok_s": a["batch"] * a["prompt_len"] / pre_s,
+           "decode_s": dec_s, "decode_tok_s": a["batch"] * a["decode"] / dec_s,
+           "prefill_collective_s": pre_coll, "prefill_collective_calls": pre_calls, "prefill_timed_s": pre_t,
+           "decode_collective_s": dec_coll, "decode_collective_calls": dec_calls, "decode_timed_s": dec_t,
+           "describe": sess.describe()}
+    if rank == 0:
+        # [B, V], [steps, B, V], float32 as numpy: a tensor through the result queue would live in shared memory
+        # owned by this process, which exits right after
+        row["logits"] = (last.numpy(), torch.stack(dec_logits).numpy())
+    return row
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        try:
+            tp, ep = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"bench/dist.py: --configs: '{part}' is not TPxEP (e.g. 2x1)") from None
+        out.append((tp, ep))
+    return out
 
 
 def main(argv=None) -> int:
@@ -85,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default="examples/k3-tiny.yaml")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, help="default: = --tp")
+    ap.add_argument("--configs", help="layouts TPxEP, comma separated, run in turn (e.g. 1x1,2x1,1x2,2x2); the "
+                    "first is the baseline for logits and speed-up (default: --tp x --ep alone)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu by default")
     ap.add_argument("--batch", type=int, default=4)
@@ -99,34 +136,67 @@ def main(argv=None) -> int:
     from k3c.runtime.distributed import run_ranks
 
     cuda = args.device.startswith("cuda")
-    a = {"spec": args.spec, "tp": args.tp, "ep": args.tp if args.ep is None else args.ep,
-         "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "batch": args.batch,
-         "prompt_len": args.prompt_len, "decode": args.decode, "reps": args.reps,
-         "kernels": cuda and not args.no_kernels}
-    t0 = time.perf_counter()
-    rows = run_ranks(_rank, a["tp"], a["ep"], (a,), device=args.device, timeout=3600)
-    if rows[0]["rank"] != 0:
-        return 0                                   # torchrun: rank 0 reports
-    world = max(a["tp"], a["ep"])
+    configs = parse_configs(args.configs) if args.configs else [(args.tp, args.tp if args.ep is None else args.ep)]
+    base = {"spec": args.spec, "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "batch": args.batch,
+            "prompt_len": args.prompt_len, "decode": args.decode, "reps": args.reps,
+            "kernels": cuda and not args.no_kernels}
     backend = "nccl" if cuda else "gloo"
-    print(f"bench/dist.py: {args.spec} TP {a['tp']} x EP {a['ep']} ({world} ranks, {backend}) on {args.device}, "
-          f"{a['dtype']}, batch {a['batch']} x prompt {a['prompt_len']}, {a['decode']} decode steps, "
-          f"{'kernels' if a['kernels'] else 'torch ops'}; wall {time.perf_counter() - t0:.1f} s")
-    print(f"  executor: {rows[0]['describe']}")
-    print("| rank | weights MiB | prefill tok/s | decode tok/s | prefill coll. ms (calls, share) "
+    print(f"bench/dist.py: {args.spec} on {args.device} ({backend}), {base['dtype']}, batch {base['batch']} x "
+          f"prompt {base['prompt_len']}, {base['decode']} decode steps, "
+          f"{'kernels' if base['kernels'] else 'torch ops'}", flush=True)
+    report = {"config": base, "backend": backend, "layouts": []}
+    ref = None
+    for tp, ep in configs:
+        a = {**base, "tp": tp, "ep": ep}
+        world = max(tp, ep)
+        t0 = time.perf_counter()
+        try:
+            rows = run_ranks(_rank, tp, ep, (a,), device=args.device, timeout=3600)
+        except Exception as exc:                    # one layout failing (memory, say) is reported, not fatal
+            msg = str(exc).strip().splitlines()
+            print(f"TP {tp} x EP {ep}: failed: {msg[-1] if msg else type(exc).__name__}", flush=True)
+            report["layouts"].append({"tp": tp, "ep": ep, "world": world, "error": "\n".join(msg[-20:])})
+            continue
+        if rows[0]["rank"] != 0:
+            return 0                                # torchrun: rank 0 reports
+        last, dec = (torch.from_numpy(x) for x in rows[0].pop("logits"))
+        lay = {"tp": tp, "ep": ep, "world": world, "wall_s": time.perf_counter() - t0, "ranks": rows}
+        if ref is None:
+            ref = (tp, ep, last, dec)
+        else:
+            lay["vs"] = f"{ref[0]}x{ref[1]}"
+            lay["rel_err_prefill"] = rel(last, ref[2])
+            lay["rel_err_decode_max"] = max(rel(d, r) for d, r in zip(dec, ref[3]))
+        report["layouts"].append(lay)
+        _print_layout(lay, report["layouts"][0])
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=2)
+                fh.write("\n")
+    return 0
+
+
+def _print_layout(lay: dict, first: dict) -> None:
+    r0 = lay["ranks"][0]
+    print(f"\nTP {lay['tp']} x EP {lay['ep']} ({lay['world']} ranks), wall {lay['wall_s']:.1f} s; "
+          f"compile {r0['compile_s']:.1f} s, warm-up {r0['warmup_s']:.1f} s; executor: {r0['describe']}")
+    if "vs" in lay:
+        p0, d0 = first["ranks"][0]["prefill_tok_s"], first["ranks"][0]["decode_tok_s"]
+        ps, ds = r0["prefill_tok_s"] / p0, r0["decode_tok_s"] / d0
+        print(f"  vs {lay['vs']}: logits rel err prefill {lay['rel_err_prefill']:.2e}, decode (max over steps) "
+              f"{lay['rel_err_decode_max']:.2e}; speed-up prefill {ps:.2f}x (efficiency {ps / lay['world']:.0%}), "
+              f"decode {ds:.2f}x (efficiency {ds / lay['world']:.0%})")
+    print("| rank | weights MiB | peak GiB | prefill tok/s | decode tok/s | prefill coll. ms (calls, share) "
           "| decode coll. ms (calls, share) |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
+    print("|---|---|---|---|---|---|---|")
+    for r in lay["ranks"]:
         ps = r["prefill_collective_s"] / r["prefill_timed_s"] if r["prefill_timed_s"] else 0.0
         ds = r["decode_collective_s"] / r["decode_timed_s"] if r["decode_timed_s"] else 0.0
-        print(f"| {r['rank']} | {r['weight_bytes'] / 2**20:,.1f} | {r['prefill_tok_s']:,.1f} | "
+        peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "-"
+        print(f"| {r['rank']} | {r['weight_bytes'] / 2**20:,.1f} | {peak} | {r['prefill_tok_s']:,.1f} | "
               f"{r['decode_tok_s']:,.1f} | {r['prefill_collective_s'] * 1e3:.2f} ({r['prefill_collective_calls']}, "
-              f"{ps:.0%}) | {r['decode_collective_s'] * 1e3:.2f} ({r['decode_collective_calls']}, {ds:.0%}) |")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"config": a, "world": world, "backend": backend, "ranks": rows}, fh, indent=2)
-            fh.write("\n")
-    return 0
+              f"{ps:.0%}) | {r['decode_collective_s'] * 1e3:.2f} ({r['decode_collective_calls']}, {ds:.0%}) |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -253,10 +253,11 @@ def shard_weights(compiled, weights: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-def init_sharded_weights(compiled, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Random weights of this rank only, equal to the slices of k3c.init_weights(spec, seed): each full tensor is
-    generated from its own (seed, name) generator and cut at once, so a rank holds at most one full tensor beyond
-    its slices (never the whole model)."""
+def init_sharded_weights(compiled, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Random weights of this rank only, equal to the slices of k3c.init_weights(spec, seed, device=device): each
+    full tensor is generated from its own (seed, name) generator and cut at once, so a rank holds at most one full
+    tensor beyond its slices (never the whole model). On a GPU every rank draws the same full tensors."""
     from .weight_names import model_weights
     from .weights import _generator, _init_one
 
@@ -265,7 +266,7 @@ def init_sharded_weights(compiled, seed: int = 0, dtype: torch.dtype = torch.flo
     for info in model_weights(compiled.spec):
         if info.name not in shards:
             continue
-        t = slice_of(_init_one(compiled.spec, info, _generator(seed, info.name)), shards[info.name])
+        t = slice_of(_init_one(compiled.spec, info, _generator(seed, info.name, device)), shards[info.name])
         out[info.name] = t if info.dtype == "fp32" else t.to(dtype)
     return out
 
@@ -286,6 +287,15 @@ def _free_port() -> int:
 
 def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def compile_target(device: str) -> str:
+    """The compile target of a rank's device: the GPU's own entry (its plans and page size), else cpu."""
+    if device.startswith("cuda"):
+        from ..codegen.launch import target_for
+
+        return target_for(device).name
+    return "cpu"
 
 
 def _rank_device(device: str, rank: int) -> str:
@@ -395,9 +405,9 @@ def _run_rank(rank: int, device: str, spec, tp: int, ep: int, weights: str | Non
     from .. import api
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = api.compile(spec, target="cpu", tp=tp, ep=ep, rank=rank)
+    model = api.compile(spec, target=compile_target(device), tp=tp, ep=ep, rank=rank)
     w = (load_sharded_weights(model, weights, dtype=torch_dtype) if weights
-         else init_sharded_weights(model, seed=seed, dtype=torch_dtype))
+         else init_sharded_weights(model, seed=seed, dtype=torch_dtype, device=device))
     local_bytes = sum(t.numel() * t.element_size() for t in w.values())
     sess = model.session(w, device=device, max_batch=batch, max_context=prompt_len + new_tokens)
     gen = torch.Generator().manual_seed(seed)                   # the same prompt on every rank
