@@ -4,6 +4,8 @@
                                                    # tokens {1, 16, 64, 512, 4096}
     python bench/moe.py --json out.json            # also write every row
     python bench/moe.py --sweep --json out.json    # also time every plan variant of every row (within --budget s)
+    python bench/moe.py --decode --json out.json   # decode rows (1, 16, 64 tokens): the previous default plans
+                                                   # ("old"), the new default and DECODE_COMPARE variants, bf16, copy
     python bench/moe.py --smoke                    # tiny shapes on the CPU (interpreter): checks the code path
 
 Per row, the routing is fixed first (k3c's routing kernels on random router logits) and both sides compute
@@ -219,6 +221,18 @@ DECODE_VARIANTS = (
     ("split", dict(gemv=0, joined=False), dict(gemv=0, joined=False)),
     ("postscale", dict(gemv=0, post_scale=True), dict(gemv=0, post_scale=True)),
 )
+# --decode: the plans before the pair decode ("old": moe_gemm_plan(pairs=False), i.e. gemv at 1 row per expert and
+# the fp16-decode joined tile above) against the new default (pair decode, one multiply; the row's main timing) and
+# alternatives of it; "old" first so that the budget never drops it
+DECODE_COMPARE = (
+    ("old", dict(pairs=False), dict(pairs=False)),
+    ("pairs_exact", dict(pairs=True, one_mul=False), dict(pairs=True, one_mul=False)),
+    ("pairs1_n16", dict(pairs=True, block_n=16), dict(pairs=True, block_n=32)),
+    ("pairs1_w2n64", dict(pairs=True, num_warps=2, block_n=64), dict(pairs=True, num_warps=2, block_n=128)),
+    ("pairs1_w4k256", dict(pairs=True, num_warps=4, block_k=256, num_stages=3),
+     dict(pairs=True, num_warps=4, block_k=256, num_stages=3)),
+    ("pairs1_swap", dict(pairs=True, swap=True), dict(pairs=True, swap=True, block_n=32)),
+)
 PREFILL_VARIANTS = (
     ("dequant", dict(dequant=True), dict(dequant=True)),
     ("dequant_s4", dict(dequant=True, num_stages=4), dict(dequant=True, num_stages=4)),
@@ -237,7 +251,7 @@ def variants(args, dev, rows, specs):
     group = min(4, 1 << max(0, rows - 1).bit_length())
     out, seen = {}, set()
     for name, kg, kd in specs:
-        if mx != "upcast" and any(x in kg for x in ("gemv", "joined", "dequant", "post_scale")):
+        if mx != "upcast" and any(x in kg for x in ("gemv", "joined", "dequant", "post_scale", "pairs")):
             continue
         kg, kd = ({k: group if v == "G" else v for k, v in kw.items()} for kw in (kg, kd))
         try:
@@ -307,6 +321,25 @@ def precompile(pool, fns, deadline):
     print(f"  precompiled {len(done) - bad}/{len(futs)} kernels in {time.time() - t0:.1f} s", flush=True)
 
 
+def decode_table(copy_bw):
+    """The --decode summary: per row bf16, the old default plans, the new default and the best variant."""
+    var = {(r["experts"], r["tokens"], r["variant"]): r["k3c_s"] for r in ROWS if "variant" in r}
+    print("\n| E | tokens | active | bf16 us | old us | new us | new TB/s | % copy | new x bf16 | new x old | best "
+          "variant (us) |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in ROWS:
+        if "variant" in r:
+            continue
+        e, t = r["experts"], r["tokens"]
+        old = var.get((e, t, "old"))
+        frac = f"{r['k3c_frac_of_copy'] * 100:.0f}" if r.get("k3c_frac_of_copy") else "-"
+        print(f"| {e} | {t} | {r['active_experts']} | {r['bf16_s'] * 1e6:.1f} | "
+              + (f"{old * 1e6:.1f}" if old else "-") + f" | {r['k3c_s'] * 1e6:.1f} | {r['k3c_TBps']:.2f} | {frac} | "
+              f"{r['speedup']:.2f} | " + (f"{old / r['k3c_s']:.2f}" if old else "-")
+              + f" | {r['best_variant']} ({r['best_variant_s'] * 1e6:.1f}) |")
+    if copy_bw:
+        print(f"copy {copy_bw / 1e12:.2f} TB/s (read + write); TB/s = packed weight + scale bytes of the active experts")
+
+
 def write_json(args, dev, copy_bw):
     if args.json:
         import triton
@@ -329,9 +362,15 @@ def main():
                     "by the rows; compile waits, baselines and defaults come on top)")
     ap.add_argument("--jobs", type=int, default=16, help="precompile processes for --sweep (0: compile in line)")
     ap.add_argument("--compile-wait", type=float, default=40.0, help="most seconds to wait for a precompile batch")
+    ap.add_argument("--decode", action="store_true", help="decode rows (1, 16, 64 tokens unless --tokens): the "
+                    "old default plans, the new default and DECODE_COMPARE variants, a summary table at the end")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.decode:
+        args.sweep = True
+        if args.tokens == ap.get_default("tokens"):
+            args.tokens = [1, 16, 64]
     if args.smoke:
         from k3c.codegen.triton_mode import prepare_interpreter
 
@@ -359,8 +398,8 @@ def main():
             w2p, w2s = random_mxfp4(e, args.latent, args.inter, dev, gen)
             weights = ((None, None), (w1p, w1s, w3p, w3s), (w2p, w2s))
             rows_of = {t: -(-t * args.top_k // e) for t in args.tokens}
-            row_plans = {t: variants(args, dev, r, DECODE_VARIANTS if r <= 16 else PREFILL_VARIANTS)
-                         if args.sweep else None for t, r in rows_of.items()}
+            row_plans = {t: variants(args, dev, r, DECODE_COMPARE if args.decode else DECODE_VARIANTS if r <= 16
+                                     else PREFILL_VARIANTS) if args.sweep else None for t, r in rows_of.items()}
             if pool is not None:
                 precompile_rows(pool, e, args, weights, dev, row_plans, args.compile_wait)
             for t in args.tokens:
@@ -380,6 +419,8 @@ def main():
                 torch.cuda.empty_cache()
     if pool is not None:
         pool.shutdown(cancel_futures=True)
+    if args.decode:
+        decode_table(copy_bw)
     print(f"total {time.time() - t_start:.0f} s", flush=True)
 
 
