@@ -103,14 +103,12 @@ class BlockPool:
                 pool[p, : chunk.shape[0]] = chunk
         self.mark_written(pages, 0, length)
 
-    def block_table(self, page_lists: list[list[int]], device) -> torch.Tensor:
-        """int32 [B, max pages]; short rows padded with page 0 (never read: kernels stop at each length)."""
+    def block_table(self, page_lists: list[list[int]], device, h2d=None) -> torch.Tensor:
+        """int32 [B, max pages]; short rows padded with page 0 (never read: kernels stop at each length). Built
+        as one host tensor; `h2d(t)` moves it to the device (default t.to(device))."""
         width = max(1, max((len(p) for p in page_lists), default=1))
-        bt = torch.zeros(len(page_lists), width, dtype=torch.int32)
-        for b, pages in enumerate(page_lists):
-            if pages:
-                bt[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return bt.to(device)
+        bt = torch.tensor([list(p) + [0] * (width - len(p)) for p in page_lists], dtype=torch.int32)
+        return h2d(bt) if h2d is not None else bt.to(device)
 
     def check_empty(self) -> None:
         """Every page back in the free list (tests: refcounts returned to zero)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..analysis.cost import mla_mode_costs
 from ..codegen.launch import target_for
 from ..errors import ArgumentError
 from .block_pool import BlockPool, CacheFullError
@@ -30,6 +31,38 @@ from .kernels.mla import LatentStore, PagedLatentCache
 from .reference.kda import KDAState
 from .seq_state import SeqState, gather_kda
 from .session import describe_graph, load_graph
+
+
+def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
+    """MHA or MQA for one MLA call of `new` tokens per sequence after `cached[b]` cached tokens, from the cost model
+    (analysis.cost.mla_mode_costs) over every sequence of the call, on `target`:
+      - MQA is one batched call (split-KV decode over each sequence's own pages, W_kvb read once): the cost of the
+        whole batch at the mean cached length (exact: the cost is affine in the cached length);
+      - MHA of equal lengths is one batched call too; of mixed lengths it runs one sequence at a time (each expands
+        K/V from its own rows and reads W_kvb again): the sum of the per-sequence costs, B x the mean's.
+    A mixed batch used to take the first sequence's choice."""
+    b = len(cached)
+    mean = sum(cached) / b
+    both = mla_mode_costs(attrs, new, mean, target, batch=b)
+    if len(set(cached)) == 1:
+        return both.best
+    mha = mla_mode_costs(attrs, new, mean, target, batch=1).mha.scaled(b)
+    mha_s = mha.seconds({"bf16": target.peak_bf16_flops}, target.hbm_bytes_per_s)
+    return "mha" if mha_s <= both.mqa_seconds else "mqa"
+
+
+def _with_batch_mode(op, fn):
+    """build_graph_module wrap: an `mla_absorbed` op of mode "auto" runs the mode the engine chose for the whole
+    call (cache.mla_modes, set per call) instead of the op's own choice from the first sequence's length."""
+    if op.op != "mla_absorbed" or op.attr("mode", "auto") != "auto":
+        return fn
+
+    def mla_absorbed_batch_mode(a, cache, data, w):
+        mode = getattr(cache, "mla_modes", {}).get(a["layer"])
+        return fn({**a, "mode": mode} if mode else a, cache, data, w)
+
+    mla_absorbed_batch_mode.__name__ = getattr(fn, "__name__", "mla_absorbed") + "_batch_mode"
+    return mla_absorbed_batch_mode
 
 
 @dataclass
@@ -59,7 +92,17 @@ class Engine:
         self.use_kernels = use_kernels
         self.prefill_chunk = prefill_chunk
         self.dtype = weights["embed_tokens.weight"].dtype
-        self.graph = graph if graph is not None else load_graph(compiled, weights, self.device, use_kernels)
+        # an engine-built graph runs the MLA mode chosen per call over all sequences (batch_mla_mode); a graph
+        # passed in (shared by several engines) should come from Engine.load_graph to get that too
+        self.graph = graph if graph is not None else self.load_graph(compiled, weights, self.device, use_kernels)
+        self.target = target_for(self.device)
+        # MLA layers whose op picks its mode at run time ("auto"): attrs without the layer, for batch_mla_mode
+        self._mla_auto: dict[int, tuple] = {}      # layer -> (key, attrs): layers of equal attrs share one choice
+        for op in compiled.module.ops:
+            if op.op == "mla_absorbed" and op.attr("mode", "auto") == "auto":
+                attrs = {k: v for k, v in op.attr_dict.items() if k != "layer"}
+                self._mla_auto[op.attr("layer")] = (repr(sorted(attrs.items())), attrs)
+        self._bt_key, self._bt = None, None        # the last block table (reused while no page list changes)
         self.kda_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "kda"]
         self.mla_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "mla"]
         ps = page_size or target_for(self.device).mla_page_size
@@ -77,6 +120,11 @@ class Engine:
         self.prefix = prefix_cache
         if prefix_cache is not None:
             prefix_cache.attach(self)
+
+    @staticmethod
+    def load_graph(compiled, weights: dict[str, torch.Tensor], device, use_kernels: bool = True):
+        """The graph an Engine runs (shareable between engines of the same model, weights and device)."""
+        return load_graph(compiled, weights, torch.device(device), use_kernels, wrap=_with_batch_mode)
 
     def describe(self) -> str:
         return describe_graph(self.compiled, self.use_kernels)
@@ -358,7 +406,7 @@ class Engine:
             for t, items in groups.items():
                 for i in range(0, len(items), self.max_batch):
                     chunk = items[i:i + self.max_batch]
-                    logits = self._call([s for s, _ in chunk], torch.tensor([g for _, g in chunk]))
+                    logits = self._call([s for s, _ in chunk], [g for _, g in chunk])
                     for j, (seq, _) in enumerate(chunk):
                         out[seq.rid] = logits[j]
                         done.add(seq.rid)
@@ -369,19 +417,47 @@ class Engine:
         self._commit(undo)
         return out
 
-    def _call(self, seqs: list[SeqState], ids: torch.Tensor) -> torch.Tensor:
-        B, T = ids.shape
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device without a device sync (pinned staging, non-blocking copy; the
+        caching host allocator keeps the staging block until the copy has run)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _block_table(self, seqs: list[SeqState]) -> torch.Tensor:
+        """The call's block table; the previous one when no page list changed (decode: all but one step in
+        page_size), so a step does no host-to-device copy for it."""
+        key = tuple(tuple(s.pages) for s in seqs)
+        if key != self._bt_key:
+            self._bt = self.pool.block_table([list(p) for p in key], self.device, h2d=self._h2d)
+            self._bt_key = key
+        return self._bt
+
+    def mla_modes(self, new: int, cached: list[int]) -> dict[int, str]:
+        """{MLA layer: mode} for a call of `new` tokens per sequence after `cached` tokens (batch_mla_mode)."""
+        memo: dict[str, str] = {}
+        out = {}
+        for layer, (key, attrs) in self._mla_auto.items():
+            if key not in memo:
+                memo[key] = batch_mla_mode(attrs, new, cached, self.target)
+            out[layer] = memo[key]
+        return out
+
+    def _call(self, seqs: list[SeqState], segments: list[list[int]]) -> torch.Tensor:
+        B, T = len(segments), len(segments[0])
+        ids = self._h2d(torch.tensor(segments, dtype=torch.long))
         cache = LayerCaches(self.spec.num_layers)
         for i in self.kda_layers:
             cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
         if self.mla_layers:
             lens = tuple(s.length for s in seqs)
-            bt = self.pool.block_table([s.pages for s in seqs], self.device)
+            bt = self._block_table(seqs)
             for i in self.mla_layers:
                 cache.layers[i] = PagedLatentCache(LatentStore(self.pool.pools[i], bt, list(lens)), lens)
+            cache.mla_modes = self.mla_modes(T, list(lens))
         t0 = time.perf_counter()
         with torch.no_grad():
-            logits = self.graph(ids.to(self.device), cache)
+            logits = self.graph(ids, cache)
         kind = "decode" if T == 1 else "prefill"
         self.stats[f"{kind}_calls"] += 1
         self.stats[f"{kind}_tokens"] += B * T

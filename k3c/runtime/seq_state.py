@@ -66,16 +66,23 @@ def gather_kda(refs: list[RowRef | None], cfg: KDASpec, dtype: torch.dtype, devi
     if (first is not None and first[0].state.shape[0] == len(refs)
             and all(r is not None and r[0] is first[0] and r[1] == i for i, r in enumerate(refs))):
         return first[0]                          # the same batch as last step: pass it through
-    zero = None
-    rows = []
+    # runs of consecutive rows of one batch state (or of fresh sequences) become one slice each: a sequence
+    # leaving or joining costs a few slices per layer, not one per row
+    runs: list[list] = []                        # [source state or None, first row, end row]
     for r in refs:
-        if r is None:
-            zero = zero or kda_zero_state(cfg, 1, dtype, device)
-            rows.append(zero)
+        src, i = (None, 0) if r is None else r
+        last = runs[-1] if runs else None
+        if last is not None and last[0] is src and (src is None or last[2] == i):
+            last[2] += 1
         else:
-            rows.append(row_state(r))
-    return KDAState(torch.cat([s.state for s in rows]),
-                    tuple(torch.cat([s.conv[j] for s in rows]) for j in range(3)))
+            runs.append([src, i, i + 1])
+    parts = [kda_zero_state(cfg, stop - start, dtype, device) if src is None
+             else KDAState(src.state[start:stop], tuple(t[start:stop] for t in src.conv))
+             for src, start, stop in runs]
+    if len(parts) == 1:
+        return parts[0]
+    return KDAState(torch.cat([s.state for s in parts]),
+                    tuple(torch.cat([s.conv[j] for s in parts]) for j in range(3)))
 
 
 def state_bytes(st: KDAState) -> int:

@@ -14,15 +14,17 @@ from .executor import LayerCaches, build_graph_module
 from .weight_prep import prepare_weights
 
 
-def load_graph(compiled, weights: dict[str, torch.Tensor], device: torch.device, use_kernels: bool):
-    """The compiled graph with `weights` (checked against the IR's params) on `device`."""
+def load_graph(compiled, weights: dict[str, torch.Tensor], device: torch.device, use_kernels: bool, *,
+               wrap=None):
+    """The compiled graph with `weights` (checked against the IR's params) on `device`; `wrap(op, fn)` may replace
+    op implementations (build_graph_module; the engine uses it to hand its per-batch MLA mode to the op)."""
     weights = prepare_weights(compiled.module, weights, compiled.spec)
     if use_kernels and device.type == "cpu":
         from ..codegen.triton_mode import prepare_interpreter
 
         prepare_interpreter()       # generated kernels run in Triton's interpreter on a CPU
     on_device = {name: t.to(device) for name, t in weights.items()}
-    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels)
+    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels, wrap=wrap)
 
 
 def describe_graph(compiled, use_kernels: bool) -> str:

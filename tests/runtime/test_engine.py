@@ -179,3 +179,38 @@ def test_adopt_a_given_cache(tiny, one_thread):
     assert rel(got, want) <= 1e-5
     with pytest.raises(ArgumentError, match="layer 3 latent has shape"):
         eng.adopt(p, kda, {i: t[:5] for i, t in latent.items()})
+
+
+def test_mixed_batch_mode_from_all_sequences(tiny, one_thread):
+    """A call of sequences with different cached lengths takes its MLA mode from the cost model over all of them
+    (batch_mla_mode), not from the first sequence: the same mode in either order, the same logits as the reference."""
+    from k3c.analysis.cost import mla_mode_costs
+    from k3c.codegen.launch import target_for
+    from k3c.runtime.engine import batch_mla_mode
+
+    spec, model, w = tiny
+    tgt = target_for("cpu")
+    attrs = next(dict(op.attr_dict) for op in model.module.ops if op.op == "mla_absorbed")
+    new, cached = 4, (0, 40)
+    # alone, the fresh sequence would take MHA and the long one MQA; over both, the cost model says MQA
+    assert mla_mode_costs(attrs, new, 0, tgt, batch=2).best == "mha"
+    assert mla_mode_costs(attrs, new, 40, tgt, batch=2).best == "mqa"
+    assert batch_mla_mode(attrs, new, list(cached), tgt) == "mqa"
+    assert batch_mla_mode(attrs, new, [40, 0], tgt) == "mqa"
+    assert batch_mla_mode(attrs, 60, [0, 40], tgt) == "mha"           # a long append: MHA over both
+    assert batch_mla_mode(attrs, new, [40, 40], tgt) == mla_mode_costs(attrs, new, 40, tgt, batch=2).best
+    long_p, seg_a, seg_b = prompts(spec, (40, new, new), seed=21)
+    for order in ((0, 1), (1, 0)):
+        eng = engine(tiny, max_batch=2, max_context=64)
+        fresh, long = eng.open(), eng.open()
+        eng.extend([long], [long_p])
+        rids = [(fresh, long)[i] for i in order]
+        segs = [(seg_a, seg_b)[i] for i in order]
+        out = dict(zip(rids, eng.extend(rids, segs)))
+        assert eng.stats["prefill_calls"] == 2                         # one call for both segments
+        assert set(eng.last_modes.values()) == {"mqa"}
+        assert rel(out[fresh], k3c.reference_forward(spec, w, torch.tensor([seg_a]))[0]) <= 1e-5
+        assert rel(out[long], k3c.reference_forward(spec, w, torch.tensor([long_p + seg_b]))[0, 40:]) <= 1e-5
+        eng.finish(fresh)
+        eng.finish(long)
+        eng.pool.check_empty()
