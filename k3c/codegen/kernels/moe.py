@@ -36,6 +36,12 @@ Weight formats (`mx`):
                         K-contiguous tile (16-byte loads), each 32-block's partial sum scaled once; no MMA.
                joined   (MMA) the scaled nibbles interleaved back into a [BLOCK_N, BLOCK_K] tile (tl.join), one
                         dot per K step with contiguous activation loads (mma.sync at 16-32 rows, wgmma at 64+).
+               pairs    (decode, <= 16 rows, CUDA with bf16 activations; the default there) the joined form with
+                        the packed tile loaded as 32-bit words and each byte decoded in PTX straight to the bf16x2
+                        K pair the MMA operand holds, the block scale applied by bf16x2 multiplies (exact; one
+                        multiply where every scale of the weights is <= 128, else two): 4.0-4.3 SASS instructions
+                        per weight in the K loop against 6.8-7.6 for gemv / joined (docs/perf.md MoE); 1-warp
+                        16 x 64 tiles, 64-K steps. swap (option) makes the weight tile the MMA's A operand.
                dequant  (prefill, >= 256 rows) emit_moe_dequant writes the experts' bf16 weights once per call
                         (chunks of experts within DEQUANT_WORKSPACE_BYTES), then the bf16 grouped GEMM with
                         expert_chunk runs those experts' tiles: the decode is not repeated per M tile.
@@ -407,8 +413,9 @@ E2M1_FP16_ASM = (
 # magnitude bits (e1 e0 m) go down to bits 6..8 / 22..24: the bf16 pattern of value x 2^-126 (code 1, 0.5 x 2^-126,
 # is a bf16 subnormal). One bf16x2 multiply by 2^126 makes it the exact E2M1 value, a second by the block's
 # 2^(s - 127) (bf16 bits max(s << 7, 0x40) in both halves: s = 0 is the subnormal 2^-127) rounds once, as the
-# reference's bf16 dequantization (E2M1 value in bf16 times the scale in bf16) does. 24 ops per 8 weights plus 3
-# per word for the scale, against ~52 for the fp16 decode + fp32 scale + bf16 repack of the "joined" form.
+# reference's bf16 dequantization (E2M1 value in bf16 times the scale in bf16) does: 25 PTX ops per 8 weights plus
+# 5 per word for the scale; the one-multiply variant (2^(s - 1), s <= 128) 21 + 1 (sm_90 SASS of the K loop: 4.0-4.3
+# instructions per weight in all, against 6.8-7.0 for the fp16 decode + fp32 scale + bf16 repack of "joined").
 # Operands: $0..$3 the bf16x2 pairs of bytes 0..3 (int32), $4 the packed word, $5 its block's E8M0 scale (int32).
 def _pairs_ops(one_mul: bool) -> list:
     """The op list of the pair decode: exact for every scale (two bf16x2 multiplies: 2^126, then 2^(s - 127)), or
