@@ -7,6 +7,8 @@
     python bench/moe.py --decode --json out.json   # decode rows (1, 16, 64 tokens): the previous default plans
                                                    # ("old"), the new default and DECODE_COMPARE variants, bf16, copy
     python bench/moe.py --smoke                    # tiny shapes on the CPU (interpreter): checks the code path
+    python bench/moe.py --sass                     # no GPU: the decode plans cross-compiled for sm_90, SASS of the
+                                                   # K loop counted per weight (nvdisasm from triton's bundle)
 
 Per row, the routing is fixed first (k3c's routing kernels on random router logits) and both sides compute
 u = sum_k p_k E_k(z) for the tokens z [T, 3584] with the same weights (random MXFP4 payloads and scales; the
@@ -340,6 +342,84 @@ def decode_table(copy_bw):
         print(f"copy {copy_bw / 1e12:.2f} TB/s (read + write); TB/s = packed weight + scale bytes of the active experts")
 
 
+# --sass: (name, rows per expert, gate_up overrides, down overrides) cross-compiled for the h200 target
+SASS_PLANS = (
+    ("old gemv1 (1 row)", 1, dict(pairs=False), dict(pairs=False)),
+    ("old joined (2-16 rows)", 2, dict(pairs=False), dict(pairs=False)),
+) + tuple((f"new {name}", 1, kg, kd) for name, kg, kd in DECODE_COMPARE[1:]) + (("new default", 1, {}, {}),)
+
+
+def _sass_loop(sass: str) -> list[str]:
+    """The instructions of the innermost K loop: the shortest backward-branch body holding the MMAs / FMAs, else
+    the longest one (nvdisasm -c text)."""
+    import re
+
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    labels, pending = {}, []
+    for line in sass.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/", line)
+        if m:
+            labels.update({lab: int(m.group(1), 16) for lab in pending})
+            pending = []
+    loops = []
+    for addr, text in ins:
+        lab = re.search(r"BRA.*?(\.L_x_\d+)", text)
+        if lab and labels.get(lab.group(1), addr + 1) < addr:
+            loops.append([t for a, t in ins if labels[lab.group(1)] <= a <= addr])
+    inner = [b for b in loops if any("MMA" in t or "FFMA" in t for t in b)]
+    return min(inner, key=len) if inner else max(loops, key=len, default=[])
+
+
+def sass_report(args):
+    """Compile SASS_PLANS for sm_90 at the bench shapes and print the K loop's SASS per weight (no GPU needed)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    from k3c.codegen.aot import compile_kernels, shutdown_workers
+    from k3c.codegen.kernels.moe import emit_moe_gemm
+    from k3c.codegen.targets import get_target
+
+    tgt = get_target("h200")
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    ks, meta = [], []
+    for name, rows, kg, kd in SASS_PLANS:
+        for kind, n, k, kw in (("gate_up", args.inter, args.latent, kg), ("down", args.latent, args.inter, kd)):
+            plan = moe_gemm_plan(kind, n, k, rows, "upcast", "bf16", tgt, **kw)
+            ks.append(emit_moe_gemm(kind, n, k, target=tgt, plan=plan, num_experts=args.experts[0],
+                                    top_k=args.top_k, mx="upcast", act=ACT if kind == "gate_up" else None,
+                                    interpret=False))
+            meta.append((name, kind, plan))
+    out = tempfile.mkdtemp(prefix="moe-sass-")
+    cks = compile_kernels(ks, tgt, out, progress=False)
+    shutdown_workers()
+    print("| plan | kernel | tag | regs | warps/SM | spills | K-loop SASS / weight | ALU (LOP3, PRMT, SHF, IADD3) "
+          "/ weight | moves / weight | MMA |\n|---|---|---|---|---|---|---|---|---|---|")
+    for ck, (name, kind, plan) in zip(cks, meta):
+        text = subprocess.run([nvdisasm, "-c", os.path.join(out, ck.files["cubin"])], check=True,
+                              capture_output=True, text=True).stdout
+        loop = _sass_loop(text)
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
+        per = (2 if kind == "gate_up" else 1) * plan.block_n * plan.block_k // (32 * plan.num_warps)  # per thread
+        alu = sum(v for op, v in ops.items() if op.split(".")[0] in ("LOP3", "PRMT", "SHF", "IADD3", "LEA"))
+        mov = sum(v for op, v in ops.items() if op.split(".")[0] in ("MOV", "IMAD") and
+                  (op == "MOV" or op.startswith("IMAD.MOV")))
+        mma = sum(v for op, v in ops.items() if "MMA" in op)
+        r = ck.resources
+        print(f"| {name} | {kind} | {plan.tag} | {r.regs} | {r.occupancy} ({r.occupancy_limiter}) | "
+              f"{'yes' if r.has_spills else 'no'} | {len(loop) / per:.2f} | {alu / per:.2f} | {mov / per:.2f} | "
+              f"{mma} |")
+    print(f"(per weight = per thread and K-loop iteration over the weights it decodes; {tgt.name} sm_90, triton "
+          f"{triton.__version__})")
+
+
 def write_json(args, dev, copy_bw):
     if args.json:
         import triton
@@ -365,8 +445,11 @@ def main():
     ap.add_argument("--decode", action="store_true", help="decode rows (1, 16, 64 tokens unless --tokens): the "
                     "old default plans, the new default and DECODE_COMPARE variants, a summary table at the end")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--sass", action="store_true", help="no GPU: SASS instruction counts of the decode plans")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.sass:
+        return sass_report(args)
     if args.decode:
         args.sweep = True
         if args.tokens == ap.get_default("tokens"):
