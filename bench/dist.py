@@ -13,7 +13,7 @@ decode steps (no synchronisation inside), then the same once more with every col
 (`collective_s`: time inside the collectives and its share of the step). The decode inputs are fixed tokens (not
 argmax), so every layout sees the same inputs: rank 0's prefill last-token logits and every decode step's logits
 are compared with the first layout's (relative error, max over steps). Speed-up and scaling efficiency are against
-the first layout (efficiency = speed-up / ranks). Rank 0 of each layout reports; the JSON is rewritten after each.
+the first layout that ran (efficiency = speed-up / ranks). Rank 0 of each layout reports; the JSON is rewritten after each.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
             lay["rel_err_prefill"] = rel(last, ref[2])
             lay["rel_err_decode_max"] = max(rel(d, r) for d, r in zip(dec, ref[3]))
         report["layouts"].append(lay)
-        _print_layout(lay, report["layouts"][0])
+        _print_layout(lay, next(x for x in report["layouts"] if "ranks" in x))
         if args.out:
             with open(args.out, "w", encoding="utf-8") as fh:
                 json.dump(report, fh, indent=2)

@@ -257,17 +257,27 @@ def init_sharded_weights(compiled, seed: int = 0, dtype: torch.dtype = torch.flo
                          device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Random weights of this rank only, equal to the slices of k3c.init_weights(spec, seed, device=device): each
     full tensor is generated from its own (seed, name) generator and cut at once, so a rank holds at most one full
-    tensor beyond its slices (never the whole model). On a GPU every rank draws the same full tensors."""
+    tensor beyond its slices (never the whole model). On a GPU every rank draws the same full tensors. Stacks the
+    graph reads as MXFP4 are quantized as they are drawn (what load would do), so the float copies of all expert
+    stacks never coexist (59 GB in bf16 at k3-wide, twice that in fp32)."""
     from .weight_names import model_weights
+    from .weight_prep import quantize_stack
     from .weights import _generator, _init_one
 
     shards = param_shards(compiled)
+    rules = {op.attr("source"): op.attr("rule", "floor") for op in compiled.module.ops
+             if op.op == "param" and op.attr("quant", None) == "mxfp4"}
     out = {}
     for info in model_weights(compiled.spec):
-        if info.name not in shards:
+        if info.name not in shards and info.name not in rules:     # unsharded graphs list packed names only
             continue
-        t = slice_of(_init_one(compiled.spec, info, _generator(seed, info.name, device)), shards[info.name])
-        out[info.name] = t if info.dtype == "fp32" else t.to(dtype)
+        t = slice_of(_init_one(compiled.spec, info, _generator(seed, info.name, device)), shards.get(info.name))
+        t = t if info.dtype == "fp32" else t.to(dtype)
+        if info.name in rules:
+            out[f"{info.name}.weight_packed"], out[f"{info.name}.weight_scale"] = quantize_stack(
+                info.name, t, rules[info.name])
+        else:
+            out[info.name] = t
     return out
 
 
