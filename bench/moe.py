@@ -395,7 +395,7 @@ def sass_report(args):
             plan = moe_gemm_plan(kind, n, k, rows, "upcast", "bf16", tgt, **kw)
             ks.append(emit_moe_gemm(kind, n, k, target=tgt, plan=plan, num_experts=args.experts[0],
                                     top_k=args.top_k, mx="upcast", act=ACT if kind == "gate_up" else None,
-                                    interpret=False))
+                                    interpret=False, name=f"sass{len(ks)}_{kind}"))
             meta.append((name, kind, plan))
     out = tempfile.mkdtemp(prefix="moe-sass-")
     cks = compile_kernels(ks, tgt, out, progress=False)
