@@ -334,7 +334,7 @@ class Engine:
         finally:
             for seq, _ in plan:                  # what was not consumed is not part of the sequence
                 del seq.tokens[seq.length:]
-        return [torch.cat(out[r]) for r in rids]
+        return [out[r][0] if len(out[r]) == 1 else torch.cat(out[r]) for r in rids]   # no copy: one piece
 
     def _check_room(self, plan) -> None:
         """CacheFullError now, before anything changes, if the whole plan cannot get its pages."""
