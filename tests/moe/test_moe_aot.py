@@ -1,7 +1,7 @@
 """Proof of native code: the grouped MXFP4 expert GEMM compiled ahead of time runs on the MX matrix units where the
 target has them (gfx950: v_mfma_scale_f32_*_f8f6f4; sm_100: tcgen05.mma block-scaled, kind::mxf4 with MXFP4
-activations, kind::mxf8f6f4 with MXFP8 ones) and upcasts in registers on sm_90 (prmt bit placement; FMA GEMV at
-decode rows, bf16 MMAs in between, a dequant kernel + bf16 wgmma GEMM at prefill rows), without spills."""
+activations, kind::mxf8f6f4 with MXFP8 ones) and upcasts in registers on sm_90 (prmt bit placement; bf16 MMAs fed
+by the PTX pair decode at decode rows, a dequant kernel + bf16 wgmma GEMM at prefill rows), without spills."""
 from __future__ import annotations
 
 import re
@@ -60,15 +60,14 @@ def test_sm100_runs_block_scaled_tcgen05_mxf4(aot_dir):
     assert re.search(r"tcgen05\.mma\S*\.kind::mxf4\.block_scale", ptx), "no block-scaled tcgen05.mma kind::mxf4"
 
 
-@pytest.mark.parametrize("rows, mma", [(1, None), (16, "mma.sync"), (512, "wgmma")])
+@pytest.mark.parametrize("rows, mma", [(1, "mma.sync"), (16, "mma.sync"), (512, "wgmma")])
 def test_sm90_upcasts_in_registers(aot_dir, rows, mma):
-    """Default forms by rows: 1 the FMA GEMV (no MMA), 16 the joined MMA form, 512 dequant + bf16 wgmma."""
+    """Default forms by rows: 1-16 the joined MMA form with the pair decode (bf16x2 multiplies), 512 dequant + bf16
+    wgmma. (The FMA GEMV form, the default at 1 row before: test_moe_kernels, bench --decode "old".)"""
     ck, ptx = compile_expert_gemm(aot_dir, "h200", "upcast", rows)
     assert "prmt.b32" in ptx and not re.search(r"tcgen05|mfma_scale", ptx)
-    if mma is None:
-        assert "mma" not in ptx
-    else:
-        assert mma in ptx and ".bf16" in ptx
+    assert mma in ptx and ".bf16" in ptx
+    assert ("mul.rn.bf16x2" in ptx) == (rows <= 16)
 
 
 def test_sm90_pair_decode_plans_at_k3_shapes(aot_dir):
