@@ -326,8 +326,8 @@ def precompile(pool, fns, deadline):
 def decode_table(copy_bw):
     """The --decode summary: per row bf16, the old default plans, the new default and the best variant."""
     var = {(r["experts"], r["tokens"], r["variant"]): r["k3c_s"] for r in ROWS if "variant" in r}
-    print("\n| E | tokens | active | bf16 us | old us | new us | new TB/s | % copy | new x bf16 | new x old | new err | "
-          "best variant (us) |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| E | tokens | active | bf16 us | old us | new us | new TB/s | % copy | new x bf16 | new x old | "
+          "new err | best variant (us) |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in ROWS:
         if "variant" in r:
             continue
@@ -339,7 +339,8 @@ def decode_table(copy_bw):
               f"{r['speedup']:.2f} | " + (f"{old / r['k3c_s']:.2f}" if old else "-")
               + f" | {r['rel_err_vs_bf16']:.1e} | {r['best_variant']} ({r['best_variant_s'] * 1e6:.1f}) |")
     if copy_bw:
-        print(f"copy {copy_bw / 1e12:.2f} TB/s (read + write); TB/s = packed weight + scale bytes of the active experts")
+        print(f"copy {copy_bw / 1e12:.2f} TB/s (read + write); TB/s = packed weight + scale bytes of the active "
+              "experts")
 
 
 # --sass: (name, rows per expert, gate_up overrides, down overrides) cross-compiled for the h200 target

@@ -55,7 +55,9 @@ def _grouped(op, module, target, kind):
     n, k = w.shape[1], x.shape[-1]
     dt = _DT[x.dtype]
     act = act_from_attrs(a) if kind == "gate_up" else None
-    return [emit_moe_gemm(kind, n, k, target=target, plan=moe_gemm_plan(kind, n, k, rows, mx, dt, target),
+    # the pair decode's exact (two-multiply) variant: an AOT artifact has no runtime check of the weight scales
+    return [emit_moe_gemm(kind, n, k, target=target,
+                          plan=moe_gemm_plan(kind, n, k, rows, mx, dt, target, one_mul=False),
                           num_experts=el, top_k=a["top_k"], mx=mx, dtype=dt,
                           w_dtype=None if mx != "none" else _DT[w.dtype], out_dtype=dt, act=act,
                           ir_op=f"moe_{kind}", loc="", interpret=False) for rows in ROW_BUCKETS]
