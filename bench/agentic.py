@@ -125,12 +125,34 @@ def main(argv=None) -> int:
               f"{b['ttft_ms_mean']:9.1f} {b['tokens_per_s']:9.1f} | {b['ttft_ms_mean'] / a['ttft_ms_mean']:9.2f}x")
     print(f"prefix-cache hit rate {with_pc['hit_rate']:.1%} of prompt tokens; total {with_pc['seconds']:.2f} s with, "
           f"{without['seconds']:.2f} s without; identical answers {same}/{n}")
+    summary = summarize(with_pc, without)
+    print(f"summary: TTFT (turns 1+) {summary['ttft_ms_later_turns_with']:.1f} ms with, "
+          f"{summary['ttft_ms_later_turns_without']:.1f} ms without ({summary['ttft_speedup_later_turns']:.2f}x); "
+          f"tokens/s {summary['tokens_per_s_with']:.1f} with, {summary['tokens_per_s_without']:.1f} without")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"spec": spec.name, "device": args.device, "dtype": str(dtype)[6:], "args": vars(args),
-                       "with_prefix_cache": with_pc, "without_prefix_cache": without, "identical_answers": same,
-                       "requests": n}, fh, indent=2)
+                       "summary": summary, "with_prefix_cache": with_pc, "without_prefix_cache": without,
+                       "identical_answers": same, "requests": n}, fh, indent=2)
     return 0
+
+
+def summarize(with_pc: dict, without: dict) -> dict:
+    """The headline numbers: hit rate, mean TTFT of the turns after the first (where the cache can hit) and
+    overall tokens/s (prompt + generated tokens over the wall time of all turns), with and without the cache."""
+    def ttft(run):
+        later = [t["ttft_ms_mean"] for t in run["turns"][1:]] or [t["ttft_ms_mean"] for t in run["turns"]]
+        return statistics.mean(later)
+
+    def tps(run):
+        return sum(t["tokens_per_s"] * t["wall_ms"] / 1e3 for t in run["turns"]) / sum(t["wall_ms"] / 1e3
+                                                                                          for t in run["turns"])
+
+    out = {"hit_rate": with_pc["hit_rate"], "ttft_ms_later_turns_with": ttft(with_pc),
+           "ttft_ms_later_turns_without": ttft(without), "tokens_per_s_with": tps(with_pc),
+           "tokens_per_s_without": tps(without)}
+    out["ttft_speedup_later_turns"] = out["ttft_ms_later_turns_without"] / out["ttft_ms_later_turns_with"]
+    return out
 
 
 if __name__ == "__main__":

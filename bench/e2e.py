@@ -223,7 +223,8 @@ def count_delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def main(argv=None) -> int:
+def run(argv=None) -> dict:
+    """The whole bench (see the module docstring); returns the JSON's dict."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="examples/k3-wide.yaml")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -329,7 +330,7 @@ def main(argv=None) -> int:
             print_numerics(nm)
             save()
     if args.probe_only:
-        return 0
+        return result
 
     # -- prefill ------------------------------------------------------------------------------------------------
     ids = torch.randint(0, spec.vocab_size, (1, prompt_len), device=args.device)
@@ -508,7 +509,17 @@ def main(argv=None) -> int:
     if result["skipped"]:
         print(f"skipped (deadline): {', '.join(result['skipped'])}")
     save()
+    return result
+
+
+def main(argv=None) -> int:
+    run(argv)
     return 0
+
+
+def numerics_probe_cli(argv) -> dict:
+    """The numerics probe alone, with e2e's command-line options (tests, investigations)."""
+    return run([*argv, "--probe-only"])["numerics"]
 
 
 if __name__ == "__main__":
