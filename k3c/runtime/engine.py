@@ -51,20 +51,6 @@ def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
     return "mha" if mha_s <= both.mqa_seconds else "mqa"
 
 
-def _with_batch_mode(op, fn):
-    """build_graph_module wrap: an `mla_absorbed` op of mode "auto" runs the mode the engine chose for the whole
-    call (cache.mla_modes, set per call) instead of the op's own choice from the first sequence's length."""
-    if op.op != "mla_absorbed" or op.attr("mode", "auto") != "auto":
-        return fn
-
-    def mla_absorbed_batch_mode(a, cache, data, w):
-        mode = getattr(cache, "mla_modes", {}).get(a["layer"])
-        return fn({**a, "mode": mode} if mode else a, cache, data, w)
-
-    mla_absorbed_batch_mode.__name__ = getattr(fn, "__name__", "mla_absorbed") + "_batch_mode"
-    return mla_absorbed_batch_mode
-
-
 @dataclass
 class StepOutput:
     rid: int
@@ -92,9 +78,8 @@ class Engine:
         self.use_kernels = use_kernels
         self.prefill_chunk = prefill_chunk
         self.dtype = weights["embed_tokens.weight"].dtype
-        # an engine-built graph runs the MLA mode chosen per call over all sequences (batch_mla_mode); a graph
-        # passed in (shared by several engines) should come from Engine.load_graph to get that too
-        self.graph = graph if graph is not None else self.load_graph(compiled, weights, self.device, use_kernels)
+        # load_graph's graphs run the MLA mode the engine sets per call (cache.mla_modes, from batch_mla_mode)
+        self.graph = graph if graph is not None else load_graph(compiled, weights, self.device, use_kernels)
         self.target = target_for(self.device)
         # MLA layers whose op picks its mode at run time ("auto"): attrs without the layer, for batch_mla_mode
         self._mla_auto: dict[int, tuple] = {}      # layer -> (key, attrs): layers of equal attrs share one choice
@@ -120,11 +105,6 @@ class Engine:
         self.prefix = prefix_cache
         if prefix_cache is not None:
             prefix_cache.attach(self)
-
-    @staticmethod
-    def load_graph(compiled, weights: dict[str, torch.Tensor], device, use_kernels: bool = True):
-        """The graph an Engine runs (shareable between engines of the same model, weights and device)."""
-        return load_graph(compiled, weights, torch.device(device), use_kernels, wrap=_with_batch_mode)
 
     def describe(self) -> str:
         return describe_graph(self.compiled, self.use_kernels)

@@ -14,17 +14,33 @@ from .executor import LayerCaches, build_graph_module
 from .weight_prep import prepare_weights
 
 
+def _mla_mode_from_cache(op, fn):
+    """An `mla_absorbed` op of mode "auto" runs the mode its caller put in `cache.mla_modes` {layer: mode} when
+    there is one (the engine: chosen per call over every sequence, engine.batch_mla_mode), else its own choice."""
+    if op.op != "mla_absorbed" or op.attr("mode", "auto") != "auto":
+        return fn
+
+    def mla_absorbed_mode(a, cache, data, w):
+        mode = getattr(cache, "mla_modes", None)
+        mode = mode.get(a["layer"]) if mode else None
+        return fn({**a, "mode": mode} if mode else a, cache, data, w)
+
+    mla_absorbed_mode.__name__ = getattr(fn, "__name__", "mla_absorbed") + "_mode"
+    return mla_absorbed_mode
+
+
 def load_graph(compiled, weights: dict[str, torch.Tensor], device: torch.device, use_kernels: bool, *,
                wrap=None):
-    """The compiled graph with `weights` (checked against the IR's params) on `device`; `wrap(op, fn)` may replace
-    op implementations (build_graph_module; the engine uses it to hand its per-batch MLA mode to the op)."""
+    """The compiled graph with `weights` (checked against the IR's params) on `device`. MLA ops take a mode a
+    caller sets per call (`cache.mla_modes`); `wrap(op, fn)` may further replace op implementations."""
     weights = prepare_weights(compiled.module, weights, compiled.spec)
     if use_kernels and device.type == "cpu":
         from ..codegen.triton_mode import prepare_interpreter
 
         prepare_interpreter()       # generated kernels run in Triton's interpreter on a CPU
     on_device = {name: t.to(device) for name, t in weights.items()}
-    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels, wrap=wrap)
+    both = _mla_mode_from_cache if wrap is None else (lambda op, fn: wrap(op, _mla_mode_from_cache(op, fn)))
+    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels, wrap=both)
 
 
 def describe_graph(compiled, use_kernels: bool) -> str:

@@ -187,6 +187,7 @@ def test_mixed_batch_mode_from_all_sequences(tiny, one_thread):
     from k3c.analysis.cost import mla_mode_costs
     from k3c.codegen.launch import target_for
     from k3c.runtime.engine import batch_mla_mode
+    from k3c.runtime.session import load_graph
 
     spec, model, w = tiny
     tgt = target_for("cpu")
@@ -200,8 +201,9 @@ def test_mixed_batch_mode_from_all_sequences(tiny, one_thread):
     assert batch_mla_mode(attrs, 60, [0, 40], tgt) == "mha"           # a long append: MHA over both
     assert batch_mla_mode(attrs, new, [40, 40], tgt) == mla_mode_costs(attrs, new, 40, tgt, batch=2).best
     long_p, seg_a, seg_b = prompts(spec, (40, new, new), seed=21)
-    for order in ((0, 1), (1, 0)):
-        eng = engine(tiny, max_batch=2, max_context=64)
+    shared = load_graph(model, w, torch.device("cpu"), False)         # a graph built outside the engine too
+    for order, graph in (((0, 1), None), ((1, 0), None), ((0, 1), shared)):
+        eng = engine(tiny, max_batch=2, max_context=64, graph=graph)
         fresh, long = eng.open(), eng.open()
         eng.extend([long], [long_p])
         rids = [(fresh, long)[i] for i in order]
