@@ -229,11 +229,13 @@ DECODE_VARIANTS = (
 DECODE_COMPARE = (
     ("old", dict(pairs=False), dict(pairs=False)),
     ("pairs_exact", dict(pairs=True, one_mul=False), dict(pairs=True, one_mul=False)),
-    ("pairs1_n16", dict(pairs=True, block_n=16), dict(pairs=True, block_n=32)),
-    ("pairs1_w2n64", dict(pairs=True, num_warps=2, block_n=64), dict(pairs=True, num_warps=2, block_n=128)),
-    ("pairs1_w4k256", dict(pairs=True, num_warps=4, block_k=256, num_stages=3),
-     dict(pairs=True, num_warps=4, block_k=256, num_stages=3)),
-    ("pairs1_swap", dict(pairs=True, swap=True), dict(pairs=True, swap=True, block_n=32)),
+    ("pairs1_w1k64", dict(pairs=True, num_warps=1, block_k=64, num_stages=4),        # the first pair default
+     dict(pairs=True, num_warps=1, block_k=64, num_stages=4)),
+    ("pairs1_w2n64k64", dict(pairs=True, num_warps=2, block_n=64, block_k=64, num_stages=4),
+     dict(pairs=True, num_warps=2, block_n=128, block_k=64, num_stages=4)),
+    ("pairs1_n64", dict(pairs=True, block_n=64), dict(pairs=True, block_n=128)),
+    ("pairs1_w8", dict(pairs=True, num_warps=8), dict(pairs=True, num_warps=8)),
+    ("pairs1_s4", dict(pairs=True, num_stages=4), dict(pairs=True, num_stages=4)),
 )
 PREFILL_VARIANTS = (
     ("dequant", dict(dequant=True), dict(dequant=True)),

@@ -40,8 +40,8 @@ Weight formats (`mx`):
                         the packed tile loaded as 32-bit words and each byte decoded in PTX straight to the bf16x2
                         K pair the MMA operand holds, the block scale applied by bf16x2 multiplies (exact; one
                         multiply where every scale of the weights is <= 128, else two): 4.0-4.3 SASS instructions
-                        per weight in the K loop against 6.8-7.6 for gemv / joined (docs/perf.md MoE); 1-warp
-                        16 x 64 tiles, 64-K steps. swap (option) makes the weight tile the MMA's A operand.
+                        per weight in the K loop against 6.8-7.6 for gemv / joined (docs/perf.md MoE); 4-warp
+                        16 x 64 tiles, 256-K steps. swap (option) makes the weight tile the MMA's A operand.
                dequant  (prefill, >= 256 rows) emit_moe_dequant writes the experts' bf16 weights once per call
                         (chunks of experts within DEQUANT_WORKSPACE_BYTES), then the bf16 grouped GEMM with
                         expert_chunk runs those experts' tiles: the decode is not repeated per M tile.
@@ -177,8 +177,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         (use_pairs or (joined if joined is not None else JOINED_DEFAULT))
     if use_gemv:    # one 16-row tile; its real rows stream the weight tile once (FMA, no MMA layouts)
         bm, bn, bk = 16, (32 if use_gemv == 1 else 64) // n_b, 256   # 8 warps for 2-4 rows: 16-byte loads
-    elif use_pairs and bm == 16:    # decode: 1-warp 16 x 64 tiles, 64-K steps (fewest instructions per weight)
-        bn, bk = 64 // n_b, 64
+    elif use_pairs and bm == 16:    # decode: 16 x 64 tiles, 256-K steps, 4 warps (H200 decode sweep: 1.07-1.17x
+        bn, bk = 64 // n_b, 256     # over 1-warp 64-K tiles at 16-64 tokens, 1.8x at one token)
     elif bm <= 32:    # the split-form decode of a 32 x 256 step spills on sm_90: 128 there
         bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" or use_joined else 128
     elif up:  # split: one 32-block per step (the scaled partial products stay in registers); joined: 64
@@ -199,8 +199,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     warps = num_warps or (4 if bm * bn <= 64 * 64 and not (bm >= 64 and up) else 8)
     if use_gemv and not num_warps:  # 2-4 row groups: 8 warps (at 4 the per-row partial sums spilled on sm_90)
         warps = 4 if use_gemv == 1 else 8
-    if use_pairs and bm == 16 and not num_warps:   # one warp: each A fragment feeds all the tile's n8 MMAs
-        warps = 1
+    if use_pairs and bm == 16 and not num_warps:   # 4 warps (one warp: fewer instructions, too few bytes in flight)
+        warps = 4
     if target.shared_mem_bytes <= 0:
         stages = 1
     elif num_stages:
@@ -209,7 +209,7 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         w_bytes = bk // 2 + bk // 32 if mx != "none" else bk * eb
         stage = bm * bk * eb + n_b * bn * w_bytes
         budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
-        stages = max(2, min(4 if use_pairs and bm == 16 else 3, budget // max(1, stage)))
+        stages = max(2, min(3, budget // max(1, stage)))
     return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and up, joined=use_joined, gemv=use_gemv,
                        pairs=use_pairs, swap=use_joined and bool(swap),
                        one_mul=use_pairs and (one_mul if one_mul is not None else True))
