@@ -127,7 +127,29 @@ def reserve(entry: PagedLatentCache | None, batch: int, new: int, width: int, pa
 
 
 def lens_tensor(lens, device) -> torch.Tensor:
+    """Lengths as i32 [B] on `device`: a device tensor is used as is (no copy); host ints are copied (a pageable
+    host-to-device copy: a device sync, and not allowed while a CUDA graph is being captured)."""
+    if isinstance(lens, torch.Tensor):
+        if lens.dtype != torch.int32 or lens.device != torch.device(device):
+            raise ValueError(f"lengths tensor must be int32 on {device}, got {lens.dtype} on {lens.device}")
+        return lens
     return torch.tensor(list(lens), dtype=torch.int32, device=device)
+
+
+@dataclass(frozen=True)
+class DeviceLenLatentCache:
+    """A paged latent cache whose per-sequence lengths are a device tensor (i32 [B]) rather than host ints: the
+    form a decode step captured in a CUDA graph reads (k3c/runtime/cuda_graph.py). The kernel path writes the new
+    rows at lens[b] and runs MQA with a grid sized for `max_len` tokens (fixed; each program masks by its own
+    sequence's length), so nothing in the call depends on the current lengths on the host. The store is written in
+    place (no copy-on-write, no growth): its owner keeps no snapshots and sized it for `max_len`."""
+    store: LatentStore
+    lens: torch.Tensor             # i32 [B]: cached tokens per sequence, on the device
+    max_len: int                   # bound on lens + new tokens (sizes the decode grid)
+
+    @property
+    def batch(self) -> int:
+        return self.lens.shape[0]
 
 
 # -- kernel launchers -------------------------------------------------------------------------------------------------
@@ -440,6 +462,8 @@ def kernel_mla_absorbed(a, cache, data, w):
     n, p, r, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     scale = (p + r) ** -0.5
     entry = cache.layers[a["layer"]]
+    if isinstance(entry, DeviceLenLatentCache):
+        return _kernel_mla_device_lens(a, cache, x, w, entry)
     ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
     store, lens = reserve(entry, B, T, L + r, ps, x.dtype, x.device)
     write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], store, lens, L)
@@ -448,16 +472,42 @@ def kernel_mla_absorbed(a, cache, data, w):
     cache.layers[a["layer"]] = entry
     q = ref.mla_query(x, w, cfg)
     if _record_mode(cache, a, choose_mode(a, T, lens[0], B, x.device)) == "mqa":
-        q_lat = torch.einsum("btnp,npl->btnl", acc(q[..., :p]), acc(w["w_uk_t"]))
-        qq = torch.cat([q_lat, acc(q[..., p:])], dim=-1).to(x.dtype).view(B, T * n, L + r)
-        o_lat = mqa_decode(qq, store, lens_tensor(entry.lens, x.device), scale, L, num_heads=n,
-                           max_len=max(entry.lens))
-        if a.get("fold_uv_into_o_proj"):
-            return ref.linear(o_lat.to(x.dtype).view(B, T, n * L), w["w_o_uv"])
-        o = torch.einsum("btnl,nlv->btnv", o_lat.view(B, T, n, L), w["w_uv"].to(o_lat.dtype))
-    else:
-        o = mha_attention(q, entry, w["w_uk_t"], w["w_uv"], scale, a["prefill_chunk"])
+        return _mqa_sublayer(a, x, q, w, store, lens_tensor(entry.lens, x.device), max(entry.lens))
+    o = mha_attention(q, entry, w["w_uk_t"], w["w_uv"], scale, a["prefill_chunk"])
     return _finish(a, x, o, w)
+
+
+def _mqa_sublayer(a, x, q, w, store: LatentStore, lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """MQA mode after the latent write: absorbed query, split-KV decode over `lens` (i32 [B], new tokens included),
+    W_UV (or the folded o_proj), output gate, o_proj."""
+    cfg = mla_cfg(a)
+    B, T, _ = x.shape
+    n, p, r, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q_lat = torch.einsum("btnp,npl->btnl", acc(q[..., :p]), acc(w["w_uk_t"]))
+    qq = torch.cat([q_lat, acc(q[..., p:])], dim=-1).to(x.dtype).view(B, T * n, L + r)
+    o_lat = mqa_decode(qq, store, lens, (p + r) ** -0.5, L, num_heads=n, max_len=max_len)
+    if a.get("fold_uv_into_o_proj"):
+        return ref.linear(o_lat.to(x.dtype).view(B, T, n * L), w["w_o_uv"])
+    o = torch.einsum("btnl,nlv->btnv", o_lat.view(B, T, n, L), w["w_uv"].to(o_lat.dtype))
+    return _finish(a, x, o, w)
+
+
+def _kernel_mla_device_lens(a, cache, x, w, entry: DeviceLenLatentCache) -> torch.Tensor:
+    """mla_absorbed on a DeviceLenLatentCache: no host sync, no allocation that depends on the lengths, the same
+    kernels as the MQA path above (only the decode grid is sized for entry.max_len). MQA only."""
+    cfg = mla_cfg(a)
+    B, T, _ = x.shape
+    if entry.batch != B:
+        raise ValueError(f"MLA cache holds {entry.batch} sequences, the call has {B}")
+    if a.get("mode", "auto") == "mha":
+        raise ValueError("a device-length MLA cache runs the MQA mode only (this call asks for MHA)")
+    L = cfg.kv_lora_rank
+    write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], entry.store,
+                 entry.lens, L)
+    lens = entry.lens + T
+    cache.layers[a["layer"]] = DeviceLenLatentCache(entry.store, lens, entry.max_len)
+    _record_mode(cache, a, "mqa")
+    return _mqa_sublayer(a, x, ref.mla_query(x, w, cfg), w, entry.store, lens, entry.max_len)
 
 
 register_impl("mla_kvb_split", _kvb_split_impl)
@@ -465,5 +515,5 @@ register_impl("mla_fold_uv_o", _fold_impl)
 register_impl("mla_absorbed", reference_mla_absorbed)
 register_kernel_impl("mla_absorbed")(kernel_mla_absorbed)
 
-__all__ = ["PagedLatentCache", "LatentStore", "new_store", "reserve", "write_latent", "mqa_decode", "mha_step", "DecodePlan",
+__all__ = ["PagedLatentCache", "DeviceLenLatentCache", "LatentStore", "new_store", "reserve", "write_latent", "mqa_decode", "mha_step", "DecodePlan",
            "mha_attention", "choose_mode", "choose_splits", "split_kvb", "interleaved_block_table"]
