@@ -158,6 +158,9 @@ def numerics_probe(spec, eng, w, device: str, dtype: torch.dtype, check_len: int
                       "k3c_vs_eager": compare(got["k3c"], got["eager"])}
         if "eager_fp32" in got:
             out[phase]["eager_fp32_vs_truth"] = compare(got["eager_fp32"], t)
+        # k3c's distance to the truth in units of eager's own: ~1 is the rounding floor of the model, >> 1 a bug
+        e = out[phase]["eager_vs_truth"]["all"]
+        out[phase]["k3c_over_eager_error"] = out[phase]["k3c_vs_truth"]["all"] / e if e > 0 else None
     return out
 
 
@@ -167,8 +170,11 @@ def print_numerics(nm: dict) -> None:
           f"{'top1':>6s}")
     for phase in ("prefill", "decode"):
         for pair, c in nm[phase].items():
-            print(f"  {pair:22s} {phase:8s} {c['last']:9.2e} {c['all']:9.2e} {c['row_median']:9.2e} "
-                  f"{c['row_max']:9.2e} {c['top1_agree']:6.1%}")
+            if isinstance(c, dict):
+                print(f"  {pair:22s} {phase:8s} {c['last']:9.2e} {c['all']:9.2e} {c['row_median']:9.2e} "
+                      f"{c['row_max']:9.2e} {c['top1_agree']:6.1%}")
+        r = nm[phase]["k3c_over_eager_error"]
+        print(f"  {phase}: k3c's error vs truth / eager's = {r:.2f}" if r is not None else f"  {phase}: exact")
 
 
 _T0 = time.perf_counter()
@@ -369,14 +375,98 @@ def run(argv=None) -> dict:
     phase("prefill_k3c", k3c_pre)
     if not args.skip_eager:
         phase("prefill_eager", eager_pre)
+    if cuda:
+        pre["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    last.clear()
+    save()
+
+    # -- decode -------------------------------------------------------------------------------------------------
+    ref_dec = ReferenceModel(spec, w, mla_mode="mqa")
+    cfg, mcfg = spec.kda, spec.mla
+    toks = torch.randint(0, spec.vocab_size, (max(steps, peer_steps) + 4, max(batches)), device=args.device)
+
+    def random_cache(B: int) -> ReferenceCache:
+        """The decode cache of B sequences with `cached` tokens: random, the same for every peer (seeded by B)."""
+        g = torch.Generator(device=args.device).manual_seed(B)
+        layers = []
+        for kind in spec.layer_kinds:
+            if kind == "kda":
+                st = 0.05 * torch.randn(B, cfg.num_heads, cfg.head_dim, cfg.head_dim, generator=g, device=args.device)
+                tails = tuple(torch.randn(B, cfg.width, cfg.conv_kernel - 1, generator=g, device=args.device
+                                          ).to(dtype) for _ in range(3))
+                layers.append(KDAState(st, tails))
+            else:
+                layers.append(torch.randn(B, cached, mcfg.kv_lora_rank + mcfg.qk_rope_head_dim, generator=g,
+                                          device=args.device).to(dtype))
+        return ReferenceCache(tuple(layers), cached)
+
+    def ref_steps(fwd, cache, n, s0=0):
+        out = None
+        B = cache.batch
+        with torch.no_grad():
+            for s in range(s0, s0 + n):
+                out, cache = fwd(toks[s, :B, None], cache)
+        return out[:, -1]
+
+    recs = {}
+    for B in batches:
+        rec = recs[B] = {"batch": B, "cached": cached, "steps": steps, "peer_steps": peer_steps}
+        result["decode"].append(rec)
+        ref_cache = random_cache(B)
+        firsts = {}
+
+        def k3c_dec():
+            ctx = [0] * cached
+            rids = [eng.adopt(ctx, {i: KDAState(c.state[b:b + 1], tuple(t[b:b + 1] for t in c.conv))
+                                    for i, c in enumerate(ref_cache.layers) if isinstance(c, KDAState)},
+                              {i: c[b] for i, c in enumerate(ref_cache.layers) if not isinstance(c, KDAState)})
+                    for b in range(B)]
+
+            def k3c_steps(n, s0=0):
+                out = None
+                for s in range(s0, s0 + n):
+                    out = eng.extend(rids, [[int(t)] for t in toks[s, :B].tolist()])
+                return torch.stack([o[-1] for o in out])
+
+            try:
+                firsts["k3c"] = k3c_steps(1)              # warm-up step (JIT), also compared with the eager step
+                timer.sync()
+                t0 = time.perf_counter()
+                k3c_steps(steps, 1)
+                timer.sync()
+                rec["k3c_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
+                rec["mla_modes"] = {str(k): v for k, v in eng.last_modes.items()}
+            finally:
+                for r in rids:
+                    eng.finish(r)
+
+        def eager_dec():
+            firsts["eager"] = ref_steps(ref_dec.forward, ref_cache, 1)
+            if "k3c" in firsts:
+                rec["rel_err_first_step_vs_eager"] = rel(firsts["k3c"], firsts["eager"])
+            timer.sync()
+            t0 = time.perf_counter()
+            ref_steps(ref_dec.forward, ref_cache, peer_steps)
+            timer.sync()
+            rec["eager_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / peer_steps
+
+        phase(f"decode_b{B}_k3c", k3c_dec)
+        if not args.skip_eager and B in eager_batches:
+            phase(f"decode_b{B}_eager", eager_dec)
+        if cuda:
+            rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        save()
+        del ref_cache, firsts
+
+    # -- torch.compile peer, last (its compile time is the largest and least predictable cost) --------------------
     if not args.skip_compiled:
         # the reference's expert loop iterates over .tolist() of the routing (data-dependent): compiled as is, every
         # new expert set recompiles the frame until the recompile limit; run it eagerly inside the compiled graph
         from k3c.runtime.reference import moe as ref_moe
-
-        ref_moe.routed_experts = torch.compiler.disable(ref_moe.routed_experts)
         import torch._dynamo as dynamo
 
+        eager_experts = ref_moe.routed_experts
+        ref_moe.routed_experts = torch.compiler.disable(eager_experts)
         dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
         cfwd = torch.compile(ref_pre.forward, dynamic=True, backend=args.compile_backend)
 
@@ -392,95 +482,30 @@ def run(argv=None) -> dict:
             pre["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
 
         phase("prefill_compiled", compiled_pre)
-    if cuda:
-        pre["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    last.clear()
-    save()
+        cdec = torch.compile(ref_dec.forward, dynamic=True, backend=args.compile_backend)
+        for B in batches:
+            rec = recs[B]
+            ref_cache = random_cache(B)
 
-    # -- decode -------------------------------------------------------------------------------------------------
-    ref_dec = ReferenceModel(spec, w, mla_mode="mqa")
-    cdec = None if args.skip_compiled else torch.compile(ref_dec.forward, dynamic=True, backend=args.compile_backend)
-    cfg, mcfg = spec.kda, spec.mla
-    for B in batches:
-        g = torch.Generator(device=args.device).manual_seed(B)
-        layers = []
-        for kind in spec.layer_kinds:
-            if kind == "kda":
-                st = 0.05 * torch.randn(B, cfg.num_heads, cfg.head_dim, cfg.head_dim, generator=g, device=args.device)
-                tails = tuple(torch.randn(B, cfg.width, cfg.conv_kernel - 1, generator=g, device=args.device
-                                          ).to(dtype) for _ in range(3))
-                layers.append(KDAState(st, tails))
-            else:
-                layers.append(torch.randn(B, cached, mcfg.kv_lora_rank + mcfg.qk_rope_head_dim, generator=g,
-                                          device=args.device).to(dtype))
-        ref_cache = ReferenceCache(tuple(layers), cached)
-        toks = torch.randint(0, spec.vocab_size, (max(steps, peer_steps) + 4, B), device=args.device)
-        rec = {"batch": B, "cached": cached, "steps": steps, "peer_steps": peer_steps}
-        result["decode"].append(rec)
-        firsts = {}
+            def compiled_dec():
+                c0 = dynamo_counts()
+                t = time.perf_counter()
+                ref_steps(cdec, ref_cache, 2)            # compile (cache lengths vary: dynamic shapes)
+                timer.sync()
+                rec["compiled_warmup_s"] = time.perf_counter() - t
+                c1 = dynamo_counts()
+                t = time.perf_counter()
+                ref_steps(cdec, ref_cache, peer_steps)
+                timer.sync()
+                rec["compiled_ms_per_step"] = (time.perf_counter() - t) * 1e3 / peer_steps
+                rec["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
 
-        def k3c_dec():
-            ctx = [0] * cached
-            rids = [eng.adopt(ctx, {i: KDAState(c.state[b:b + 1], tuple(t[b:b + 1] for t in c.conv))
-                                    for i, c in enumerate(layers) if isinstance(c, KDAState)},
-                              {i: c[b] for i, c in enumerate(layers) if not isinstance(c, KDAState)})
-                    for b in range(B)]
-
-            def k3c_steps(n, s0=0):
-                out = None
-                for s in range(s0, s0 + n):
-                    out = eng.extend(rids, [[int(t)] for t in toks[s].tolist()])
-                return torch.stack([o[-1] for o in out])
-
-            firsts["k3c"] = k3c_steps(1)                  # warm-up step (JIT), also compared with the eager step
-            timer.sync()
-            t0 = time.perf_counter()
-            k3c_steps(steps, 1)
-            timer.sync()
-            rec["k3c_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
-            rec["mla_modes"] = {str(k): v for k, v in eng.last_modes.items()}
-            for r in rids:
-                eng.finish(r)
-
-        def ref_steps(fwd, n, s0=0):
-            out, cache = None, ref_cache
-            with torch.no_grad():
-                for s in range(s0, s0 + n):
-                    out, cache = fwd(toks[s][:, None], cache)
-            return out[:, -1]
-
-        def eager_dec():
-            firsts["eager"] = ref_steps(ref_dec.forward, 1)
-            if "k3c" in firsts:
-                rec["rel_err_first_step_vs_eager"] = rel(firsts["k3c"], firsts["eager"])
-            timer.sync()
-            t0 = time.perf_counter()
-            ref_steps(ref_dec.forward, peer_steps)
-            timer.sync()
-            rec["eager_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / peer_steps
-
-        def compiled_dec():
-            c0 = dynamo_counts()
-            t = time.perf_counter()
-            ref_steps(cdec, 3)                       # compile (cache lengths vary: dynamic shapes)
-            timer.sync()
-            rec["compiled_warmup_s"] = time.perf_counter() - t
-            c1 = dynamo_counts()
-            t = time.perf_counter()
-            ref_steps(cdec, peer_steps)
-            timer.sync()
-            rec["compiled_ms_per_step"] = (time.perf_counter() - t) * 1e3 / peer_steps
-            rec["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
-
-        phase(f"decode_b{B}_k3c", k3c_dec)
-        if not args.skip_eager and B in eager_batches:
-            phase(f"decode_b{B}_eager", eager_dec)
-        if cdec is not None:
             phase(f"decode_b{B}_compiled", compiled_dec)
-        if cuda:
-            rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        save()
-        del ref_cache, layers, firsts
+            if cuda:
+                rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            save()
+            del ref_cache
+        ref_moe.routed_experts = eager_experts
 
     # -- report -------------------------------------------------------------------------------------------------
     def ratio(peer, ours):
