@@ -9,7 +9,8 @@ Each step admits waiting requests (up to max_batch; a request is admitted only w
 on top of what running requests may still claim, so a step never runs out of pages), feeds every running sequence
 its next segment (the rest of its prompt, cut at prefix-cache checkpoint boundaries and `prefill_chunk`, or its last
 generated token), one graph call per group of equal segment length, and samples greedily. Sequences of different
-lengths share a call: MLA reads each one's pages and length from the block table, KDA states are per row.
+lengths share a call: MLA reads each one's pages and length from the block table, KDA states are per row, and the
+MLA mode (MHA / MQA) is chosen per call from the cost model over all of them (batch_mla_mode).
 
 Lower level (what Session-like callers and tests drive): `open()` a sequence, `extend(rids, segments)` appends
 segments and returns their logits; running out of pages there raises CacheFullError before anything changes.
