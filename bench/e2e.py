@@ -11,6 +11,16 @@ random, built once and handed to all three (decode time does not depend on the v
 steps are timed. Weights are random, generated on the device; routed experts are rounded to MXFP4 once: k3c runs the
 packed experts, the reference their exact bf16 values. Prints a table and writes JSON; ratios are torch.compile time
 over k3c time (the issue's targets: prefill >= 1.5x, decode >= 3x).
+
+Numerics probe (--check-len tokens, before the timed runs; --probe-only for it alone): k3c, the eager reference and
+the fp32 reference against a float64 "truth" on the same weights (WideReference), prefill and one decode step. On
+random weights the bf16 logits are far from the truth for k3c and eager alike (discrete MoE routing flips amplify
+rounding; docs/perf.md): `k3c_over_eager_error` ~1 says k3c sits at the model's bf16 floor, >> 1 a k3c bug.
+Phases (weights, numerics, prefill k3c/eager, decode k3c/eager per batch, then every torch.compile phase) are
+timestamped on stderr and the JSON is rewritten after each, so a time-out leaves numbers; --deadline stops starting
+new phases. Full size on one H200 in one command (docs/perf.md):
+    timeout 540 python bench/e2e.py --spec examples/k3-wide.yaml --device cuda --prompt-len 8192 --cached 8192 \
+        --batches 1,32 --steps 16 --peer-steps 8 --reps 2 --check-len 256 --deadline 420 --out bench/e2e-h200.json
 """
 from __future__ import annotations
 
