@@ -413,11 +413,13 @@ class DecodeGraph:
         self.lens = [n + 1 for n in self.lens]
         return out[:, 0]
 
-    def eager_step(self, next_ids) -> torch.Tensor:
-        """The same step through the executor's ordinary (host-length) path on the same buffers, whatever the mode:
-        the baseline that replays are compared with and timed against."""
+    def eager_step(self, next_ids, *, device_lengths: bool = False) -> torch.Tensor:
+        """The same step run eagerly on the same buffers, whatever the mode: through the executor's ordinary
+        (host-length) path, the baseline that replays are compared with and timed against; with `device_lengths`,
+        the captured path itself (device lengths, the bucket's grid), which a replay must equal bit for bit."""
         ids = next_ids if isinstance(next_ids, torch.Tensor) else torch.tensor(next_ids, dtype=torch.long)
         self.ids.copy_(ids.reshape(self.batch, 1), non_blocking=True)
-        out = self._run(None, commit=True)[0]
+        bucket = pick_bucket(self.buckets, max(self.lens) + 1) if device_lengths else None
+        out = self._run(bucket, commit=True)[0]
         self.lens = [n + 1 for n in self.lens]
         return out[:, 0]
