@@ -255,6 +255,10 @@ def run(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=None, help="timed prefill repetitions (cuda 3, cpu 1)")
     ap.add_argument("--ref-chunk", type=int, default=2048, help="reference prefill chunk (append path)")
     ap.add_argument("--no-kernels", action="store_true", help="k3c with every op through torch")
+    ap.add_argument("--no-graph", action="store_true", help="no CUDA-graph decode row (default on cuda: the "
+                    "engine's eager step and the captured step are both timed)")
+    ap.add_argument("--graph", action="store_true", help="the CUDA-graph row off CUDA too (it falls back to the "
+                    "eager step, reported: checks the plumbing)")
     ap.add_argument("--skip-compiled", action="store_true", help="no torch.compile peer")
     ap.add_argument("--skip-eager", action="store_true", help="no eager peer in the timed runs (the probe still runs)")
     ap.add_argument("--compile-backend", default="inductor",
@@ -450,10 +454,36 @@ def run(argv=None) -> dict:
                 for r in rids:
                     eng.finish(r)
 
+        def k3c_graph_dec():
+            """The same decode through k3c's CUDA-graph step (runtime/cuda_graph.py): the engine's compiled graph,
+            static buffers loaded with the same random cache, one length bucket holding every step."""
+            from k3c.runtime.cuda_graph import DecodeGraph
+
+            ps = eng.pool.page_size
+            cap = -(-(cached + steps + 2) // ps) * ps
+            dg = DecodeGraph(model, eng.graph, batch=B, capacity=cap, device=args.device, dtype=dtype, buckets=[cap],
+                             use_kernels=use_kernels)
+            dg.load_state({i: c for i, c in enumerate(ref_cache.layers) if isinstance(c, KDAState)},
+                          {i: c for i, c in enumerate(ref_cache.layers) if not isinstance(c, KDAState)},
+                          [cached] * B)
+            t0 = time.perf_counter()
+            firsts["graph"] = dg.step(toks[0, :B]).clone()          # capture (after warm-ups) + the first step
+            timer.sync()
+            rec["k3c_graph_capture_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for s in range(1, steps + 1):
+                dg.step(toks[s, :B])
+            timer.sync()
+            rec["k3c_graph_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
+            rec["k3c_graph_mode"] = dg.report.mode + (f" ({dg.report.reason})" if dg.report.mode != "graph" else "")
+            del dg
+
         def eager_dec():
             firsts["eager"] = ref_steps(ref_dec.forward, ref_cache, 1)
             if "k3c" in firsts:
                 rec["rel_err_first_step_vs_eager"] = rel(firsts["k3c"], firsts["eager"])
+            if "graph" in firsts:
+                rec["rel_err_graph_first_step_vs_eager"] = rel(firsts["graph"], firsts["eager"])
             timer.sync()
             t0 = time.perf_counter()
             ref_steps(ref_dec.forward, ref_cache, peer_steps)
@@ -461,6 +491,8 @@ def run(argv=None) -> dict:
             rec["eager_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / peer_steps
 
         phase(f"decode_b{B}_k3c", k3c_dec)
+        if (cuda and not args.no_kernels or args.graph) and not args.no_graph:
+            phase(f"decode_b{B}_k3c_graph", k3c_graph_dec)
         if not args.skip_eager and B in eager_batches:
             phase(f"decode_b{B}_eager", eager_dec)
         if cuda:
@@ -539,6 +571,12 @@ def run(argv=None) -> dict:
               f"{ratio(d.get('eager_ms_per_step'), d['k3c_ms_per_step']):>9s} "
               f"{ratio(d.get('compiled_ms_per_step'), d['k3c_ms_per_step']):>11s} "
               f"{d['batch'] / d['k3c_ms_per_step'] * 1e3:11.1f} {d.get('rel_err_first_step_vs_eager', nan):9.2e}")
+        if "k3c_graph_ms_per_step" in d:
+            g = d["k3c_graph_ms_per_step"]
+            print(f"{'  same, CUDA graph':28s} {g:10.2f} {d.get('eager_ms_per_step', nan):10.2f} "
+                  f"{d.get('compiled_ms_per_step', nan):11.2f} {ratio(d.get('eager_ms_per_step'), g):>9s} "
+                  f"{ratio(d.get('compiled_ms_per_step'), g):>11s} {d['batch'] / g * 1e3:11.1f} "
+                  f"{d.get('rel_err_graph_first_step_vs_eager', nan):9.2e}  [{d['k3c_graph_mode'][:70]}]")
     for k, v in errors.items():
         print(f"peer failed: {k}: {v}")
     if result["skipped"]:
