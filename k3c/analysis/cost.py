@@ -306,8 +306,12 @@ class CostModel:
                 continue
             shape = p.type.shape
             c.bytes += p.gpu_bytes
+            if p.precision == "mxfp4" and p.type.dtype == "u8" and p.numel == 0:
+                continue            # E8M0 scales of a packed weight: their bytes only (the payload has the GEMM)
             if len(shape) == 2:
                 out_f, in_f = shape
+                if p.precision == "mxfp4" and p.type.dtype == "u8":
+                    in_f *= 2       # packed payload [out, in/2]: two E2M1 weights per byte
                 if p.split in ("heads", "tp", "vocab"):
                     if p.row_parallel:
                         in_f = in_f * p.gpu_fraction
@@ -489,7 +493,9 @@ def _lm_head(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
         return Cost(), None
     w = next(iter(params.values()), None)
     vocab_gpu = w.type.shape[0] * w.gpu_fraction if w is not None else cm.facts.vocab
-    c = Cost({"bf16": 2 * rows * d * vocab_gpu}, (w.gpu_bytes if w else 0) + rows * (d * a + vocab_gpu * 4))
+    # every param's bytes: an MXFP4 head (the mxfp4 pass) is its payload + E8M0 scales, 4.25 bits per weight
+    w_bytes = sum(p.gpu_bytes for p in params.values())
+    c = Cost({"bf16": 2 * rows * d * vocab_gpu}, w_bytes + rows * (d * a + vocab_gpu * 4))
     return c, None
 
 

@@ -728,9 +728,10 @@ class _Importer:
         return _import_quantization(scope, partial, self.r)
 
     def quantization(self, partial: dict) -> dict | None:
-        """A packed checkpoint (compressed-tensors format mxfp4-pack-quantized) of MXFP4 routed experts: the graph
-        reads them packed, so the spec gets a `quantization:` section selecting what precision.weights does.
-        A `dense` export (unpacked floats) or MXFP4 outside the experts gives none."""
+        """A packed checkpoint (compressed-tensors format mxfp4-pack-quantized) of MXFP4 routed experts (and the
+        linears k3c can read packed: lm_head, MLPs, shared experts, latent projections): the graph reads them packed,
+        so the spec gets a `quantization:` section selecting what precision.weights does. A `dense` export (unpacked
+        floats) or MXFP4 elsewhere (attention, router) gives none."""
         scope = getattr(self, "packed_scope", None)
         w = partial["precision"]["weights"]
         if scope is None or w.get("format") != "mxfp4":
@@ -742,7 +743,7 @@ class _Importer:
         names = _quantizable(probe)
         chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in w["include"])
                   and not any(fnmatch.fnmatchcase(n, p) for p in w["exclude"])}
-        if any(".block_sparse_moe.experts.w" not in n for n in chosen):
+        if not _packable(chosen):
             return None
         out = {"format": "mxfp4", "rule": w.get("scale_rule", "floor")}
         if list(w["include"]) != list(DEFAULT_MXFP4_INCLUDE):
@@ -751,6 +752,23 @@ class _Importer:
             out["exclude"] = list(w["exclude"])
         self.r.record["quantization"] = (scope.path, scope.line)
         return out
+
+
+def _packable(chosen: set[str]) -> bool:
+    """Whether the `quantization:` section may select exactly `chosen` (k3c.frontend.quant_check's rules)."""
+    from .quant_check import dense_group
+
+    for n in chosen:
+        if ".block_sparse_moe.experts.w" in n:
+            group = [n[:-1] + i for i in "123"]
+        else:
+            g = dense_group(n)
+            if g is None:
+                return False
+            group = g[1]
+        if not set(group) <= chosen:
+            return False
+    return True
 
 
 def _sanitize_name(name: str) -> str:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .ops import AttrSpec, OpDef, Role, TypeCheck, activation, expect, register_op, require
+from .ops import (MX_ATTRS, AttrSpec, OpDef, Role, TypeCheck, activation, expect, is_mxfp4, linear_weight, packed_roles,
+                  register_op, require)
 
 ACTIVATIONS = ("situ", "swiglu")
 
@@ -146,19 +147,28 @@ register_op(OpDef("mla", mla_roles, MLA_ATTRS, _infer_mla, _check_mla,
 
 
 # ---- dense MLP -------------------------------------------------------------------------------------------
+MLP_WEIGHTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def _mlp_roles(a):
+    if is_mxfp4(a):
+        return (Role("x"),) + tuple(r for p in MLP_WEIGHTS for r in packed_roles(p))
+    return (Role("x"),) + tuple(Role(p, param=True) for p in MLP_WEIGHTS)
+
+
 def _infer_mlp(attrs, ins):
     x, d = activation(ins)
-    g = ins["gate_proj.weight"]
+    packed = is_mxfp4(attrs)
+    g = linear_weight(ins, "gate_proj.weight", packed)
     expect(g, "gate_proj.weight", (None, d))
-    expect(ins["up_proj.weight"], "up_proj.weight", (g.shape[0], d))
-    expect(ins["down_proj.weight"], "down_proj.weight", (d, g.shape[0]))
+    expect(linear_weight(ins, "up_proj.weight", packed), "up_proj.weight", (g.shape[0], d))
+    expect(linear_weight(ins, "down_proj.weight", packed), "down_proj.weight", (d, g.shape[0]))
     return (x,)
 
 
-register_op(OpDef("mlp", lambda a: (Role("x"),) + tuple(
-    Role(p, param=True) for p in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")),
-    {"layer": AttrSpec("int"), **ACT_ATTRS}, _infer_mlp, _check_activation,
-    doc="dense gated MLP: down(act(gate x, up x))"))
+register_op(OpDef("mlp", _mlp_roles, {"layer": AttrSpec("int"), **ACT_ATTRS, **MX_ATTRS}, _infer_mlp,
+                  _check_activation, doc="dense gated MLP: down(act(gate x, up x)); weight_format mxfp4: all three "
+                                         "weights MXFP4"))
 
 
 # ---- MoE -------------------------------------------------------------------------------------------------
@@ -177,7 +187,19 @@ def moe_roles(attrs: Mapping[str, Any]) -> tuple[Role, ...]:
         if attrs.get("latent_norm"):
             params.append("routed_expert_norm.weight")
         params.append("routed_expert_up_proj.weight")
-    return (Role("x"),) + tuple(Role(p, param=True) for p in params)
+    packed = _mxfp4_linears(attrs)
+    return (Role("x"),) + tuple(r for p in params for r in (packed_roles(p) if p in packed else (Role(p, param=True),)))
+
+
+# the MoE layer's dense linears the mxfp4 pass may pack (attr mxfp4_linears; the router stays float)
+MOE_DENSE_LINEARS = ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+                     "shared_experts.down_proj.weight", "routed_expert_down_proj.weight",
+                     "routed_expert_up_proj.weight")
+
+
+def _mxfp4_linears(attrs) -> tuple:
+    v = attrs.get("mxfp4_linears", ())
+    return v if isinstance(v, tuple) else ()
 
 
 def _check_moe(attrs):
@@ -189,6 +211,18 @@ def _check_moe(attrs):
         raise TypeCheck(f"top_k {attrs.get('top_k')} exceeds num_experts {attrs.get('num_experts')}")
     if attrs.get("latent_norm") and attrs.get("latent_dim") is None:
         raise TypeCheck("latent_norm needs latent_dim")
+    lin = _mxfp4_linears(attrs)
+    bad = [r for r in lin if r not in MOE_DENSE_LINEARS]
+    if bad:
+        raise TypeCheck(f"mxfp4_linears: '{bad[0]}' is not a dense linear of the MoE layer that can be MXFP4 (one of "
+                        f"{', '.join(MOE_DENSE_LINEARS)}; the router stays float)")
+    shared = [r for r in lin if r.startswith("shared_experts.")]
+    if shared and len(shared) != 3:
+        raise TypeCheck("mxfp4_linears: the shared experts' gate_proj, up_proj and down_proj are MXFP4 together")
+    if any(r.startswith("shared_experts.") for r in lin) and not attrs.get("num_shared_experts", 0):
+        raise TypeCheck("mxfp4_linears names shared-expert weights but num_shared_experts is 0")
+    if any(r.startswith("routed_expert_") for r in lin) and attrs.get("latent_dim") is None:
+        raise TypeCheck("mxfp4_linears names latent projections but latent_dim is none")
     ep_rank, ep_size = attrs.get("ep_rank", 0), attrs.get("ep_size", 1)
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise TypeCheck(f"ep_rank {ep_rank} must be in [0, ep_size {ep_size})")
@@ -212,16 +246,21 @@ def _infer_moe(attrs, ins):
         m = w1.shape[1]
         expect(ins["experts.w3"], "experts.w3", (el, m, z))
         expect(ins["experts.w2"], "experts.w2", (el, z, m))
+    lin = _mxfp4_linears(attrs)
+
+    def lw(role):
+        return linear_weight(ins, role, role in lin)
+
     if attrs["num_shared_experts"] > 0:
-        g = ins["shared_experts.gate_proj.weight"]
+        g = lw("shared_experts.gate_proj.weight")
         expect(g, "shared_experts.gate_proj.weight", (None, d))
-        expect(ins["shared_experts.up_proj.weight"], "shared_experts.up_proj.weight", (g.shape[0], d))
-        expect(ins["shared_experts.down_proj.weight"], "shared_experts.down_proj.weight", (d, g.shape[0]))
+        expect(lw("shared_experts.up_proj.weight"), "shared_experts.up_proj.weight", (g.shape[0], d))
+        expect(lw("shared_experts.down_proj.weight"), "shared_experts.down_proj.weight", (d, g.shape[0]))
     if attrs["latent_dim"] is not None:
-        expect(ins["routed_expert_down_proj.weight"], "routed_expert_down_proj.weight", (z, d))
+        expect(lw("routed_expert_down_proj.weight"), "routed_expert_down_proj.weight", (z, d))
         if attrs["latent_norm"]:
             expect(ins["routed_expert_norm.weight"], "routed_expert_norm.weight", (z,))
-        expect(ins["routed_expert_up_proj.weight"], "routed_expert_up_proj.weight", (d, z))
+        expect(lw("routed_expert_up_proj.weight"), "routed_expert_up_proj.weight", (d, z))
     return (x,)
 
 
@@ -257,6 +296,9 @@ register_op(OpDef("moe", moe_roles, {
                                                    "[ep_rank E/ep_size, (ep_rank+1) E/ep_size); absent = 1"),
     "expert_format": AttrSpec("str", required=False, choices=("bf16", "mxfp4"),
                               doc="routed expert weights: bf16 stacks (absent = bf16) or MXFP4 packed + scales"),
+    "mxfp4_linears": AttrSpec("strs", required=False,
+                              doc="dense linears (roles of MOE_DENSE_LINEARS) held MXFP4 packed + scales"),
+    "act_format": MX_ATTRS["act_format"],
     **ACT_ATTRS,
 }, _infer_moe, _check_moe, doc="(latent) mixture of experts with shared experts (K3.md section 5)"))
 

@@ -25,7 +25,8 @@ from typing import Any
 
 from .core import TensorType
 from .layer_ops import ACT_ATTRS, _check_activation
-from .ops import AttrSpec, OpDef, Role, TypeCheck, activation, expect, register_op, require
+from .ops import (MX_ATTRS, AttrSpec, OpDef, Role, TypeCheck, activation, expect, is_mxfp4, linear_weight, packed_roles,
+                  register_op, require)
 
 U8 = frozenset({"u8"})
 OFFSET_ROWS = 5         # expert row offsets + tile offsets for the 4 BLOCK_M buckets (k3c.codegen.kernels.moe)
@@ -59,12 +60,18 @@ EP_ATTRS = {
 
 # ---- moe_linear ---------------------------------------------------------------------------------------------------
 def _linear_roles(attrs):
-    return (Role("x"), Role("weight", param=True)) + ((Role("residual"),) if attrs.get("residual") else ())
+    w = packed_roles("weight") if is_mxfp4(attrs) else (Role("weight", param=True),)
+    return (Role("x"),) + w + ((Role("residual"),) if attrs.get("residual") else ())
+
+
+def _check_linear(attrs):
+    if is_mxfp4(attrs) and attrs.get("proj") == "router":
+        raise TypeCheck("the router GEMM stays float (weight_format mxfp4 is for the latent projections)")
 
 
 def _infer_linear(attrs, ins):
     x, d = activation(ins)
-    w = ins["weight"]
+    w = linear_weight(ins, "weight", is_mxfp4(attrs))
     require(w.rank == 2, f"weight: expected [out, in], got {w}")
     expect(w, "weight", (None, d))
     out = TensorType("f32" if attrs.get("out_f32") else x.dtype, x.shape[:-1] + (w.shape[0],))
@@ -77,7 +84,8 @@ register_op(OpDef("moe_linear", _linear_roles, {
     "proj": AttrSpec("str", choices=("router", "latent_down", "latent_up")),
     "out_f32": AttrSpec("bool", required=False, doc="fp32 result (the router logits)"),
     "residual": AttrSpec("bool", required=False, doc="+ residual in the epilogue"),
-}, _infer_linear, doc="dense GEMM of a MoE layer: x W^T (+ residual), generated GEMM kernel"))
+    **MX_ATTRS,
+}, _infer_linear, _check_linear, doc="dense GEMM of a MoE layer: x W^T (+ residual), generated GEMM kernel"))
 
 
 # ---- moe_route ----------------------------------------------------------------------------------------------------

@@ -192,21 +192,76 @@ register_op(OpDef("embedding", fixed_roles("ids", params=("embed_tokens.weight",
                   doc="row gather: ids [...] -> [..., hidden]"))
 
 
+# ---- MXFP4 dense linears (the `mxfp4` pass) ------------------------------------------------------------------
+PACKED_PARTS = ("weight_packed", "weight_scale")
+WEIGHT_FORMATS = ("bf16", "mxfp4")
+MX_ATTRS = {      # on the ops whose plain GEMM weights the `mxfp4` pass may pack (lm_head, mlp, moe_linear)
+    "weight_format": AttrSpec("str", required=False, choices=WEIGHT_FORMATS,
+                              doc="the op's linear weights: float (absent = bf16) or MXFP4 packed + E8M0 scales"),
+    "act_format": AttrSpec("str", required=False, choices=("bf16", "mxfp8", "mxfp4"),
+                           doc="mxfp4 weights: the spec's activation format (native tl.dot_scaled where the target "
+                               "has MX matrix units and activations are MX; upcast in registers elsewhere)"),
+}
+
+
+def packed_name(name: str, part: str) -> str:
+    """The packed tensor of a weight (or role) quantized to MXFP4, `part` weight_packed | weight_scale:
+    `lm_head.weight` -> `lm_head.weight_packed` (compressed-tensors' naming of a Linear), role `weight` ->
+    `weight_packed`, an expert stack `...experts.w1` -> `...experts.w1.weight_packed`."""
+    if name == "weight" or name.endswith(".weight"):
+        return name[: -len("weight")] + part
+    return f"{name}.{part}"
+
+
+def packed_roles(role: str) -> tuple[Role, Role]:
+    return tuple(Role(packed_name(role, part), param=True) for part in PACKED_PARTS)
+
+
+def is_mxfp4(attrs: Mapping[str, Any]) -> bool:
+    return attrs.get("weight_format", "bf16") == "mxfp4"
+
+
+def linear_weight(ins: Mapping[str, TensorType], role: str, packed: bool) -> TensorType:
+    """The logical [out, in] type of a linear weight role: the float tensor itself, or (packed) the float-typed view
+    of its MXFP4 pair, u8 payload [out, in/2] + u8 E8M0 scales [out, in/32], checked against each other."""
+    if not packed:
+        return ins[role]
+    u8 = frozenset({"u8"})
+    p, s = (packed_name(role, part) for part in PACKED_PARTS)
+    tp, ts = ins[p], ins[s]
+    expect(tp, p, (None, None), u8)
+    rows, half = tp.shape
+    k = half * 2 if isinstance(half, int) else None
+    expect(ts, s, (rows, k // 32 if isinstance(k, int) else None), u8)
+    return TensorType("bf16", (rows, k))
+
+
 def _lm_head_roles(attrs):
-    return (Role("x"), Role("embed_tokens.weight" if attrs.get("tied") else "lm_head.weight", param=True))
+    if attrs.get("tied"):
+        return (Role("x"), Role("embed_tokens.weight", param=True))
+    if is_mxfp4(attrs):
+        return (Role("x"),) + packed_roles("lm_head.weight")
+    return (Role("x"), Role("lm_head.weight", param=True))
+
+
+def _check_lm_head(attrs):
+    if attrs.get("tied") and is_mxfp4(attrs):
+        raise TypeCheck("a tied lm_head reads the embedding table, which stays float (weight_format mxfp4 needs an "
+                        "untied lm_head.weight)")
 
 
 def _infer_lm_head(attrs, ins):
     x, d = activation(ins)
-    role = _lm_head_roles(attrs)[1].name
-    w = ins[role]
+    role = "embed_tokens.weight" if attrs.get("tied") else "lm_head.weight"
+    w = linear_weight(ins, role, is_mxfp4(attrs))
     require(w.rank == 2, f"{role}: expected [vocab, hidden], got {w}")
     expect(w, role, (None, d))
     return (TensorType(x.dtype, x.shape[:-1] + (w.shape[0],)),)
 
 
-register_op(OpDef("lm_head", _lm_head_roles, {"tied": AttrSpec("bool", doc="weight shared with embed_tokens")},
-                  _infer_lm_head, doc="logits = x @ W^T, [..., hidden] -> [..., vocab]"))
+register_op(OpDef("lm_head", _lm_head_roles, {"tied": AttrSpec("bool", doc="weight shared with embed_tokens"),
+                                              **MX_ATTRS},
+                  _infer_lm_head, _check_lm_head, doc="logits = x @ W^T, [..., hidden] -> [..., vocab]"))
 
 from . import layer_ops  # noqa: E402,F401  (registers kda, mla, mlp, moe, attn_res_mix)
 

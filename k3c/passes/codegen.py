@@ -2,7 +2,8 @@
 
 - "kernel": a Triton emitter is registered for the op (k3c/codegen/emitters/); `k3c compile` emits and compiles
   its kernels ahead of time and the runtime launches them.
-- "extern": dense work handed to torch / the vendor BLAS on purpose (lm_head GEMM, elementwise adds left unfused,
+- "extern": dense work handed to torch / the vendor BLAS on purpose (lm_head GEMM with float weights; an MXFP4
+  lm_head (the mxfp4 pass) is "kernel": the dense MXFP4 GEMM, elementwise adds left unfused,
   weight transforms evaluated once at load); the manifest lists them.
 - "extern:reference": layer ops that a later lowering pass has not turned into kernels yet run the eager
   reference, marked so nothing hides.
@@ -26,6 +27,8 @@ def impl_for(op) -> str | None:
 
     if op.op in NO_IMPL_OPS:
         return None
+    if op.op in EXTERN_OPS and op.attr("weight_format", "bf16") != "mxfp4":
+        return "extern"
     if op.op in EMITTERS:
         return "kernel"
     opdef = get_op_def(op.op)

@@ -16,17 +16,19 @@ and the shared experts (K3.md section 5).
     %y = moe_linear(n, routed_expert_up_proj.weight, s) {proj="latent_up", residual}
 With expert parallelism (attrs ep_rank / ep_size from the shard pass) the expert stacks hold this rank's experts and
 routing still runs over all of them; a non-latent layer adds the shared experts after the all_reduce (`add`).
+Dense linears the mxfp4 pass packed (attr mxfp4_linears: shared experts, latent projections) become moe_linear / mlp
+ops with weight_format "mxfp4" (+ act_format) reading the packed pairs (the dense MXFP4 GEMM).
 MXFP4 experts (expert_format "mxfp4", the mxfp4 pass) get mx = "auto" and the module's activation_format: the target
 the kernels are emitted or run for decides (k3c.codegen.kernels.moe.mx_mode): natively through tl.dot_scaled with the
 activations quantized to MXFP8 (e4m3) on targets with MX matrix units (mi355x, b200), upcast in registers elsewhere
 (h200, mi300x, and wherever the activations stay bf16).
-Counts: `moe_layers`, `latent`, `shared`, `mxfp4`, `all_reduce`.
+Counts: `moe_layers`, `latent`, `shared`, `mxfp4`, `mxfp4_linears`, `all_reduce`.
 """
 from __future__ import annotations
 
 from ..ir.builder import Builder
 from ..ir.core import Module
-from ..ir.ops import get_op_def
+from ..ir.ops import PACKED_PARTS, get_op_def, packed_name
 from .registry import PassContext, register_pass
 
 _ACT_KEYS = ("activation", "situ_beta_gate", "situ_beta_up")
@@ -59,6 +61,14 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
         fmt = a.get("expert_format", "bf16")
         act = {k: a[k] for k in _ACT_KEYS if k in a}
         latent = a["latent_dim"] is not None
+        lin = a.get("mxfp4_linears", ()) or ()
+        mx_lin = {"weight_format": "mxfp4", "act_format": act_format}
+
+        def dense(role):
+            """(inputs, attrs) of a dense linear role: the float weight, or its MXFP4 pair (mxfp4 pass)."""
+            if role in lin:
+                return [w[packed_name(role, p)] for p in PACKED_PARTS], mx_lin
+            return [w[role]], {}
 
         logits = b.op("moe_linear", [x, w["gate.weight"]], {**layer, "proj": "router", "out_f32": True}, loc,
                       prefix="m")
@@ -69,8 +79,11 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
                        "renormalize": a["renormalize"], "routed_scaling_factor": a["routed_scaling_factor"], **ep}
         b.append(b.make("moe_route", route_in, route_attrs, loc, results=res))
         weights, ids, off, perm = res
-        z = b.op("moe_linear", [x, w["routed_expert_down_proj.weight"]], {**layer, "proj": "latent_down"}, loc,
-                 prefix="m") if latent else x
+        if latent:
+            dw, da = dense("routed_expert_down_proj.weight")
+            z = b.op("moe_linear", [x, *dw], {**layer, "proj": "latent_down", **da}, loc, prefix="m")
+        else:
+            z = x
         grouped = {**layer, "num_experts": a["num_experts"], "top_k": a["top_k"], "expert_format": fmt,
                    "mx": "auto" if fmt == "mxfp4" else "none", **ep}
         if fmt == "mxfp4":
@@ -85,8 +98,9 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
         o = b.op("moe_down", [h, off, perm, *experts("w2")], grouped, loc, prefix="m")
         shared = None
         if a["num_shared_experts"] > 0:
-            shared = b.op("mlp", [x] + [w[f"shared_experts.{p}_proj.weight"] for p in ("gate", "up", "down")],
-                          {**layer, **act}, loc, prefix="m")
+            sw = [t for p in ("gate", "up", "down") for t in dense(f"shared_experts.{p}_proj.weight")[0]]
+            sa = mx_lin if "shared_experts.gate_proj.weight" in lin else {}
+            shared = b.op("mlp", [x] + sw, {**layer, **act, **sa}, loc, prefix="m")
             ctx.count("shared")
         fuse_shared = shared is not None and not latent and ep_size == 1
         comb = {**layer, "num_experts": a["num_experts"], "top_k": a["top_k"], **ep}
@@ -101,11 +115,11 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
             if a["latent_norm"]:
                 u = b.op("rmsnorm", [u, w["routed_expert_norm.weight"]], {**layer, "eps": a["norm_eps"]}, loc,
                          prefix="m")
-            up = {**layer, "proj": "latent_up"}
+            uw, ua = dense("routed_expert_up_proj.weight")
+            up = {**layer, "proj": "latent_up", **ua}
             if shared is not None:
                 up["residual"] = True
-            out = b.op("moe_linear", [u, w["routed_expert_up_proj.weight"]] + ([shared] if shared else []), up, loc,
-                       prefix="m")
+            out = b.op("moe_linear", [u, *uw] + ([shared] if shared else []), up, loc, prefix="m")
         elif shared is not None and not fuse_shared:
             out = b.op("add", [u, shared], layer, loc, prefix="m")
         else:
@@ -114,5 +128,7 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
         ctx.count("moe_layers")
         if fmt == "mxfp4":
             ctx.count("mxfp4")
+        if lin:
+            ctx.count("mxfp4_linears", len(lin))
     outputs = tuple(rename.get(v, v) for v in module.outputs)
     return b.build(outputs)

@@ -1,16 +1,22 @@
 """mxfp4: the weights the spec's `quantization:` section selects become MXFP4 (K3.md section 6), a weight transform
-recorded in the IR: each selected stacked expert param P [E, out, in] (bf16) is replaced by
+recorded in the IR: each selected weight P (a stacked expert param [E, out, in] or a linear [out, in], bf16) is
+replaced by
 
-    %p = param {name="P.weight_packed", quant="mxfp4", rule=..., source="P"}   u8[E, out, in/2]   E2M1 pairs
-    %s = param {name="P.weight_scale",  quant="mxfp4", rule=..., source="P"}   u8[E, out, in/32]  E8M0 scales
+    %p = param {name=packed_name(P, "weight_packed"), quant="mxfp4", rule=..., source="P"}   u8[..., out, in/2]
+    %s = param {name=packed_name(P, "weight_scale"),  quant="mxfp4", rule=..., source="P"}   u8[..., out, in/32]
 
-(k3c.quant.mxfp4_quantize's layout along the last = reduction dimension), and the `moe` op reading them gets
-`expert_format = "mxfp4"`. The tensors themselves are made once at load (k3c/runtime/weight_prep.py) or come
-packed from a checkpoint (`k3c quantize`, K3's compressed-tensors experts).
+(k3c.quant.mxfp4_quantize's layout along the last = reduction dimension; `experts.w1` -> `experts.w1.weight_packed`,
+`lm_head.weight` -> `lm_head.weight_packed` as compressed-tensors names a Linear's), and the op reading them is
+marked: `moe` gets `expert_format = "mxfp4"` (routed experts) and / or `mxfp4_linears` (its shared experts and latent
+projections, by role), `lm_head` and `mlp` get `weight_format = "mxfp4"` (+ `act_format`, the module's activation
+format). The tensors themselves are made once at load (k3c/runtime/weight_prep.py) or come packed from a checkpoint
+(`k3c quantize`, K3's compressed-tensors experts).
 
 The selection comes from module attrs set by the frontend (quant_format, quant_rule, quant_include,
-quant_exclude); without them the pass changes nothing. A layer's three stacks are quantized together or not at all
-(one `expert_format` per op). Counts: `moe_layers`, `params`.
+quant_exclude); without them the pass changes nothing. A layer's three expert stacks are quantized together or not
+at all (one `expert_format` per op), and so are the gate/up/down weights of an MLP or of the shared experts. A
+weight read by any other op (attention kernels, the router, the embedding) is an error. Counts: `moe_layers`,
+`params`, `linear_ops`.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ from ..errors import IRError
 from ..frontend.quant_check import BLOCK, select
 from ..ir.builder import Builder
 from ..ir.core import Module, TensorType
-from ..ir.ops import get_op_def
+from ..ir.layer_ops import MLP_WEIGHTS, MOE_DENSE_LINEARS
+from ..ir.ops import get_op_def, is_mxfp4, packed_name
 from .registry import PassContext, register_pass
 
 STACKS = ("experts.w1", "experts.w3", "experts.w2")
@@ -37,13 +44,14 @@ def packed_types(ty: TensorType, name: str) -> tuple[TensorType, TensorType]:
 
 @register_pass("mxfp4")
 def mxfp4(module: Module, ctx: PassContext) -> Module:
-    """Selected routed expert stacks -> packed MXFP4 params (payload + E8M0 scales); moe ops read them."""
+    """Selected expert stacks and linears -> packed MXFP4 params (payload + E8M0 scales); their ops read them."""
     if module.attr("quant_format", None) != "mxfp4":
         return module
     rule = module.attr("quant_rule", "floor")
     include, exclude = module.attr("quant_include", ()), module.attr("quant_exclude", ())
     params = module.params()
-    chosen = set(select(list(params), include, exclude))
+    # (already packed params are not selected again: the pass is idempotent)
+    chosen = set(select([n for n, op in params.items() if op.attr("quant", None) is None], include, exclude))
     if not chosen:
         return module
 
@@ -62,34 +70,81 @@ def mxfp4(module: Module, ctx: PassContext) -> Module:
             if hit:
                 packed_ops[op.name] = names
     stacked = {n for names in packed_ops.values() for n in names.values()}
-    for name in sorted(chosen - stacked):
-        op = params[name]
-        raise IRError(f"weight '{name}' is selected for MXFP4 but is not a routed expert stack of a moe op; k3c "
-                      f"quantizes routed experts only", op=op.describe(), loc=op.loc or None, pass_name="mxfp4")
 
+    # dense linears: lm_head (untied), mlp (gate/up/down together), the moe op's shared experts / latent projections
+    dense_ops: dict[str, tuple[str, ...]] = {}          # op name -> roles packed
+    dense: set[str] = set()
+    for op in module.ops:
+        if op.op not in ("lm_head", "mlp", "moe"):
+            continue
+        roles = [r.name for r in get_op_def(op.op).roles(op.attr_dict)]
+        names = {r: module.defs[v].attr("name") for r, v in zip(roles, op.inputs) if module.defs[v].op == "param"}
+        if op.op == "lm_head":
+            cand = () if op.attr("tied", False) or is_mxfp4(op.attr_dict) else ("lm_head.weight",)
+        elif op.op == "mlp":
+            cand = () if is_mxfp4(op.attr_dict) else MLP_WEIGHTS
+        else:
+            cand = tuple(r for r in MOE_DENSE_LINEARS if r in names)
+        hit = tuple(r for r in cand if names.get(r) in chosen)
+        if not hit:
+            continue
+        groups = [MLP_WEIGHTS] if op.op == "mlp" else [tuple(r for r in cand if r.startswith("shared_experts."))]
+        for g in groups:
+            got = [r for r in g if r in hit]
+            if got and len(got) < len(g):
+                raise IRError(f"the quantization patterns select {', '.join(names[r] for r in got)} but not "
+                              f"{', '.join(names[r] for r in g if r not in hit)}; an MLP's gate_proj, up_proj and "
+                              f"down_proj are quantized together", op=op.describe(), loc=op.loc or None,
+                              pass_name="mxfp4")
+        dense_ops[op.name] = hit
+        dense.update(names[r] for r in hit)
+
+    for name in sorted(chosen - stacked - dense):
+        op = params[name]
+        raise IRError(f"weight '{name}' is selected for MXFP4 but no op reads it as a plain GEMM operand; k3c "
+                      f"quantizes routed experts only, plus lm_head, dense MLPs and the MoE layer's shared experts "
+                      f"and latent projections", op=op.describe(), loc=op.loc or None, pass_name="mxfp4")
+
+    act = module.attr("activation_format", "bf16")
+    act = act if act in ("bf16", "mxfp8", "mxfp4") else "bf16"
     b = Builder.like(module)
-    new_params: dict[str, tuple[str, str]] = {}         # source weight -> (packed value, scale value)
+    new_params: dict[str, tuple[str, str]] = {}         # source weight value -> (packed value, scale value)
     for op in ctx.walk(module.ops):
-        if op.op == "param" and op.attr("name") in stacked:
+        if op.op == "param" and op.attr("name") in stacked | dense:
             name = op.attr("name")
             tp, ts = packed_types(op.types[0], name)
             vals = []
             for part, ty in zip(PARTS, (tp, ts)):
-                attrs = {"name": f"{name}.{part}", "quant": "mxfp4", "rule": rule, "source": name}
+                attrs = {"name": packed_name(name, part), "quant": "mxfp4", "rule": rule, "source": name}
+                if op.attr("shard", None):      # a slice of the shard pass: the packed slice splits the same dim
+                    attrs["shard"] = op.attr("shard")
                 vals.append(b.declare("param", ty, attrs, op.loc, prefix="w"))
             new_params[op.results[0]] = (vals[0], vals[1])
             ctx.count("params")
             continue
-        if op.op == "moe" and op.name in packed_ops:
-            a = dict(op.attr_dict, expert_format="mxfp4")
-            roles = [r.name for r in get_op_def("moe").roles(op.attr_dict)]
-            by_role = dict(zip(roles, op.inputs))
-            for r in STACKS:
-                packed, scale = new_params[by_role.pop(r)]
-                by_role[f"{r}.weight_packed"], by_role[f"{r}.weight_scale"] = packed, scale
-            ins = [by_role[r.name] for r in get_op_def("moe").roles(a)]
-            b.append(b.make("moe", ins, a, op.loc, results=op.results))
-            ctx.count("moe_layers")
+        if op.name not in packed_ops and op.name not in dense_ops:
+            b.append(op)
             continue
-        b.append(op)
+        a = dict(op.attr_dict)
+        packed_roles: list[str] = []
+        if op.name in packed_ops:
+            a["expert_format"] = "mxfp4"
+            packed_roles += list(STACKS)
+            ctx.count("moe_layers")
+        if op.name in dense_ops:
+            hit = dense_ops[op.name]
+            if op.op == "moe":
+                a["mxfp4_linears"] = tuple(hit)
+            else:
+                a["weight_format"], a["act_format"] = "mxfp4", act
+            packed_roles += list(hit)
+            ctx.count("linear_ops")
+        opdef = get_op_def(op.op)
+        by_role = dict(zip((r.name for r in opdef.roles(op.attr_dict)), op.inputs))
+        for r in packed_roles:
+            src = new_params[by_role.pop(r)]
+            for part, v in zip(PARTS, src):
+                by_role[packed_name(r, part)] = v
+        ins = [by_role[r.name] for r in opdef.roles(a)]
+        b.append(b.make(op.op, ins, a, op.loc, results=op.results))
     return b.build(module.outputs)

@@ -1,8 +1,9 @@
 """Packed MXFP4 checkpoints (`k3c quantize`): the spec's `quantization:` selection packed once, offline.
 
     DIR/model.safetensors    canonical names (k3c/runtime/weight_names.py): each selected stack P as
-                             `P.weight_packed` u8 [E, out, in/2] + `P.weight_scale` u8 [E, out, in/32], the rest as
-                             loaded (bf16)
+                             `P.weight_packed` u8 [E, out, in/2] + `P.weight_scale` u8 [E, out, in/32] (a selected
+                             linear `X.weight` as `X.weight_packed` [out, in/2] + `X.weight_scale` [out, in/32]),
+                             the rest as loaded (bf16)
     DIR/quantization.json    {"format": "mxfp4", "rule", "block": 32, "weights": [P, ...], "k3c_version", "spec"}
 
 `k3c.load_weights(spec, DIR)` reads it back and a session uses the packed tensors as they are. The directory is
@@ -30,6 +31,7 @@ def quantize_weights(spec, weights: dict[str, torch.Tensor], rule: str | None = 
     """(tensors to write, quantized source names, rule) for `spec`'s quantization section. Weights already packed
     (`P.weight_packed`, from a packed checkpoint) are kept as they are."""
     from ..frontend.quant_check import quantized_names
+    from ..ir.ops import packed_name
     from ..runtime.weight_names import weight_table
     from ..runtime.weight_prep import quantize_stack
 
@@ -42,15 +44,15 @@ def quantize_weights(spec, weights: dict[str, torch.Tensor], rule: str | None = 
     chosen = quantized_names(spec)
     out: dict[str, torch.Tensor] = {}
     for name in weight_table(spec):
-        if name in chosen and name not in weights and f"{name}.weight_packed" in weights:
-            out[f"{name}.weight_packed"] = weights[f"{name}.weight_packed"]
-            out[f"{name}.weight_scale"] = weights[f"{name}.weight_scale"]
+        pn, sn = packed_name(name, "weight_packed"), packed_name(name, "weight_scale")
+        if name in chosen and name not in weights and pn in weights:
+            out[pn], out[sn] = weights[pn], weights[sn]
             continue
         if name not in weights:
             raise WeightError(f"weight '{name}' is missing")
         t = weights[name]
         if name in chosen:
-            out[f"{name}.weight_packed"], out[f"{name}.weight_scale"] = quantize_stack(name, t, rule)
+            out[pn], out[sn] = quantize_stack(name, t, rule)
         else:
             out[name] = t
     return out, chosen, rule

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import WeightError
+from ..ir.ops import packed_name
 from ..frontend.spec import ModelSpec
 from .weight_names import WeightInfo, weight_table
 
@@ -363,11 +364,12 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
                 if src.key not in cache:
                     cache[src.key] = get(src.key)
                 t = _cut(cache[src.key], info, src, where[src.key], spec)
-            elif info.kind == "experts" and (f"{name}.weight_packed" in owner or f"{name}.weight_scale" in owner):
+            elif info.kind in ("experts", "linear") and (packed_name(name, "weight_packed") in owner
+                                                         or packed_name(name, "weight_scale") in owner):
                 for part in ("weight_packed", "weight_scale"):
-                    pname = f"{name}.{part}"
+                    pname = packed_name(name, part)
                     if pname not in owner:
-                        other = owner[f"{name}.weight_packed" if part == "weight_scale" else f"{name}.weight_scale"]
+                        other = owner[packed_name(name, "weight_packed" if part == "weight_scale" else "weight_scale")]
                         raise _weight_error(f"{path}: '{other.key}' has no matching {part} tensor (k3c '{pname}')")
                     out[pname] = _load_packed(pname, packed_table[pname], direct.get(pname), experts.get(pname),
                                               get, where, path)
@@ -398,20 +400,24 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
                 t = t.to(want)
             out[name] = t.contiguous()
         for name in (record or {}).get("weights", ()):
-            if name in table and f"{name}.weight_packed" not in out:
+            if name in table and packed_name(name, "weight_packed") not in out:
                 raise _weight_error(f"{path}: quantization.json lists '{name}' as MXFP4 but the checkpoint holds "
-                                  f"no '{name}.weight_packed'")
+                                  f"no '{packed_name(name, 'weight_packed')}'")
         return out
 
 
 def packed_infos(table: dict[str, WeightInfo]) -> dict[str, WeightInfo]:
-    """`P.weight_packed` u8 [E, out, in/2] and `P.weight_scale` u8 [E, out, in/32] for every expert stack P."""
+    """`P.weight_packed` u8 [E, out, in/2] and `P.weight_scale` u8 [E, out, in/32] for every expert stack P, and
+    `X.weight_packed` u8 [out, in/2] / `X.weight_scale` u8 [out, in/32] for every linear `X.weight` (kind
+    "packed_linear"; k3c.ir.ops.packed_name)."""
     out = {}
     for name, info in table.items():
-        if info.kind == "experts" and info.shape[-1] % 32 == 0:
+        if info.kind in ("experts", "linear") and info.shape[-1] % 32 == 0:
             lead, k = info.shape[:-1], info.shape[-1]
-            out[f"{name}.weight_packed"] = WeightInfo(f"{name}.weight_packed", (*lead, k // 2), "u8", "packed")
-            out[f"{name}.weight_scale"] = WeightInfo(f"{name}.weight_scale", (*lead, k // 32), "u8", "packed")
+            kind = "packed" if info.kind == "experts" else "packed_linear"
+            for part, cols in (("weight_packed", k // 2), ("weight_scale", k // 32)):
+                pn = packed_name(name, part)
+                out[pn] = WeightInfo(pn, (*lead, cols), "u8", kind)
     return out
 
 
@@ -489,9 +495,10 @@ def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_di
     table = weight_table(spec)
     packed = packed_infos(table)
     for n in list(table):            # MXFP4 stacks are written per expert in compressed-tensors' layout
-        if n not in weights and f"{n}.weight_packed" in weights and f"{n}.weight_scale" in weights:
+        pn, sn = packed_name(n, "weight_packed"), packed_name(n, "weight_scale")
+        if n not in weights and pn in weights and sn in weights:
             del table[n]
-            table.update({f"{n}.{p}": packed[f"{n}.{p}"] for p in ("weight_packed", "weight_scale")})
+            table.update({p: packed[p] for p in (pn, sn)})
     missing = [n for n in table if n not in weights]
     if missing:
         raise _weight_error(f"cannot save: missing tensor '{missing[0]}' (expected shape "
@@ -506,7 +513,11 @@ def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_di
         if tuple(t.shape) != info.shape:
             raise _weight_error(f"cannot save: tensor '{name}' has shape {_fmt(t.shape)}, expected {_fmt(info.shape)}")
         t = t.detach().cpu()
-        if info.kind == "packed":
+        if info.kind == "packed_linear":      # compressed-tensors names a packed Linear `X.weight_packed`
+            part = "weight_packed" if name.endswith("weight_packed") else "weight_scale"
+            key = names[name[: -len(part)] + "weight"][0]
+            tensors[f"{key[: -len('weight')]}{part}"] = t.clone().contiguous()
+        elif info.kind == "packed":
             src, _, part = name.rpartition(".")
             for e, key in enumerate(names[src]):
                 tensors[f"{key[: -len('.weight')]}.{part}"] = t[e].clone().contiguous()
@@ -519,7 +530,7 @@ def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_di
     os.makedirs(out_dir, exist_ok=True)
     config = spec_to_hf_config(spec)
     quant = config["text_config"].get("quantization_config")
-    if quant is not None and not any(i.kind == "packed" for i in table.values()):
+    if quant is not None and not any(i.kind in ("packed", "packed_linear") for i in table.values()):
         # the tensors written here are unpacked floats: say so (k3c quantizes at compile time, from the spec)
         quant["format"] = "dense"
         quant["quantization_status"] = "frozen"

@@ -274,8 +274,10 @@ def init_sharded_weights(compiled, seed: int = 0, dtype: torch.dtype = torch.flo
         t = slice_of(_init_one(compiled.spec, info, _generator(seed, info.name, device)), shards.get(info.name))
         t = t if info.dtype == "fp32" else t.to(dtype)
         if info.name in rules:
-            out[f"{info.name}.weight_packed"], out[f"{info.name}.weight_scale"] = quantize_stack(
-                info.name, t, rules[info.name])
+            from ..ir.ops import packed_name
+
+            out[packed_name(info.name, "weight_packed")], out[packed_name(info.name, "weight_scale")] = \
+                quantize_stack(info.name, t, rules[info.name])
         else:
             out[info.name] = t
     return out

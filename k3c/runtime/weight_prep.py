@@ -11,6 +11,7 @@ import torch
 
 from ..errors import WeightError
 from ..ir import Module
+from ..ir.ops import packed_name
 
 _FLOAT_DTYPES = ("f32", "bf16", "f16", "f64")
 
@@ -24,7 +25,8 @@ def prepare_weights(module: Module, weights: dict[str, torch.Tensor], spec=None)
     """The subset of `weights` the graph reads, after load-time preparation, each checked against its param type.
     Raises WeightError for a missing weight or a wrong shape or dtype.
 
-    MXFP4 (params with attr quant="mxfp4", named `P.weight_packed` / `P.weight_scale`, source P): packed tensors
+    MXFP4 (params with attr quant="mxfp4", named `P.weight_packed` / `P.weight_scale` (`lm_head.weight_packed` for
+    a linear `lm_head.weight`: k3c.ir.ops.packed_name), source P): packed tensors
     given under those names (a packed checkpoint) are used as they are; otherwise a float `P` is quantized here, once,
     with the param's scale rule. The other way round, a graph reading a float `P` given only packed tensors (a K3
     checkpoint compiled without quantization) gets it dequantized."""
@@ -36,7 +38,7 @@ def prepare_weights(module: Module, weights: dict[str, torch.Tensor], spec=None)
         t = weights.get(name)
         if t is None and op.attr("quant", None) == "mxfp4":
             t = _quantized_part(name, op, weights, quantized)
-        elif t is None and f"{name}.weight_packed" in weights:
+        elif t is None and packed_name(name, "weight_packed") in weights:
             t = _dequantized(name, weights)
         if t is None:
             raise WeightError(f"weight '{name}' is missing" + (f" for spec '{spec.name}'" if spec is not None else ""))
@@ -55,7 +57,7 @@ def prepare_weights(module: Module, weights: dict[str, torch.Tensor], spec=None)
 def _quantized_part(name: str, op, weights: dict, made: dict) -> torch.Tensor | None:
     """`P.weight_packed` or `P.weight_scale` made from the float weight P (once for both parts)."""
     source, rule = op.attr("source"), op.attr("rule", "floor")
-    sibling = f"{source}.weight_scale" if name.endswith(".weight_packed") else f"{source}.weight_packed"
+    sibling = packed_name(source, "weight_scale" if name.endswith("weight_packed") else "weight_packed")
     if sibling in weights:
         raise WeightError(f"weight '{name}' is missing while '{sibling}' is given (a packed checkpoint holds both)")
     if source not in made:
@@ -66,7 +68,7 @@ def _quantized_part(name: str, op, weights: dict, made: dict) -> torch.Tensor | 
             raise WeightError(f"weight '{source}' has dtype {w.dtype}; MXFP4 quantization needs a float tensor")
         made[source] = quantize_stack(source, w, rule)
     packed, scales = made[source]
-    return packed if name.endswith(".weight_packed") else scales
+    return packed if name.endswith("weight_packed") else scales
 
 
 def quantize_stack(name: str, w: torch.Tensor, rule: str, chunk_bytes: int = 1 << 28
@@ -88,12 +90,12 @@ def quantize_stack(name: str, w: torch.Tensor, rule: str, chunk_bytes: int = 1 <
 def _dequantized(name: str, weights: dict) -> torch.Tensor:
     from ..quant import mxfp4_dequantize
 
-    packed, scales = weights[f"{name}.weight_packed"], weights.get(f"{name}.weight_scale")
+    pn, sn = packed_name(name, "weight_packed"), packed_name(name, "weight_scale")
+    packed, scales = weights[pn], weights.get(sn)
     if scales is None:
-        raise WeightError(f"weight '{name}.weight_packed' is given without '{name}.weight_scale'")
+        raise WeightError(f"weight '{pn}' is given without '{sn}'")
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise WeightError(f"weights '{name}.weight_packed' / '.weight_scale' must be uint8, got {packed.dtype} and "
-                          f"{scales.dtype}")
+        raise WeightError(f"weights '{pn}' / '{sn}' must be uint8, got {packed.dtype} and {scales.dtype}")
     ref = weights.get("embed_tokens.weight")
     dtype = ref.dtype if ref is not None and ref.is_floating_point() else torch.bfloat16
     try:

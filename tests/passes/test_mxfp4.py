@@ -89,7 +89,7 @@ def test_section_round_trips_and_sets_precision_plan():
     ("quantization:\n  format: mxfp4\n  include:\n    - '*.experts.w1'\n    - '*.expert.w9'\n", 5,
      "quantization.include", "matches no weight"),
     ("quantization:\n  format: mxfp4\n  include: ['*.experts.*', '*.q_proj.weight']\n", 3,
-     "quantization.include", "routed expert stacks only"),
+     "quantization.include", "attention weights are consumed inside the fused KDA / MLA kernels"),
     ("quantization:\n  format: mxfp4\n  exclude: ['*.experts.w2']\n", 3, "quantization.exclude",
      "quantized together"),
     ("quantization:\n  format: mxfp4\n  exclude: ['*.experts.*']\n", 3, "quantization.exclude",
