@@ -257,6 +257,8 @@ def run(argv=None) -> dict:
     ap.add_argument("--no-kernels", action="store_true", help="k3c with every op through torch")
     ap.add_argument("--no-graph", action="store_true", help="no CUDA-graph decode row (default on cuda: the "
                     "engine's eager step and the captured step are both timed)")
+    ap.add_argument("--engine-graphs", action="store_true", help="the engine itself decodes through CUDA graphs "
+                    "(Engine cuda_graphs=True): the k3c decode rows are then the served path with graphs")
     ap.add_argument("--graph", action="store_true", help="the CUDA-graph row off CUDA too (it falls back to the "
                     "eager step, reported: checks the plumbing)")
     ap.add_argument("--skip-compiled", action="store_true", help="no torch.compile peer")
@@ -336,8 +338,10 @@ def run(argv=None) -> dict:
     ctx_max = max(prompt_len, cached + max(steps, peer_steps) + 4, args.check_len + 2)
     ps = target_for(args.device).mla_page_size
     eng = Engine(model, w, device=args.device, max_batch=max(batches), max_context=ctx_max,
-                 num_pages=max(batches) * -(-ctx_max // ps) + 1, page_size=ps, use_kernels=use_kernels)
+                 num_pages=max(batches) * -(-ctx_max // ps) + 1, page_size=ps, use_kernels=use_kernels,
+                 cuda_graphs=args.engine_graphs)
     result["k3c_executor"] = eng.describe()
+    result["engine_graphs"] = args.engine_graphs
     progress("engine built")
     ref_pre = ReferenceModel(spec, w, mla_mode="mha")
 

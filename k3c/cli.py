@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cpu", help="cpu or cuda")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     r.add_argument("--no-kernels", action="store_true", help="run every op through torch (no generated kernels)")
+    r.add_argument("--cuda-graphs", action="store_true", help="decode steps through captured CUDA graphs "
+                   "(runtime/cuda_graph.py; falls back to the ordinary step where capture is impossible, reported)")
     r.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"),
                    help="prefill at most this many tokens per sequence and step (default: the whole prompt)")
     _parallel_args(r)
@@ -173,7 +175,8 @@ def cmd_run(args) -> int:
 
     print(run_report(args.spec, weights=args.weights, batch=args.batch, prompt_len=args.prompt_len,
                      new_tokens=args.new_tokens, seed=args.seed, device=args.device, dtype=args.dtype,
-                     use_kernels=not args.no_kernels, prefill_chunk=args.prefill_chunk))
+                     use_kernels=not args.no_kernels, prefill_chunk=args.prefill_chunk,
+                     cuda_graphs=args.cuda_graphs))
     return 0
 
 

@@ -63,7 +63,8 @@ class StepOutput:
 class Engine:
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
                  max_context: int | None = None, num_pages: int | None = None, page_size: int | None = None,
-                 use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None):
+                 use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
+                 cuda_graphs: bool = False, graph_backend=None):
         spec = compiled.spec
         if any(op.op == "mla" for op in compiled.module.ops):
             raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
@@ -106,6 +107,11 @@ class Engine:
         self.prefix = prefix_cache
         if prefix_cache is not None:
             prefix_cache.attach(self)
+        # decode steps through captured CUDA graphs (runtime/cuda_graph.py), one DecodeGraph per batch size; off
+        # by default until it has run on a GPU through the engine (it has through bench/e2e.py's DecodeGraph row)
+        self.cuda_graphs = cuda_graphs
+        self._graph_backend = graph_backend         # a stand-in capture backend (tests); None: CUDA graphs
+        self._graphs: dict = {}                     # batch size -> DecodeGraph
 
     def describe(self) -> str:
         return describe_graph(self.compiled, self.use_kernels)
@@ -424,8 +430,84 @@ class Engine:
             out[layer] = memo[key]
         return out
 
+    # -- decode through captured graphs -------------------------------------------------------------------------
+    def _decode_graph(self, batch: int):
+        """The DecodeGraph of this batch size over the engine's page pools (created, not captured, on first use):
+        length buckets of page_size x 2^k up to max_context, each captured on its first step."""
+        from .cuda_graph import DecodeGraph
+
+        dg = self._graphs.get(batch)
+        if dg is None:
+            ps, buckets, b = self.pool.page_size, [], self.pool.page_size
+            while b < self.max_context:
+                buckets.append(b)
+                b *= 2
+            dg = DecodeGraph(self.compiled, self.graph, batch=batch, capacity=self.max_context, device=self.device,
+                             use_kernels=self.use_kernels, dtype=self.dtype, page_size=ps, buckets=buckets,
+                             backend=self._graph_backend, pools=self.pool.pools if self.mla_layers else None)
+            dg.bt_key = None
+            self._graphs[batch] = dg
+        return dg
+
+    def _graph_step(self, dg, seqs: list[SeqState], ids: torch.Tensor) -> torch.Tensor:
+        """One decode step of `seqs` through `dg`. The batch's KDA rows live in dg's static slots: kept there while
+        the same sequences step in the same order (each sequence's state is a row reference to a slot), copied in
+        when the batch changes, after any other sequence still referring to those slots got its own copy."""
+        same = all(s.kda.get(i) is not None and s.kda[i][0] is dg.kda[i] and s.kda[i][1] == j
+                   for j, s in enumerate(seqs) for i in self.kda_layers)
+        if not same:
+            members = {id(s) for s in seqs}
+            for other in self.seqs.values():          # slots about to be overwritten: give their rows a home
+                if id(other) in members:
+                    continue
+                for i in self.kda_layers:
+                    r = other.kda.get(i)
+                    if r is not None and r[0] is dg.kda[i]:
+                        st, j = r
+                        other.kda[i] = (KDAState(st.state[j:j + 1].clone(),
+                                                 tuple(t[j:j + 1].clone() for t in st.conv)), 0)
+            for i in self.kda_layers:
+                g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
+                slot = dg.kda[i]
+                if g is None:
+                    slot.state.zero_()
+                    for t in slot.conv:
+                        t.zero_()
+                else:
+                    slot.state.copy_(g.state)
+                    for d, src in zip(slot.conv, g.conv):
+                        d.copy_(src)
+        if self.mla_layers:
+            bt = self._block_table(seqs)
+            if dg.bt_key is not self._bt_key:          # the block table changes once per page_size steps
+                dg.set_block_table(bt)
+                dg.bt_key = self._bt_key
+        dg.set_lengths([s.length for s in seqs])
+        return dg.step(ids.reshape(-1)).clone()        # the replay's output buffer is overwritten next step
+
     def _call(self, seqs: list[SeqState], segments: list[list[int]]) -> torch.Tensor:
         B, T = len(segments), len(segments[0])
+        if T == 1 and self.cuda_graphs:
+            lens = [s.length for s in seqs]
+            modes = self.mla_modes(1, lens)
+            dg = self._decode_graph(B) if all(m == "mqa" for m in modes.values()) else None
+            if dg is not None and dg.report.mode == "graph" and max(lens) + 1 <= dg.capacity:
+                ids = self._h2d(torch.tensor(segments, dtype=torch.long))
+                t0 = time.perf_counter()
+                logits = self._graph_step(dg, seqs, ids)[:, None]
+                self.stats["decode_calls"] += 1
+                self.stats["decode_graph_calls"] += 1
+                self.stats["decode_tokens"] += B
+                self.stats["decode_seconds_launch"] += time.perf_counter() - t0
+                for j, seq in enumerate(seqs):
+                    for i in self.kda_layers:
+                        seq.kda[i] = (dg.kda[i], j)
+                    self.pool.mark_written(seq.pages, seq.length, seq.length + 1)
+                    seq.length += 1
+                self.last_modes = dict(modes)
+                for layer, mode in modes.items():
+                    self.mode_counts[(layer, mode)] += 1
+                return logits
         ids = self._h2d(torch.tensor(segments, dtype=torch.long))
         cache = LayerCaches(self.spec.num_layers)
         for i in self.kda_layers:

@@ -27,9 +27,18 @@ def _peak_memory_bytes(device: str) -> int:
     return int(peak_kib) * 1024
 
 
+def _graph_line(eng) -> str:
+    """`--cuda-graphs`: how many decode steps were replayed, and each batch size's graph mode (why it fell back)."""
+    per = "; ".join(f"batch {b}: {dg.report.mode}" + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph"
+                                                       else "") for b, dg in sorted(eng._graphs.items()))
+    return (f"  decode graphs:   {eng.stats['decode_graph_calls']} of {eng.stats['decode_calls']} decode steps "
+            f"replayed; {per}")
+
+
 def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int = 1, prompt_len: int = 16,
                new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str = "float32",
-               use_kernels: bool = True, prefill_chunk: int | None = None, progress: bool | None = None) -> str:
+               use_kernels: bool = True, prefill_chunk: int | None = None, progress: bool | None = None,
+               cuda_graphs: bool = False) -> str:
     """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
     then greedy decode steps. TTFT = the first step (every prompt prefilled, first tokens sampled)."""
     import torch
@@ -51,7 +60,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     w = load_weights(spec, weights, dtype=torch_dtype) if weights else init_weights(spec, seed=seed,
                                                                                       dtype=torch_dtype)
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
-                 use_kernels=use_kernels, prefill_chunk=prefill_chunk)
+                 use_kernels=use_kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, spec.vocab_size, (batch, prompt_len), generator=gen)
     if device.startswith("cuda"):
@@ -97,6 +106,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
         f"  MLA cache:       {eng.pool.num_pages} pages of {eng.pool.page_size} tokens "
         f"({eng.pool.num_pages * eng.pool.page_bytes / 2**20:,.1f} MiB)",
         f"  MLA modes:       {modes or '(no MLA layers)'}",
+        *([_graph_line(eng)] if cuda_graphs else []),
         f"  logits finite:   {finite}",
         f"  tokens[0]:       {out[0].tolist()}",
     ]

@@ -1,0 +1,63 @@
+"""Engine decode through DecodeGraph (cuda_graphs=True), with the stand-in capture backend on the CPU: the same
+logits as the engine's ordinary decode while requests join and leave (the batch's KDA rows move in and out of the
+graphs' static slots, a departing sequence keeps its own copy), and every page comes back."""
+import pytest
+import torch
+
+import k3c
+from k3c.runtime.cuda_graph import EagerBackend
+from k3c.runtime.engine import Engine
+
+TINY = "examples/k3-tiny.yaml"
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run(model, w, graphs: bool, prompts, news, joins):
+    eng = Engine(model, w, device="cpu", max_batch=3, max_context=48, page_size=8, use_kernels=True,
+                 cuda_graphs=graphs, graph_backend=EagerBackend() if graphs else None)
+    rids, outs = {}, {}
+    for step in range(30):
+        for i in joins.get(step, []):
+            rids[i] = eng.add_request(prompts[i], news[i])
+        for o in eng.step():
+            outs.setdefault(o.rid, []).append(o)
+        if step > max(joins) and not eng.has_work():
+            break
+    eng.pool.check_empty()
+    return eng, [outs[rids[i]] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread):
+    spec = k3c.load_spec(TINY)
+    model, w = k3c.compile(spec, target="h200"), k3c.init_weights(spec, seed=0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in (11, 17, 9)]
+    news, joins = (5, 3, 4), {0: [0], 2: [1], 4: [2]}     # request 1 leaves while 0 and 2 still decode
+    eng, with_graphs = run(model, w, True, prompts, news, joins)
+    _, without = run(model, w, False, prompts, news, joins)
+    assert eng.stats["decode_graph_calls"] > 0
+    assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
+    assert len(eng._graphs) >= 2                          # batch sizes changed: more than one graph
+    for a, b in zip(with_graphs, without):
+        assert [o.token for o in a] == [o.token for o in b]
+        assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5
+
+
+def test_graphs_off_by_default_and_skipped_without_capture():
+    """Off by default; on a CPU without a stand-in backend the DecodeGraph reports eager and the engine keeps its
+    ordinary path (no graph calls)."""
+    spec = k3c.load_spec(TINY)
+    model, w = k3c.compile(spec, target="h200"), k3c.init_weights(spec, seed=0)
+    eng = Engine(model, w, device="cpu", max_batch=2, max_context=32, page_size=8, use_kernels=False)
+    assert eng.cuda_graphs is False
+    eng = Engine(model, w, device="cpu", max_batch=2, max_context=32, page_size=8, use_kernels=False,
+                 cuda_graphs=True)
+    eng.add_request(list(range(1, 10)), 3)
+    with pytest.warns(RuntimeWarning, match="running eagerly"):
+        while eng.has_work():
+            eng.step()
+    assert eng.stats["decode_graph_calls"] == 0 and eng.stats["decode_calls"] > 0
