@@ -112,6 +112,7 @@ class Engine:
         self.cuda_graphs = cuda_graphs
         self._graph_backend = graph_backend         # a stand-in capture backend (tests); None: CUDA graphs
         self._graphs: dict = {}                     # batch size -> DecodeGraph
+        self._graph_bt: dict = {}                   # batch size -> the block-table key its graph holds
 
     def describe(self) -> str:
         return describe_graph(self.compiled, self.use_kernels)
@@ -445,7 +446,6 @@ class Engine:
             dg = DecodeGraph(self.compiled, self.graph, batch=batch, capacity=self.max_context, device=self.device,
                              use_kernels=self.use_kernels, dtype=self.dtype, page_size=ps, buckets=buckets,
                              backend=self._graph_backend, pools=self.pool.pools if self.mla_layers else None)
-            dg.bt_key = None
             self._graphs[batch] = dg
         return dg
 
@@ -479,35 +479,53 @@ class Engine:
                         d.copy_(src)
         if self.mla_layers:
             bt = self._block_table(seqs)
-            if dg.bt_key is not self._bt_key:          # the block table changes once per page_size steps
+            if self._graph_bt.get(dg.batch) is not self._bt_key:   # changes once per page_size steps
                 dg.set_block_table(bt)
-                dg.bt_key = self._bt_key
+                self._graph_bt[dg.batch] = self._bt_key
         dg.set_lengths([s.length for s in seqs])
         return dg.step(ids.reshape(-1)).clone()        # the replay's output buffer is overwritten next step
 
     def _call(self, seqs: list[SeqState], segments: list[list[int]]) -> torch.Tensor:
         B, T = len(segments), len(segments[0])
-        if T == 1 and self.cuda_graphs:
-            lens = [s.length for s in seqs]
-            modes = self.mla_modes(1, lens)
-            dg = self._decode_graph(B) if all(m == "mqa" for m in modes.values()) else None
-            if dg is not None and dg.report.mode == "graph" and max(lens) + 1 <= dg.capacity:
-                ids = self._h2d(torch.tensor(segments, dtype=torch.long))
-                t0 = time.perf_counter()
-                logits = self._graph_step(dg, seqs, ids)[:, None]
-                self.stats["decode_calls"] += 1
-                self.stats["decode_graph_calls"] += 1
-                self.stats["decode_tokens"] += B
-                self.stats["decode_seconds_launch"] += time.perf_counter() - t0
-                for j, seq in enumerate(seqs):
-                    for i in self.kda_layers:
-                        seq.kda[i] = (dg.kda[i], j)
-                    self.pool.mark_written(seq.pages, seq.length, seq.length + 1)
-                    seq.length += 1
-                self.last_modes = dict(modes)
-                for layer, mode in modes.items():
-                    self.mode_counts[(layer, mode)] += 1
-                return logits
+        ids = self._h2d(torch.tensor(segments, dtype=torch.long))
+        lens = [s.length for s in seqs]
+        modes = self.mla_modes(T, lens) if self.mla_layers else {}
+        dg = None
+        if T == 1 and self.cuda_graphs and all(m == "mqa" for m in modes.values()):
+            dg = self._decode_graph(B)
+            if dg.report.mode != "graph" or max(lens) + 1 > dg.capacity:
+                dg = None                              # not capturable (reported) or past the last bucket
+        if dg is not None:
+            t0 = time.perf_counter()
+            logits = self._graph_step(dg, seqs, ids)[:, None]
+            states, ran = dg.kda, modes
+            self.stats["decode_graph_calls"] += 1
+        else:
+            cache = LayerCaches(self.spec.num_layers)
+            for i in self.kda_layers:
+                cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
+            if self.mla_layers:
+                bt = self._block_table(seqs)
+                for i in self.mla_layers:
+                    cache.layers[i] = PagedLatentCache(LatentStore(self.pool.pools[i], bt, list(lens)), tuple(lens))
+                cache.mla_modes = modes
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                logits = self.graph(ids, cache)
+            states, ran = cache.layers, dict(getattr(cache, "modes", {}))
+        kind = "decode" if T == 1 else "prefill"
+        self.stats[f"{kind}_calls"] += 1
+        self.stats[f"{kind}_tokens"] += B * T
+        self.stats[f"{kind}_seconds_launch"] += time.perf_counter() - t0     # host time (no device sync)
+        for j, seq in enumerate(seqs):                 # commit: nothing above changed a sequence
+            for i in self.kda_layers:
+                seq.kda[i] = (states[i], j)
+            self.pool.mark_written(seq.pages, seq.length, seq.length + T)
+            seq.length += T
+        self.last_modes = ran
+        for layer, mode in ran.items():
+            self.mode_counts[(layer, mode)] += 1
+        return logits
         ids = self._h2d(torch.tensor(segments, dtype=torch.long))
         cache = LayerCaches(self.spec.num_layers)
         for i in self.kda_layers:
