@@ -508,11 +508,17 @@ def run(argv=None) -> dict:
     if not args.skip_compiled:
         # the reference's expert loop iterates over .tolist() of the routing (data-dependent): compiled as is, every
         # new expert set recompiles the frame until the recompile limit; run it eagerly inside the compiled graph
+        # the KDA chunk loop (T / 64 iterations a layer) would be unrolled into one huge graph (the first full-size
+        # run was still in inductor after 6 min): the loop runs eagerly and its body, one chunk, is compiled once
+        from k3c.runtime.reference import kda as ref_kda
         from k3c.runtime.reference import moe as ref_moe
         import torch._dynamo as dynamo
 
         eager_experts = ref_moe.routed_experts
+        eager_chunked, eager_step = ref_kda.kda_chunked, ref_kda.kda_chunk_step
         ref_moe.routed_experts = torch.compiler.disable(eager_experts)
+        ref_kda.kda_chunked = torch.compiler.disable(eager_chunked)
+        ref_kda.kda_chunk_step = torch.compile(eager_step, dynamic=False, backend=args.compile_backend)
         dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
         cfwd = torch.compile(ref_pre.forward, dynamic=True, backend=args.compile_backend)
 
@@ -552,6 +558,7 @@ def run(argv=None) -> dict:
             save()
             del ref_cache
         ref_moe.routed_experts = eager_experts
+        ref_kda.kda_chunked, ref_kda.kda_chunk_step = eager_chunked, eager_step
 
     # -- report -------------------------------------------------------------------------------------------------
     def ratio(peer, ours):

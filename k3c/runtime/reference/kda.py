@@ -93,23 +93,30 @@ def kda_chunked(q, k, v, g, beta, scale: float | None = None, initial_state: tor
     o = q.new_empty(b, h, t, dv)
     for start in range(0, t, chunk_size):
         sl = slice(start, min(start + chunk_size, t))
-        qc, kc, vc, bc = q[:, :, sl] * scale, k[:, :, sl], v[:, :, sl], beta[:, :, sl]
-        gam = g[:, :, sl].cumsum(-2)                                         # Gamma [B, H, C, K]
-        c = gam.shape[-2]
-        incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()   # j <= i
-        diff = gam[:, :, :, None, :] - gam[:, :, None, :, :]                 # Gamma_i - Gamma_j [B, H, C, C, K]
-        decay = torch.where(incl[..., None], diff, float("-inf")).exp()      # 0 above the diagonal
-        a_kk = (kc[:, :, :, None, :] * kc[:, :, None, :, :] * decay).sum(-1) * bc[..., None]
-        a_kk = a_kk.tril(-1)                                                 # strictly lower
-        a_qk = (qc[:, :, :, None, :] * kc[:, :, None, :, :] * decay).sum(-1)  # j <= i, scale already in qc
-        m = a_kk + torch.eye(c, device=q.device)
-        w = torch.linalg.solve_triangular(m, bc[..., None] * (kc * gam.exp()), upper=False, unitriangular=True)
-        u = torch.linalg.solve_triangular(m, bc[..., None] * vc, upper=False, unitriangular=True)
-        v_new = u - w @ s
-        o[:, :, sl] = (qc * gam.exp()) @ s + a_qk @ v_new
-        last = gam[:, :, -1:, :]                                             # Gamma_C
-        s = last.transpose(-1, -2).exp() * s + (kc * (last - gam).exp()).transpose(-1, -2) @ v_new
+        o[:, :, sl], s = kda_chunk_step(q[:, :, sl] * scale, k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl], s)
     return o.transpose(1, 2), s
+
+
+def kda_chunk_step(qc, kc, vc, gc, bc, s):
+    """One chunk of kda_chunked: qc (already scaled), kc, gc [B, H, C, K]; vc [B, H, C, V]; bc [B, H, C]; state
+    s [B, H, K, V], all fp32. Returns (o [B, H, C, V], the state after the chunk). Its own function so that a
+    compiler peer (bench/e2e.py) can compile the chunk body once instead of unrolling the chunk loop."""
+    gam = gc.cumsum(-2)                                                      # Gamma [B, H, C, K]
+    c = gam.shape[-2]
+    incl = torch.ones(c, c, dtype=torch.bool, device=qc.device).tril()      # j <= i
+    diff = gam[:, :, :, None, :] - gam[:, :, None, :, :]                     # Gamma_i - Gamma_j [B, H, C, C, K]
+    decay = torch.where(incl[..., None], diff, float("-inf")).exp()          # 0 above the diagonal
+    a_kk = (kc[:, :, :, None, :] * kc[:, :, None, :, :] * decay).sum(-1) * bc[..., None]
+    a_kk = a_kk.tril(-1)                                                     # strictly lower
+    a_qk = (qc[:, :, :, None, :] * kc[:, :, None, :, :] * decay).sum(-1)    # j <= i, scale already in qc
+    m = a_kk + torch.eye(c, device=qc.device)
+    w = torch.linalg.solve_triangular(m, bc[..., None] * (kc * gam.exp()), upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(m, bc[..., None] * vc, upper=False, unitriangular=True)
+    v_new = u - w @ s
+    o = (qc * gam.exp()) @ s + a_qk @ v_new
+    last = gam[:, :, -1:, :]                                                 # Gamma_C
+    s = last.transpose(-1, -2).exp() * s + (kc * (last - gam).exp()).transpose(-1, -2) @ v_new
+    return o, s
 
 
 KDAMode = Literal["auto", "chunk", "recurrent"]
