@@ -39,6 +39,28 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def grouped_experts(z, w1, w3, w2, p, idx, act):
+    """The reference's routed experts (k3c.runtime.reference.moe.routed_experts: same math, fp32 combine) as three
+    grouped GEMMs over the expert-sorted slots (torch._grouped_mm): no .tolist(), no host sync, so torch.compile
+    keeps the MoE in its graph (--compile-moe grouped: the strongest torch peer we know how to write)."""
+    from k3c.runtime.reference.moe import glu_act
+
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=z.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))                  # static shape (bincount's is not)
+    offs = counts.cumsum(0).to(torch.int32)
+    tokens = order // k
+    zs = z[tokens]
+    h = glu_act(torch._grouped_mm(zs, w1.transpose(-1, -2), offs=offs),
+                torch._grouped_mm(zs, w3.transpose(-1, -2), offs=offs), act)
+    y = torch._grouped_mm(h.to(w2.dtype), w2.transpose(-1, -2), offs=offs)
+    u = torch.zeros(n, w2.shape[1], dtype=torch.float32, device=z.device)
+    u.index_add_(0, tokens, y.float() * p.reshape(-1)[order, None].float())
+    return u.to(z.dtype)
+
+
 def make_weights(spec, module, device, dtype, seed: int = 0, reference: bool = True) -> dict[str, torch.Tensor]:
     """Random weights on the device: large matrices drawn there (scaled 1/sqrt(fan-in) as k3c.init_weights does),
     small ones from k3c's initialiser; MXFP4 experts as packed tensors (what the graph reads) plus, with
@@ -257,12 +279,17 @@ def run(argv=None) -> dict:
     ap.add_argument("--no-kernels", action="store_true", help="k3c with every op through torch")
     ap.add_argument("--no-graph", action="store_true", help="no CUDA-graph decode row (default on cuda: the "
                     "engine's eager step and the captured step are both timed)")
-    ap.add_argument("--engine-graphs", action="store_true", help="the engine itself decodes through CUDA graphs "
-                    "(Engine cuda_graphs=True): the k3c decode rows are then the served path with graphs")
+    ap.add_argument("--engine-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine decodes through CUDA graphs (Engine cuda_graphs; default: the engine's own, on "
+                    "with CUDA and kernels): the k3c decode rows are the served path")
     ap.add_argument("--graph", action="store_true", help="the CUDA-graph row off CUDA too (it falls back to the "
                     "eager step, reported: checks the plumbing)")
     ap.add_argument("--skip-compiled", action="store_true", help="no torch.compile peer")
     ap.add_argument("--skip-eager", action="store_true", help="no eager peer in the timed runs (the probe still runs)")
+    ap.add_argument("--compile-moe", choices=("loop", "grouped"), default="loop",
+                    help="the compiled peer's routed experts: loop = the reference's own (a data-dependent loop over "
+                    "experts, run eagerly inside the compiled graph); grouped = grouped_experts (torch._grouped_mm, "
+                    "compiled)")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the peer (inductor; aot_eager checks the plumbing on a CPU)")
     ap.add_argument("--check-len", type=int, default=256,
@@ -306,6 +333,7 @@ def run(argv=None) -> dict:
     result = {"spec": spec.name, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
               "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
               "k3c_kernels": use_kernels, "compile_backend": None if args.skip_compiled else args.compile_backend,
+              "compile_moe": None if args.skip_compiled else args.compile_moe,
               "args": vars(args), "weights_gib": sum(t.numel() * t.element_size() for t in w.values()) / 2**30,
               "phase_seconds": {"weights": time.perf_counter() - t0}, "prefill": {}, "decode": [],
               "errors": errors, "skipped": []}
@@ -341,7 +369,7 @@ def run(argv=None) -> dict:
                  num_pages=max(batches) * -(-ctx_max // ps) + 1, page_size=ps, use_kernels=use_kernels,
                  cuda_graphs=args.engine_graphs)
     result["k3c_executor"] = eng.describe()
-    result["engine_graphs"] = args.engine_graphs
+    result["engine_graphs"] = eng.cuda_graphs
     progress("engine built")
     ref_pre = ReferenceModel(spec, w, mla_mode="mha")
 
@@ -377,12 +405,12 @@ def run(argv=None) -> dict:
 
     pre = result["prefill"]
     pre["tokens"] = prompt_len
-    last = {}
+    last, keep = {}, {}
 
     def k3c_pre():
         t, out = timer(k3c_prefill, reps)
         pre["k3c_ms"], pre["mla_modes"] = t * 1e3, {str(k): v for k, v in eng.last_modes.items()}
-        last["k3c"] = out[-1]
+        last["k3c"] = keep["k3c_prefill"] = out[-1]
 
     def eager_pre():
         t, out = timer(ref_prefill(ref_pre.forward), reps)
@@ -448,9 +476,10 @@ def run(argv=None) -> dict:
 
             try:
                 firsts["k3c"] = k3c_steps(1)              # warm-up step (JIT), also compared with the eager step
+                k3c_steps(1, 1)                           # 2nd step: with graphs on, this batch size's capture
                 timer.sync()
                 t0 = time.perf_counter()
-                k3c_steps(steps, 1)
+                k3c_steps(steps, 2)
                 timer.sync()
                 rec["k3c_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
                 rec["mla_modes"] = {str(k): v for k, v in eng.last_modes.items()}
@@ -516,7 +545,8 @@ def run(argv=None) -> dict:
 
         eager_experts = ref_moe.routed_experts
         eager_chunked, eager_step = ref_kda.kda_chunked, ref_kda.kda_chunk_step
-        ref_moe.routed_experts = torch.compiler.disable(eager_experts)
+        ref_moe.routed_experts = grouped_experts if args.compile_moe == "grouped" else \
+            torch.compiler.disable(eager_experts)
         ref_kda.kda_chunked = torch.compiler.disable(eager_chunked)
         ref_kda.kda_chunk_step = torch.compile(eager_step, dynamic=False, backend=args.compile_backend)
         dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
@@ -529,8 +559,10 @@ def run(argv=None) -> dict:
             timer.sync()
             pre["compiled_warmup_s"] = time.perf_counter() - t
             c1 = dynamo_counts()
-            t, _ = timer(ref_prefill(cfwd), reps)
+            t, out = timer(ref_prefill(cfwd), reps)
             pre["compiled_ms"] = t * 1e3
+            if "k3c_prefill" in keep:
+                pre["rel_err_compiled_vs_k3c"] = rel(out, keep["k3c_prefill"])
             pre["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
 
         phase("prefill_compiled", compiled_pre)

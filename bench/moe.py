@@ -233,7 +233,9 @@ DECODE_COMPARE = (
      dict(pairs=True, num_warps=1, block_k=64, num_stages=4)),
     ("pairs1_w2n64k64", dict(pairs=True, num_warps=2, block_n=64, block_k=64, num_stages=4),
      dict(pairs=True, num_warps=2, block_n=128, block_k=64, num_stages=4)),
-    ("pairs1_n64", dict(pairs=True, block_n=64), dict(pairs=True, block_n=128)),
+    ("pairs1_n32", dict(pairs=True, block_n=32), dict(pairs=True, block_n=64)),         # the default until 11-29
+    ("pairs1_n128", dict(pairs=True, block_n=128), dict(pairs=True, block_n=256)),
+    ("pairs1_n64k512", dict(pairs=True, block_k=512, num_stages=2), dict(pairs=True, block_k=512, num_stages=2)),
     ("pairs1_w8", dict(pairs=True, num_warps=8), dict(pairs=True, num_warps=8)),
     ("pairs1_s4", dict(pairs=True, num_stages=4), dict(pairs=True, num_stages=4)),
 )

@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cpu", help="cpu or cuda")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     r.add_argument("--no-kernels", action="store_true", help="run every op through torch (no generated kernels)")
-    r.add_argument("--cuda-graphs", action="store_true", help="decode steps through captured CUDA graphs "
-                   "(runtime/cuda_graph.py; falls back to the ordinary step where capture is impossible, reported)")
+    r.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps through captured CUDA graphs (runtime/cuda_graph.py; default: on with --device "
+                   "cuda and kernels; falls back to the ordinary step where capture is impossible, reported)")
     r.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"),
                    help="prefill at most this many tokens per sequence and step (default: the whole prompt)")
     _parallel_args(r)

@@ -18,7 +18,7 @@ segments and returns their logits; running out of pages there raises CacheFullEr
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +64,7 @@ class Engine:
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
                  max_context: int | None = None, num_pages: int | None = None, page_size: int | None = None,
                  use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
-                 cuda_graphs: bool = False, graph_backend=None):
+                 cuda_graphs: bool | None = None, graph_backend=None, max_graphs: int = 4):
         spec = compiled.spec
         if any(op.op == "mla" for op in compiled.module.ops):
             raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
@@ -107,11 +107,20 @@ class Engine:
         self.prefix = prefix_cache
         if prefix_cache is not None:
             prefix_cache.attach(self)
-        # decode steps through captured CUDA graphs (runtime/cuda_graph.py), one DecodeGraph per batch size; off
-        # by default until it has run on a GPU through the engine (it has through bench/e2e.py's DecodeGraph row)
+        # decode steps through captured CUDA graphs (runtime/cuda_graph.py), one DecodeGraph per batch size. None:
+        # on where they can be captured (a CUDA device with kernels, or a stand-in backend). A batch size gets its
+        # graph on its second decode step in a row (a capture costs ~10 eager steps: a batch that shrinks every
+        # step stays eager); at most max_graphs graphs (each holds KDA slots for its batch size: B x 38 MB at
+        # k3-wide), the least recently used one dropped first
+        if cuda_graphs is None:
+            cuda_graphs = graph_backend is not None or (self.device.type == "cuda" and use_kernels)
+        if not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ArgumentError(f"max_graphs must be a positive integer, got {max_graphs!r}")
         self.cuda_graphs = cuda_graphs
+        self.max_graphs = max_graphs
         self._graph_backend = graph_backend         # a stand-in capture backend (tests); None: CUDA graphs
-        self._graphs: dict = {}                     # batch size -> DecodeGraph
+        self._graphs: OrderedDict = OrderedDict()   # batch size -> DecodeGraph, least recently used first
+        self._last_decode_batch = None              # batch size of the previous decode call
         self._graph_bt: dict = {}                   # batch size -> the block-table key its graph holds
 
     def describe(self) -> str:
@@ -434,20 +443,43 @@ class Engine:
     # -- decode through captured graphs -------------------------------------------------------------------------
     def _decode_graph(self, batch: int):
         """The DecodeGraph of this batch size over the engine's page pools (created, not captured, on first use):
-        length buckets of page_size x 2^k up to max_context, each captured on its first step."""
+        length buckets of page_size x 2^k up to max_context, each captured on its first step. None while the batch
+        size is new (its first step runs eagerly)."""
         from .cuda_graph import DecodeGraph
 
         dg = self._graphs.get(batch)
-        if dg is None:
-            ps, buckets, b = self.pool.page_size, [], self.pool.page_size
-            while b < self.max_context:
-                buckets.append(b)
-                b *= 2
-            dg = DecodeGraph(self.compiled, self.graph, batch=batch, capacity=self.max_context, device=self.device,
-                             use_kernels=self.use_kernels, dtype=self.dtype, page_size=ps, buckets=buckets,
-                             backend=self._graph_backend, pools=self.pool.pools if self.mla_layers else None)
-            self._graphs[batch] = dg
+        if dg is not None:
+            self._graphs.move_to_end(batch)
+            return dg
+        if self._last_decode_batch != batch:
+            return None
+        while len(self._graphs) >= self.max_graphs:
+            _, old = self._graphs.popitem(last=False)
+            self._rehome(old, set())
+            self._graph_bt.pop(old.batch, None)
+        ps, buckets, b = self.pool.page_size, [], self.pool.page_size
+        while b < self.max_context:
+            buckets.append(b)
+            b *= 2
+        dg = DecodeGraph(self.compiled, self.graph, batch=batch, capacity=self.max_context, device=self.device,
+                         use_kernels=self.use_kernels, dtype=self.dtype, page_size=ps, buckets=buckets,
+                         backend=self._graph_backend, pools=self.pool.pools if self.mla_layers else None)
+        self._graphs[batch] = dg
+        self.stats["decode_graphs_created"] += 1
         return dg
+
+    def _rehome(self, dg, members: set[int]) -> None:
+        """Sequences (other than `members`, by id) whose KDA rows live in dg's slots get their own copy, before the
+        slots are overwritten or dropped."""
+        for other in self.seqs.values():
+            if id(other) in members:
+                continue
+            for i in self.kda_layers:
+                r = other.kda.get(i)
+                if r is not None and r[0] is dg.kda[i]:
+                    st, j = r
+                    other.kda[i] = (KDAState(st.state[j:j + 1].clone(), tuple(t[j:j + 1].clone() for t in st.conv)),
+                                    0)
 
     def _graph_step(self, dg, seqs: list[SeqState], ids: torch.Tensor) -> torch.Tensor:
         """One decode step of `seqs` through `dg`. The batch's KDA rows live in dg's static slots: kept there while
@@ -456,16 +488,7 @@ class Engine:
         same = all(s.kda.get(i) is not None and s.kda[i][0] is dg.kda[i] and s.kda[i][1] == j
                    for j, s in enumerate(seqs) for i in self.kda_layers)
         if not same:
-            members = {id(s) for s in seqs}
-            for other in self.seqs.values():          # slots about to be overwritten: give their rows a home
-                if id(other) in members:
-                    continue
-                for i in self.kda_layers:
-                    r = other.kda.get(i)
-                    if r is not None and r[0] is dg.kda[i]:
-                        st, j = r
-                        other.kda[i] = (KDAState(st.state[j:j + 1].clone(),
-                                                 tuple(t[j:j + 1].clone() for t in st.conv)), 0)
+            self._rehome(dg, {id(s) for s in seqs})   # slots about to be overwritten: give their rows a home
             for i in self.kda_layers:
                 g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
                 slot = dg.kda[i]
@@ -493,8 +516,9 @@ class Engine:
         dg = None
         if T == 1 and self.cuda_graphs and all(m == "mqa" for m in modes.values()):
             dg = self._decode_graph(B)
-            if dg.report.mode != "graph" or max(lens) + 1 > dg.capacity:
+            if dg is not None and (dg.report.mode != "graph" or max(lens) + 1 > dg.capacity):
                 dg = None                              # not capturable (reported) or past the last bucket
+        self._last_decode_batch = B if T == 1 else None
         if dg is not None:
             t0 = time.perf_counter()
             logits = self._graph_step(dg, seqs, ids)[:, None]

@@ -28,17 +28,17 @@ def _peak_memory_bytes(device: str) -> int:
 
 
 def _graph_line(eng) -> str:
-    """`--cuda-graphs`: how many decode steps were replayed, and each batch size's graph mode (why it fell back)."""
+    """CUDA graphs on: how many decode steps were replayed, and each batch size's graph mode (why it fell back)."""
     per = "; ".join(f"batch {b}: {dg.report.mode}" + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph"
                                                        else "") for b, dg in sorted(eng._graphs.items()))
     return (f"  decode graphs:   {eng.stats['decode_graph_calls']} of {eng.stats['decode_calls']} decode steps "
-            f"replayed; {per}")
+            f"replayed; {per or 'none captured (a batch size gets its graph on its second decode step in a row)'}")
 
 
 def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int = 1, prompt_len: int = 16,
                new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str = "float32",
                use_kernels: bool = True, prefill_chunk: int | None = None, progress: bool | None = None,
-               cuda_graphs: bool = False) -> str:
+               cuda_graphs: bool | None = None) -> str:
     """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
     then greedy decode steps. TTFT = the first step (every prompt prefilled, first tokens sampled)."""
     import torch
@@ -106,7 +106,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
         f"  MLA cache:       {eng.pool.num_pages} pages of {eng.pool.page_size} tokens "
         f"({eng.pool.num_pages * eng.pool.page_bytes / 2**20:,.1f} MiB)",
         f"  MLA modes:       {modes or '(no MLA layers)'}",
-        *([_graph_line(eng)] if cuda_graphs else []),
+        *([_graph_line(eng)] if eng.cuda_graphs else []),
         f"  logits finite:   {finite}",
         f"  tokens[0]:       {out[0].tolist()}",
     ]

@@ -16,6 +16,7 @@ import agentic  # noqa: E402
 import e2e  # noqa: E402
 
 TINY = "examples/k3-tiny.yaml"
+TINY_KDA_LAYERS = 6
 
 
 def _finite_pos(x) -> bool:
@@ -99,15 +100,22 @@ def test_e2e_probe_with_generated_kernels():
 
 
 @pytest.mark.slow
-def test_e2e_compiled_peer_runs_without_recompiling(tmp_path):
-    """torch.compile peer (aot_eager on a CPU): compiles once per phase, nothing recompiles in the timed runs."""
+@pytest.mark.parametrize("moe", ["loop", "grouped"])
+def test_e2e_compiled_peer_runs_without_recompiling(tmp_path, moe):
+    """torch.compile peer (aot_eager on a CPU): compiles once per phase, nothing recompiles in the timed runs; its
+    prefill logits equal k3c's (fp32); with the grouped MoE fewer graph breaks than with the reference's loop."""
     out = tmp_path / "e2e.json"
     e2e.main(["--spec", TINY, "--device", "cpu", "--prompt-len", "16", "--ref-chunk", "8", "--cached", "8",
               "--batches", "2", "--steps", "2", "--check-len", "0", "--no-kernels", "--compile-backend", "aot_eager",
-              "--out", str(out)])
+              "--compile-moe", moe, "--skip-eager", "--out", str(out),
+              *(["--dtype", "bfloat16"] if moe == "grouped" else [])])    # _grouped_mm traces in bf16 only
     r = json.loads(out.read_text())
-    assert r["errors"] == {}
+    assert r["errors"] == {} and r["compile_moe"] == moe
     p, d = r["prefill"], r["decode"][0]
+    assert p["rel_err_compiled_vs_k3c"] <= (1e-4 if moe == "loop" else 3e-2)
+    breaks = p["compiled_dynamo"]["warmup"]["graph_breaks"]
+    # the KDA chunk loop is left out of the graph in both (one break per KDA layer); the loop MoE adds one per MoE
+    assert breaks <= TINY_KDA_LAYERS if moe == "grouped" else breaks > TINY_KDA_LAYERS
     assert _finite_pos(p["compiled_ms"]) and _finite_pos(d["compiled_ms_per_step"])
     assert p["compiled_dynamo"]["warmup"]["graphs"] > 0
     assert all(v == 0 for v in p["compiled_dynamo"]["timed"].values())
@@ -134,3 +142,23 @@ def test_agentic_small(tmp_path):
     assert all(a["prefilled_tokens"] < b["prefilled_tokens"] for a, b in zip(w["turns"][1:], wo["turns"][1:]))
     assert r["summary"]["hit_rate"] == w["hit_rate"]
     assert _finite_pos(r["summary"]["tokens_per_s_with"]) and _finite_pos(r["summary"]["tokens_per_s_without"])
+
+
+def test_grouped_experts_equal_the_reference_loop():
+    """bench/e2e.py's grouped-GEMM MoE (the compiled peer's --compile-moe grouped) equals the reference's expert loop,
+    with empty experts and one expert taking most slots."""
+    from k3c.runtime.reference.moe import routed_experts
+    from k3c.frontend.spec import ActivationSpec
+
+    g = torch.Generator().manual_seed(0)
+    n, k, e, zd, m = 9, 3, 6, 16, 32
+    z = torch.randn(n, zd, generator=g)
+    w1, w3 = torch.randn(e, m, zd, generator=g), torch.randn(e, m, zd, generator=g)
+    w2 = torch.randn(e, zd, m, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(n)])   # experts 4, 5 empty
+    idx[:, 0] = 2                                                              # expert 2 in every token
+    p = torch.rand(n, k, generator=g)
+    act = ActivationSpec("swiglu")
+    want = routed_experts(z, w1, w3, w2, p, idx, act)
+    got = e2e.grouped_experts(z, w1, w3, w2, p, idx, act)
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5

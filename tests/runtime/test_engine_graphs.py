@@ -15,9 +15,9 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run(model, w, graphs: bool, prompts, news, joins):
+def run(model, w, graphs: bool, prompts, news, joins, max_graphs: int = 4):
     eng = Engine(model, w, device="cpu", max_batch=3, max_context=48, page_size=8, use_kernels=True,
-                 cuda_graphs=graphs, graph_backend=EagerBackend() if graphs else None)
+                 cuda_graphs=graphs, graph_backend=EagerBackend() if graphs else None, max_graphs=max_graphs)
     rids, outs = {}, {}
     for step in range(30):
         for i in joins.get(step, []):
@@ -30,30 +30,52 @@ def run(model, w, graphs: bool, prompts, news, joins):
     return eng, [outs[rids[i]] for i in range(len(prompts))]
 
 
-@pytest.mark.slow
-def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread):
+PROMPT_LENS, NEWS, JOINS = (11, 17, 9), (8, 3, 6), {0: [0], 3: [1], 6: [2]}
+# the engine's calls: decode B=1 x3, prefill, B=2 x2, B=1 (request 1 left), prefill, B=2, B=1 x4
+
+
+@pytest.fixture(scope="module")
+def case():
+    """The model, weights, prompts and the ordinary decode's outputs (shared by both parametrisations)."""
     spec = k3c.load_spec(TINY)
     model, w = k3c.compile(spec, target="h200"), k3c.init_weights(spec, seed=0)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in (11, 17, 9)]
-    news, joins = (5, 3, 4), {0: [0], 2: [1], 4: [2]}     # request 1 leaves while 0 and 2 still decode
-    eng, with_graphs = run(model, w, True, prompts, news, joins)
-    _, without = run(model, w, False, prompts, news, joins)
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, without = run(model, w, False, prompts, NEWS, JOINS)
+    finally:
+        torch.set_num_threads(before)
+    return model, w, prompts, without
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_graphs,created", [(4, 2), (1, 3)])
+def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case, max_graphs, created):
+    """A batch size gets its graph on its second decode step in a row: B=1 and B=2 (4 graphs allowed); with one
+    graph allowed, B=2 drops B=1's graph (its KDA rows rehomed first), and the final B=1 run makes it again."""
+    model, w, prompts, without = case
+    eng, with_graphs = run(model, w, True, prompts, NEWS, JOINS, max_graphs)
     assert eng.stats["decode_graph_calls"] > 0
     assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
-    assert len(eng._graphs) >= 2                          # batch sizes changed: more than one graph
+    assert len(eng._graphs) <= max_graphs
+    assert eng.stats["decode_graphs_created"] == created
+    assert eng.stats["decode_calls"] > eng.stats["decode_graph_calls"]    # each new size's first step is eager
     for a, b in zip(with_graphs, without):
         assert [o.token for o in a] == [o.token for o in b]
         assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5
 
 
 def test_graphs_off_by_default_and_skipped_without_capture():
-    """Off by default; on a CPU without a stand-in backend the DecodeGraph reports eager and the engine keeps its
+    """Off by default on a CPU; there without a stand-in backend the DecodeGraph reports eager and the engine keeps its
     ordinary path (no graph calls)."""
     spec = k3c.load_spec(TINY)
     model, w = k3c.compile(spec, target="h200"), k3c.init_weights(spec, seed=0)
     eng = Engine(model, w, device="cpu", max_batch=2, max_context=32, page_size=8, use_kernels=False)
-    assert eng.cuda_graphs is False
+    assert eng.cuda_graphs is False         # default: on only where graphs can be captured (CUDA + kernels)
+    with pytest.raises(k3c.errors.ArgumentError, match="max_graphs"):
+        Engine(model, w, device="cpu", max_batch=2, max_context=32, page_size=8, max_graphs=0)
     eng = Engine(model, w, device="cpu", max_batch=2, max_context=32, page_size=8, use_kernels=False,
                  cuda_graphs=True)
     eng.add_request(list(range(1, 10)), 3)
