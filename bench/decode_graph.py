@@ -37,6 +37,9 @@ def main(argv=None) -> dict:
                          "Larger than the context, the MLA decode grid (split-KV count) differs from the eager one")
     ap.add_argument("--buckets", default="", help="extra bucket lengths (comma separated)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile N steps of the captured path run eagerly (the graph's kernels, device lengths) "
+                         "with torch.profiler: GPU time per step by kernel family and the top kernels")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -109,6 +112,10 @@ def main(argv=None) -> dict:
                "capture_s": cap_s, "max_rel_err": max(rel), "rel_err_first_step": rel[0], "rel_err_per_step": rel,
                "max_elem_err_rel_to_max": max(elem), "argmax_agree": same_argmax,
                "max_rel_err_vs_same_path_eager": max(exact), "report": str(dg.report), "graph_mode": dg.report.mode}
+        if args.profile:
+            reset()
+            row["profile"] = kernel_profile(lambda s: dg.eager_step(toks[s % len(toks)], device_lengths=True),
+                                            args.profile, graph_ms)
         result["rows"].append(row)
         print(f"B={B} cached={args.cached}: eager {eager_ms:.2f} ms/step, graph replay {graph_ms:.2f} ms/step "
               f"({row['speedup']:.1f}x), capture {cap_s:.2f} s; replay vs eager executor: max rel err "
@@ -122,6 +129,55 @@ def main(argv=None) -> dict:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2)
     return result
+
+
+def _family(name: str) -> str:
+    """A kernel's family: k3c kernels by their first name parts (k3c_moe_gate_up, k3c_kda_decode, ...), others by
+    their first word (e.g. cuBLAS / CUTLASS GEMMs, torch elementwise)."""
+    import re
+
+    if name.startswith("k3c_"):
+        parts = []
+        for p in name.split("_"):
+            if re.fullmatch(r"[a-z]+\d+|\d+", p) and len(parts) >= 2:
+                break
+            parts.append(p)
+        return "_".join(parts[:5])
+    base = re.split(r"[<(\s]", name.removeprefix("void "), maxsplit=1)[0]
+    return "nvjet (cuBLAS GEMM)" if base.startswith("nvjet") else base[:70]
+
+
+def kernel_profile(step, n: int, graph_ms: float) -> dict:
+    """GPU time per step by kernel family over n steps of `step(s)` (torch.profiler, CUDA activity): where the
+    replayed step's time goes. Printed and returned (family -> us per step, plus the top kernels)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in range(n):
+            step(s + 1)
+        torch.cuda.synchronize()
+    per_kernel: dict = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0 and "Memcpy" not in ev.name:
+            k = per_kernel[ev.name]
+            k[0] += ev.device_time / n
+            k[1] += 1
+    fam: dict = defaultdict(float)
+    for name, (us, _) in per_kernel.items():
+        fam[_family(name)] += us
+    total = sum(fam.values())
+    print(f"  kernels: {total / 1e3:.2f} ms of GPU time per step (graph replay {graph_ms:.2f} ms/step)")
+    for f, us in sorted(fam.items(), key=lambda x: -x[1])[:20]:
+        print(f"    {us:9.1f} us  {100 * us / total:5.1f}%  {f}")
+    top = sorted(per_kernel.items(), key=lambda x: -x[1][0])[:15]
+    for name, (us, cnt) in top:
+        print(f"      {us:9.1f} us  x{cnt / n:4.0f}/step  {name[:110]}")
+    return {"kernel_ms_per_step": total / 1e3, "families_us": dict(fam),
+            "top_kernels_us": {name: us for name, (us, _) in top}}
 
 
 if __name__ == "__main__":
