@@ -104,8 +104,9 @@ def test_decode_many_splits_column_merge():
     assert ks_merge.constexprs["BLOCK_D"] < L and 40 > ks_merge.constexprs["BLOCK_S"]
 
 
+@pytest.mark.parametrize("split", [False, None], ids=["one_kernel", "auto_split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_latent_write_fused_rmsnorm_paged(dtype):
+def test_latent_write_fused_rmsnorm_paged(dtype, split):
     gen = torch.Generator().manual_seed(11)
     B, T, D, L, R, ps = 2, 11, 40, 32, 8, 8
     cfg = MLASpec(num_heads=2, kv_lora_rank=L, qk_nope_head_dim=8, qk_rope_head_dim=R, v_head_dim=8)
@@ -115,7 +116,8 @@ def test_latent_write_fused_rmsnorm_paged(dtype):
     start = [5, 13]                     # both writes cross page boundaries, at different offsets
     store = paged(B, [s + T for s in start], L + R, ps, dtype, gen)
     before = store.pool.clone()
-    rt.write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], 1e-6, store, start, L)
+    rt.write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], 1e-6, store, start, L,
+                    split=split)
     want = ref.mla_latent(x, w, cfg)
     for b in range(B):
         got = rt.PagedLatentCache(rt._SeqView(store, b), (start[b] + T,)).gather(start[b], start[b] + T)[0]

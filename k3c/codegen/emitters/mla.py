@@ -1,12 +1,14 @@
 """Emitter of `mla_absorbed`: the kernels the runtime (k3c.runtime.kernels.mla) launches for it, with the same
-emit_* arguments: the latent write (decode and prefill token buckets), the MQA split-KV decode for one query token
-per sequence (all heads, the plan of k3c.codegen.kernels.mla.decode_plan), the LSE merges, and the MHA prefill step
+emit_* arguments: the latent write (the one-kernel form for prefill; the split-K pair for decode and short appends:
+partials with 16- and 64-row tiles, and the per-row reduce), the MQA split-KV decode for one query token per
+sequence (all heads, the plan of k3c.codegen.kernels.mla.decode_plan), the LSE merges, and the MHA prefill step
 (first chunk and continuation). Shapes the runtime meets later (speculative query lengths, other batch sizes) reuse
 these kernels except the decode kernel's head tile, which follows the rows (tokens x heads) of the call, and the
 prefill tiles for fewer than 128 query tokens."""
 from __future__ import annotations
 
-from ..kernels.mla import decode_plan, emit_mla_decode, emit_mla_latent_write, emit_mla_merge, emit_mla_prefill
+from ..kernels.mla import (decode_plan, emit_mla_decode, emit_mla_latent_partial, emit_mla_latent_reduce,
+                           emit_mla_latent_write, emit_mla_merge, emit_mla_prefill)
 from . import register_emitter
 
 DTYPES = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}
@@ -24,8 +26,12 @@ def mla_absorbed(op, module, target):
     scale = float((p + r) ** -0.5)
     ps = target.mla_page_size
     kw = {"target": target, "ir_op": op.op, "loc": op.loc, "interpret": False}
-    out = [emit_mla_latent_write(d, lat, r, float(a["lora_norm_eps"]), ps, dtype=dt, w_dtype=DTYPES[wdkv.dtype],
-                                 t_hint=1, **kw)]
+    eps, wdt = float(a["lora_norm_eps"]), DTYPES[wdkv.dtype]
+    # latent write: the one-kernel form (prefill) and the split-K pair (decode / short appends: partials for one
+    # row tile of 16 (B*T <= 16) and of 64 rows (B*T <= 64), then the per-row reduce + RMSNorm + paged store)
+    out = [emit_mla_latent_write(d, lat, r, eps, ps, dtype=dt, w_dtype=wdt, t_hint=1, **kw)]
+    out += [emit_mla_latent_partial(d, lat + r, dtype=dt, w_dtype=wdt, rows_hint=m, **kw) for m in (1, 64)]
+    out.append(emit_mla_latent_reduce(lat, r, eps, ps, w_dtype=wdt, cache_dtype=dt, **kw))
     plan = decode_plan(n, lat, target)
     bn = plan.block_n if plan.block_n and plan.block_n < ps and ps % plan.block_n == 0 else None
     out.append(emit_mla_decode(lat, r, ps, scale, dtype=dt, block_h=plan.block_h, num_warps=plan.num_warps,

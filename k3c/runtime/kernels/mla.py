@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...codegen.kernels.mla import (DecodePlan, decode_plan, emit_mla_decode, emit_mla_latent_write, emit_mla_merge,
-                                    emit_mla_prefill)
+from ...codegen.kernels.mla import (LATENT_SPLIT_MAX_ROWS, DecodePlan, decode_plan, emit_mla_decode,
+                                    emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write,
+                                    emit_mla_merge, emit_mla_prefill, latent_split_plan)
 from ...codegen.kernels.common import pow2_ceil
 from ...codegen.launch import ENABLE_FP_FUSION, eval_grid, launch, load_kernel, target_for, tt_dtype
 from ...codegen.targets import Target
@@ -30,6 +31,8 @@ from ..reference.norms import acc
 from . import register_kernel_impl
 
 _emit_write = functools.lru_cache(maxsize=64)(emit_mla_latent_write)
+_emit_write_part = functools.lru_cache(maxsize=64)(emit_mla_latent_partial)
+_emit_write_reduce = functools.lru_cache(maxsize=64)(emit_mla_latent_reduce)
 _emit_decode = functools.lru_cache(maxsize=64)(emit_mla_decode)
 _emit_merge = functools.lru_cache(maxsize=64)(emit_mla_merge)
 _emit_prefill = functools.lru_cache(maxsize=64)(emit_mla_prefill)
@@ -162,18 +165,77 @@ def _interp(t: torch.Tensor) -> bool:
 
 
 def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps: float, store: LatentStore,
-                 lens, kv_lora_rank: int, *, target: Target | None = None) -> None:
-    """Kernel (a): store [RMSNorm(x W_c^T) | x W_r^T] of x [B, T, D] at positions lens[b].. of each sequence."""
+                 lens, kv_lora_rank: int, *, target: Target | None = None, split: bool | None = None,
+                 splits: int | None = None) -> None:
+    """Kernel (a): store [RMSNorm(x W_c^T) | x W_r^T] of x [B, T, D] at positions lens[b].. of each sequence.
+
+    split None: the split-K form (two kernels, the weight stream spread over ~2 programs per SM) when B*T <=
+    LATENT_SPLIT_MAX_ROWS, else the one-kernel form; True / False force one. splits: K splits of the split form
+    (default latent_splits). Both forms are deterministic; the choice depends on shapes only (a CUDA-graph
+    replay runs what the eager step runs)."""
     B, T, D = x.shape
     W = w_dkv.shape[0]
     tgt = _tgt(x, target)
-    ks = _emit_write(D, kv_lora_rank, W - kv_lora_rank, float(eps), store.page_size, target=tgt,
-                     dtype=tt_dtype(x.dtype), w_dtype=tt_dtype(w_dkv.dtype), cache_dtype=tt_dtype(store.pool.dtype),
-                     t_hint=T, interpret=_interp(x))
     if norm_w.dtype != w_dkv.dtype:
         norm_w = norm_w.to(w_dkv.dtype)
-    launch(ks, x.contiguous().view(B * T, D), w_dkv.contiguous(), norm_w.contiguous(), store.pool,
-           store.block_table, lens_tensor(lens, x.device), T, store.block_table.shape[1], B)
+    lens_t = lens_tensor(lens, x.device)
+    x2 = x.contiguous().view(B * T, D)
+    use_split = (B * T <= LATENT_SPLIT_MAX_ROWS) if split is None else bool(split)
+    if not use_split:
+        ks = _emit_write(D, kv_lora_rank, W - kv_lora_rank, float(eps), store.page_size, target=tgt,
+                         dtype=tt_dtype(x.dtype), w_dtype=tt_dtype(w_dkv.dtype),
+                         cache_dtype=tt_dtype(store.pool.dtype), t_hint=T, interpret=_interp(x))
+        launch(ks, x2, w_dkv.contiguous(), norm_w.contiguous(), store.pool, store.block_table, lens_t, T,
+               store.block_table.shape[1], B)
+        return
+    M = B * T
+    S, k_split, ka, kb, slot = _write_setup(M, D, W, kv_lora_rank, float(eps), store.page_size, x.dtype, w_dkv.dtype,
+                                            store.pool.dtype, splits, tgt, x.device, _interp(x))
+    ws = torch.empty(S * M * W, dtype=torch.float32, device=x.device)      # partials [S, M, W] (graph-safe)
+    _fast_launch(slot, 0, ka, x2, w_dkv if w_dkv.is_contiguous() else w_dkv.contiguous(), ws, M, k_split, S)
+    _fast_launch(slot, 1, kb, ws, norm_w if norm_w.is_contiguous() else norm_w.contiguous(), store.pool,
+                 store.block_table, lens_t, T, store.block_table.shape[1], M, S)
+
+
+def latent_splits(rows: int, hidden: int, width: int, block_m: int, block_n: int, block_k: int,
+                  device: torch.device, waves: int = 2) -> tuple[int, int]:
+    """(S, k_split) of the split-K latent write: about `waves` programs per SM over (column tiles, K splits, row
+    tiles), each split a whole number of BLOCK_K steps, and the fp32 partials (S x rows x width x 4 bytes) at
+    most a quarter of a bf16 weight (S x rows <= hidden / 8)."""
+    k_tiles = -(-hidden // block_k)
+    base = -(-width // block_n) * -(-rows // block_m)
+    want = -(-waves * _sm_count(device.type, device.index) // base)
+    want = max(1, min(want, k_tiles, hidden // 8 // max(1, rows)))
+    tps = -(-k_tiles // want)
+    return -(-k_tiles // tps), tps * block_k
+
+
+_WRITE_SETUP: dict = {}
+
+
+def _write_setup(M: int, D: int, W: int, L: int, eps: float, ps: int, dt, wdt, cdt, splits: int | None, tgt: Target,
+                 device: torch.device, interp: bool):
+    """The split-K latent write's shape-only decisions (plan, S, both kernels), memoised like _decode_setup."""
+    key = (M, D, W, L, eps, ps, dt, wdt, cdt, splits, id(tgt), device.type, device.index, interp)
+    hit = _WRITE_SETUP.get(key)
+    if hit is not None and hit[0] is tgt:
+        return hit[1]
+    ka = _emit_write_part(D, W, target=tgt, dtype=tt_dtype(dt), w_dtype=tt_dtype(wdt), rows_hint=M,
+                          interpret=interp)
+    bm, bn, bk = (ka.constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    if splits:
+        k_tiles = -(-D // bk)
+        tps = -(-k_tiles // min(int(splits), k_tiles))
+        S, k_split = -(-k_tiles // tps), tps * bk
+    else:
+        S, k_split = latent_splits(M, D, W, bm, bn, bk, device)
+    kb = _emit_write_reduce(L, W - L, eps, ps, target=tgt, w_dtype=tt_dtype(wdt), cache_dtype=tt_dtype(cdt),
+                            interpret=interp)
+    val = (S, k_split, ka, kb, [None, None])
+    if len(_WRITE_SETUP) >= 4096:
+        _WRITE_SETUP.clear()
+    _WRITE_SETUP[key] = (tgt, val)
+    return val
 
 
 @functools.lru_cache(maxsize=None)
