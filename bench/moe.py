@@ -132,11 +132,21 @@ def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
     """k3c_fn(plan_gate_up, plan_down) -> the k3c side of one row (None plans: the runtime's default)."""
     k = args.top_k
     _, (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
+    permuted = {}
+
+    def pw(t, plan):    # perm plans read the payload in the load-time perm layout (weight_prep.pairs_perm_words)
+        if plan is None or not getattr(plan, "perm", False):
+            return t
+        if id(t) not in permuted:
+            from k3c.runtime.weight_prep import pairs_perm_words
+            permuted[id(t)] = pairs_perm_words(t)
+        return permuted[id(t)]
 
     def k3c_fn(pg=None, pd=None):
         def run():
-            h = M.grouped_gemm("gate_up", z, [w1p, w1s, w3p, w3s], off, perm, top_k=k, mx=mx, act=ACT, plan=pg)
-            y = M.grouped_gemm("down", h, [w2p, w2s], off, perm, top_k=k, mx=mx, plan=pd)
+            h = M.grouped_gemm("gate_up", z, [pw(w1p, pg), w1s, pw(w3p, pg), w3s], off, perm, top_k=k, mx=mx,
+                               act=ACT, plan=pg)
+            y = M.grouped_gemm("down", h, [pw(w2p, pd), w2s], off, perm, top_k=k, mx=mx, plan=pd)
             return M.combine(y, wt, ids, top_k=k, num_experts=e)
         return run
     return k3c_fn
@@ -228,6 +238,10 @@ DECODE_VARIANTS = (
 # alternatives of it; "old" first so that the budget never drops it
 DECODE_COMPARE = (
     ("old", dict(pairs=False), dict(pairs=False)),
+    ("pairs1_n64", dict(pairs=True, block_n=64), dict(pairs=True, block_n=128)),       # the default (11-29 on)
+    # the load-time perm bit layout (11 integer ops per 8 weights instead of 17), default tiles and n32 tiles
+    ("pairs1_perm", dict(pairs=True, perm=True), dict(pairs=True, perm=True)),
+    ("pairs1_perm_n32", dict(pairs=True, perm=True, block_n=32), dict(pairs=True, perm=True, block_n=64)),
     ("pairs_exact", dict(pairs=True, one_mul=False), dict(pairs=True, one_mul=False)),
     ("pairs1_w1k64", dict(pairs=True, num_warps=1, block_k=64, num_stages=4),        # the first pair default
      dict(pairs=True, num_warps=1, block_k=64, num_stages=4)),

@@ -46,6 +46,8 @@ def run_ops(ops, regs: dict) -> dict:
             r = (s[0] << src[1]) & M32
         elif op == "shr":
             r = s[0] >> src[1]
+        elif op == "shfw":      # shf.r.wrap.b32 d, a, a, n: rotate right
+            r = (s[0] >> src[1]) | ((s[0] << (32 - src[1])) & M32)
         elif op == "and":
             r = s[0] & s[1]
         elif op == "or":
@@ -102,3 +104,48 @@ def test_pairs_asm_text_is_the_ops():
         assert text.count(";") == len(ops) + 1                      # the .reg line + one line per op
         assert "mul.rn.bf16x2" in text and "prmt.b32" in text
     assert "max.u16x2" in KM.E2M1_PAIRS_ASM and KM.E2M1_PAIRS1_ASM.count("mul.rn.bf16x2") == 4
+
+
+@pytest.mark.parametrize("ops, scales", [("E2M1_PAIRS_PERM_OPS", range(0, 128)), ("E2M1_PAIRS_PERM_OPS", range(128, 255)),
+                                         ("E2M1_PAIRS1_PERM_OPS", range(0, KM.PAIRS1_MAX_SCALE + 1))])
+def test_perm_pairs_decode_equals_dequantize_bitwise(ops, scales):
+    """The perm decode on words permuted by the load-time transform (k3c.runtime.weight_prep.pairs_perm_words):
+    every byte value at every position of a canonical word, random words, every scale it is used for."""
+    from k3c.runtime.weight_prep import pairs_perm_words
+
+    g = torch.Generator().manual_seed(1)
+    s = torch.tensor(list(scales), dtype=torch.int64)
+    base = torch.arange(256, dtype=torch.int64)
+    byts = torch.cat([torch.stack([(base + 37 * j) % 256 for j in range(4)], dim=1),
+                      torch.randint(0, 256, (256, 4), generator=g)])
+    stored = pairs_perm_words(byts.to(torch.uint8)).to(torch.int64)
+    words = (stored << torch.tensor([0, 8, 16, 24])).sum(1)
+    W, S = torch.meshgrid(words, s, indexing="ij")
+    out = run_ops(getattr(KM, ops), {"$4": W.reshape(-1), "$5": S.reshape(-1)})
+    got = torch.stack([out[f"${j}"] for j in range(4)], dim=1)
+    got = torch.stack([got & 0xFFFF, got >> 16], dim=2).reshape(-1, 8)
+    packed = byts[:, None, :].expand(-1, len(s), -1).reshape(-1, 4).to(torch.uint8)
+    want = mxfp4_dequantize(packed.repeat(1, 4), S.reshape(-1, 1).to(torch.uint8), torch.bfloat16)[:, :8]
+    want = want.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    assert torch.equal(got, want)
+
+
+def test_perm_layout_is_a_bit_permutation_of_each_word():
+    from k3c.runtime.weight_prep import pairs_perm_words
+
+    mp = KM.pairs_perm_bit_map()
+    assert sorted(mp) == list(range(32))
+    x = torch.randint(0, 256, (3, 5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    y = pairs_perm_words(x)
+    assert y.shape == x.shape and y.dtype == torch.uint8
+    wx = (x.reshape(3, 5, 16, 4).to(torch.int64) << torch.tensor([0, 8, 16, 24])).sum(-1)
+    wy = (y.reshape(3, 5, 16, 4).to(torch.int64) << torch.tensor([0, 8, 16, 24])).sum(-1)
+    for stored, canon in enumerate(mp):
+        assert torch.equal((wy >> stored) & 1, (wx >> canon) & 1)
+    one = torch.zeros(1, 4, dtype=torch.uint8)
+    one[0, 0] = 1
+    assert int(torch.count_nonzero(pairs_perm_words(one))) == 1     # one bit in, one bit out
+    text = KM.E2M1_PAIRS1_PERM_ASM
+    assert text.count(";") == len(KM.E2M1_PAIRS1_PERM_OPS) + 1 and text.count("prmt.b32") == 4
+    assert text.count("shf.r.wrap.b32") == 2 and text.count("mul.rn.bf16x2") == 4
+

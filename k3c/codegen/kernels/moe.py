@@ -104,12 +104,16 @@ class MoEGemmPlan:
     swap: bool = False         # joined: the weight tile is the MMA's A operand (acc [BLOCK_N, BLOCK_M], transposed)
     one_mul: bool = False      # pairs: one bf16x2 multiply per pair, exact for scales <= PAIRS1_MAX_SCALE (the runtime
                                # checks the weights' scales and else runs the two-multiply decode)
+    perm: bool = False         # pairs: the packed words hold their bits in the load-time "perm" layout
+                               # (pairs_perm_bit_map; the caller passes weights through pairs_perm_words): 11 integer
+                               # ops per 8 weights instead of 17
 
     @property
     def tag(self) -> str:
         """Short name of the variant (bench tables)."""
         form = ("dequant" if self.dequant else f"gemv{self.gemv}" if self.gemv else
-                ("pairs" + ("1" if self.one_mul else "") if self.pairs else "joined") + ("T" if self.swap else "")
+                ("pairs" + ("1" if self.one_mul else "") + ("p" if self.perm else "") if self.pairs else "joined")
+                + ("T" if self.swap else "")
                 if self.joined else
                 "postscale" if self.post_scale else "split")
         return f"{form}_m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
@@ -141,7 +145,7 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, post_scale: bool = False, joined: bool | None = None,
                   gemv: int | None = None, dequant: bool | None = None, pairs: bool | None = None,
-                  swap: bool | None = None, one_mul: bool | None = None) -> MoEGemmPlan:
+                  swap: bool | None = None, one_mul: bool | None = None, perm: bool | None = None) -> MoEGemmPlan:
     """Tiles of the grouped expert GEMM. BLOCK_M = rows per expert rounded up to 16..128 (the tile-offset buckets).
     Decode (BLOCK_M 16-32; the weight stream dominates): narrow N tiles (32 columns, gate and up side by side for
     gate_up) so that the active experts' weights spread over many programs, long K steps (256; 128 for the 32-row
@@ -213,7 +217,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         stages = max(2, min(3, budget // max(1, stage)))
     return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and up, joined=use_joined, gemv=use_gemv,
                        pairs=use_pairs, swap=use_joined and bool(swap),
-                       one_mul=use_pairs and (one_mul if one_mul is not None else True))
+                       one_mul=use_pairs and (one_mul if one_mul is not None else True),
+                       perm=use_pairs and bool(perm))
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -445,6 +450,59 @@ PAIRS1_MAX_SCALE = 128      # the one-multiply decode is exact for E8M0 scales u
 E2M1_PAIRS_OPS = _pairs_ops(False)
 E2M1_PAIRS1_OPS = _pairs_ops(True)
 
+# The "perm" pair decode (plan option perm): the same bf16x2 pairs from words whose 32 bits were permuted once at
+# load time (pairs_perm_words; the canonical k3c.quant layout stays what the IR, the checkpoints and every other plan
+# read). A pair's bits sit at P = {6, 7, 8, 15, 22, 23, 24, 31} of its bf16x2 register (magnitude e1 e0 m at 8..6,
+# sign at 15, twice); with the word's bits placed for it, one prmt gathers the pair's bytes from two of four
+# registers (the word, rotated right by 1 and by 3, shifted left by 2) and one and keeps P: 3 + 2 x 4 = 11 integer
+# ops per 8 weights, against 17 (a prmt, a shift and two lop3 per pair, a shift per word) for the canonical order.
+# (Translates of P do not tile 32 bits, so one shift + one and per pair cannot cover a word; a search over shift /
+# rotate / prmt programs found none cheaper than this one.)
+PAIRS_PERM_MASK = 0x81C081C0
+_PERM_REGS = (("r1", "shfw", 1), ("r3", "shfw", 3), ("l2", "shl", 2))
+_PERM_PAIRS = (("$4", "r1", (0, 4, 1, 7)), ("$4", "r3", (2, 4, 3, 7)), ("r1", "l2", (4, 1, 5, 2)),
+               ("l2", "r3", (2, 5, 3, 6)))
+
+
+def _pairs_perm_ops(one_mul: bool) -> list:
+    """The op list of the perm pair decode (operands as E2M1_PAIRS_OPS; $4 a permuted word)."""
+    ops = [("mad", "m", "$5", 0x800080, 126 * 0x800080)] if one_mul else \
+        [("mov", "c", 0x7E807E80), ("mul", "m", "$5", 0x800080), ("mov", "lo", 0x00400040),
+         ("max16", "m", "m", "lo")]
+    ops += [(kind, r, "$4", n) for r, kind, n in _PERM_REGS]
+    for j, (x, y, sel) in enumerate(_PERM_PAIRS):
+        ops += [("prmt", f"q{j}", x, y, sel[0] | sel[1] << 4 | sel[2] << 8 | sel[3] << 12),
+                ("and", f"q{j}", f"q{j}", PAIRS_PERM_MASK)]
+        ops += [("mulbf", f"${j}", f"q{j}", "m")] if one_mul else \
+            [("mulbf", f"q{j}", f"q{j}", "c"), ("mulbf", f"${j}", f"q{j}", "m")]
+    return ops
+
+
+def pairs_perm_bit_map() -> tuple[int, ...]:
+    """stored bit -> canonical bit of the perm layout (a permutation of 0..31), derived from the op list itself: the
+    bits of pair j's register at P are traced back through the shifts and prmt to the stored word, and bit i of P
+    must hold canonical bit 8 j + (0, 1, 2, 3, 4, 5, 6, 7)[P.index(i)] (the low nibble's m, e0, e1, sign, then the
+    high nibble's), which is what the canonical decode places there."""
+    regs = {"$4": list(range(32))}
+    for r, kind, n in _PERM_REGS:
+        w = regs["$4"]
+        regs[r] = [w[(i + n) % 32] for i in range(32)] if kind == "shfw" else \
+            [w[i - n] if i >= n else None for i in range(32)]
+    pos = [i for i in range(32) if PAIRS_PERM_MASK >> i & 1]
+    stored_to_canon = [None] * 32
+    for j, (x, y, sel) in enumerate(_PERM_PAIRS):
+        src = regs[x] + regs[y]
+        q = [src[8 * sel[i // 8] + i % 8] for i in range(32)]
+        for t, i in enumerate(pos):
+            assert q[i] is not None and stored_to_canon[q[i]] is None, "perm decode: a bit used twice"
+            stored_to_canon[q[i]] = 8 * j + t
+    assert sorted(stored_to_canon) == list(range(32))
+    return tuple(stored_to_canon)
+
+
+E2M1_PAIRS_PERM_OPS = _pairs_perm_ops(False)
+E2M1_PAIRS1_PERM_OPS = _pairs_perm_ops(True)
+
 
 def _ptx_ops(ops) -> str:
     """PTX text of an op list (E2M1_PAIRS_OPS): b32 integer ops, prmt, u16x2 max, bf16x2 multiplies."""
@@ -452,6 +510,9 @@ def _ptx_ops(ops) -> str:
     out = ["{ .reg .b32 " + ", ".join(regs) + ";"]
     for op, d, *src in ops:
         args = ", ".join([d] + [hex(x) if isinstance(x, int) else x for x in src])
+        if op == "shfw":    # rotate right: funnel shift of the register with itself
+            out.append(f"shf.r.wrap.b32 {d}, {src[0]}, {src[0]}, {src[1]};")
+            continue
         out.append({"shl": "shl.b32", "shr": "shr.u32", "and": "and.b32", "or": "or.b32", "mov": "mov.b32",
                     "mul": "mul.lo.u32", "mad": "mad.lo.u32", "max16": "max.u16x2", "prmt": "prmt.b32",
                     "mulbf": "mul.rn.bf16x2"}[op] + f" {args};")
@@ -460,6 +521,8 @@ def _ptx_ops(ops) -> str:
 
 E2M1_PAIRS_ASM = _ptx_ops(E2M1_PAIRS_OPS)
 E2M1_PAIRS1_ASM = _ptx_ops(E2M1_PAIRS1_OPS)
+E2M1_PAIRS_PERM_ASM = _ptx_ops(E2M1_PAIRS_PERM_OPS)
+E2M1_PAIRS1_PERM_ASM = _ptx_ops(E2M1_PAIRS1_PERM_OPS)
 
 
 def _decode_lines(p: str, lo: str, hi: str, asm: bool) -> list[str]:
@@ -538,6 +601,9 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     joined = plan.joined and mx == "upcast" and not gemv
     # the bf16x2 pair decode: PTX, bf16 dots (elsewhere the same plan runs the portable decode, same numerics)
     pairs = joined and plan.pairs and mx == "upcast" and target.backend == "cuda" and not interp and dt == "bf16"
+    if plan.perm and not pairs:
+        raise CodegenError("a perm plan (packed words in the load-time perm layout) needs the PTX pair decode: "
+                           "CUDA, bf16 activations, not the interpreter")
     swap = joined and plan.swap     # (also in the interpreter, with the portable decode: the same epilogue runs)
     if gemv and BM != 16:
         raise CodegenError("the GEMV form takes 16-row tiles")
@@ -562,7 +628,8 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     if plan.post_scale:
         tags.append("ps")
     if gemv or joined:
-        tags.append(f"gv{plan.gemv}" if gemv else ("jp" + ("1" if plan.one_mul else "") if pairs else "j")
+        tags.append(f"gv{plan.gemv}" if gemv else ("jp" + ("1" if plan.one_mul else "") + ("p" if plan.perm else "")
+                                                   if pairs else "j")
                     + ("t" if swap else ""))
     if chunk:
         tags.append("ch")
@@ -684,7 +751,7 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
                     w.line(f"a = tl.load(a_ptrs).to({op_dt})")
                     for x in wn:
                         if pairs:
-                            _emit_wtile_pairs(w, x, f"wv_{x}", plan.one_mul)
+                            _emit_wtile_pairs(w, x, f"wv_{x}", plan.one_mul, plan.perm)
                         else:
                             _emit_wtile_decode(w, x, f"wv_{x}", use_asm, op_dt)
                         w.line(f"acc_{x} = tl.dot(wv_{x}, tl.trans(a), acc_{x}{dot_kw})" if swap else
@@ -793,12 +860,13 @@ def _emit_wtile_decode(w: SourceWriter, x: str, out: str, use_asm: bool, out_dt:
     w.line(f"{out} = tl.reshape(tl.join(w_lo.to({out_dt}), w_hi.to({out_dt})), (BLOCK_N, BLOCK_K))")
 
 
-def _emit_wtile_pairs(w: SourceWriter, x: str, out: str, one_mul: bool) -> None:
+def _emit_wtile_pairs(w: SourceWriter, x: str, out: str, one_mul: bool, perm: bool = False) -> None:
     """`out` bf16 [BLOCK_N, BLOCK_K] = the weight tile decoded by E2M1_PAIRS_ASM from 32-bit words of the packed
     tile: each byte -> one bf16x2 (its K pair), the block scale applied in bf16 (exact; see E2M1_PAIRS_OPS)."""
     w.line(f"s_{x} = tl.reshape(tl.broadcast_to(tl.load({x}s_ptrs).to(tl.int32)[:, :, None],"
            f" (BLOCK_N, BLOCK_K // 32, 4)), (BLOCK_N, BLOCK_K // 8))")
-    asm = E2M1_PAIRS1_ASM if one_mul else E2M1_PAIRS_ASM
+    asm = (E2M1_PAIRS1_PERM_ASM if one_mul else E2M1_PAIRS_PERM_ASM) if perm else \
+        (E2M1_PAIRS1_ASM if one_mul else E2M1_PAIRS_ASM)
     w.line(f"o0, o1, o2, o3 = tl.inline_asm_elementwise(\"{asm}\", \"=r,=r,=r,=r,r,r\","
            f" [tl.load({x}_wptrs), s_{x}], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)")
     w.line(f"v_{x} = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (BLOCK_N, BLOCK_K // 2))  # byte order")
