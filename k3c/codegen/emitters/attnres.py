@@ -1,9 +1,10 @@
 """AOT emitters of the two-phase Block AttnRes ops: the same emit_* calls the runtime makes
-(k3c/runtime/kernels/attnres.py), specialised on the op's hidden size, source/query counts and dtypes."""
+(k3c/runtime/kernels/attnres.py), specialised on the op's hidden size, source/query counts and dtypes. Phase 1
+has two forms, both emitted: the row-tile pair (prefill) and the D-split pair (decode: up to SPLIT_MAX_M rows)."""
 from __future__ import annotations
 
 from ...ir.attnres_ops import STATS
-from ..kernels.attnres import emit_attnres_phase1, emit_attnres_phase2
+from ..kernels.attnres import emit_attnres_phase1, emit_attnres_phase1_split, emit_attnres_phase2
 from . import register_emitter
 
 _DT = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}
@@ -21,8 +22,9 @@ def _dt(t, op) -> str:
 def emit_phase1(op, module, target):
     t = op.types[0]
     d = t.shape[-1] - STATS
-    return list(emit_attnres_phase1(d, op.attr("num_sources"), op.attr("num_queries"), op.attr("eps"),
-                                    target=target, dtype=_dt(t, op), loc=op.loc))
+    args = (d, op.attr("num_sources"), op.attr("num_queries"), op.attr("eps"))
+    kw = dict(target=target, dtype=_dt(t, op), loc=op.loc)
+    return list(emit_attnres_phase1(*args, **kw)) + list(emit_attnres_phase1_split(*args, **kw))
 
 
 @register_emitter("attn_res_phase2")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...codegen.kernels.attnres import emit_attnres_phase1, emit_attnres_phase2
+from ...codegen.kernels.attnres import SPLIT_MAX_M, emit_attnres_phase1, emit_attnres_phase1_split, emit_attnres_phase2
 from ...codegen.launch import launch, target_for, tt_dtype
 from ...ir.attnres_ops import STATS
 from ..reference.attnres import attn_res_logits, attn_res_query
@@ -125,6 +125,7 @@ _register_reference()
 
 # -- kernels ----------------------------------------------------------------------------------------------------------
 _emit1 = functools.lru_cache(maxsize=256)(emit_attnres_phase1)
+_emit1s = functools.lru_cache(maxsize=256)(emit_attnres_phase1_split)
 _emit2 = functools.lru_cache(maxsize=256)(emit_attnres_phase2)
 
 
@@ -133,8 +134,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def phase1(sources: Sequence[torch.Tensor], queries: torch.Tensor, eps: float, *, target=None, loc: str = "",
-           **plan) -> torch.Tensor:
-    """The packed phase-1 result [Q, *lead, STATS + D] through the generated kernel."""
+           split: bool | None = None, **plan) -> torch.Tensor:
+    """The packed phase-1 result [Q, *lead, STATS + D] through the generated kernels: for up to SPLIT_MAX_M token
+    rows (decode) the decode form, D split across programs with an f32 workspace (allocated here, so safe under
+    CUDA-graph capture); else the row-tile form. `split` forces one form; plan keys: block_m, block_d, num_warps,
+    scores_warps, and block_ds (decode form only)."""
     x0 = sources[0]
     D, lead = x0.shape[-1], x0.shape[:-1]
     for v in sources:
@@ -145,8 +149,19 @@ def phase1(sources: Sequence[torch.Tensor], queries: torch.Tensor, eps: float, *
     M = rows[0].shape[0]
     out = torch.empty((Q, M, STATS + D), dtype=x0.dtype, device=x0.device)
     tgt = target or target_for(x0.device)
+    interp = x0.device.type == "cpu"
+    block_ds = plan.pop("block_ds", None)
+    if split if split is not None else M <= SPLIT_MAX_M:
+        k_part, k_fin = _emit1s(D, len(sources), Q, float(eps), target=tgt, dtype=tt_dtype(x0.dtype), loc=loc,
+                                interpret=interp, block_ds=block_ds, **plan)
+        n = M * len(sources) * k_part.constexprs["NS"]
+        ws = torch.empty(n * (k_part.constexprs["QP"] + 1), dtype=torch.float32, device=x0.device)
+        wd, wss = ws[:n * k_part.constexprs["QP"]], ws[n * k_part.constexprs["QP"]:]
+        launch(k_part, *rows, queries.float().contiguous(), wd, wss, M)
+        launch(k_fin, *rows, wd, wss, out, out.view(torch.float32), M)
+        return out.view((Q,) + tuple(lead) + (STATS + D,))
     k_scores, k_out = _emit1(D, len(sources), Q, float(eps), target=tgt, dtype=tt_dtype(x0.dtype), loc=loc,
-                             interpret=x0.device.type == "cpu", **plan)
+                             interpret=interp, **plan)
     scratch = torch.empty((M, len(sources) + 1, k_scores.constexprs["QP"]), dtype=torch.float32, device=x0.device)
     launch(k_scores, *rows, queries.float().contiguous(), scratch, out.view(torch.float32), M)
     launch(k_out, *rows, scratch, out, M)
