@@ -76,11 +76,11 @@ def test_sm90_pair_decode_plans_at_k3_shapes(aot_dir):
     t = get_target("h200")
     ks = []
     # swap at the 1-warp 64-K tile it was measured with (at 4 warps the swapped down tile may take wgmma instead)
-    for tag, kw in (("one", {}), ("exact", dict(one_mul=False)),
+    for tag, kw in (("one", {}), ("exact", dict(one_mul=False)), ("perm", dict(perm=True)),
                     ("swap", dict(swap=True, num_warps=1, block_k=64, num_stages=4))):
         for kind, n, k in (("gate_up", 3072, 3584), ("down", 3584, 3072)):
             plan = moe_gemm_plan(kind, n, k, 1, "upcast", "bf16", t, **kw)
-            assert plan.pairs and plan.one_mul == (tag != "exact")
+            assert plan.pairs and plan.one_mul == (tag != "exact") and plan.perm == (tag == "perm")
             ks.append(emit_moe_gemm(kind, n, k, target=t, plan=plan, num_experts=896, top_k=16, mx="upcast",
                                     act="swiglu" if kind == "gate_up" else None, interpret=False))
     cks = compile_kernels(ks, t, str(aot_dir / "h200_pairs"), progress=False)
@@ -88,6 +88,7 @@ def test_sm90_pair_decode_plans_at_k3_shapes(aot_dir):
         ptx = (aot_dir / "h200_pairs" / ck.files["ptx"]).read_text()
         assert not ck.resources.has_spills, (ck.name, ck.resources)
         assert "mul.rn.bf16x2" in ptx and "mma.sync" in ptx and "cvt.f32.f16" not in ptx, ck.name
+        assert ("shf.r.wrap.b32" in ptx) == ("jp1p" in ck.name), ck.name      # the perm decode (load-time layout)
 
 
 def test_gfx950_upcast_decode_plans_at_k3_shapes(aot_dir):

@@ -149,3 +149,17 @@ def test_perm_layout_is_a_bit_permutation_of_each_word():
     assert text.count(";") == len(KM.E2M1_PAIRS1_PERM_OPS) + 1 and text.count("prmt.b32") == 4
     assert text.count("shf.r.wrap.b32") == 2 and text.count("mul.rn.bf16x2") == 4
 
+
+def test_perm_plan_needs_the_ptx_decode():
+    """A perm plan's weights are in the load-time layout, which only the PTX decode reads: elsewhere it is refused."""
+    from k3c.codegen.targets import get_target
+    from k3c.codegen.writer import CodegenError
+
+    t = get_target("h200")
+    plan = KM.moe_gemm_plan("down", 64, 64, 1, "upcast", "bf16", t, perm=True)
+    assert plan.perm and plan.tag.startswith("pairs1p")
+    assert "shf.r.wrap.b32" in KM.emit_moe_gemm("down", 64, 64, target=t, plan=plan, mx="upcast", interpret=False).source
+    with pytest.raises(CodegenError, match="perm"):
+        KM.emit_moe_gemm("down", 64, 64, target=t, plan=plan, mx="upcast", interpret=True)
+    assert not KM.moe_gemm_plan("down", 64, 64, 1, "upcast", "bf16", t).perm          # off by default
+
