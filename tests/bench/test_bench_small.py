@@ -16,7 +16,6 @@ import agentic  # noqa: E402
 import e2e  # noqa: E402
 
 TINY = "examples/k3-tiny.yaml"
-TINY_KDA_LAYERS = 6
 
 
 def _finite_pos(x) -> bool:
@@ -103,7 +102,7 @@ def test_e2e_probe_with_generated_kernels():
 @pytest.mark.parametrize("moe", ["loop", "grouped"])
 def test_e2e_compiled_peer_runs_without_recompiling(tmp_path, moe):
     """torch.compile peer (aot_eager on a CPU): compiles once per phase, nothing recompiles in the timed runs; its
-    prefill logits equal k3c's (fp32); with the grouped MoE fewer graph breaks than with the reference's loop."""
+    prefill logits equal k3c's (fp32 with the loop; the grouped MoE traces in bf16 only); decode graph breaks."""
     out = tmp_path / "e2e.json"
     e2e.main(["--spec", TINY, "--device", "cpu", "--prompt-len", "16", "--ref-chunk", "8", "--cached", "8",
               "--batches", "2", "--steps", "2", "--check-len", "0", "--no-kernels", "--compile-backend", "aot_eager",
@@ -113,9 +112,10 @@ def test_e2e_compiled_peer_runs_without_recompiling(tmp_path, moe):
     assert r["errors"] == {} and r["compile_moe"] == moe
     p, d = r["prefill"], r["decode"][0]
     assert p["rel_err_compiled_vs_k3c"] <= (1e-4 if moe == "loop" else 3e-2)
-    breaks = p["compiled_dynamo"]["warmup"]["graph_breaks"]
-    # the KDA chunk loop is left out of the graph in both (one break per KDA layer); the loop MoE adds one per MoE
-    assert breaks <= TINY_KDA_LAYERS if moe == "grouped" else breaks > TINY_KDA_LAYERS
+    # decode (no KDA chunk loop): the grouped MoE leaves nothing outside the graph, the reference's loop does
+    # (dynamo counts distinct break reasons, so prefill's KDA-loop breaks are not a per-layer count)
+    breaks = d["compiled_dynamo"]["warmup"]["graph_breaks"]
+    assert breaks == 0 if moe == "grouped" else breaks >= 1
     assert _finite_pos(p["compiled_ms"]) and _finite_pos(d["compiled_ms_per_step"])
     assert p["compiled_dynamo"]["warmup"]["graphs"] > 0
     assert all(v == 0 for v in p["compiled_dynamo"]["timed"].values())

@@ -182,8 +182,11 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     if use_gemv:    # one 16-row tile; its real rows stream the weight tile once (FMA, no MMA layouts)
         bm, bn, bk = 16, (32 if use_gemv == 1 else 64) // n_b, 256   # 8 warps for 2-4 rows: 16-byte loads
     elif use_pairs and bm == 16:    # decode: 16 x 128 tiles, 256-K steps, 4 warps (H200 decode sweep + ncu: the
-        bn, bk = 128 // n_b, 256    # loop is issue-bound; 128-wide tiles halve the per-program overhead, 1.09-1.16x
-        # over 16 x 64 tiles at 1-64 tokens, which were 1.07-1.17x over 1-warp 64-K tiles)
+        # loop is issue-bound; 128-wide tiles halve the per-program overhead, 1.09-1.16x over 16 x 64 tiles at 1-64
+        # tokens, which were 1.07-1.17x over 1-warp 64-K tiles). 64 wide for the exact two-multiply decode, swap and
+        # the dense linears: at 128 they spill on sm_90 (tests/moe/test_moe_aot.py, test_mxfp4_linear_aot.py)
+        wide = kind != "dense" and not swap and (one_mul if one_mul is not None else True)
+        bn, bk = (128 if wide else 64) // n_b, 256
     elif bm <= 32:    # the split-form decode of a 32 x 256 step spills on sm_90: 128 there
         bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" or use_joined else 128
     elif up:  # split: one 32-block per step (the scaled partial products stay in registers); joined: 64
