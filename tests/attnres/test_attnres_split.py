@@ -162,6 +162,9 @@ def test_default_pipeline_marks_kernels_and_emits_them():
     names = [k.name for k in model.kernels() if k.ir_op.startswith("attn_res")]
     assert sum(n.startswith("k3c_attnres_phase1_scores") for n in names) == 3
     assert sum(n.startswith("k3c_attnres_phase1_out") for n in names) == 3
+    # and the decode form of each (D split across programs)
+    assert sum(n.startswith("k3c_attnres_phase1_split_scores") for n in names) == 3
+    assert sum(n.startswith("k3c_attnres_phase1_split_out") for n in names) == 3
     assert any(n.startswith("k3c_attnres_phase2_update_norm") for n in names)
     assert all("[interpreter variant]" not in k.source for k in model.kernels() if k.ir_op.startswith("attn_res"))
 
