@@ -18,8 +18,14 @@ def rel(a, b):
 def run(model, w, graphs: bool, prompts, news, joins, max_graphs: int = 4):
     eng = Engine(model, w, device="cpu", max_batch=3, max_context=48, page_size=8, use_kernels=True,
                  cuda_graphs=graphs, graph_backend=EagerBackend() if graphs else None, max_graphs=max_graphs)
+    return drive(eng, prompts, news, joins, 30)
+
+
+def drive(eng, prompts, news, joins, max_steps: int):
+    """Requests join at the steps `joins` names ({step: [request index]}) and run to the end; every page must come
+    back. Returns (eng, per request: its outputs in order). Also used by test_engine_graphs_gpu.py."""
     rids, outs = {}, {}
-    for step in range(30):
+    for step in range(max_steps):
         for i in joins.get(step, []):
             rids[i] = eng.add_request(prompts[i], news[i])
         for o in eng.step():

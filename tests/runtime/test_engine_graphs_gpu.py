@@ -7,6 +7,7 @@ import torch
 import k3c
 from k3c.codegen.launch import target_for
 from k3c.runtime.engine import Engine
+from test_engine_graphs import drive  # tests/runtime is on sys.path under pytest (no __init__.py)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -18,16 +19,7 @@ def rel(a, b):
 def run(model, w, graphs: bool, prompts, news, joins):
     eng = Engine(model, w, device="cuda", max_batch=3, max_context=160, page_size=target_for("cuda").mla_page_size,
                  use_kernels=True, cuda_graphs=graphs)
-    rids, outs = {}, {}
-    for step in range(60):
-        for i in joins.get(step, []):
-            rids[i] = eng.add_request(prompts[i], news[i])
-        for o in eng.step():
-            outs.setdefault(o.rid, []).append(o)
-        if step > max(joins) and not eng.has_work():
-            break
-    eng.pool.check_empty()
-    return eng, [outs[rids[i]] for i in range(len(prompts))]
+    return drive(eng, prompts, news, joins, 60)
 
 
 @pytest.mark.parametrize("spec_path,dtype,tol", [("examples/k3-tiny.yaml", torch.float32, 1e-5),
