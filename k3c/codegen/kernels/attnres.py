@@ -137,6 +137,19 @@ def emit_attnres_phase1_scores(hidden: int, num_sources: int, num_queries: int, 
                         ir_op="attn_res_phase1", loc=loc)
 
 
+def _emit_mix_store(w: SourceWriter, srcs: list[str], score, row: int, dtype: str, interp: bool) -> None:
+    """Phase-1 output body shared by both forms: o_j = sum_i exp(score_i - lse) v_i over this program's BLOCK_D
+    columns, stored after the STATS of packed row `row` (= STATS + D elements). score(i): the expression of source
+    i's score row [QP]."""
+    w.line("o = tl.zeros([QP, BLOCK_D], dtype=tl.float32)")
+    for i, s in enumerate(srcs):
+        w.line(f"a = tl.exp({score(i)} - lse)")
+        w.line(f"v = tl.load({s} + row * D + ds, mask=dmask, other=0.0).to(tl.float32)")
+        w.line("o += a[:, None] * v[None, :]")
+    w.line(f"tl.store(out_ptr + (qc[:, None].to(tl.int64) * M + row) * {row} + {STATS} + ds[None, :], "
+           f"{to_dtype('o', dtype, interp)}, mask=qmask[:, None] & dmask[None, :])")
+
+
 def emit_attnres_phase1_out(hidden: int, num_sources: int, num_queries: int, *, target: Target,
                             dtype: str = "bf16", block_d: int | None = None, num_warps: int | None = None,
                             loc: str = "", interpret: bool | None = None) -> KernelSource:
@@ -167,13 +180,7 @@ def emit_attnres_phase1_out(hidden: int, num_sources: int, num_queries: int, *, 
         w.line("qmask = qc < Q")
         w.line(f"abase = row * {(N + 1)} * QP")
         w.line(f"lse = tl.load(a_ptr + abase + {N} * QP + qc)")
-        w.line("o = tl.zeros([QP, BLOCK_D], dtype=tl.float32)")
-        for i, s in enumerate(srcs):
-            w.line(f"a = tl.exp(tl.load(a_ptr + abase + {i} * QP + qc) - lse)")
-            w.line(f"v = tl.load({s} + row * D + ds, mask=dmask, other=0.0).to(tl.float32)")
-            w.line("o += a[:, None] * v[None, :]")
-        w.line(f"tl.store(out_ptr + (qc[:, None].to(tl.int64) * M + row) * {row} + {STATS} + ds[None, :], "
-               f"{to_dtype('o', dtype, interp)}, mask=qmask[:, None] & dmask[None, :])")
+        _emit_mix_store(w, srcs, lambda i: f"tl.load(a_ptr + abase + {i} * QP + qc)", row, dtype, interp)
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=constexprs,
                         grid=("M", "cdiv(D, BLOCK_D)"), num_warps=warps, num_stages=1, ir_op="attn_res_phase1",
                         loc=loc)
@@ -345,13 +352,7 @@ def emit_attnres_phase1_split_out(hidden: int, num_sources: int, num_queries: in
         w.line("if tl.program_id(1) == 0:")
         with w.indent():
             w.line(f"tl.store(lse_ptr + (qc.to(tl.int64) * M + row) * {rowf}, lse, mask=qmask)")
-        w.line("o = tl.zeros([QP, BLOCK_D], dtype=tl.float32)")
-        for i, s in enumerate(srcs):
-            w.line(f"a = tl.exp(s{i} - lse)")
-            w.line(f"v = tl.load({s} + row * D + ds, mask=dmask, other=0.0).to(tl.float32)")
-            w.line("o += a[:, None] * v[None, :]")
-        w.line(f"tl.store(out_ptr + (qc[:, None].to(tl.int64) * M + row) * {row} + {STATS} + ds[None, :], "
-               f"{to_dtype('o', dtype, interp)}, mask=qmask[:, None] & dmask[None, :])")
+        _emit_mix_store(w, srcs, lambda i: f"s{i}", row, dtype, interp)
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=constexprs,
                         grid=("M", "cdiv(D, BLOCK_D)"), num_warps=warps, num_stages=1, ir_op="attn_res_phase1",
                         loc=loc)
