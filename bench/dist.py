@@ -14,6 +14,8 @@ decode steps (no synchronisation inside), then the same once more with every col
 argmax), so every layout sees the same inputs: rank 0's prefill last-token logits and every decode step's logits
 are compared with the first layout's (relative error, max over steps). Speed-up and scaling efficiency are against
 the first layout that ran (efficiency = speed-up / ranks). Rank 0 of each layout reports; the JSON is rewritten after each.
+`--routing-replay` runs the compared passes once more, untimed, with the first layout's expert choices replayed
+(k3c.runtime.routing_replay): the logits error that is left without top-k flips, and how many choices flipped.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -86,18 +89,44 @@ def _rank(rank: int, device: str, a: dict) -> dict:
     dec_coll, dec_calls = st.seconds, st.calls
     st.timing = False
     mem = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+    replay = _replay_check(a, rank, device, prefill, decode)
     row = {"rank": rank, "device": device, "weight_bytes": weight_bytes, "peak_bytes": mem,
            "compile_s": t_compile, "warmup_s": t_warm,
            "prefill_s": pre_s, "prefill_tok_s": a["batch"] * a["prompt_len"] / pre_s,
            "decode_s": dec_s, "decode_tok_s": a["batch"] * a["decode"] / dec_s,
            "prefill_collective_s": pre_coll, "prefill_collective_calls": pre_calls, "prefill_timed_s": pre_t,
            "decode_collective_s": dec_coll, "decode_collective_calls": dec_calls, "decode_timed_s": dec_t,
-           "describe": sess.describe()}
+           "describe": sess.describe(), **{k: v for k, v in replay.items() if k != "replay_logits"}}
     if rank == 0:
         # [B, V], [steps, B, V], float32 as numpy: a tensor through the result queue would live in shared memory
         # owned by this process, which exits right after
         row["logits"] = (last.numpy(), torch.stack(dec_logits).numpy())
+        if "replay_logits" in replay:
+            row["replay_logits"] = replay["replay_logits"]
     return row
+
+
+def _replay_check(a: dict, rank: int, device: str, prefill, decode) -> dict:
+    """--routing-replay: once more, untimed, the compared prefill and decode steps. The first layout records every
+    router call's experts (rank 0 saves them); a later layout replays them, so its logits differ from the first's
+    only by rounding, not by flipped expert choices, and counts the tokens whose own choice differed (flips)."""
+    from k3c.runtime.routing_replay import RoutingReplay, load_routes
+
+    path = a.get("replay_path")
+    if not path or (a["replay_mode"] == "replay" and not os.path.exists(path)):
+        return {}
+    rr = RoutingReplay.record() if a["replay_mode"] == "record" else RoutingReplay.replay(load_routes(path, device))
+    with rr:
+        _, last = prefill()
+        _, outs = decode(keep=rank == 0)
+    if rr.mode == "record":
+        if rank == 0:
+            rr.save(path)
+        return {"router_calls": rr.calls}
+    out = {"router_calls": rr.calls, "routing_flips": rr.flips, "routing_decisions": rr.decisions}
+    if rank == 0:
+        out["replay_logits"] = (last.float().cpu().numpy(), torch.stack(outs).numpy())
+    return out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -130,6 +159,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed prefills (best kept)")
     ap.add_argument("--no-kernels", action="store_true", help="every op through torch (default: generated "
                     "kernels on cuda, torch on cpu where the interpreter would dominate)")
+    ap.add_argument("--routing-replay", action="store_true", help="also run the compared prefill and decode once "
+                    "more with the first layout's expert choices replayed (k3c.runtime.routing_replay): the logits "
+                    "error without routing flips, and the count of flipped choices")
     ap.add_argument("--out", help="JSON file")
     args = ap.parse_args(argv)
 
@@ -144,10 +176,14 @@ def main(argv=None) -> int:
     print(f"bench/dist.py: {args.spec} on {args.device} ({backend}), {base['dtype']}, batch {base['batch']} x "
           f"prompt {base['prompt_len']}, {base['decode']} decode steps, "
           f"{'kernels' if base['kernels'] else 'torch ops'}", flush=True)
-    report = {"config": base, "backend": backend, "layouts": []}
+    report = {"config": {**base, "routing_replay": args.routing_replay}, "backend": backend, "layouts": []}
     ref = None
+    tmp = tempfile.TemporaryDirectory(prefix="k3c-dist-") if args.routing_replay else None
     for tp, ep in configs:
         a = {**base, "tp": tp, "ep": ep}
+        if tmp is not None:
+            a.update(replay_path=os.path.join(tmp.name, "routes.safetensors"),
+                     replay_mode="record" if ref is None else "replay")
         world = max(tp, ep)
         t0 = time.perf_counter()
         try:
@@ -160,6 +196,7 @@ def main(argv=None) -> int:
         if rows[0]["rank"] != 0:
             return 0                                # torchrun: rank 0 reports
         last, dec = (torch.from_numpy(x) for x in rows[0].pop("logits"))
+        replayed = [torch.from_numpy(x) for x in rows[0].pop("replay_logits", ())]
         lay = {"tp": tp, "ep": ep, "world": world, "wall_s": time.perf_counter() - t0, "ranks": rows}
         if ref is None:
             ref = (tp, ep, last, dec)
@@ -167,6 +204,11 @@ def main(argv=None) -> int:
             lay["vs"] = f"{ref[0]}x{ref[1]}"
             lay["rel_err_prefill"] = rel(last, ref[2])
             lay["rel_err_decode_max"] = max(rel(d, r) for d, r in zip(dec, ref[3]))
+            if replayed:
+                lay["replay_rel_err_prefill"] = rel(replayed[0], ref[2])
+                lay["replay_rel_err_decode_max"] = max(rel(d, r) for d, r in zip(replayed[1], ref[3]))
+                lay["routing_flips"] = rows[0]["routing_flips"]
+                lay["routing_decisions"] = rows[0]["routing_decisions"]
         report["layouts"].append(lay)
         _print_layout(lay, next(x for x in report["layouts"] if "ranks" in x))
         if args.out:
@@ -186,6 +228,10 @@ def _print_layout(lay: dict, first: dict) -> None:
         print(f"  vs {lay['vs']}: logits rel err prefill {lay['rel_err_prefill']:.2e}, decode (max over steps) "
               f"{lay['rel_err_decode_max']:.2e}; speed-up prefill {ps:.2f}x (efficiency {ps / lay['world']:.0%}), "
               f"decode {ds:.2f}x (efficiency {ds / lay['world']:.0%})")
+        if "routing_flips" in lay:
+            print(f"  routing replayed from {lay['vs']}: logits rel err prefill {lay['replay_rel_err_prefill']:.2e}, "
+                  f"decode (max) {lay['replay_rel_err_decode_max']:.2e}; tokens whose own expert choice differed: "
+                  f"{lay['routing_flips']} of {lay['routing_decisions']} router decisions")
     print("| rank | weights MiB | peak GiB | prefill tok/s | decode tok/s | prefill coll. ms (calls, share) "
           "| decode coll. ms (calls, share) |")
     print("|---|---|---|---|---|---|---|")

@@ -24,7 +24,7 @@ def test_layout_sweep_matches_one_rank(tmp_path):
     # a subprocess, as users run it: the spawned ranks import the bench by its file's module name
     run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "dist.py"), "--configs", "1x1,2x1,1x2",
                           "--device", "cpu", "--spec", os.path.join(ROOT, "examples", "k3-tiny.yaml"), "--batch", "2",
-                          "--prompt-len", "9", "--decode", "2", "--reps", "1", "--out", str(out)],
+                          "--prompt-len", "9", "--decode", "2", "--reps", "1", "--routing-replay", "--out", str(out)],
                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -36,6 +36,13 @@ def test_layout_sweep_matches_one_rank(tmp_path):
         # fp32, split summation orders: the same bounds as tests/dist/test_dist_logits.py
         assert lay["rel_err_prefill"] < 1e-5 and lay["rel_err_decode_max"] < 4e-5
         assert len(lay["ranks"]) == 2
+        # the first layout's expert choices replayed: every router call of prefill (2 x 9 tokens) and the 2 decode
+        # steps (2 tokens each) of every MoE layer, and a logits error as small as the free run's
+        calls = lays[0]["ranks"][0]["router_calls"]                  # recorded: 3 calls per MoE layer
+        assert calls > 0 and calls % 3 == 0 and lay["ranks"][0]["router_calls"] == calls
+        assert lay["routing_decisions"] == calls // 3 * (2 * 9 + 2 * 2)
+        assert 0 <= lay["routing_flips"] <= lay["routing_decisions"]
+        assert lay["replay_rel_err_prefill"] < 1e-5 and lay["replay_rel_err_decode_max"] < 4e-5
         tp_split = lay["tp"] > 1
         # TP all-reduces / gathers every layer; EP alone reduces the routed MoE output only
         assert all(r["prefill_collective_calls"] > 0 and r["decode_collective_calls"] > 0 for r in lay["ranks"])

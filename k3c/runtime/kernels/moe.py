@@ -29,6 +29,7 @@ from ...codegen.launch import ENABLE_FP_FUSION, eval_grid, load_kernel, target_f
 from ...codegen.writer import CodegenError
 from ...quant import mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_quantize
 from .. import reference as ref
+from .. import routing_replay
 from ..executor import register_impl
 from ..reference.norms import acc
 from . import register_kernel_impl
@@ -102,6 +103,14 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router
                     renormalize=renormalize, scaling=float(scaling), e_local=el, e0=e0, ir_op=ir_op, loc=loc)
     extra = [bias.to(torch.float32).contiguous()] if bias is not None else []
     run(ks, lg, *extra, w, ids, pres, N)
+    if routing_replay.active() is not None:        # a replayed choice: this run's weights and presence for it
+        ids = routing_replay.replayed_ids(ids)
+        s = torch.sigmoid(lg) if router_activation == "sigmoid" else torch.softmax(lg, dim=-1)
+        w = routing_replay.routed_weights(s, ids, renormalize, scaling)
+        local = ids.long() - e0
+        mine = (local >= 0) & (local < el)
+        pres = torch.zeros(N, el, dtype=torch.int32, device=dev).scatter_add_(1, local.clamp(0, el - 1),
+                                                                              mine.to(torch.int32))
     run(_emit_rank(el, target=tgt, ir_op=ir_op, loc=loc), pres, cnt, N)
     run(_emit_offsets(el, target=tgt, ir_op=ir_op, loc=loc), cnt, off)
     run(_emit_scatter(el, top_k, target=tgt, e0=e0, ir_op=ir_op, loc=loc), ids, pres, off, perm, N)
@@ -342,11 +351,8 @@ def torch_route(logits, bias, *, top_k, router_activation, renormalize, scaling,
     N, E = lg.shape
     s = torch.sigmoid(lg) if router_activation == "sigmoid" else torch.softmax(lg, dim=-1)
     choice = s + bias.float() if bias is not None else s
-    idx = torch.topk(choice, top_k, dim=-1).indices
-    p = s.gather(-1, idx)
-    if renormalize:
-        p = p / (p.sum(-1, keepdim=True) + 1e-20)
-    p = p * scaling
+    idx = routing_replay.replayed_ids(torch.topk(choice, top_k, dim=-1).indices)
+    p = routing_replay.routed_weights(s, idx, renormalize, scaling)
     el, e0 = E // ep_size, ep_rank * (E // ep_size)
     flat = idx.reshape(-1) - e0
     local = (flat >= 0) & (flat < el)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ...frontend.spec import ActivationSpec, MoESpec
+from ..routing_replay import replayed_ids
 from .norms import acc, acc_dtype, linear, rms_norm
 
 
@@ -34,7 +35,7 @@ def route(x: torch.Tensor, w: dict[str, torch.Tensor], cfg: MoESpec
     scores = linear(acc(x), acc(w["gate.weight"]))
     scores = torch.sigmoid(scores) if cfg.router_activation == "sigmoid" else torch.softmax(scores, dim=-1)
     choice = scores + acc(w["gate.e_score_correction_bias"]) if cfg.router_bias else scores
-    idx = torch.topk(choice, cfg.top_k, dim=-1).indices
+    idx = replayed_ids(torch.topk(choice, cfg.top_k, dim=-1).indices)     # the chosen experts, unless replayed
     p = scores.gather(-1, idx)
     if cfg.renormalize:
         p = p / (p.sum(-1, keepdim=True) + 1e-20)

@@ -1,0 +1,113 @@
+"""Routing replay: record the experts every router call picks, then make a later run pick the same ones.
+
+Why: top-k routing is discontinuous. Two runs whose hidden states differ by rounding (a sharded run's all-reduce
+adds partial sums in another order) pick a different expert wherever the k-th and (k+1)-th scores are that close,
+and one such flip moves that token's output by O(1). Replaying the first run's choices in the second separates
+those flips from real differences (a wrong shard, a missed reduction): with the same experts chosen, whatever
+difference remains is the sharding's own rounding. The routing weights are still this run's scores at the
+replayed experts, so only the discrete choice is frozen.
+
+    rec = RoutingReplay.record()
+    with rec:  run()                                  # every router call appends its expert ids
+    rec.save("routes.safetensors")
+    rep = RoutingReplay.replay(load_routes("routes.safetensors", device))
+    with rep:  run_sharded()                         # router calls take the recorded ids, in call order
+    rep.flips, rep.decisions                          # tokens whose own choice differed from the recorded one
+
+Router calls are matched by order, so both runs must make the same calls in the same order (same layers, same
+batch and token counts): a call whose shape differs from the recorded one is an error, not a silent mismatch.
+Ids stay on the device while recording and replaying (no host synchronisation); not for CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import torch
+
+_ACTIVE: "RoutingReplay | None" = None
+
+
+class RoutingReplay:
+    def __init__(self, mode: str, routes: list[torch.Tensor] | None = None):
+        if mode not in ("record", "replay"):
+            raise ValueError(f"routing replay mode must be 'record' or 'replay', got {mode!r}")
+        self.mode = mode
+        self.routes: list[torch.Tensor] = list(routes or [])
+        self.calls = 0                      # router calls seen while active
+        self._flips: list[torch.Tensor] = []
+        self.decisions = 0                  # tokens routed while replaying
+
+    @classmethod
+    def record(cls) -> "RoutingReplay":
+        return cls("record")
+
+    @classmethod
+    def replay(cls, routes: list[torch.Tensor]) -> "RoutingReplay":
+        return cls("replay", routes)
+
+    def __enter__(self) -> "RoutingReplay":
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("a routing replay is already active")
+        _ACTIVE = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        _ACTIVE = None
+
+    @property
+    def flips(self) -> int:
+        """Tokens (over all replayed router calls) whose own top-k set differed from the recorded one."""
+        return int(sum(int(f) for f in self._flips))
+
+    def choose(self, ids: torch.Tensor) -> torch.Tensor:
+        """The expert ids [N, k] this router call uses, given the ones it picked itself."""
+        i = self.calls
+        self.calls += 1
+        if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("routing replay cannot run inside CUDA-graph capture")
+        if self.mode == "record":
+            self.routes.append(ids.detach().clone())
+            return ids
+        if i >= len(self.routes):
+            raise RuntimeError(f"routing replay: router call {i} was not recorded ({len(self.routes)} calls were)")
+        rec = self.routes[i]
+        if tuple(rec.shape) != tuple(ids.shape):
+            raise RuntimeError(f"routing replay: router call {i} routes {tuple(ids.shape)} but the recorded call "
+                               f"routed {tuple(rec.shape)} (the runs make different router calls)")
+        rec = rec.to(device=ids.device, dtype=ids.dtype)
+        mine, theirs = ids.sort(dim=-1).values, rec.sort(dim=-1).values
+        self._flips.append((mine != theirs).any(dim=-1).sum())
+        self.decisions += ids.shape[0]
+        return rec
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+        save_file({f"call{i}": r.to("cpu", torch.int32).contiguous() for i, r in enumerate(self.routes)}, path)
+
+
+def load_routes(path: str, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Recorded expert ids from `RoutingReplay.save`, in call order, on `device`."""
+    from safetensors import safe_open
+    with safe_open(path, framework="pt", device="cpu") as fh:
+        keys = sorted(fh.keys(), key=lambda k: int(k[4:]))
+        return [fh.get_tensor(k).to(device) for k in keys]
+
+
+def active() -> RoutingReplay | None:
+    return _ACTIVE
+
+
+def replayed_ids(ids: torch.Tensor) -> torch.Tensor:
+    """`ids` unless a routing replay is active, then the ids it says this call uses (ids' dtype and device)."""
+    return ids if _ACTIVE is None else _ACTIVE.choose(ids)
+
+
+def routed_weights(scores: torch.Tensor, ids: torch.Tensor, renormalize: bool, scaling: float) -> torch.Tensor:
+    """fp32 weights [N, k] for experts `ids` from scores [N, E] (the bias never enters): the routers' own rule."""
+    p = scores.float().gather(-1, ids.long())
+    if renormalize:
+        p = p / (p.sum(-1, keepdim=True) + 1e-20)
+    return p * scaling
+
+
+__all__ = ["RoutingReplay", "load_routes", "active", "replayed_ids", "routed_weights"]
