@@ -14,6 +14,8 @@ decode steps (no synchronisation inside), then the same once more with every col
 argmax), so every layout sees the same inputs: rank 0's prefill last-token logits and every decode step's logits
 are compared with the first layout's (relative error, max over steps). Speed-up and scaling efficiency are against
 the first layout that ran (efficiency = speed-up / ranks). Rank 0 of each layout reports; the JSON is rewritten after each.
+On cuda the decode steps run through CUDA graphs by default (k3c.runtime.cuda_graph.DecodeGraph: the NCCL
+collectives are captured with the kernels); the eager decode is timed beside them (`--no-cuda-graphs`: eager only).
 `--routing-replay` runs the compared passes once more, untimed, with the first layout's expert choices replayed
 (k3c.runtime.routing_replay): the logits error that is left without top-k flips, and how many choices flipped.
 """
@@ -60,12 +62,24 @@ def _rank(rank: int, device: str, a: dict) -> dict:
         sync()
         return time.perf_counter() - t0, logits[:, -1]
 
-    def decode(keep: bool = False):
+    graph = None                                  # --cuda-graphs: the decode steps replayed (collectives too)
+
+    def decode(keep: bool = False, eager: bool = False):
+        nonlocal graph
+        step = sess.decode
+        if a.get("graphs") and not eager:
+            from k3c.runtime.cuda_graph import DecodeGraph
+
+            if graph is None:                        # captured on its first step (the warm-up pass)
+                graph = DecodeGraph.for_session(sess, capacity=a["prompt_len"] + a["decode"] + 1)
+            else:
+                graph.load(sess.cache)               # this prefill's state into the static buffers
+            step = graph.step
         outs = []
         sync()
         t0 = time.perf_counter()
         for s in range(a["decode"]):
-            out = sess.decode(toks[s])
+            out = step(toks[s])
             if keep:
                 outs.append(out.float().cpu())
         sync()
@@ -80,12 +94,16 @@ def _rank(rank: int, device: str, a: dict) -> dict:
     dec_s, dec_logits = decode(keep=rank == 0)   # cache: prompt + decode steps (the timed pass copies to host
     prefill()                                     # after each step only on rank 0: a sync it would not have;
     dec_s = min(dec_s, decode()[0])              # the second, copy-free pass is kept when faster)
-    st.timing = True                              # timed collectives: synchronised, so measured apart
+    eager_s = None
+    if graph is not None:                         # the same steps run eagerly, for the graphs' gain
+        prefill()
+        eager_s = decode(eager=True)[0]
+    st.timing = True                              # timed collectives: synchronised, so measured apart (eagerly)
     st.seconds, st.calls = 0.0, 0
     pre_t, _ = prefill()
     pre_coll, pre_calls = st.seconds, st.calls
     st.seconds, st.calls = 0.0, 0
-    dec_t, _ = decode()
+    dec_t, _ = decode(eager=True)
     dec_coll, dec_calls = st.seconds, st.calls
     st.timing = False
     mem = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
@@ -96,6 +114,8 @@ def _rank(rank: int, device: str, a: dict) -> dict:
            "decode_s": dec_s, "decode_tok_s": a["batch"] * a["decode"] / dec_s,
            "prefill_collective_s": pre_coll, "prefill_collective_calls": pre_calls, "prefill_timed_s": pre_t,
            "decode_collective_s": dec_coll, "decode_collective_calls": dec_calls, "decode_timed_s": dec_t,
+           "decode_eager_tok_s": a["batch"] * a["decode"] / eager_s if eager_s else None,
+           "decode_graph": str(graph.report) if graph is not None else None,
            "describe": sess.describe(), **{k: v for k, v in replay.items() if k != "replay_logits"}}
     if rank == 0:
         # [B, V], [steps, B, V], float32 as numpy: a tensor through the result queue would live in shared memory
@@ -116,9 +136,9 @@ def _replay_check(a: dict, rank: int, device: str, prefill, decode) -> dict:
     if not path or (a["replay_mode"] == "replay" and not os.path.exists(path)):
         return {}
     rr = RoutingReplay.record() if a["replay_mode"] == "record" else RoutingReplay.replay(load_routes(path, device))
-    with rr:
+    with rr:                                      # eagerly: a replay cannot run inside a captured graph
         _, last = prefill()
-        _, outs = decode(keep=rank == 0)
+        _, outs = decode(keep=rank == 0, eager=True)
     if rr.mode == "record":
         if rank == 0:
             rr.save(path)
@@ -133,14 +153,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def parse_configs(text: str) -> list[tuple[int, int]]:
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def parse_configs(text: str) -> list[tuple[int, int, str | None]]:
+    """'1x1@float32,2x1' -> [(1, 1, 'float32'), (2, 1, None)] (None: --dtype)."""
     out = []
     for part in text.split(","):
+        layout, _, dtype = part.partition("@")
         try:
-            tp, ep = (int(x) for x in part.lower().split("x"))
+            tp, ep = (int(x) for x in layout.lower().split("x"))
         except ValueError:
-            raise SystemExit(f"bench/dist.py: --configs: '{part}' is not TPxEP (e.g. 2x1)") from None
-        out.append((tp, ep))
+            raise SystemExit(f"bench/dist.py: --configs: '{part}' is not TPxEP[@dtype] (e.g. 2x1 or 1x1@float32)"
+                             ) from None
+        if dtype and dtype not in DTYPES:
+            raise SystemExit(f"bench/dist.py: --configs: '{part}': dtype must be one of {', '.join(DTYPES)}")
+        out.append((tp, ep, dtype or None))
     return out
 
 
@@ -150,7 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, help="default: = --tp")
     ap.add_argument("--configs", help="layouts TPxEP, comma separated, run in turn (e.g. 1x1,2x1,1x2,2x2); the "
-                    "first is the baseline for logits and speed-up (default: --tp x --ep alone)")
+                    "first is the baseline for logits and speed-up; TPxEP@dtype runs that layout in another dtype, e.g. "
+                    "1x1@float32,1x1,2x1 measures bf16's own error beside the sharded one (default: --tp x --ep)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu by default")
     ap.add_argument("--batch", type=int, default=4)
@@ -162,25 +191,31 @@ def main(argv=None) -> int:
     ap.add_argument("--routing-replay", action="store_true", help="also run the compared prefill and decode once "
                     "more with the first layout's expert choices replayed (k3c.runtime.routing_replay): the logits "
                     "error without routing flips, and the count of flipped choices")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode steps through CUDA graphs, the NCCL collectives captured with them (default: on "
+                    "cuda with kernels); the eager decode is timed too")
     ap.add_argument("--out", help="JSON file")
     args = ap.parse_args(argv)
 
     from k3c.runtime.distributed import run_ranks
 
     cuda = args.device.startswith("cuda")
-    configs = parse_configs(args.configs) if args.configs else [(args.tp, args.tp if args.ep is None else args.ep)]
+    configs = (parse_configs(args.configs) if args.configs
+               else [(args.tp, args.tp if args.ep is None else args.ep, None)])
     base = {"spec": args.spec, "dtype": args.dtype or ("bfloat16" if cuda else "float32"), "batch": args.batch,
             "prompt_len": args.prompt_len, "decode": args.decode, "reps": args.reps,
             "kernels": cuda and not args.no_kernels}
+    base["graphs"] = base["kernels"] if args.cuda_graphs is None else args.cuda_graphs
     backend = "nccl" if cuda else "gloo"
     print(f"bench/dist.py: {args.spec} on {args.device} ({backend}), {base['dtype']}, batch {base['batch']} x "
           f"prompt {base['prompt_len']}, {base['decode']} decode steps, "
-          f"{'kernels' if base['kernels'] else 'torch ops'}", flush=True)
+          f"{'kernels' if base['kernels'] else 'torch ops'}{', decode through CUDA graphs' if base['graphs'] else ''}",
+          flush=True)
     report = {"config": {**base, "routing_replay": args.routing_replay}, "backend": backend, "layouts": []}
     ref = None
     tmp = tempfile.TemporaryDirectory(prefix="k3c-dist-") if args.routing_replay else None
-    for tp, ep in configs:
-        a = {**base, "tp": tp, "ep": ep}
+    for tp, ep, dtype in configs:
+        a = {**base, "tp": tp, "ep": ep, "dtype": dtype or base["dtype"]}
         if tmp is not None:
             a.update(replay_path=os.path.join(tmp.name, "routes.safetensors"),
                      replay_mode="record" if ref is None else "replay")
@@ -197,20 +232,21 @@ def main(argv=None) -> int:
             return 0                                # torchrun: rank 0 reports
         last, dec = (torch.from_numpy(x) for x in rows[0].pop("logits"))
         replayed = [torch.from_numpy(x) for x in rows[0].pop("replay_logits", ())]
-        lay = {"tp": tp, "ep": ep, "world": world, "wall_s": time.perf_counter() - t0, "ranks": rows}
+        lay = {"tp": tp, "ep": ep, "dtype": a["dtype"], "world": world, "wall_s": time.perf_counter() - t0,
+               "ranks": rows}
         if ref is None:
-            ref = (tp, ep, last, dec)
+            ref = (_name(tp, ep, a["dtype"], base["dtype"]), last, dec)
         else:
-            lay["vs"] = f"{ref[0]}x{ref[1]}"
-            lay["rel_err_prefill"] = rel(last, ref[2])
-            lay["rel_err_decode_max"] = max(rel(d, r) for d, r in zip(dec, ref[3]))
+            lay["vs"] = ref[0]
+            lay["rel_err_prefill"] = rel(last, ref[1])
+            lay["rel_err_decode_max"] = max(rel(d, r) for d, r in zip(dec, ref[2]))
             if replayed:
-                lay["replay_rel_err_prefill"] = rel(replayed[0], ref[2])
-                lay["replay_rel_err_decode_max"] = max(rel(d, r) for d, r in zip(replayed[1], ref[3]))
+                lay["replay_rel_err_prefill"] = rel(replayed[0], ref[1])
+                lay["replay_rel_err_decode_max"] = max(rel(d, r) for d, r in zip(replayed[1], ref[2]))
                 lay["routing_flips"] = rows[0]["routing_flips"]
                 lay["routing_decisions"] = rows[0]["routing_decisions"]
         report["layouts"].append(lay)
-        _print_layout(lay, next(x for x in report["layouts"] if "ranks" in x))
+        _print_layout(lay, next(x for x in report["layouts"] if "ranks" in x), base["dtype"])
         if args.out:
             with open(args.out, "w", encoding="utf-8") as fh:
                 json.dump(report, fh, indent=2)
@@ -218,9 +254,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def _print_layout(lay: dict, first: dict) -> None:
+def _num(x) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def _name(tp: int, ep: int, dtype: str, default: str) -> str:
+    return f"{tp}x{ep}" + ("" if dtype == default else f"@{dtype}")
+
+
+def _print_layout(lay: dict, first: dict, default_dtype: str) -> None:
     r0 = lay["ranks"][0]
-    print(f"\nTP {lay['tp']} x EP {lay['ep']} ({lay['world']} ranks), wall {lay['wall_s']:.1f} s; "
+    dt = "" if lay["dtype"] == default_dtype else f", {lay['dtype']}"
+    print(f"\nTP {lay['tp']} x EP {lay['ep']} ({lay['world']} ranks{dt}), wall {lay['wall_s']:.1f} s; "
           f"compile {r0['compile_s']:.1f} s, warm-up {r0['warmup_s']:.1f} s; executor: {r0['describe']}")
     if "vs" in lay:
         p0, d0 = first["ranks"][0]["prefill_tok_s"], first["ranks"][0]["decode_tok_s"]
@@ -232,15 +277,17 @@ def _print_layout(lay: dict, first: dict) -> None:
             print(f"  routing replayed from {lay['vs']}: logits rel err prefill {lay['replay_rel_err_prefill']:.2e}, "
                   f"decode (max) {lay['replay_rel_err_decode_max']:.2e}; tokens whose own expert choice differed: "
                   f"{lay['routing_flips']} of {lay['routing_decisions']} router decisions")
-    print("| rank | weights MiB | peak GiB | prefill tok/s | decode tok/s | prefill coll. ms (calls, share) "
-          "| decode coll. ms (calls, share) |")
-    print("|---|---|---|---|---|---|---|")
+    if r0.get("decode_graph"):
+        print(f"  decode graph: {r0['decode_graph']}")
+    print("| rank | weights MiB | peak GiB | prefill tok/s | decode tok/s | eager decode tok/s "
+          "| prefill coll. ms (calls, share) | decode coll. ms (calls, share; eager) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in lay["ranks"]:
         ps = r["prefill_collective_s"] / r["prefill_timed_s"] if r["prefill_timed_s"] else 0.0
         ds = r["decode_collective_s"] / r["decode_timed_s"] if r["decode_timed_s"] else 0.0
         peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "-"
         print(f"| {r['rank']} | {r['weight_bytes'] / 2**20:,.1f} | {peak} | {r['prefill_tok_s']:,.1f} | "
-              f"{r['decode_tok_s']:,.1f} | {r['prefill_collective_s'] * 1e3:.2f} ({r['prefill_collective_calls']}, "
+              f"{r['decode_tok_s']:,.1f} | {_num(r.get('decode_eager_tok_s'))} | {r['prefill_collective_s'] * 1e3:.2f} ({r['prefill_collective_calls']}, "
               f"{ps:.0%}) | {r['decode_collective_s'] * 1e3:.2f} ({r['decode_collective_calls']}, {ds:.0%}) |",
               flush=True)
 

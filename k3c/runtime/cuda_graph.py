@@ -70,8 +70,9 @@ def capture_blockers(module, *, use_kernels: bool, device) -> list[str]:
         elif op.op == "moe":
             why = ("unlowered moe op (reference moe_layer: unique_consecutive + .tolist(), a host sync and a "
                    "data-dependent loop); compile with the moe-lower pass")
-        elif op.op in _COLLECTIVES:
-            why = f"collective {op.op} (torch.distributed; capture of NCCL calls is not set up here)"
+        elif op.op in _COLLECTIVES and not collectives_capturable(device):
+            why = (f"collective {op.op}: captured only through an initialised NCCL process group (torch.distributed "
+                   "is not initialised with the nccl backend here)")
         elif op.op in _TORCH_SYNCS and not kernel:
             why = _TORCH_SYNCS[op.op] + ("" if not use_kernels else " (op not impl=kernel)")
         elif op.op == "mla_absorbed" and op.attr("mode", "auto") == "mha":
@@ -82,6 +83,15 @@ def capture_blockers(module, *, use_kernels: bool, device) -> list[str]:
     if not use_kernels and len(out) > (device.type != "cuda"):
         out.append("kernels are off (use_kernels=False): the torch paths above run instead of the kernels")
     return out
+
+
+def collectives_capturable(device: torch.device) -> bool:
+    """Whether torch.distributed runs on NCCL for a CUDA device: its collectives are then kernels on CUDA streams,
+    which a CUDA graph captures (every rank captures and replays the same sequence of collectives, in lock step)."""
+    import torch.distributed as dist
+
+    return (device.type == "cuda" and dist.is_available() and dist.is_initialized()
+            and dist.get_backend() == "nccl")
 
 
 def pick_bucket(buckets: Sequence[int], need: int) -> int:
@@ -109,6 +119,17 @@ def _own_state(st: KDAState) -> KDAState:
 
 
 # ---- capture backends: real CUDA graphs, and an eager stand-in with the same static-buffer contract (tests) ------
+def _local_kda(module, cfg):
+    """The KDA config of this rank's heads: a TP-sharded graph's KDA ops carry num_heads / tp (the `shard` pass)."""
+    import dataclasses
+
+    heads = {op.attr("num_heads") for op in module.ops if op.attr("layer", None) is not None
+             and op.attr("num_heads", None) is not None and op.op.startswith("kda")}
+    if len(heads) > 1:
+        raise ArgumentError(f"KDA ops disagree on their head count: {sorted(heads)}")
+    return dataclasses.replace(cfg, num_heads=heads.pop()) if heads else cfg
+
+
 class CudaGraphBackend:
     """torch.cuda.CUDAGraph: warm-ups on a side stream, capture into a shared memory pool, replay."""
 
@@ -205,7 +226,8 @@ class DecodeGraph:
         # ---- static inputs
         dev = self.device
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.kda = {i: _own_state(kda_zero_state(spec.kda, batch, self.dtype, dev)) for i in self.kda_layers}
+        kda_cfg = _local_kda(compiled.module, spec.kda) if self.kda_layers else None
+        self.kda = {i: _own_state(kda_zero_state(kda_cfg, batch, self.dtype, dev)) for i in self.kda_layers}
         pages = self.capacity // self.page_size
         width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim if spec.mla else 0
         if pools is None:                            # own pools, pages interleaved (page p of row b: p * B + b)

@@ -55,3 +55,6 @@ def test_layout_sweep_matches_one_rank(tmp_path):
 def test_bad_layout_text_is_a_clear_error():
     with pytest.raises(SystemExit, match="'2y1' is not TPxEP"):
         _bench().parse_configs("1x1,2y1")
+    with pytest.raises(SystemExit, match="'2x1@fp8': dtype must be one of"):
+        _bench().parse_configs("1x1,2x1@fp8")
+    assert _bench().parse_configs("1x1@float32,2x2") == [(1, 1, "float32"), (2, 2, None)]

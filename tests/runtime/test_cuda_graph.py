@@ -48,6 +48,22 @@ def test_capture_blockers(tiny):
     assert any("plain mla op" in b for b in why) and any("unlowered moe" in b for b in why)
 
 
+def test_collectives_are_captured_only_over_nccl(tiny, monkeypatch):
+    """A sharded graph's collectives block capture unless torch.distributed runs on NCCL (whose collectives are
+    stream kernels a graph records; bench/dist.py replays sharded decode steps that way)."""
+    from k3c.runtime import cuda_graph
+
+    spec = tiny[0]
+    sharded = k3c.compile(spec, target="h200", tp=2, ep=2, rank=0)
+    why = capture_blockers(sharded.module, use_kernels=True, device="cuda")
+    assert {w.split(":")[0] for w in why} >= {"collective all_reduce", "collective seq_scatter"}
+    assert all(w.startswith("collective ") and "nccl" in w for w in why)
+    monkeypatch.setattr(cuda_graph, "collectives_capturable", lambda device: device.type == "cuda")
+    assert capture_blockers(sharded.module, use_kernels=True, device="cuda") == []
+    assert capture_blockers(sharded.module, use_kernels=True, device="cpu") == [
+        "CUDA graphs need a CUDA device (got cpu)"] + why
+
+
 def test_fallback_is_reported_and_equals_session_decode(tiny, one_thread):
     spec, model, w = tiny
     sess = model.session(w, device="cpu", use_kernels=False)
