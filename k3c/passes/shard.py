@@ -18,7 +18,8 @@ TP group of a rank is its block of tp consecutive ranks, its EP group its block 
 Embeddings, norms and AttnRes weights stay replicated. Sequence parallel (tp > 1, module attr `seq_parallel`
 not false): the embedding output is `seq_scatter`ed, so the residual stream, norms and AttnRes blocks hold T/tp
 tokens per rank (dim `T_sp`); each layer op's input is `seq_gather`ed and its partial sum `reduce_scatter`ed in
-place of the all_reduce; the replicated routed-MoE output is `seq_scatter`ed; lm_head gathers its input.
+place of the all_reduce; the replicated routed-MoE output is `seq_scatter`ed (with EP 1 the routed experts run on
+the rank's own tokens instead: no gather, no scatter); lm_head gathers its input.
 Every split param carries the local shape and `shard = "<group>:<dim>:<rank>/<size>"`; split layer ops carry
 `shard = "tp:heads"` etc. Counts: `kda`, `mla`, `mlp`, `moe`, `shared_experts`, `lm_head`, `params`, and
 `<collective>.<group>` per collective inserted.
@@ -213,7 +214,11 @@ def shard(module: Module, ctx: PassContext) -> Module:
             ctx.count("mlp")
         elif op.op == "moe":
             w = roles_of(op)
-            w["x"] = full(w["x"], op.loc)
+            x = w["x"]
+            # EP 1: every rank holds every expert, so under sequence parallel the routed experts run on this
+            # rank's own tokens (no gather, no scatter, 1/tp of the work); else on every token of the EP group
+            local = sp and ep == 1
+            w["x"] = x if local else full(x, op.loc)
             attrs = {**a}
             if ep > 1:
                 attrs.update(ep_rank=lay.ep_rank, ep_size=ep, shard="ep:experts")
@@ -221,13 +226,14 @@ def shard(module: Module, ctx: PassContext) -> Module:
             if shared:
                 attrs["num_shared_experts"] = 0
             moe_ins = [w[r.name] for r in get_op_def("moe").roles(attrs)]
-            routed = res if not (shared or sp) else b.fresh("ep")
+            scatter = sp and not local
+            routed = res if not (shared or scatter) else b.fresh("ep")
             emit("moe", moe_ins, attrs, op.loc, (routed,))
-            if sp:      # the routed output is replicated over TP: keep this rank's tokens
+            if scatter:     # the routed output is replicated over TP: keep this rank's tokens
                 routed = collective("seq_scatter", routed, "tp", op.loc, None if shared else res, dim=1)
             if shared:
                 act = {k: a[k] for k in ("activation", "situ_beta_gate", "situ_beta_up") if k in a}
-                part = b.op("mlp", [w["x"]] + [w[r] for r in _SHARED],
+                part = b.op("mlp", [full(x, op.loc)] + [w[r] for r in _SHARED],
                             {"layer": a["layer"], **act, "shard": "tp:columns"}, op.loc, prefix="tp")
                 total = combine(part, op.loc, None)
                 # routed + shared, the reference's order

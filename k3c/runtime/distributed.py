@@ -33,6 +33,7 @@ class DistState:
     calls: int = 0
     timing: bool = False          # synchronise around each collective to time it (benchmarks only)
     seq: tuple[int, int] | None = None   # sequence parallel in this forward: (tokens T, tokens per rank) or off
+    seq_rank: int = 0             # which block of tokens this rank holds when `seq` is set
 
 
 _STATE = DistState()
@@ -152,8 +153,8 @@ def seq_scatter(x: torch.Tensor, group: str, size: int, dim: int) -> torch.Tenso
         _STATE.seq = None
         return x
     chunk = -(-t // size)
-    _STATE.seq = (t, chunk)
     r = dist.get_rank(g)
+    _STATE.seq, _STATE.seq_rank = (t, chunk), r
     return _pad_tokens(x, dim, chunk * size).narrow(dim, r * chunk, chunk).contiguous()
 
 

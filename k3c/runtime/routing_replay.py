@@ -15,7 +15,9 @@ replayed experts, so only the discrete choice is frozen.
     rep.flips, rep.decisions                          # tokens whose own choice differed from the recorded one
 
 Router calls are matched by order, so both runs must make the same calls in the same order (same layers, same
-batch and token counts): a call whose shape differs from the recorded one is an error, not a silent mismatch.
+batch and token counts): a call whose shape differs from the recorded one is an error, not a silent mismatch. The
+one exception: a sequence-parallel rank whose routed experts see only its block of the tokens (the `shard` pass
+with EP 1) takes that block's rows of the recorded call (its padding rows keep their own choice and are not counted).
 Ids stay on the device while recording and replaying (no host synchronisation); not for CUDA-graph capture.
 """
 from __future__ import annotations
@@ -70,19 +72,47 @@ class RoutingReplay:
             return ids
         if i >= len(self.routes):
             raise RuntimeError(f"routing replay: router call {i} was not recorded ({len(self.routes)} calls were)")
-        rec = self.routes[i]
+        rec = self.routes[i].to(device=ids.device, dtype=ids.dtype)
+        real = ids.shape[0]
         if tuple(rec.shape) != tuple(ids.shape):
-            raise RuntimeError(f"routing replay: router call {i} routes {tuple(ids.shape)} but the recorded call "
-                               f"routed {tuple(rec.shape)} (the runs make different router calls)")
-        rec = rec.to(device=ids.device, dtype=ids.dtype)
-        mine, theirs = ids.sort(dim=-1).values, rec.sort(dim=-1).values
+            block = _token_block(rec, ids)
+            if block is None:
+                raise RuntimeError(f"routing replay: router call {i} routes {tuple(ids.shape)} but the recorded call "
+                                   f"routed {tuple(rec.shape)} (the runs make different router calls)")
+            rec, real_rows = block
+            real = int(real_rows.sum())
+            mine, theirs = ids[real_rows].sort(dim=-1).values, rec[real_rows].sort(dim=-1).values
+        else:
+            mine, theirs = ids.sort(dim=-1).values, rec.sort(dim=-1).values
         self._flips.append((mine != theirs).any(dim=-1).sum())
-        self.decisions += ids.shape[0]
+        self.decisions += real
         return rec
 
     def save(self, path: str) -> None:
         from safetensors.torch import save_file
         save_file({f"call{i}": r.to("cpu", torch.int32).contiguous() for i, r in enumerate(self.routes)}, path)
+
+
+def _token_block(rec: torch.Tensor, ids: torch.Tensor):
+    """A sequence-parallel rank routing only its block of the tokens (`shard` with EP 1) against a recording of all
+    of them: (the recorded ids of this rank's rows, padding rows keep their own choice; mask of the real rows), or
+    None when this call is not such a block."""
+    from .distributed import state
+
+    st = state()
+    if st.seq is None:
+        return None
+    t, chunk = st.seq
+    n, k = rec.shape
+    if n % t or ids.shape != (n // t * chunk, k):
+        return None
+    b, start = n // t, st.seq_rank * chunk
+    pos = torch.arange(start, start + chunk, device=ids.device)
+    real = (pos < t).repeat(b)                                 # rows [b, chunk] flattened: padding past T
+    full = rec.view(b, t, k)[:, start:min(start + chunk, t)]   # this rank's recorded rows
+    out = ids.view(b, chunk, k).clone()
+    out[:, :full.shape[1]] = full
+    return out.view(-1, k), real
 
 
 def load_routes(path: str, device: str | torch.device = "cpu") -> list[torch.Tensor]:

@@ -87,6 +87,9 @@ def test_ep_only_and_tp_only(spec):
     assert all(not o.has_attr("ep_size") for o in tp.ops_named("moe"))
     assert _params(tp)["layers.1.block_sparse_moe.experts.w1"].types[0].shape == (8, 32, 32)
     assert len(tp.ops_named("reduce_scatter")) == 16
+    # EP 1 under sequence parallel: the routed experts run on this rank's own tokens (no gather, no scatter)
+    assert all(o.type.shape[1] == "T_sp" for o in tp.ops_named("moe"))
+    assert len(tp.ops_named("seq_scatter")) == 1 and len(tp.ops_named("seq_gather")) == 16 + 1
     # ep defaults to tp
     both = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, rank=0).module
     assert all(o.attr("ep_size") == 2 for o in both.ops_named("moe"))
