@@ -168,7 +168,8 @@ def cmd_run(args) -> int:
 
         text = run_report_distributed(args.spec, tp=args.tp, ep=args.ep, weights=args.weights, batch=args.batch,
                                       prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
-                                      device=args.device, dtype=args.dtype)
+                                      device=args.device, dtype=args.dtype, use_kernels=not args.no_kernels,
+                                      cuda_graphs=args.cuda_graphs)
         if text:                                 # rank 0 reports (under torchrun the others print nothing)
             print(text)
         return 0

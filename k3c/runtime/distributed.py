@@ -413,16 +413,20 @@ def run_ranks(fn: Callable, tp: int, ep: int | None = None, args: tuple = (), *,
 
 # ---- `k3c run --tp N --ep M` ----------------------------------------------------------------------------------------
 def _run_rank(rank: int, device: str, spec, tp: int, ep: int, weights: str | None, batch: int, prompt_len: int,
-              new_tokens: int, seed: int, dtype: str) -> dict:
-    """One rank of `k3c run`: compile its slice, load its weights, prefill + greedy decode; timings."""
+              new_tokens: int, seed: int, dtype: str, use_kernels: bool = True,
+              cuda_graphs: bool | None = None) -> dict:
+    """One rank of `k3c run`: compile its slice, load its weights, prefill + greedy decode (through a CUDA graph
+    with the NCCL collectives captured, on cuda with kernels unless cuda_graphs is False); timings."""
     from .. import api
+    from .cuda_graph import DecodeGraph
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     model = api.compile(spec, target=compile_target(device), tp=tp, ep=ep, rank=rank)
     w = (load_sharded_weights(model, weights, dtype=torch_dtype) if weights
          else init_sharded_weights(model, seed=seed, dtype=torch_dtype, device=device))
     local_bytes = sum(t.numel() * t.element_size() for t in w.values())
-    sess = model.session(w, device=device, max_batch=batch, max_context=prompt_len + new_tokens)
+    sess = model.session(w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
+                         use_kernels=use_kernels)
     gen = torch.Generator().manual_seed(seed)                   # the same prompt on every rank
     ids = torch.randint(0, model.spec.vocab_size, (batch, prompt_len), generator=gen)
 
@@ -438,11 +442,16 @@ def _run_rank(rank: int, device: str, spec, tp: int, ep: int, weights: str | Non
     ttft = time.perf_counter() - t0
     tokens = [logits[:, -1].argmax(-1)]
     t1 = time.perf_counter()
+    graph, step = None, sess.decode
+    if cuda_graphs is not False and use_kernels and device.startswith("cuda") and new_tokens > 1:
+        graph = DecodeGraph.for_session(sess, capacity=prompt_len + new_tokens)   # captured on its first step
+        step = graph.step
     for _ in range(new_tokens - 1):
-        logits = sess.decode(tokens[-1])
+        logits = step(tokens[-1])
         tokens.append(logits.argmax(-1))
     sync()
     return {"rank": rank, "ttft": ttft, "decode_s": time.perf_counter() - t1, "weight_bytes": local_bytes,
+            "graph": str(graph.report) if graph is not None else None,
             "collectives": st.calls, "describe": sess.describe(), "tokens": torch.stack(tokens, 1).tolist(),
             "finite": bool(torch.isfinite(logits.float()).all()), "spec": model.spec.name,
             "layers": (model.spec.num_layers, model.spec.layer_kinds.count("kda"), model.spec.layer_kinds.count("mla"))}
@@ -450,7 +459,7 @@ def _run_rank(rank: int, device: str, spec, tp: int, ep: int, weights: str | Non
 
 def run_report_distributed(spec, *, tp: int, ep: int | None = None, weights: str | None = None, batch: int = 1,
                            prompt_len: int = 16, new_tokens: int = 8, seed: int = 0, device: str = "cpu",
-                           dtype: str = "float32") -> str:
+                           dtype: str = "float32", use_kernels: bool = True, cuda_graphs: bool | None = None) -> str:
     """`k3c run --tp N --ep M`: the report of rank 0 (every rank decodes the same tokens; checked). Under torchrun
     the ranks other than 0 return ""."""
     from .. import api
@@ -473,8 +482,8 @@ def run_report_distributed(spec, *, tp: int, ep: int | None = None, weights: str
 
     lay = make_layout(tp, ep)
     check_divisible(spec_to_module(spec), lay)        # bad --tp / --ep: fail here, before spawning
-    results = run_ranks(_run_rank, tp, ep, (spec, tp, ep, weights, batch, prompt_len, new_tokens, seed, dtype),
-                        device=device)
+    results = run_ranks(_run_rank, tp, ep, (spec, tp, ep, weights, batch, prompt_len, new_tokens, seed, dtype,
+                                            use_kernels, cuda_graphs), device=device)
     if results[0]["rank"] != 0:
         return ""
     r0 = results[0]
@@ -490,7 +499,9 @@ def run_report_distributed(spec, *, tp: int, ep: int | None = None, weights: str
         f"  batch x prompt:  {batch} x {prompt_len}, new tokens: {new_tokens}",
         f"  TTFT:            {r0['ttft'] * 1e3:.1f} ms",
         f"  prefill:         {batch * prompt_len / r0['ttft']:,.1f} tokens/s",
-        f"  decode:          {n_dec / r0['decode_s']:,.1f} tokens/s" if n_dec else "  decode:          (none)",
+        f"  decode:          {n_dec / r0['decode_s']:,.1f} tokens/s (first step's capture and JIT included)"
+        if n_dec else "  decode:          (none)",
+        *([f"  decode graph:    {r0['graph']}"] if r0["graph"] else []),
         f"  weights / rank:  {', '.join(f'{b / 2**20:,.2f}' for b in w_bytes)} MiB",
         f"  collectives:     {r0['collectives']} calls on rank 0",
         f"  logits finite:   {r0['finite']}",

@@ -115,6 +115,17 @@ def test_cli_bad_tp_exits_2(capsys, tmp_path):
     assert "--ep 3" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_cli_run_sharded_on_gloo(capsys):
+    """`k3c run --tp 2 --ep 2` end to end on 2 CPU ranks (torch ops): both ranks decode the same tokens (checked
+    inside), the report names the layout; on a CPU no decode graph is attempted."""
+    assert main(["run", TINY, "--tp", "2", "--ep", "2", "--no-kernels", "--prompt-len", "5", "--new-tokens", "3",
+                 "--cuda-graphs"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 ranks (TP 2 x EP 2, gloo)" in out and "kernels off" in out and "decode graph" not in out
+    assert "tokens[0]:" in out and "logits finite:   True" in out
+
+
 def test_kimi_k3_tp8_ep8_shapes():
     m = k3c.compile(os.path.join(ROOT, "examples", "kimi-k3.yaml"), target="mi355x", passes=["shard"], tp=8,
                     rank=7)
