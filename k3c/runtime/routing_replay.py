@@ -79,8 +79,7 @@ class RoutingReplay:
             if block is None:
                 raise RuntimeError(f"routing replay: router call {i} routes {tuple(ids.shape)} but the recorded call "
                                    f"routed {tuple(rec.shape)} (the runs make different router calls)")
-            rec, real_rows = block
-            real = int(real_rows.sum())
+            rec, real_rows, real = block
             mine, theirs = ids[real_rows].sort(dim=-1).values, rec[real_rows].sort(dim=-1).values
         else:
             mine, theirs = ids.sort(dim=-1).values, rec.sort(dim=-1).values
@@ -95,8 +94,8 @@ class RoutingReplay:
 
 def _token_block(rec: torch.Tensor, ids: torch.Tensor):
     """A sequence-parallel rank routing only its block of the tokens (`shard` with EP 1) against a recording of all
-    of them: (the recorded ids of this rank's rows, padding rows keep their own choice; mask of the real rows), or
-    None when this call is not such a block."""
+    of them: (the recorded ids of this rank's rows, padding rows keep their own choice; mask of the real rows;
+    their count), or None when this call is not such a block."""
     from .distributed import state
 
     st = state()
@@ -112,7 +111,7 @@ def _token_block(rec: torch.Tensor, ids: torch.Tensor):
     full = rec.view(b, t, k)[:, start:min(start + chunk, t)]   # this rank's recorded rows
     out = ids.view(b, chunk, k).clone()
     out[:, :full.shape[1]] = full
-    return out.view(-1, k), real
+    return out.view(-1, k), real, b * full.shape[1]
 
 
 def load_routes(path: str, device: str | torch.device = "cpu") -> list[torch.Tensor]:

@@ -76,3 +76,28 @@ def test_replay_mismatch_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="already active"):
         with RoutingReplay.record(), RoutingReplay.record():
             pass
+
+
+def test_sequence_parallel_rank_takes_its_token_block():
+    """A TP rank under sequence parallel with EP 1 routes only its block of tokens (T = 5 over 2 ranks: blocks of 3,
+    the last one padded): it takes its rows of the recorded call; padding rows keep their own choice, uncounted."""
+    from k3c.runtime.distributed import state
+
+    b, t, k = 2, 5, 2
+    recorded = torch.arange(b * t * k, dtype=torch.int32).view(b * t, k)
+    st = state()
+    saved = (st.seq, st.seq_rank)
+    try:
+        st.seq, st.seq_rank = (t, 3), 1                     # rank 1 holds tokens 3, 4 and one padding token
+        own = torch.full((b * 3, k), -7, dtype=torch.int32)
+        with RoutingReplay.replay([recorded]) as rep:
+            got = rep.choose(own)
+        want = recorded.view(b, t, k)[:, 3:5]
+        assert torch.equal(got.view(b, 3, k)[:, :2], want) and torch.all(got.view(b, 3, k)[:, 2] == -7)
+        assert rep.decisions == b * 2 and rep.flips == b * 2       # every real row differed from its own choice
+        st.seq = None                                       # not split (decode): a shape mismatch is an error
+        with pytest.raises(RuntimeError, match="different router calls"):
+            with RoutingReplay.replay([recorded]) as rep:
+                rep.choose(own)
+    finally:
+        st.seq, st.seq_rank = saved
