@@ -181,8 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, help="default: = --tp")
     ap.add_argument("--configs", help="layouts TPxEP, comma separated, run in turn (e.g. 1x1,2x1,1x2,2x2); the "
-                    "first is the baseline for logits and speed-up; TPxEP@dtype runs that layout in another dtype, e.g. "
-                    "1x1@float32,1x1,2x1 measures bf16's own error beside the sharded one (default: --tp x --ep)")
+                    "first is the baseline for logits and speed-up; TPxEP@dtype runs that layout in another dtype, "
+                    "e.g. 1x1@float32,1x1,2x1 measures bf16's own error beside the sharded one (default: --tp x --ep)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu by default")
     ap.add_argument("--batch", type=int, default=4)
@@ -202,6 +202,9 @@ def main(argv=None) -> int:
 
     from k3c.runtime.distributed import run_ranks
 
+    if args.routing_replay and "WORLD_SIZE" in os.environ:
+        raise SystemExit("bench/dist.py: --routing-replay spawns its layouts itself (the recording travels through a "
+                         "file of the launching process): run it without torchrun")
     cuda = args.device.startswith("cuda")
     configs = (parse_configs(args.configs) if args.configs
                else [(args.tp, args.tp if args.ep is None else args.ep, None)])
@@ -290,8 +293,9 @@ def _print_layout(lay: dict, first: dict, default_dtype: str) -> None:
         ds = r["decode_collective_s"] / r["decode_timed_s"] if r["decode_timed_s"] else 0.0
         peak = f"{r['peak_bytes'] / 2**30:.1f}" if r["peak_bytes"] else "-"
         print(f"| {r['rank']} | {r['weight_bytes'] / 2**20:,.1f} | {peak} | {r['prefill_tok_s']:,.1f} | "
-              f"{r['decode_tok_s']:,.1f} | {_num(r.get('decode_eager_tok_s'))} | {r['prefill_collective_s'] * 1e3:.2f} ({r['prefill_collective_calls']}, "
-              f"{ps:.0%}) | {r['decode_collective_s'] * 1e3:.2f} ({r['decode_collective_calls']}, {ds:.0%}) |",
+              f"{r['decode_tok_s']:,.1f} | {_num(r.get('decode_eager_tok_s'))} | "
+              f"{r['prefill_collective_s'] * 1e3:.2f} ({r['prefill_collective_calls']}, {ps:.0%}) | "
+              f"{r['decode_collective_s'] * 1e3:.2f} ({r['decode_collective_calls']}, {ds:.0%}) |",
               flush=True)
 
 
