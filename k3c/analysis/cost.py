@@ -404,8 +404,9 @@ def _moe(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     n, d = st.tokens, f.hidden
     E, k = op.attr("num_experts"), op.attr("top_k")
     z = op.attr("latent_dim") or d
-    experts = {r: p for r, p in params.items() if p.split == "ep"}
-    c = cm.linear({r: p for r, p in params.items() if p.split != "ep"}, n)
+    # the routed stacks by role, whatever their split: a sharded IR at EP 1 holds them whole ("rep")
+    experts = {r: p for r, p in params.items() if r.startswith("experts.")}
+    c = cm.linear({r: p for r, p in params.items() if r not in experts}, n)
     m = expert_intermediate(params)
     rows = n * k / lay.tp                  # expert rows this GPU computes (balanced routing)
     c.add_flops("expert", rows * 6 * m * z)

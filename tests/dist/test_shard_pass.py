@@ -175,6 +175,20 @@ def test_plan_reads_the_sharding(spec):
     assert main(["plan", TINY, "--target", "mi355x", "--tp", "2", "--sharded", "--json"]) == 0
 
 
+def test_sharded_plan_counts_experts_as_experts(spec):
+    """A rank's IR at EP 1 holds the expert stacks whole ("rep"): the cost model still charges n x top_k / TP expert
+    rows, as at EP 2, not a dense linear over every expert (which made TP 2 x EP 1 look 6x slower than TP 1)."""
+    from k3c.analysis import plan
+
+    kw = dict(context=64, batch=2, prefill_chunk=64)
+    moe = {ep: plan(k3c.compile(spec, target="h200", tp=2, ep=ep, rank=0), "h200", **kw).to_dict()["phases"]
+           for ep in (1, 2)}
+    one = plan(TINY, "h200", **kw).to_dict()["phases"]
+    for phase in ("prefill", "decode"):
+        ep1, ep2 = (moe[ep][phase]["by_kind"]["moe"]["flops_per_token"] for ep in (1, 2))
+        assert ep1 == ep2 < 0.75 * one[phase]["by_kind"]["moe"]["flops_per_token"]
+
+
 def test_cli_compile_one_rank_artifact_round_trips(tmp_path):
     out = tmp_path / "rank1"
     assert main(["compile", TINY, "--target", "cpu", "--tp", "2", "--rank", "1", "-o", str(out)]) == 0
