@@ -40,6 +40,7 @@ class Cost:
     flops: dict[str, float] = field(default_factory=dict)
     bytes: float = 0.0
     comm: float = 0.0
+    collectives: float = 0.0          # collective calls on the link (each pays the target's latency)
 
     @property
     def total_flops(self) -> float:
@@ -53,6 +54,7 @@ class Cost:
             self.add_flops(k, v * times)
         self.bytes += other.bytes * times
         self.comm += other.comm * times
+        self.collectives += other.collectives * times
         return self
 
     def scaled(self, times: float) -> "Cost":
@@ -67,7 +69,7 @@ class Cost:
 
     def as_dict(self) -> dict:
         return {"flops": self.total_flops, "flops_by_class": dict(self.flops), "bytes": self.bytes,
-                "comm_bytes": self.comm}
+                "comm_bytes": self.comm, "collectives": self.collectives}
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,7 @@ class PhaseResult:
     tokens: int                       # tokens processed (new tokens over all sequences)
     cost: Cost                        # per GPU
     seconds: float                    # roofline: sum over ops and steps of max(compute, memory)
-    comm_seconds: float               # link bytes / link bandwidth (not overlapped)
+    comm_seconds: float               # link bytes / link bandwidth + collectives x latency (not overlapped)
     by_kind: dict[str, dict]          # kind -> {"cost": Cost, "seconds": float, "ops": int}
     mla_modes: dict[str, int] = field(default_factory=dict)   # mode -> MLA op evaluations using it
 
@@ -269,7 +271,8 @@ class CostModel:
                 for k, v in m.items():
                     modes[k] = modes.get(k, 0) + v * times
         link = self.target.link_bytes_per_s
-        return PhaseResult(name, description, tokens, total, secs, total.comm / link if link else 0.0,
+        comm = (total.comm / link if link else 0.0) + total.collectives * self.target.collective_latency_s
+        return PhaseResult(name, description, tokens, total, secs, comm,
                            {k: by_kind[k] for k in KINDS if k in by_kind}, modes)
 
     # phases
@@ -324,8 +327,11 @@ class CostModel:
                 c.bytes += 2 * n * shape[0] * p.gpu_fraction * a
         return c
 
-    def allreduce(self, n: float, width: int) -> float:
-        return ring_allreduce_bytes(self.layout.tp, n * width * self.facts.act_bytes)
+    def allreduce(self, c: Cost, n: float, width: int) -> None:
+        """A TP all-reduce of n x width activations into c: its ring bytes and one collective (none at TP 1)."""
+        if self.layout.tp > 1:
+            c.comm += ring_allreduce_bytes(self.layout.tp, n * width * self.facts.act_bytes)
+            c.collectives += 1
 
 
 def op_params(module: Module, op: Op, by_name: dict[str, ParamInfo]) -> dict[str, ParamInfo]:
@@ -365,7 +371,7 @@ def _kda(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     n, d, a = st.tokens, cm.facts.hidden, cm.facts.act_bytes
     c = cm.linear(params, n).add(_kda_core(cm, op, params, st))
     c.bytes += 2 * n * d * a                                      # layer in/out
-    c.comm += cm.allreduce(n, d)
+    cm.allreduce(c, n, d)
     return c, None
 
 
@@ -378,7 +384,7 @@ def _projection(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     """A single dense projection (kda_proj): a row-parallel one ends in a TP all-reduce."""
     c = cm.linear(params, st.tokens)
     if any(p.row_parallel for p in params.values()):
-        c.comm += cm.allreduce(st.tokens, cm.facts.hidden)
+        cm.allreduce(c, st.tokens, cm.facts.hidden)
     return c, None
 
 
@@ -395,7 +401,7 @@ def _mla(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     c.add(modes.cost(mode))
     lat = op.attr("kv_lora_rank") + op.attr("qk_rope_head_dim")
     c.bytes += n * lat * KV_BYTES[cm.kv_dtype] + 2 * n * d * a   # cache append; layer in/out
-    c.comm += cm.allreduce(n, d)
+    cm.allreduce(c, n, d)
     return c, mode
 
 
@@ -416,10 +422,12 @@ def _moe(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     c.bytes += rows * 2 * (z + m) * a + 2 * n * d * a    # expert rows in/out (fused gate|up|act); layer in/out
     # combine: routed partials inside the TP group (all-reduce of the latent), shared + latent-up partials
     # (all-reduce of the hidden); EP beyond TP adds an all-to-all dispatch + combine of n/TP tokens x k x z
-    c.comm += cm.allreduce(n, z) + cm.allreduce(n, d)
+    cm.allreduce(c, n, z)
+    cm.allreduce(c, n, d)
     if lay.ep > lay.tp:
         p_bytes = (1 + 1 / 32 if f.activation_format == "mxfp8" else a) + a
         c.comm += n / lay.tp * k * z * p_bytes * (1 - 1 / lay.ep)
+        c.collectives += 2                                  # dispatch and combine
     return c, None
 
 
@@ -427,7 +435,7 @@ def _mlp(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     n, d, a = st.tokens, cm.facts.hidden, cm.facts.act_bytes
     c = cm.linear(params, n)
     c.bytes += 2 * n * d * a
-    c.comm += cm.allreduce(n, d)
+    cm.allreduce(c, n, d)
     return c, None
 
 
@@ -483,7 +491,7 @@ def _embedding(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     """Vocab-parallel lookup: each GPU gathers the rows of its shard, then an all-reduce."""
     n, d, a = st.tokens, cm.facts.hidden, cm.facts.act_bytes
     c = Cost({}, 2 * n * d * a / cm.layout.tp + n * d * a)
-    c.comm += cm.allreduce(n, d)
+    cm.allreduce(c, n, d)
     return c, None
 
 

@@ -32,6 +32,7 @@ FORMULAS: dict[str, str] = {
     "experts_touched": "E_local x (1 - (1 - k/E)^n): expected experts hit by n routed tokens (uniform routing)",
     "roofline_time": "max(FLOPs / peak, bytes / HBM bandwidth) per op, summed over ops",
     "allreduce_bytes": "2 (TP-1)/TP x n x d x act_bytes sent per GPU (ring all-reduce)",
+    "collective_latency": "collectives per step x the target's latency per collective",
     "kv_throughput": "cache bytes(L) / predicted prefill time(L) (K3.md s7)",
     "active_params": "non-routed params - embed_tokens + routed params x top_k / E",
 }

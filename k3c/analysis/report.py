@@ -53,7 +53,8 @@ class Plan:
             "schema": SCHEMA,
             "model": self.model,
             "target": {"name": t.name, "arch": t.arch, "hbm_bytes": t.hbm_bytes, "hbm_bytes_per_s": t.hbm_bytes_per_s,
-                       "peak_flops": dict(peak), "link_bytes_per_s": t.link_bytes_per_s},
+                       "peak_flops": dict(peak), "link_bytes_per_s": t.link_bytes_per_s,
+                       "collective_latency_s": t.collective_latency_s},
             "layout": {"tp": self.layout.tp, "ep": self.layout.ep, "world": self.layout.world,
                        "dp_attention": self.layout.dp_attention},
             "context": cfg.context, "batch": cfg.batch, "kv_dtype": cfg.kv_dtype,
@@ -120,7 +121,9 @@ class Plan:
             "experts hit, E_local (1 - (1 - k/E)^n).",
             f"Communication over the target's link ({fmt_si(t.link_bytes_per_s, 'B/s')} per GPU, one direction), "
             "not overlapped with compute: ring all-reduce after attention, MLP/MoE (latent + hidden) and the "
-            "vocab-parallel embedding; an all-to-all dispatch/combine only when EP > TP.",
+            "vocab-parallel embedding; an all-to-all dispatch/combine only when EP > TP. Each collective also "
+            f"pays {fmt_seconds(t.collective_latency_s)} of latency (target table; H200 measured from a "
+            "CUDA graph on 2 GPUs, the others assumed).",
         ]
         if cfg.context > self.facts.max_context > 0:
             out.append(f"The context {cfg.context:,} exceeds the model's max_context {self.facts.max_context:,}.")
@@ -136,7 +139,8 @@ class Plan:
 def _phase_dict(ph: PhaseResult) -> dict:
     c = ph.cost
     return {"description": ph.description, "tokens": ph.tokens, "flops": c.total_flops, "bytes": c.bytes,
-            "comm_bytes": c.comm, "roofline_seconds": ph.seconds, "comm_seconds": ph.comm_seconds,
+            "comm_bytes": c.comm, "collectives": c.collectives, "roofline_seconds": ph.seconds,
+            "comm_seconds": ph.comm_seconds,
             "total_seconds": ph.total_seconds,
             "tokens_per_s": ph.tokens / ph.total_seconds if ph.total_seconds else 0.0,
             "mla_modes": dict(ph.mla_modes),
@@ -403,10 +407,12 @@ def _render(p: Plan) -> list[str]:
                          f"{d['seconds'] / ph.seconds:.1%}" if ph.seconds else "-"])
         out += _table(["kind", "ops", "FLOPs/token", "bytes/token", "FLOP/B", "bound", "time", "share"], rows)
         rate = ph.tokens / ph.total_seconds if ph.total_seconds else 0.0
+        lat = c.collectives * t.collective_latency_s
         out.append(f"  total {fmt_si(c.total_flops, 'FLOP')}, {fmt_si(c.bytes, 'B')} HBM, "
-                   f"{fmt_si(c.comm, 'B')} link; roofline {fmt_seconds(ph.seconds)} + link "
-                   f"{fmt_seconds(ph.comm_seconds)} [{FORMULAS['allreduce_bytes']}] = "
-                   f"{fmt_seconds(ph.total_seconds)} -> {rate:,.1f} tokens/s per replica")
+                   f"{fmt_si(c.comm, 'B')} link, {c.collectives:,.0f} collectives; roofline "
+                   f"{fmt_seconds(ph.seconds)} + link {fmt_seconds(ph.comm_seconds - lat)} "
+                   f"[{FORMULAS['allreduce_bytes']}] + latency {fmt_seconds(lat)} [{FORMULAS['collective_latency']}] "
+                   f"= {fmt_seconds(ph.total_seconds)} -> {rate:,.1f} tokens/s per replica")
 
     # 4. KV throughput
     out += ["", f"4. KV throughput [{FORMULAS['kv_throughput']}; one copy of the cache: MLA {cfg.kv_dtype} + "
