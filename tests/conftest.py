@@ -1,5 +1,8 @@
 """Suite-wide setup. On a machine without CUDA, Triton kernels run in its interpreter, and triton must be imported
 in interpreter mode before anything else imports it (see k3c/codegen/triton_mode.py)."""
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -17,3 +20,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def bench_script():
+    """load(name): bench/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(root, "bench", f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    return load

@@ -1,6 +1,5 @@
 """bench/dist.py end to end on the CPU (gloo): a layout sweep whose sharded logits are checked against the one-rank
 layout's, and whose JSON carries the figures the multi-GPU run reports (issue 11)."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,13 +8,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_dist", os.path.join(ROOT, "bench", "dist.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.slow
@@ -54,9 +46,9 @@ def test_layout_sweep_matches_one_rank(tmp_path):
     assert "vs 1x1: logits rel err" in run.stdout
 
 
-def test_bad_layout_text_is_a_clear_error():
+def test_bad_layout_text_is_a_clear_error(bench_script):
     with pytest.raises(SystemExit, match="'2y1' is not TPxEP"):
-        _bench().parse_configs("1x1,2y1")
+        bench_script("dist").parse_configs("1x1,2y1")
     with pytest.raises(SystemExit, match="'2x1@fp8': dtype must be one of"):
-        _bench().parse_configs("1x1,2x1@fp8")
-    assert _bench().parse_configs("1x1@float32,2x2") == [(1, 1, "float32"), (2, 2, None)]
+        bench_script("dist").parse_configs("1x1,2x1@fp8")
+    assert bench_script("dist").parse_configs("1x1@float32,2x2") == [(1, 1, "float32"), (2, 2, None)]
