@@ -43,6 +43,10 @@ def test_layout_sweep_matches_one_rank(tmp_path):
         assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in lay["ranks"])
         if tp_split:
             assert lay["ranks"][0]["weight_bytes"] < lays[0]["ranks"][0]["weight_bytes"]
+        # the decode ceiling: the one-rank weight bytes over this layout's busiest rank's (> 1: every split saves)
+        assert lay["decode_weight_ceiling"] == pytest.approx(
+            lays[0]["ranks"][0]["weight_bytes"] / max(r["weight_bytes"] for r in lay["ranks"]))
+        assert lay["decode_weight_ceiling"] > 1.0
     assert "vs 1x1: logits rel err" in run.stdout
 
 
