@@ -33,3 +33,16 @@ def bench_script():
         spec.loader.exec_module(mod)
         return mod
     return load
+
+
+@pytest.fixture(scope="module")
+def aot_dir(request, tmp_path_factory):
+    """A scratch directory for ahead-of-time compiles, with K3C_CACHE_DIR inside it (one per test module); the
+    compile worker processes are shut down after the module."""
+    from k3c.codegen.aot import shutdown_workers
+
+    root = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("K3C_CACHE_DIR", str(root / "cache"))
+        yield root
+    shutdown_workers()

@@ -118,7 +118,6 @@ def _own_state(st: KDAState) -> KDAState:
     return KDAState(st.state.clone(), tuple(t.clone() for t in st.conv))
 
 
-# ---- capture backends: real CUDA graphs, and an eager stand-in with the same static-buffer contract (tests) ------
 def _local_kda(module, cfg):
     """The KDA config of this rank's heads: a TP-sharded graph's KDA ops carry num_heads / tp (the `shard` pass)."""
     import dataclasses
@@ -130,6 +129,7 @@ def _local_kda(module, cfg):
     return dataclasses.replace(cfg, num_heads=heads.pop()) if heads else cfg
 
 
+# ---- capture backends: real CUDA graphs, and an eager stand-in with the same static-buffer contract (tests) ------
 class CudaGraphBackend:
     """torch.cuda.CUDAGraph: warm-ups on a side stream, capture into a shared memory pool, replay."""
 

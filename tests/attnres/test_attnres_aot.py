@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from k3c.codegen.aot import compile_kernels, shutdown_workers
+from k3c.codegen.aot import compile_kernels
 from k3c.codegen.kernels.attnres import emit_attnres_phase1_split
 from k3c.codegen.targets import get_target
-
-
-@pytest.fixture(scope="module")
-def aot_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("attnres_aot")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3C_CACHE_DIR", str(root / "cache"))
-        yield root
-    shutdown_workers()
 
 
 @pytest.mark.parametrize("target", ["h200", "mi355x"])

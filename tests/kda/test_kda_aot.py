@@ -3,18 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from k3c.codegen.aot import compile_kernels, shutdown_workers
+from k3c.codegen.aot import compile_kernels
 from k3c.codegen.kernels.kda import emit_kda_decode, emit_kda_inter, emit_kda_intra, kda_plan
 from k3c.codegen.targets import get_target
-
-
-@pytest.fixture(scope="module")
-def aot_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kda_aot")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3C_CACHE_DIR", str(root / "cache"))
-        yield root
-    shutdown_workers()
 
 
 @pytest.mark.parametrize("target", ["h200", "mi355x"])

@@ -8,20 +8,11 @@ import re
 
 import pytest
 
-from k3c.codegen.aot import compile_kernels, shutdown_workers
+from k3c.codegen.aot import compile_kernels
 from k3c.codegen.kernels.moe import emit_moe_dequant, emit_moe_gemm, moe_gemm_plan, mx_mode
 from k3c.codegen.targets import get_target
 
 N, K, E, TOP_K = 128, 128, 8, 2
-
-
-@pytest.fixture(scope="module")
-def aot_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_aot")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3C_CACHE_DIR", str(root / "cache"))
-        yield root
-    shutdown_workers()
 
 
 def compile_expert_gemm(aot_dir, target: str, mx: str, rows: int = 1):

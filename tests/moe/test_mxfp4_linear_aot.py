@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import k3c
-from k3c.codegen.aot import compile_kernels, shutdown_workers
+from k3c.codegen.aot import compile_kernels
 from k3c.codegen.emitters import emit_kernels
 from k3c.codegen.emitters.mxfp4 import dense_kernels, dense_mx
 from k3c.codegen.targets import get_target
@@ -20,15 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 HEAD = (163840, 7168)          # K3 lm_head [vocab, hidden]
 LATENT_UP = (7168, 3584)       # K3 routed_expert_up_proj [hidden, latent]
-
-
-@pytest.fixture(scope="module")
-def aot_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mx_linear_aot")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3C_CACHE_DIR", str(root / "cache"))
-        yield root
-    shutdown_workers()
 
 
 def compiled(aot_dir, target, shape, act, tag):

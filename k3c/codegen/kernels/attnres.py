@@ -137,6 +137,16 @@ def emit_attnres_phase1_scores(hidden: int, num_sources: int, num_queries: int, 
                         ir_op="attn_res_phase1", loc=loc)
 
 
+def _emit_row_tile(w: SourceWriter) -> None:
+    """The phase-1 output programs' coordinates: packed row `row` (grid dim 0), its BLOCK_D columns (dim 1), the
+    padded query index qc."""
+    w.line("row = tl.program_id(0).to(tl.int64)")
+    w.line("ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)")
+    w.line("dmask = ds < D")
+    w.line("qc = tl.arange(0, QP)")
+    w.line("qmask = qc < Q")
+
+
 def _emit_mix_store(w: SourceWriter, srcs: list[str], score, row: int, dtype: str, interp: bool) -> None:
     """Phase-1 output body shared by both forms: o_j = sum_i exp(score_i - lse) v_i over this program's BLOCK_D
     columns, stored after the STATS of packed row `row` (= STATS + D elements). score(i): the expression of source
@@ -173,11 +183,7 @@ def emit_attnres_phase1_out(hidden: int, num_sources: int, num_queries: int, *, 
     w.imports()
     emit_math_helpers(w, rtne_bf16=interp and dtype == "bf16")
     with w.jit_function(kname, list(sig), list(constexprs)):
-        w.line("row = tl.program_id(0).to(tl.int64)")
-        w.line("ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)")
-        w.line("dmask = ds < D")
-        w.line("qc = tl.arange(0, QP)")
-        w.line("qmask = qc < Q")
+        _emit_row_tile(w)
         w.line(f"abase = row * {(N + 1)} * QP")
         w.line(f"lse = tl.load(a_ptr + abase + {N} * QP + qc)")
         _emit_mix_store(w, srcs, lambda i: f"tl.load(a_ptr + abase + {i} * QP + qc)", row, dtype, interp)
@@ -325,11 +331,7 @@ def emit_attnres_phase1_split_out(hidden: int, num_sources: int, num_queries: in
     w.imports()
     emit_math_helpers(w, rtne_bf16=interp and dtype == "bf16")
     with w.jit_function(kname, list(sig), list(constexprs)):
-        w.line("row = tl.program_id(0).to(tl.int64)")
-        w.line("ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)")
-        w.line("dmask = ds < D")
-        w.line("qc = tl.arange(0, QP)")
-        w.line("qmask = qc < Q")
+        _emit_row_tile(w)
         w.line("sc = tl.arange(0, SB)")
         w.line("m = tl.full([QP], float('-inf'), dtype=tl.float32)")
         w.line("l = tl.zeros([QP], dtype=tl.float32)")

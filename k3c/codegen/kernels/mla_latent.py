@@ -38,6 +38,14 @@ def latent_write_plan(t_hint: int, hidden: int, width: int, elem_bytes: int, tar
     return LatentWritePlan(bm, max(16, bk), 4 if bm == 16 else 8, stages)
 
 
+def _emit_latent_cols(w: SourceWriter) -> None:
+    """The row's column indices and masks: L latent columns, then R rope columns (both forms of the write)."""
+    w.line("offs_l = tl.arange(0, BLOCK_L)")
+    w.line("offs_r = tl.arange(0, BLOCK_R)")
+    w.line("l_ok = offs_l < L")
+    w.line("r_ok = offs_r < R")
+
+
 def emit_mla_latent_write(hidden: int, kv_lora_rank: int, rope_dim: int, eps: float, page_size: int, *,
                           target: Target, dtype: str = "bf16", w_dtype: str | None = None,
                           cache_dtype: str | None = None, t_hint: int = 1, name: str | None = None,
@@ -75,10 +83,7 @@ def emit_mla_latent_write(hidden: int, kv_lora_rank: int, rope_dim: int, eps: fl
         w.line("m_ok = offs_m < T")
         w.line("rows = b * T + tl.where(m_ok, offs_m, 0).to(tl.int64)")
         w.line("offs_k = tl.arange(0, BLOCK_K)")
-        w.line("offs_l = tl.arange(0, BLOCK_L)")
-        w.line("offs_r = tl.arange(0, BLOCK_R)")
-        w.line("l_ok = offs_l < L")
-        w.line("r_ok = offs_r < R")
+        _emit_latent_cols(w)
         w.line("acc_c = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)")
         w.line("acc_r = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)")
         w.line("for k0 in range(0, D, BLOCK_K):")
@@ -247,10 +252,7 @@ def emit_mla_latent_reduce(kv_lora_rank: int, rope_dim: int, eps: float, page_si
         w.line("row = tl.program_id(0).to(tl.int64)")
         w.line("b = row // T")
         w.line("offs_s = tl.arange(0, BLOCK_S)")
-        w.line("offs_l = tl.arange(0, BLOCK_L)")
-        w.line("offs_r = tl.arange(0, BLOCK_R)")
-        w.line("l_ok = offs_l < L")
-        w.line("r_ok = offs_r < R")
+        _emit_latent_cols(w)
         w.line("acc_c = tl.zeros((BLOCK_L,), dtype=tl.float32)")
         w.line("acc_r = tl.zeros((BLOCK_R,), dtype=tl.float32)")
         w.comment("fixed summation order (splits in ascending blocks, one tl.sum tree each): deterministic")
