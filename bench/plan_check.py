@@ -1,8 +1,9 @@
 """`k3c plan`'s roofline against measured runs: for every measured configuration in the checked-in H200 JSONs
 (bench/dist.py sweeps, bench/e2e.py, bench/decode_graph.py), the plan of the same model, target, layout, batch and
 context, and measured / planned tokens/s. The plan is a roofline (compulsory traffic, peak rates, communication
-at link bandwidth, not overlapped), so the ratio is the fraction of it the code reaches: what to divide a plan's
-tokens/s by to expect a real figure on that hardware. CPU only, no GPU needed.
+at link bandwidth, not overlapped), so the ratio is the fraction of it the code reaches: what to multiply a plan's
+tokens/s by to expect a real figure on that hardware. The last line prints the range as the target table's
+`plan_fraction` (k3c/codegen/targets.py), which `k3c plan` uses for its "expected on <target>" line. CPU only.
 
     python bench/plan_check.py                                   # every source below
     python bench/plan_check.py --sources bench/dist-h200x2-b32.json --json plan-check.json
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -100,10 +102,14 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {os.path.basename(r['source'])} | TP {r['tp']} x EP {r['ep']} | {r['phase']} | {r['batch']} | "
               f"{r['context']:,} | {r['tok_s']:,.1f} | {r['plan_tok_s']:,.1f} | {r['ratio']:.0%} |")
+    shares = []
     for phase in ("prefill", "decode"):
         rs = [r["ratio"] for r in rows if r["phase"] == phase]
         if rs:
             print(f"{phase}: measured / plan {min(rs):.0%} - {max(rs):.0%} over {len(rs)} points")
+            shares.append((phase, math.floor(min(rs) * 100) / 100, math.ceil(max(rs) * 100) / 100))
+    # what `k3c plan` multiplies its rate by for "expected on <target>" (k3c/codegen/targets.py)
+    print(f"target table: {args.target} plan_fraction={tuple(shares)!r}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"target": args.target, "rows": rows}, fh, indent=2)

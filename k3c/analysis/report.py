@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..codegen.targets import Target, get_target
+from ..codegen.targets import TARGETS, Target, get_target
 from ..errors import ArgumentError
 from ..ir.core import Module
 from .cost import CostModel, PhaseResult, cost_rules, mla_crossover_new_tokens, mla_mode_costs, op_params
@@ -69,7 +69,7 @@ class Plan:
             "weights_by_precision": {k: dict(v) for k, v in self.weights.by_precision.items()},
             "per_gpu": self.memory.as_dict(),
             "fit": self.fit,
-            "phases": {ph.name: _phase_dict(ph) for ph in self.phases},
+            "phases": {ph.name: _phase_dict(ph, t) for ph in self.phases},
             "kv_throughput": self.kv_throughput,
             "mla_modes": self.mla,
             "moe_comm": self.moe_comm,
@@ -136,13 +136,39 @@ class Plan:
         return "\n".join(_render(self)) + "\n"
 
 
-def _phase_dict(ph: PhaseResult) -> dict:
+def _rate(ph: PhaseResult) -> float:
+    return ph.tokens / ph.total_seconds if ph.total_seconds else 0.0
+
+
+def _expected(ph: PhaseResult, target: Target) -> dict | None:
+    """The plan's rate scaled by the share of it k3c's measured runs reach on this target (Target.plan_fraction):
+    what to expect, not a ceiling. None where that phase was never measured on the target."""
+    share = target.plan_fraction_of(ph.name)
+    if share is None:
+        return None
+    return {"measured_share": list(share), "tokens_per_s": [share[0] * _rate(ph), share[1] * _rate(ph)]}
+
+
+def _expected_line(ph: PhaseResult, target: Target) -> str:
+    exp = _expected(ph, target)
+    if exp is not None:
+        (lo, hi), (r_lo, r_hi) = exp["measured_share"], exp["tokens_per_s"]
+        return (f"  expected on {target.name}: {r_lo:,.1f}-{r_hi:,.1f} tokens/s per replica [k3c's measured runs "
+                f"reach {lo * 100:.0f}-{hi:.0%} of this phase's plan here: bench/plan_check.py]")
+    seen = [(o.name, o.plan_fraction_of(ph.name)) for o in TARGETS.values() if o.plan_fraction_of(ph.name)]
+    where = "; ".join(f"{name} {lo * 100:.0f}-{hi:.0%}" for name, (lo, hi) in seen)
+    return (f"  expected on {target.name}: not measured, read the rate above as a ceiling"
+            + (f" [share of the {ph.name} plan reached where measured: {where}]" if where else ""))
+
+
+def _phase_dict(ph: PhaseResult, target: Target) -> dict:
     c = ph.cost
     return {"description": ph.description, "tokens": ph.tokens, "flops": c.total_flops, "bytes": c.bytes,
             "comm_bytes": c.comm, "collectives": c.collectives, "roofline_seconds": ph.seconds,
             "comm_seconds": ph.comm_seconds,
             "total_seconds": ph.total_seconds,
-            "tokens_per_s": ph.tokens / ph.total_seconds if ph.total_seconds else 0.0,
+            "tokens_per_s": _rate(ph),
+            "expected": _expected(ph, target),
             "mla_modes": dict(ph.mla_modes),
             "by_kind": {k: {"ops": d["ops"], "flops": d["cost"].total_flops, "bytes": d["cost"].bytes,
                             "comm_bytes": d["cost"].comm, "seconds": d["seconds"],
@@ -406,13 +432,14 @@ def _render(p: Plan) -> list[str]:
                          f"{ai:,.1f}", bound, fmt_seconds(d["seconds"]),
                          f"{d['seconds'] / ph.seconds:.1%}" if ph.seconds else "-"])
         out += _table(["kind", "ops", "FLOPs/token", "bytes/token", "FLOP/B", "bound", "time", "share"], rows)
-        rate = ph.tokens / ph.total_seconds if ph.total_seconds else 0.0
+        rate = _rate(ph)
         lat = c.collectives * t.collective_latency_s
         out.append(f"  total {fmt_si(c.total_flops, 'FLOP')}, {fmt_si(c.bytes, 'B')} HBM, "
                    f"{fmt_si(c.comm, 'B')} link, {c.collectives:,.0f} collectives; roofline "
                    f"{fmt_seconds(ph.seconds)} + link {fmt_seconds(ph.comm_seconds - lat)} "
                    f"[{FORMULAS['allreduce_bytes']}] + latency {fmt_seconds(lat)} [{FORMULAS['collective_latency']}] "
                    f"= {fmt_seconds(ph.total_seconds)} -> {rate:,.1f} tokens/s per replica")
+        out.append(_expected_line(ph, t))
 
     # 4. KV throughput
     out += ["", f"4. KV throughput [{FORMULAS['kv_throughput']}; one copy of the cache: MLA {cfg.kv_dtype} + "

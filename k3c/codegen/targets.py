@@ -28,6 +28,16 @@ class Target:
     collective_latency_s: float = 10e-6   # one small collective (decode all-reduce, replayed from a CUDA graph):
                                           # H200 9 us measured on 2 GPUs (bench/collectives-h200x2.json); the
                                           # other targets assume 10 us (not measured)
+    plan_fraction: tuple[tuple[str, float, float], ...] = ()
+    # (phase, low, high): the share of `k3c plan`'s roofline tokens/s that k3c's measured end-to-end runs reach on
+    # this target (bench/plan_check.py over the checked-in JSONs); empty where nothing was measured
+
+    def plan_fraction_of(self, phase: str) -> tuple[float, float] | None:
+        """(low, high) measured share of the plan's tokens/s for a plan phase on this target, or None."""
+        for name, lo, hi in self.plan_fraction:
+            if name == phase:
+                return lo, hi
+        return None
 
     @property
     def triton_target(self):
@@ -44,7 +54,8 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("mi300x", "hip", "gfx942", 64, 64 * KiB, False, 1.307e15, 2.615e15, 2.615e15, 5.3e12, 192 * GiB, 448e9),
     Target("h100", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 3.35e12, 80 * GiB, 450e9),
     Target("h200", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 4.8e12, 141 * GiB, 450e9,
-           collective_latency_s=9e-6),
+           collective_latency_s=9e-6,
+           plan_fraction=(("prefill", 0.44, 0.63), ("decode", 0.48, 0.62))),   # bench/plan-check-h200.json
     Target("b200", "cuda", "sm_100", 32, 227 * KiB, True, 2.25e15, 4.5e15, 9.0e15, 8.0e12, 180 * GiB, 900e9),
     Target("cpu", "cpu", "cpu", 1, 0, False, 1e12, 1e12, 1e12, 1e11, 16 * GiB, 1e10),
 )}
