@@ -20,10 +20,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 def _run(spec, seed, ids, dtype, replay):
     """(logits fp32, [(name, input, output)] per sublayer) of the reference forward in `dtype` (the same draw of the
     weights for every dtype; the fp32-only ones stay fp32, as a session loads them)."""
@@ -63,6 +59,7 @@ def main(argv=None) -> int:
 
     import k3c
     from k3c.errors import UserError
+    from k3c.runtime.opcheck import rel_error as rel
     from k3c.runtime.routing_replay import RoutingReplay
 
     try:

@@ -155,8 +155,8 @@ def _expected_line(ph: PhaseResult, target: Target) -> str:
         (lo, hi), (r_lo, r_hi) = exp["measured_share"], exp["tokens_per_s"]
         return (f"  expected on {target.name}: {r_lo:,.1f}-{r_hi:,.1f} tokens/s per replica [k3c's measured runs "
                 f"reach {lo * 100:.0f}-{hi:.0%} of this phase's plan here: bench/plan_check.py]")
-    seen = [(o.name, o.plan_fraction_of(ph.name)) for o in TARGETS.values() if o.plan_fraction_of(ph.name)]
-    where = "; ".join(f"{name} {lo * 100:.0f}-{hi:.0%}" for name, (lo, hi) in seen)
+    seen = {o.name: o.plan_fraction_of(ph.name) for o in TARGETS.values()}
+    where = "; ".join(f"{name} {f[0] * 100:.0f}-{f[1]:.0%}" for name, f in seen.items() if f)
     return (f"  expected on {target.name}: not measured, read the rate above as a ceiling"
             + (f" [share of the {ph.name} plan reached where measured: {where}]" if where else ""))
 

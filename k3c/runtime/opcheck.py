@@ -25,7 +25,8 @@ class OpError:
     finite: bool
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp32 (||a - b|| when b is zero)."""
     den = float(b.float().norm())
     num = float((a.float() - b.float()).norm())
     return num / den if den > 0 else num
@@ -71,7 +72,7 @@ def check_ops(compiled, weights: dict[str, torch.Tensor], input_ids: torch.Tenso
             ref_out = ref(a, cache.copy(), data, params)
             out = fn(a, cache, data, params)
             for got, want in zip(_outputs(op.op, out), _outputs(op.op, ref_out)):
-                errors.append(OpError(op.op, op.results[0], phase["name"], _rel(got, want),
+                errors.append(OpError(op.op, op.results[0], phase["name"], rel_error(got, want),
                                       bool(torch.isfinite(got.float()).all())))
             return out
         return checked

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ...frontend.spec import ActivationSpec, MoESpec
-from ..routing_replay import replayed_ids
+from ..routing_replay import replayed_ids, routed_weights
 from .norms import acc, acc_dtype, linear, rms_norm
 
 
@@ -36,10 +36,7 @@ def route(x: torch.Tensor, w: dict[str, torch.Tensor], cfg: MoESpec
     scores = torch.sigmoid(scores) if cfg.router_activation == "sigmoid" else torch.softmax(scores, dim=-1)
     choice = scores + acc(w["gate.e_score_correction_bias"]) if cfg.router_bias else scores
     idx = replayed_ids(torch.topk(choice, cfg.top_k, dim=-1).indices)     # the chosen experts, unless replayed
-    p = scores.gather(-1, idx)
-    if cfg.renormalize:
-        p = p / (p.sum(-1, keepdim=True) + 1e-20)
-    return p * cfg.routed_scaling_factor, idx, scores
+    return routed_weights(scores, idx, cfg.renormalize, cfg.routed_scaling_factor), idx, scores
 
 
 def routed_experts(z: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, p: torch.Tensor,
