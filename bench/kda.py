@@ -167,7 +167,8 @@ def prefill(b, t, h, variants):
     var = best[1]
     try:                                   # the best plan's two kernels timed alone
         from k3c.codegen.kernels.kda import inter_dtype
-        from k3c.codegen.launch import launch, target_for
+        from k3c.codegen.launch import target_for
+        from k3c.runtime.launcher import launch
         from k3c.runtime.kernels.kda import _emit_inter, _emit_intra, _plan
         pl = _plan(D, q.dtype, q.device, **var)
         idt = torch.bfloat16 if inter_dtype(pl.dot) == "bf16" else torch.float32

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from k3c.codegen.kernels.moe import moe_gemm_plan  # noqa: E402
-from k3c.codegen.launch import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
+from k3c.runtime.launcher import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
 from k3c.codegen.launch import target_for  # noqa: E402
 from k3c.frontend.spec import ActivationSpec  # noqa: E402
 from k3c.runtime.kernels import moe as M  # noqa: E402

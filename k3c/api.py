@@ -27,6 +27,8 @@ class CompiledModel:
     module: Module
     stages: list[tuple[str, Module]] = field(default_factory=list)   # ("frontend", m0), ("dce", m1), ...
     records: list = field(default_factory=list)                      # PassRecord per pass run
+    artifact_dir: str | None = None          # the artifact this model was saved to or loaded from
+    compiled_kernels: list | None = None     # its CompiledKernels (the catalogue the runtime launches from)
 
     @property
     def pass_names(self) -> list[str]:
@@ -140,8 +142,9 @@ class CompiledModel:
             if compiled is not None:
                 manifest["kernels"] = [k.to_dict() for k in compiled]
             manifest["extern"] = self.extern_ops()
-            _write(tmp, "manifest.json", json.dumps(manifest, indent=2) + "\n")
             _write(tmp, "report.md", self.report(compiled))
+            manifest["sha256"] = _tree_sha256(tmp)       # every file the artifact holds, checked by load()
+            _write(tmp, "manifest.json", json.dumps(manifest, indent=2) + "\n")
             if kept:
                 os.replace(os.path.join(path, kept), os.path.join(tmp, kept))
             if os.path.exists(path):
@@ -150,6 +153,36 @@ class CompiledModel:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if compiled is not None:
+            self.artifact_dir, self.compiled_kernels = path, compiled
+        return path
+
+    def catalogue(self):
+        """The runtime's view of this model's artifact: catalogue key -> CompiledKernel (None: no artifact yet)."""
+        from .runtime.launcher import Catalogue
+
+        if self.artifact_dir is None or self.compiled_kernels is None:
+            return None
+        return Catalogue(target=self.target, root=self.artifact_dir,
+                         entries={ck.catalogue_key: ck for ck in self.compiled_kernels}, verified=True)
+
+    def ensure_artifact(self, *, progress: bool = True) -> str:
+        """The artifact directory, compiling one into the cache (K3C_CACHE_DIR/artifacts/<cache key>) when this
+        model has none: a second process with the same spec, passes and target loads it instead of compiling."""
+        if self.artifact_dir is not None and self.compiled_kernels is not None:
+            return self.artifact_dir
+        from .config import settings
+
+        path = os.path.join(settings().cache_dir, "artifacts", self.cache_key[:32])
+        if _is_artifact(path):
+            try:
+                cached = load(path)
+            except UserError:
+                cached = None       # damaged: compiled again below
+            if cached is not None and cached.cache_key == self.cache_key and cached.compiled_kernels:
+                self.artifact_dir, self.compiled_kernels = cached.artifact_dir, cached.compiled_kernels
+                return path
+        self.save(path, overwrite=True, progress=progress)
         return path
 
     def report(self, compiled: list | None = None) -> str:
@@ -175,18 +208,53 @@ class CompiledModel:
         return "\n".join(lines) + "\n"
 
     def session(self, weights, *, device: str = "cpu", max_batch: int = 8, max_context: int | None = None,
-                use_kernels: bool = True):
+                use_kernels: bool = True, kernel_policy: str = "artifact"):
         """A runtime session over this compiled graph (prefill / decode with caches). Ops marked impl="kernel"
-        launch their generated Triton kernels (through the interpreter on a CPU) unless use_kernels=False."""
+        launch their generated Triton kernels unless use_kernels=False: on a GPU the artifact's binaries (one is
+        compiled into the cache if this model has none; kernel_policy: runtime.session.bind_kernels), on a CPU
+        through the interpreter."""
         from .runtime.session import Session
 
         return Session(self, weights, device=device, max_batch=max_batch, max_context=max_context,
-                       use_kernels=use_kernels)
+                       use_kernels=use_kernels, kernel_policy=kernel_policy)
 
 
 def _write(root: str, rel: str, text: str) -> None:
     with open(os.path.join(root, rel), "w", encoding="utf-8") as fh:
         fh.write(text)
+
+
+def _tree_sha256(root: str) -> dict[str, str]:
+    from .codegen.aot import file_sha256
+
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for fname in files:
+            full = os.path.join(dirpath, fname)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if rel != "manifest.json":
+                out[rel] = file_sha256(full)
+    return dict(sorted(out.items()))
+
+
+def _verify_files(path: str, manifest: dict) -> None:
+    """Every file the manifest lists exists and has its sha256 (nothing in an artifact is used unchecked)."""
+    from .codegen.aot import file_sha256
+
+    listed = manifest.get("sha256")
+    if not isinstance(listed, dict) or not listed:
+        raise UserError(f"{path}/manifest.json: no 'sha256' file list (written by an older k3c?); recompile the "
+                        f"artifact")
+    root = os.path.realpath(path)
+    for rel, digest in listed.items():
+        full = os.path.realpath(os.path.join(root, rel))
+        if not isinstance(rel, str) or os.path.isabs(rel) or not full.startswith(root + os.sep):
+            raise UserError(f"{path}/manifest.json: file entry {rel!r} is outside the artifact")
+        if not os.path.isfile(full):
+            raise UserError(f"{path}/{rel}: missing (listed in manifest.json); recompile the artifact")
+        if file_sha256(full) != digest:
+            raise UserError(f"{path}/{rel}: sha256 does not match manifest.json (the artifact was changed after "
+                            f"it was written); recompile it")
 
 
 def _is_artifact(path: str) -> bool:
@@ -197,10 +265,11 @@ def _is_artifact(path: str) -> bool:
         return False
 
 
-def compile(spec, target: str = "mi355x", *, passes: list[str] | None = None,  # noqa: A001 (public API name)
+def compile(spec, target: str | Target = "mi355x", *, passes: list[str] | None = None,  # noqa: A001 (public API)
             dump_ir: str | os.PathLike | None = None, tp: int = 1, ep: int | None = None,
             rank: int = 0, seq_parallel: bool = True) -> CompiledModel:
-    """Run the pass pipeline on a spec (a ModelSpec or a path) for a target.
+    """Run the pass pipeline on a spec (a ModelSpec or a path) for a target (a name or a Target): every pass gets
+    it as `ctx.target`, so its tile and plan choices are the target's.
 
     tp / ep / rank: compile rank `rank`'s slice for tensor parallel tp x expert parallel ep (ep None = tp; the
     ranks are max(tp, ep)): the `shard` pass runs first (docs/distributed.md). seq_parallel: with tp > 1, the
@@ -223,7 +292,7 @@ def compile(spec, target: str = "mi355x", *, passes: list[str] | None = None,  #
         if "shard" not in resolve_passes(names):
             names = ["shard"] + names
     stages: list = []
-    final, records = run_pipeline(module, names, dump_dir=dump_ir, stages=stages)
+    final, records = run_pipeline(module, names, dump_dir=dump_ir, stages=stages, target=tgt)
     return CompiledModel(spec=spec, target=tgt, module=final, stages=stages, records=records)
 
 
@@ -234,6 +303,18 @@ def load(path: str | os.PathLike) -> CompiledModel:
         raise UserError(f"{path}: not a k3c artifact directory (no manifest.json of format {ARTIFACT_FORMAT})")
     with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
         manifest = json.load(fh)
+    _verify_files(path, manifest)
+    target = _manifest_target(path, manifest)
+    try:
+        from .codegen.aot import CompiledKernel
+
+        kernels = [CompiledKernel.from_dict(d) for d in manifest.get("kernels", [])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path}/manifest.json: a kernel entry does not parse ({exc})") from None
+    for ck in kernels:
+        if ck.target != target.name or not ck.catalogue_key:
+            raise UserError(f"{path}/manifest.json: kernel {ck.name} is for target {ck.target!r} or has no "
+                            f"catalogue key; recompile the artifact")
     spec_path = os.path.join(path, "spec.yaml")
     with open(spec_path, encoding="utf-8") as fh:
         spec = parse_spec_text(fh.read(), spec_path)
@@ -245,4 +326,20 @@ def load(path: str | os.PathLike) -> CompiledModel:
                 stages.append((fname[4:-4], parse_module(fh.read(), os.path.join(stage_dir, fname))))
     with open(os.path.join(path, "model.k3c"), encoding="utf-8") as fh:
         module = parse_module(fh.read(), os.path.join(path, "model.k3c"))
-    return CompiledModel(spec=spec, target=get_target(manifest["target"]["name"]), module=module, stages=stages)
+    return CompiledModel(spec=spec, target=target, module=module, stages=stages,
+                         artifact_dir=os.path.abspath(path) if kernels or target.backend == "cpu" else None,
+                         compiled_kernels=kernels if kernels or target.backend == "cpu" else None)
+
+
+def _manifest_target(path: str, manifest: dict) -> Target:
+    """The artifact's Target: the table row of its name, which must equal the row it was compiled with."""
+    recorded = manifest.get("target")
+    name = recorded.get("name") if isinstance(recorded, dict) else None
+    try:
+        target = get_target(name)
+    except (ArgumentError, TypeError):
+        raise UserError(f"{path}/manifest.json: unknown target {name!r}") from None
+    if json.loads(json.dumps(asdict(target))) != recorded:
+        raise UserError(f"{path}/manifest.json: target '{name}' was compiled with another row of the target table "
+                        f"than this k3c has (another version?); recompile the artifact")
+    return target

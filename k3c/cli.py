@@ -83,6 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "cuda and kernels; falls back to the ordinary step where capture is impossible, reported)")
     r.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"),
                    help="prefill at most this many tokens per sequence and step (default: the whole prompt)")
+    r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="one untimed pass of the same requests before the timed one (JIT compiles, CUDA graph "
+                   "capture of every length bucket), reported apart; TTFT and tokens/s are the timed pass's "
+                   "(default: on with --device cuda, off on a CPU, where there is no JIT and a pass of the "
+                   "interpreter costs as much as the run: the rates then include first-call costs, and say so)")
+    pol = r.add_mutually_exclusive_group()
+    pol.add_argument("--strict", dest="kernel_policy", action="store_const", const="strict",
+                     help="a kernel launch missing from the artifact is an error (default: JIT-compiled once, "
+                     "with a warning, counted in the report)")
+    pol.add_argument("--allow-jit", dest="kernel_policy", action="store_const", const="allow-jit",
+                     help="run an artifact compiled for another target by JIT-compiling its kernel sources for "
+                     "this device (default: refused)")
+    pol.add_argument("--jit", dest="kernel_policy", action="store_const", const="jit",
+                     help="ignore the artifact's binaries and JIT-compile every kernel from source (the pre-loader "
+                     "path, for comparison)")
+    r.set_defaults(kernel_policy="artifact")
     _parallel_args(r)
 
     pl = sub.add_parser("plan", help="memory plan, cost model and roofline for a target and a parallel layout")
@@ -163,7 +179,13 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_run(args) -> int:
+    flag = {"strict": "--strict", "allow-jit": "--allow-jit", "jit": "--jit"}.get(args.kernel_policy)
+    if flag and args.no_kernels:
+        raise ArgumentError(f"k3c run: {flag} chooses where kernels come from; it cannot go with --no-kernels")
     if args.tp > 1 or (args.ep or 1) > 1:       # one process per rank (or this process under torchrun)
+        if flag or args.warmup is not None:
+            raise ArgumentError(f"k3c run: {flag or ('--warmup' if args.warmup else '--no-warmup')} is not "
+                                "supported with --tp/--ep yet (one process per rank)")
         from .runtime.distributed import run_report_distributed
 
         text = run_report_distributed(args.spec, tp=args.tp, ep=args.ep, weights=args.weights, batch=args.batch,
@@ -178,7 +200,7 @@ def cmd_run(args) -> int:
     print(run_report(args.spec, weights=args.weights, batch=args.batch, prompt_len=args.prompt_len,
                      new_tokens=args.new_tokens, seed=args.seed, device=args.device, dtype=args.dtype,
                      use_kernels=not args.no_kernels, prefill_chunk=args.prefill_chunk,
-                     cuda_graphs=args.cuda_graphs))
+                     cuda_graphs=args.cuda_graphs, warmup=args.warmup, kernel_policy=args.kernel_policy))
     return 0
 
 

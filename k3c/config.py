@@ -2,6 +2,7 @@
 
 K3C_DEBUG: 0 quiet, 1 pass times, 2 + fusion/rewrite decisions, 3 + IR after each pass, 4 + generated Triton.
 K3C_CACHE_DIR: content-addressed compile cache (default ~/.cache/k3c).
+K3C_NO_JIT: 1 = a GPU launch whose kernel is not in the bound artifact raises instead of JIT-compiling its source.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 class Settings:
     debug: int = 0
     cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "k3c")
+    no_jit: bool = False
 
 
 def _int_env(name: str, default: int) -> int:
@@ -28,7 +30,8 @@ def _int_env(name: str, default: int) -> int:
 def settings() -> Settings:
     """Read the environment now (cheap; tests may change it between calls)."""
     return Settings(debug=_int_env("K3C_DEBUG", 0),
-                    cache_dir=os.environ.get("K3C_CACHE_DIR") or Settings.cache_dir)
+                    cache_dir=os.environ.get("K3C_CACHE_DIR") or Settings.cache_dir,
+                    no_jit=_int_env("K3C_NO_JIT", 0) != 0)
 
 
 def debug(level: int, message: str) -> None:

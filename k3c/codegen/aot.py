@@ -21,6 +21,7 @@ Nothing in this module imports triton in the calling process.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ import time
 import types
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..errors import ArgumentError, K3cError
 from .cache import CompileCache, cache_key
@@ -86,6 +87,8 @@ class CompiledKernel:
     cache_hit: bool = False
     key: str = ""                            # cache key
     digest: str = ""                         # KernelSource.digest
+    catalogue_key: str = ""                  # KernelSource.key: what the runtime looks its launches up by
+    sha256: dict[str, str] = field(default_factory=dict)   # file path (relative to out_dir) -> sha256 hex
 
     @property
     def entry(self) -> str:
@@ -111,6 +114,7 @@ class CompiledKernel:
             "compile_cpu_seconds": self.compile_cpu_seconds, "ir_op": self.ir_op,
             "loc": self.loc, "metadata": dict(self.metadata), "divisible_by_16": list(self.divisible_by_16),
             "cache_hit": self.cache_hit, "key": self.key, "digest": self.digest,
+            "catalogue_key": self.catalogue_key, "sha256": dict(self.sha256),
         }
 
     @classmethod
@@ -119,6 +123,10 @@ class CompiledKernel:
         data["resources"] = KernelResources.from_dict(data["resources"])
         data["grid"] = tuple(data["grid"])
         data["divisible_by_16"] = tuple(data.get("divisible_by_16", ()))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown kernel fields {', '.join(unknown)}")
         return cls(**data)
 
 
@@ -219,7 +227,18 @@ def compile_kernels(kernels: list[KernelSource], target: Target | str, out_dir: 
         bar.close()
     if failures:
         raise _compile_error(failures, target)
-    return [r for r in results if r is not None]
+    out = [r for r in results if r is not None]
+    for ck in out:
+        ck.sha256 = {rel: file_sha256(os.path.join(out_dir, rel)) for rel in sorted(set(ck.files.values()))}
+    return out
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def report_markdown(compiled: list[CompiledKernel], target: Target | str) -> str:
@@ -258,27 +277,6 @@ def report_markdown(compiled: list[CompiledKernel], target: Target | str) -> str
     return "\n".join(lines) + "\n"
 
 
-def write_manifest(compiled: list[CompiledKernel], target: Target | str, out_dir: str,
-                   filename: str = "kernels.json") -> str:
-    """A JSON list of CompiledKernel.to_dict() (with the target) that a runtime can load a binary from."""
-    if isinstance(target, str):
-        target = get_target(target)
-    path = os.path.join(out_dir, filename)
-    data = {"target": target.name, "backend": target.backend, "arch": target.arch,
-            "kernels": [ck.to_dict() for ck in compiled]}
-    tmp = path + ".part"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, path)
-    return path
-
-
-def load_manifest(out_dir: str, filename: str = "kernels.json") -> list[CompiledKernel]:
-    with open(os.path.join(out_dir, filename)) as f:
-        data = json.load(f)
-    return [CompiledKernel.from_dict(d) for d in data["kernels"]]
-
-
 def shutdown_workers(wait: bool = True) -> None:
     """Stop the reusable worker pool (it is otherwise kept for the next compile_kernels call)."""
     global _EXECUTOR, _EXECUTOR_JOBS
@@ -302,7 +300,7 @@ def _unique(kernels: list[KernelSource]) -> list[KernelSource]:
         if not _NAME.match(k.name):
             raise ArgumentError(f"kernel name '{k.name}' is not a Python identifier")
         if k.name in seen:
-            if seen[k.name].digest != k.digest:
+            if seen[k.name].key != k.key:
                 raise ArgumentError(f"two different kernels are both named '{k.name}' "
                                     f"({seen[k.name].ir_op or '?'} and {k.ir_op or '?'})")
             continue
@@ -352,7 +350,8 @@ def _from_entry(entry: dict, kernel: KernelSource, target: Target, key: str, *, 
         resources=KernelResources.from_dict(entry["resources"]), compile_seconds=float(entry["compile_seconds"]),
         compile_cpu_seconds=float(entry.get("compile_cpu_seconds", 0.0)),
         ir_op=kernel.ir_op, loc=kernel.loc, metadata=dict(entry["metadata"]),
-        divisible_by_16=tuple(entry.get("divisible_by_16", ())), cache_hit=hit, key=key, digest=kernel.digest)
+        divisible_by_16=tuple(entry.get("divisible_by_16", ())), cache_hit=hit, key=key, digest=kernel.digest,
+        catalogue_key=kernel.key)
 
 
 def _copy_tree_files(src_dir: str, out_dir: str, files: dict[str, str]) -> None:

@@ -1,7 +1,10 @@
 """What an emitter produces and the AOT compiler consumes: one generated Triton kernel, specialised on shapes."""
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
+import tokenize
 from dataclasses import dataclass, field
 
 
@@ -31,6 +34,19 @@ class KernelSource:
     ir_op: str = ""
     loc: str = ""
 
+    @functools.cached_property
+    def key(self) -> str:
+        """The kernel's identity in the catalogue: its code without comments (the header names the IR op, the spec
+        location and the target, which do not change what runs), signature, constexprs, grid and launch options.
+        The AOT artifact and the runtime compute it alike, so equal code has one key wherever it was emitted."""
+        h = hashlib.sha256()
+        for part in (self.name, code_text(self.source), repr(sorted(self.signature.items())),
+                     repr(sorted(self.constexprs.items())), repr(self.grid), str(self.num_warps),
+                     str(self.num_stages)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()[:20]
+
     @property
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -40,3 +56,15 @@ class KernelSource:
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=8192)
+def code_text(source: str) -> str:
+    """`source` with every comment and blank line removed (tokenize, so a '#' inside a string stays)."""
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            continue
+        out.append(tok)
+    lines = tokenize.untokenize(out).splitlines()
+    return "\n".join(line.rstrip() for line in lines if line.strip())

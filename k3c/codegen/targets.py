@@ -2,7 +2,7 @@
 `if target == ...` scattered through the code."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ArgumentError
 
@@ -53,6 +53,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("mi355x", "hip", "gfx950", 64, 160 * KiB, True, 2.5e15, 5.0e15, 10.0e15, 8.0e12, 288 * GiB, 537.6e9),
     Target("mi300x", "hip", "gfx942", 64, 64 * KiB, False, 1.307e15, 2.615e15, 2.615e15, 5.3e12, 192 * GiB, 448e9),
     Target("h100", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 3.35e12, 80 * GiB, 450e9),
+    # h200: 4.8 TB/s and 141 GB are the spec sheet's; a device copy measures 4.2-4.3 TB/s (docs/perf.md)
     Target("h200", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 4.8e12, 141 * GiB, 450e9,
            collective_latency_s=9e-6,
            plan_fraction=(("prefill", 0.44, 0.63), ("decode", 0.48, 0.62))),   # bench/plan-check-h200.json
@@ -66,3 +67,40 @@ def get_target(name: str) -> Target:
         return TARGETS[name]
     except KeyError:
         raise ArgumentError(f"unknown target '{name}'; valid targets: {', '.join(TARGETS)}") from None
+
+
+DEFAULT_TARGET = "mi355x"     # the compile target when none is named (k3c.compile, `k3c compile`, PassContext)
+
+
+def target_for_properties(backend: str, arch: str, name: str = "", total_memory_bytes: int = 0,
+                          shared_mem_optin: int = 0) -> Target:
+    """The Target of a device from its properties (pure: launch.target_for feeds it torch's device properties).
+
+    backend: cpu | cuda | hip; arch: "sm_90", "sm_100", "gfx950", ... (a ROCm gcnArchName such as
+    "gfx942:sramecc+:xnack-" is accepted); name: the device name ("NVIDIA H200"); total_memory_bytes: its memory;
+    shared_mem_optin: shared memory per block (opt-in), used only by a derived row.
+    Among the rows of the device's arch (h100 and h200 are both sm_90): the one whose name the device name contains
+    ("NVIDIA H200", "NVIDIA H200 MIG 1g.18gb" -> h200), else the one whose hbm_bytes is nearest the device's memory
+    (an H100 reports about 79 GiB, an H200 about 140 GiB), else the first. An arch with no row gets a row derived
+    from h100 / mi300x named cuda_<arch> / hip_<arch>, with the device's shared memory."""
+    from .writer import name_part
+
+    if backend == "cpu":
+        return TARGETS["cpu"]
+    if backend not in ("cuda", "hip"):
+        raise ArgumentError(f"no target for device backend {backend!r} (cpu, cuda or hip)")
+    arch = str(arch).split(":")[0].strip()
+    rows = [t for t in TARGETS.values() if t.backend == backend and t.arch == arch]
+    if rows:
+        label = str(name or "").lower()
+        named = [t for t in rows if t.name.lower() in label]
+        if named:
+            return max(named, key=lambda t: len(t.name))
+        if total_memory_bytes and total_memory_bytes > 0:
+            return min(rows, key=lambda t: abs(t.hbm_bytes - int(total_memory_bytes)))
+        return rows[0]
+    smem = int(shared_mem_optin or 0)
+    if backend == "hip":
+        base = TARGETS["mi300x"]
+        return replace(base, name=f"hip_{name_part(arch)}", arch=arch, shared_mem_bytes=smem or base.shared_mem_bytes)
+    return replace(TARGETS["h100"], name=f"cuda_{arch}", arch=arch, shared_mem_bytes=smem or 96 * KiB)

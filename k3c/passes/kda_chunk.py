@@ -7,27 +7,20 @@ per-head RMSNorm x sigmoid gate), then the o projection.
     %o = kda_attn(q, k, v, f, b, q_conv1d.weight, k_conv1d.weight, v_conv1d.weight, A_log, dt_bias)
     %y = kda_out(o, gate, o_norm.weight);  %a = kda_proj(y, o_proj.weight)
 
-The chunk step, V block and matmul precision of kda_attn come from the target (module attr `target`, else the
-default compile target, mi355x) through k3c.codegen.kernels.kda.kda_plan. Counts: `kda_layers`, `prep`, `chunk`,
+The chunk step, V block and matmul precision of kda_attn come from the compile target (`ctx.target`, None = the
+default compile target) through k3c.codegen.kernels.kda.kda_plan. Counts: `kda_layers`, `prep`, `chunk`,
 `decode`, `out`, `proj`.
 """
 from __future__ import annotations
 
 from ..codegen.kernels.kda import kda_plan
-from ..codegen.targets import TARGETS, get_target
 from ..ir.builder import Builder
 from ..ir.core import Module
 from ..ir.ops import get_op_def
 from .dce import eliminate_dead
 from .registry import PassContext, register_pass
 
-DEFAULT_TARGET = "mi355x"
 _DTYPES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
-
-
-def _target(module: Module):
-    name = module.attr_dict.get("target")
-    return get_target(name) if isinstance(name, str) and name in TARGETS else get_target(DEFAULT_TARGET)
 
 
 @register_pass("kda-chunk", ensures=("no-dead-ops",))
@@ -35,7 +28,7 @@ def kda_chunk(module: Module, ctx: PassContext) -> Module:
     """KDA layers -> projections + fused prep/chunked-prefill/recurrent-decode core + output norm x gate."""
     if not any(op.op == "kda" for op in module.ops):
         return module
-    target = _target(module)
+    target = ctx.plan_target
     b = Builder.like(module)
     rename: dict[str, str] = {}
     for op in ctx.walk(module.ops):

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from ..codegen.targets import DEFAULT_TARGET, Target, get_target
 from ..config import debug, settings
 from ..errors import ArgumentError, IRError
 from ..ir.core import Module
@@ -84,8 +85,12 @@ def _located(e: IRError, pass_name: str) -> IRError:
 
 def run_pipeline(module: Module, passes: str | Iterable[str], *, dump_dir: str | os.PathLike | None = None,
                  verify: bool = True, input_name: str = "frontend",
-                 stages: list | None = None) -> tuple[Module, list[PassRecord]]:
+                 stages: list | None = None,
+                 target: Target | str | None = None) -> tuple[Module, list[PassRecord]]:
     """Run `passes` in order; return the final module and one PassRecord per pass.
+
+    `target` (a Target or a target name; None = the default compile target) is every pass's `ctx.target`: the
+    passes that choose tiles or plans read it. It is named in the header of dump 000.
 
     With `verify`, the input and every pass output go through the verifier, plus the invariants each pass
     ensures. Dead ops are tolerated only while the input had some and no pass ensuring no-dead-ops (dce) has
@@ -95,11 +100,16 @@ def run_pipeline(module: Module, passes: str | Iterable[str], *, dump_dir: str |
     With `dump_dir`, writes 000_<input_name>.k3c and NNN_<pass>.k3c, each before verification, so a broken
     IR is on disk to inspect."""
     names = resolve_passes(passes)
+    tgt = get_target(target) if isinstance(target, str) else target
+    if tgt is not None and not isinstance(tgt, Target):
+        raise ArgumentError(f"target must be a Target or a target name, got {target!r}")
     dump_dir = os.fspath(dump_dir) if dump_dir is not None else None
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
         _dump(dump_dir, 0, input_name, module, [f"k3c IR dump 000: {input_name} (pipeline input)",
-                                                 f"pipeline: {', '.join(names) or 'none'}"])
+                                                 f"pipeline: {', '.join(names) or 'none'}",
+                                                 f"target: {tgt.name if tgt is not None else DEFAULT_TARGET}"
+                                                 + ("" if tgt is not None else " (default)")])
     allow_dead = False
     if verify:
         try:
@@ -112,7 +122,7 @@ def run_pipeline(module: Module, passes: str | Iterable[str], *, dump_dir: str |
         stages.append((input_name, module))
     for index, name in enumerate(names, 1):
         info = get_pass(name)
-        ctx = PassContext(name)
+        ctx = PassContext(name, tgt)
         start = time.perf_counter()
         try:
             out = info.fn(module, ctx)
@@ -151,9 +161,10 @@ def run_pipeline(module: Module, passes: str | Iterable[str], *, dump_dir: str |
     return module, records
 
 
-def run_pass(module: Module, name: str, *, verify: bool = True) -> tuple[Module, PassRecord]:
+def run_pass(module: Module, name: str, *, verify: bool = True,
+             target: Target | str | None = None) -> tuple[Module, PassRecord]:
     """One pass through the pipeline machinery (verification included)."""
-    out, records = run_pipeline(module, [name], verify=verify)
+    out, records = run_pipeline(module, [name], verify=verify, target=target)
     return out, records[0]
 
 

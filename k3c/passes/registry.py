@@ -6,7 +6,8 @@ A pass is a pure function `fn(module, ctx) -> Module`, registered once by name:
     def dce(module: Module, ctx: PassContext) -> Module: ...
 
 `ctx.count(key)` records rewrite counts (tests assert a rewrite fired); `ctx.walk(ops)` iterates ops while
-remembering the current one, so an exception inside the pass is reported against that op. `ensures` names
+remembering the current one, so an exception inside the pass is reported against that op; `ctx.target` is the
+compile target run_pipeline was given (`ctx.plan_target`: it, or the default compile target). `ensures` names
 invariants (registered below with `@register_invariant`) that the pipeline checks after the pass, on top of the
 verifier.
 """
@@ -17,18 +18,27 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+from ..codegen.targets import DEFAULT_TARGET, Target, get_target
 from ..errors import ArgumentError, IRError
 from ..ir.core import Module, Op, attrs_key
 from ..ir.ops import get_op_def
 
 
 class PassContext:
-    """What a running pass reports: rewrite counts and the op it is working on."""
+    """What a running pass reports (rewrite counts, the op it is working on) and what it compiles for: `target`,
+    the compile target (a k3c.codegen.targets.Target; None = the default compile target, DEFAULT_TARGET).
+    A pass that chooses tiles or plans reads `ctx.plan_target` (the Target, never None)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, target: Target | None = None):
         self.name = name
+        self.target = target
         self.counts: Counter[str] = Counter()
         self.current_op: Op | None = None
+
+    @property
+    def plan_target(self) -> Target:
+        """`target`, or the default compile target's row when it is None."""
+        return self.target if self.target is not None else get_target(DEFAULT_TARGET)
 
     def count(self, key: str, n: int = 1) -> None:
         self.counts[key] += n

@@ -64,7 +64,8 @@ class Engine:
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
                  max_context: int | None = None, num_pages: int | None = None, page_size: int | None = None,
                  use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
-                 cuda_graphs: bool | None = None, graph_backend=None, max_graphs: int = 4):
+                 cuda_graphs: bool | None = None, graph_backend=None, max_graphs: int = 4,
+                 kernel_policy: str = "artifact"):
         spec = compiled.spec
         if any(op.op == "mla" for op in compiled.module.ops):
             raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
@@ -81,7 +82,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.dtype = weights["embed_tokens.weight"].dtype
         # load_graph's graphs run the MLA mode the engine sets per call (cache.mla_modes, from batch_mla_mode)
-        self.graph = graph if graph is not None else load_graph(compiled, weights, self.device, use_kernels)
+        self.graph = graph if graph is not None else load_graph(compiled, weights, self.device, use_kernels,
+                                                                kernel_policy=kernel_policy)
+        self.kernel_policy = kernel_policy
         self.target = target_for(self.device)
         # MLA layers whose op picks its mode at run time ("auto"): attrs without the layer, for batch_mla_mode
         self._mla_auto: dict[int, tuple] = {}      # layer -> (key, attrs): layers of equal attrs share one choice

@@ -2,6 +2,7 @@
 speed, memory and the MLA modes that ran."""
 from __future__ import annotations
 
+import copy
 import os
 import resource
 import sys
@@ -10,11 +11,19 @@ import time
 from ..errors import ArgumentError
 
 
-def _load_model(spec_or_artifact: str, target: str = "cpu"):
+def _load_model(spec_or_artifact: str, device: str = "cpu"):
+    """An artifact is loaded as it is; a spec is compiled for the device's target (cuda: launch.target_for, which
+    tells an H200 from an H100; anything else: cpu)."""
     from .. import api
 
     if os.path.isdir(spec_or_artifact) and os.path.isfile(os.path.join(spec_or_artifact, "manifest.json")):
         return api.load(spec_or_artifact)
+    if str(device).startswith("cuda"):
+        from ..codegen.launch import target_for
+
+        target = target_for(device)
+    else:
+        target = "cpu"
     return api.compile(spec_or_artifact, target=target)
 
 
@@ -27,87 +36,206 @@ def _peak_memory_bytes(device: str) -> int:
     return int(peak_kib) * 1024
 
 
-def _graph_line(eng) -> str:
-    """CUDA graphs on: how many decode steps were replayed, and each batch size's graph mode (why it fell back)."""
+def _graph_line(eng, stats=None) -> str:
+    """CUDA graphs on: how many decode steps were replayed (of `stats`, default the engine's totals), and each
+    batch size's graph mode (why it fell back)."""
+    stats = eng.stats if stats is None else stats
     per = "; ".join(f"batch {b}: {dg.report.mode}" + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph"
                                                        else "") for b, dg in sorted(eng._graphs.items()))
-    return (f"  decode graphs:   {eng.stats['decode_graph_calls']} of {eng.stats['decode_calls']} decode steps "
+    return (f"  decode graphs:   {stats.get('decode_graph_calls', 0)} of {stats.get('decode_calls', 0)} decode steps "
             f"replayed; {per or 'none captured (a batch size gets its graph on its second decode step in a row)'}")
 
 
-def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int = 1, prompt_len: int = 16,
-               new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str = "float32",
-               use_kernels: bool = True, prefill_chunk: int | None = None, progress: bool | None = None,
-               cuda_graphs: bool | None = None) -> str:
-    """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
-    then greedy decode steps. TTFT = the first step (every prompt prefilled, first tokens sampled)."""
+KERNEL_POLICIES = ("artifact", "strict", "allow-jit", "jit")       # = launcher.POLICIES
+
+
+def _launcher():
+    """k3c.runtime.launcher (stats() / reset_stats()), or None where this build has none."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(f"{__package__}.launcher") is None:
+        return None
+    launcher = importlib.import_module(f"{__package__}.launcher")
+    return launcher if hasattr(launcher, "stats") and hasattr(launcher, "reset_stats") else None
+
+
+def _kernel_line(use_kernels: bool, total, before_timed) -> str:
+    """Where the distinct kernels came from (launcher.stats() over the whole run) and what the timed pass added."""
+    if not use_kernels:
+        return "  kernels:         off (--no-kernels: every op through torch)"
+    if total is None:
+        return "  kernels:         (no launch statistics: k3c.runtime.launcher is not in this build)"
+    line = (f"  kernels:         {total.binaries} from the artifact's binaries (load {total.load_seconds:.2f} s), "
+            f"{total.jit} JIT-compiled ({total.jit_seconds:.2f} s), {total.interpreted} in the interpreter "
+            f"(distinct kernels, whole run); {total.launches:,} launches")
+    if before_timed is not None:
+        line += (f"; timed pass: {total.jit - before_timed.jit} new JIT, "
+                 f"{total.binaries - before_timed.binaries} new binaries")
+    names = list(getattr(total, "jit_kernels", None) or ())
+    if names:
+        line += f"; JIT: {', '.join(names[:3])}" + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+    return line
+
+
+def _serve(eng, ids, new_tokens: int, sync, bar) -> dict:
+    """One pass: every row of `ids` queued as a request of `new_tokens`, the engine stepped until all finished.
+    TTFT = until every prompt is prefilled and has its first token (synchronised); decode = the steps after."""
     import torch
-    from tqdm import tqdm
 
-    from .. import init_weights, load_weights
-    from .engine import Engine
-
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ArgumentError(f"--device must be cpu or cuda, got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ArgumentError("--device cuda: no CUDA device is available here (use --device cpu)")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = _load_model(spec_or_artifact)
-    spec = model.spec
-    if prompt_len + new_tokens > spec.max_context:
-        raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
-                            f"max_context {spec.max_context}")
-    w = load_weights(spec, weights, dtype=torch_dtype) if weights else init_weights(spec, seed=seed,
-                                                                                      dtype=torch_dtype)
-    eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
-                 use_kernels=use_kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, spec.vocab_size, (batch, prompt_len), generator=gen)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    rids = [eng.add_request(ids[b], new_tokens) for b in range(batch)]
-    show = (new_tokens > 32 or prompt_len > 4096) and sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=batch * (prompt_len + new_tokens), desc="k3c run", unit="tok", leave=False, disable=not show)
+    before = dict(eng.stats)
+    modes_before = dict(eng.mode_counts)
+    sync()
+    rids = [eng.add_request(ids[b], new_tokens) for b in range(ids.shape[0])]
     tokens: dict[int, list[int]] = {r: [] for r in rids}
     t0 = time.perf_counter()
     first_at = None
     last_logits = None
     while eng.has_work():
-        before = eng.stats["prefill_tokens"] + eng.stats["decode_tokens"]
+        done = eng.stats["prefill_tokens"] + eng.stats["decode_tokens"]
         for o in eng.step():
             tokens[o.rid].append(o.token)
             last_logits = o.logits
-        bar.update(eng.stats["prefill_tokens"] + eng.stats["decode_tokens"] - before)
+        bar.update(eng.stats["prefill_tokens"] + eng.stats["decode_tokens"] - done)
         if first_at is None and all(tokens[r] for r in rids):
             sync()
             first_at = time.perf_counter()
     sync()
     end = time.perf_counter()
+    stats = {k: v - before.get(k, 0) for k, v in eng.stats.items()}
+    modes = {k: n - modes_before.get(k, 0) for k, n in eng.mode_counts.items() if n - modes_before.get(k, 0)}
+    return {"ttft": first_at - t0, "decode_s": end - first_at, "seconds": end - t0, "stats": stats, "modes": modes,
+            "tokens": torch.tensor([tokens[r] for r in rids]), "last_logits": last_logits}
+
+
+def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int = 1, prompt_len: int = 16,
+               new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str = "float32",
+               use_kernels: bool = True, prefill_chunk: int | None = None, progress: bool | None = None,
+               cuda_graphs: bool | None = None, warmup: bool | None = None,
+               kernel_policy: str = "artifact") -> str:
+    """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
+    then greedy decode steps. Timed apart: weights (random, drawn on the device, or loaded; then prepared for the
+    graph: MXFP4 packing), the model (artifact loaded or spec compiled), the engine build (graph, page pool) and,
+    with `warmup` (default:
+    on with CUDA, off on a CPU), one untimed pass of the same requests (JIT, CUDA graph capture of every length
+    bucket the timed pass meets); then the timed pass: TTFT = its first step(s) (every prompt prefilled, first
+    tokens sampled), prefill tokens/s = batch x prompt_len / TTFT, decode tokens/s over the steps after it.
+    `kernel_policy` (KERNEL_POLICIES) goes to the Engine: artifact (binaries; a miss is JIT-compiled once, with a
+    warning), strict (a miss raises), allow-jit (an artifact of another target: its sources JIT-compiled for the
+    device), jit (every kernel JIT-compiled from source, the artifact's binaries ignored)."""
+    import torch
+    from tqdm import tqdm
+
+    from .. import load_weights
+    from .engine import Engine
+    from .weight_prep import prepare_weights
+    from .weights import init_weights           # takes device= (k3c.init_weights does not)
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ArgumentError(f"--device must be cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ArgumentError("--device cuda: no CUDA device is available here (use --device cpu)")
+    if kernel_policy not in KERNEL_POLICIES:
+        raise ArgumentError(f"kernel_policy must be one of {', '.join(KERNEL_POLICIES)}, got {kernel_policy!r}")
+    if kernel_policy != "artifact" and not use_kernels:
+        raise ArgumentError(f"kernel policy {kernel_policy!r} needs kernels (it cannot go with --no-kernels)")
+    cuda = device.startswith("cuda")
+    warmup = cuda if warmup is None else warmup
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    launcher = _launcher() if use_kernels else None
+    if launcher is not None:
+        launcher.reset_stats()
+    t = time.perf_counter()
+    is_artifact = os.path.isdir(spec_or_artifact) and os.path.isfile(os.path.join(spec_or_artifact,
+                                                                                  "manifest.json"))
+    model = _load_model(spec_or_artifact, device)
+    t_model = time.perf_counter() - t
+    spec = model.spec
+    if prompt_len + new_tokens > spec.max_context:
+        raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
+                            f"max_context {spec.max_context}")
+    t = time.perf_counter()
+    if weights:
+        w = load_weights(spec, weights, dtype=torch_dtype)          # host memory; the engine build moves them
+    else:
+        w = init_weights(spec, seed=seed, dtype=torch_dtype, device=device)   # drawn where they run
+    sync()
+    t_prep = time.perf_counter()
+    # what the graph reads, prepared now (float expert stacks packed to MXFP4, the float copies dropped) so that
+    # this is counted as weights, not engine build; the engine's own preparation then finds them ready
+    w = prepare_weights(model.module, w, spec)
+    sync()
+    t_weights, t_prep = time.perf_counter() - t, time.perf_counter() - t_prep
+    t = time.perf_counter()
+    policy = {} if kernel_policy == "artifact" else {"kernel_policy": kernel_policy}   # "artifact": the default
+    eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
+                 use_kernels=use_kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs, **policy)
+    del w                        # the graph holds what it reads
+    sync()
+    t_engine = time.perf_counter() - t
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, spec.vocab_size, (batch, prompt_len), generator=gen)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    show = (new_tokens > 32 or prompt_len > 4096) and sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(total=(1 + warmup) * batch * (prompt_len + new_tokens), desc="k3c run", unit="tok", leave=False,
+               disable=not show)
+    # warm-up: the same requests once, untimed: every kernel shape and every CUDA graph (batch size x length
+    # bucket) the timed pass meets is compiled / captured here (identical inputs: identical data-dependent choices)
+    warm = _serve(eng, ids, new_tokens, sync, bar) if warmup else None
+    # stats() is the launcher's live record: copies, so the timed pass's additions can be told apart
+    before_timed = copy.deepcopy(launcher.stats()) if launcher is not None and warmup else None
+    run = _serve(eng, ids, new_tokens, sync, bar)
     bar.close()
-    ttft, decode_s = first_at - t0, end - first_at
-    n_decoded = eng.stats["decode_tokens"]
-    out = torch.tensor([tokens[r] for r in rids])
-    finite = bool(torch.isfinite(last_logits.float()).all())
-    modes = ", ".join(f"layer {layer} {mode} x{n}" for (layer, mode), n in sorted(eng.mode_counts.items()))
+    total = copy.deepcopy(launcher.stats()) if launcher is not None else None
+
+    first = warm or run
+    n_decoded = run["stats"].get("decode_tokens", 0)
+    steps = run["stats"].get("decode_calls", 0)
+    finite = bool(torch.isfinite(run["last_logits"].float()).all())
+    modes = ", ".join(f"layer {layer} {mode} x{n}" for (layer, mode), n in sorted(run["modes"].items()))
+    source = (f"artifact {spec_or_artifact} loaded, target {model.target.name}" if is_artifact else
+              f"spec compiled for target {model.target.name}")
+    where = (f"loaded from {weights} to host memory, moved to {device} in the engine build" if weights else
+             f"random, seed {seed}, drawn on {device}") + f"; {t_prep:.2f} s of it preparing them for the graph"
+    passed = "timed pass, warm-up excluded" if warmup else "no warm-up: includes first-call costs"
+    if warmup:
+        warm_line = (f"  warm-up:         {warm['seconds']:.2f} s (untimed pass of the same requests: prefill "
+                     f"{batch} x {prompt_len}, {warm['stats'].get('decode_calls', 0)} decode steps; JIT, CUDA "
+                     f"graph capture; its TTFT {warm['ttft'] * 1e3:,.1f} ms)")
+    else:
+        warm_line = ("  warm-up:         skipped (--no-warmup, the default on a CPU): the rates below include "
+                     "first-call costs")
     lines = [
         f"k3c run: {spec.name} ({spec.num_layers} layers: {spec.layer_kinds.count('kda')} KDA, "
         f"{spec.layer_kinds.count('mla')} MLA) on {device}, {dtype}, weights: {weights or f'random (seed {seed})'}",
         f"  executor:        {eng.describe()}",
         f"  batch x prompt:  {batch} x {prompt_len}, new tokens: {new_tokens}",
-        f"  TTFT:            {ttft * 1e3:.1f} ms",
-        f"  prefill:         {batch * prompt_len / ttft:,.1f} tokens/s",
-        f"  decode:          {n_decoded / decode_s:,.1f} tokens/s" if n_decoded else "  decode:          (none)",
+        f"  weights:         {t_weights:.2f} s ({where})",
+        f"  model:           {t_model:.2f} s ({source})",
+        f"  engine build:    {t_engine:.2f} s (graph, kernels bound, MLA page pool; kernel policy "
+        f"{kernel_policy})",
+        warm_line,
+        f"  cold TTFT:       {(t_model + t_engine + first['ttft']) * 1e3:,.1f} ms (model + engine build + the first "
+        f"pass's prefill; weights excluded)",
+        f"  TTFT:            {run['ttft'] * 1e3:,.1f} ms ({passed})",
+        f"  prefill:         {batch * prompt_len / run['ttft']:,.1f} tokens/s ({batch} x {prompt_len} tokens / TTFT; "
+        f"{passed})",
+        (f"  decode:          {n_decoded / run['decode_s']:,.1f} tokens/s ({n_decoded} tokens in {steps} steps after "
+         f"the first token; {passed})" if n_decoded else "  decode:          (none: one new token is the prefill's)"),
+        _kernel_line(use_kernels, total, before_timed),
         f"  peak memory:     {_peak_memory_bytes(device) / 2**20:,.1f} MiB",
         f"  MLA cache:       {eng.pool.num_pages} pages of {eng.pool.page_size} tokens "
         f"({eng.pool.num_pages * eng.pool.page_bytes / 2**20:,.1f} MiB)",
-        f"  MLA modes:       {modes or '(no MLA layers)'}",
-        *([_graph_line(eng)] if eng.cuda_graphs else []),
+        f"  MLA modes:       {modes or '(no MLA layers)'} (timed pass)",
+        *([_graph_line(eng, run["stats"]) + " (timed pass)"] if eng.cuda_graphs else []),
         f"  logits finite:   {finite}",
-        f"  tokens[0]:       {out[0].tolist()}",
+        f"  tokens[0]:       {run['tokens'][0].tolist()}",
     ]
     return "\n".join(lines)

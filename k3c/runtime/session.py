@@ -29,15 +29,50 @@ def _mla_mode_from_cache(op, fn):
     return mla_absorbed_mode
 
 
+def bind_kernels(compiled, device: torch.device, policy: str = "artifact") -> str:
+    """Make `device`'s kernel launches come from `compiled`'s artifact (k3c.runtime.launcher.bind) and its kernel
+    choices follow the artifact's Target. policy: "artifact" (a kernel the artifact lacks is JIT-compiled once,
+    with a warning), "strict" (such a launch raises), "allow-jit" (an artifact for another target: JIT-compile the
+    kernels for this device instead), "jit" (ignore the binaries: JIT everything). A model with no artifact yet
+    gets one compiled into the cache (CompiledModel.ensure_artifact). Returns a one-line description."""
+    from ..codegen.launch import bind_device_target, device_target, unbind_device_target
+    from . import launcher
+
+    if policy not in launcher.POLICIES:
+        raise ArgumentError(f"kernel policy must be one of {', '.join(launcher.POLICIES)}, got {policy!r}")
+    if device.type != "cuda":
+        return f"{device.type}: kernels run in Triton's interpreter" if device.type == "cpu" else device.type
+    own = device_target(device)
+    tgt = compiled.target
+    fits = tgt.backend == own.backend and tgt.arch == own.arch
+    if policy == "jit" or (not fits and policy == "allow-jit"):
+        unbind_device_target(device)            # kernels planned for the device itself
+        launcher.bind(device, compiled.catalogue(), "allow-jit" if policy == "allow-jit" else "jit")
+        return (f"JIT-compiling kernels for {own.name} ({own.backend} {own.arch})"
+                + (f" instead of the artifact's {tgt.name} binaries" if policy == "allow-jit" else ""))
+    if not fits:
+        where = f"the artifact {compiled.artifact_dir}" if compiled.artifact_dir else "this model"
+        raise ArgumentError(f"{where} is compiled for {tgt.name} ({tgt.backend} {tgt.arch}) and cannot run on "
+                            f"{device} ({own.name}, {own.backend} {own.arch}): compile it with --target {own.name}, "
+                            f"or pass --allow-jit to JIT-compile its kernels for this device")
+    compiled.ensure_artifact()
+    launcher.bind(device, compiled.catalogue(), policy)
+    bind_device_target(device, tgt)
+    return f"{len(compiled.compiled_kernels)} kernels from {compiled.artifact_dir} ({tgt.name}, {policy})"
+
+
 def load_graph(compiled, weights: dict[str, torch.Tensor], device: torch.device, use_kernels: bool, *,
-               wrap=None):
+               wrap=None, kernel_policy: str = "artifact"):
     """The compiled graph with `weights` (checked against the IR's params) on `device`. MLA ops take a mode a
-    caller sets per call (`cache.mla_modes`); `wrap(op, fn)` may further replace op implementations."""
+    caller sets per call (`cache.mla_modes`); `wrap(op, fn)` may further replace op implementations. On a GPU the
+    kernels come from the artifact under `kernel_policy` (bind_kernels)."""
     weights = prepare_weights(compiled.module, weights, compiled.spec)
     if use_kernels and device.type == "cpu":
         from ..codegen.triton_mode import prepare_interpreter
 
         prepare_interpreter()       # generated kernels run in Triton's interpreter on a CPU
+    if use_kernels:
+        bind_kernels(compiled, device, kernel_policy)
     on_device = {name: t.to(device) for name, t in weights.items()}
     both = _mla_mode_from_cache if wrap is None else (lambda op, fn: wrap(op, _mla_mode_from_cache(op, fn)))
     return build_graph_module(compiled.module, on_device, use_kernels=use_kernels, wrap=both)
@@ -56,14 +91,14 @@ def describe_graph(compiled, use_kernels: bool) -> str:
 
 class Session:
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
-                 max_context: int | None = None, use_kernels: bool = True):
+                 max_context: int | None = None, use_kernels: bool = True, kernel_policy: str = "artifact"):
         self.compiled = compiled
         self.spec = compiled.spec
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.max_context = max_context or self.spec.max_context
         self.use_kernels = use_kernels
-        self.graph = load_graph(compiled, weights, self.device, use_kernels)
+        self.graph = load_graph(compiled, weights, self.device, use_kernels, kernel_policy=kernel_policy)
         self.cache: LayerCaches | None = None
 
     def describe(self) -> str:

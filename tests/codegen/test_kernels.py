@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from k3c import __version__
-from k3c.codegen import launch as L
+from k3c.codegen import launch as CL
+from k3c.runtime import launcher as RL
+from k3c.runtime.kernels import basic as L
 from k3c.codegen.kernels import (emit_embedding, emit_gemm, emit_gemm_glu, emit_glu, emit_rmsnorm, emit_softmax,
                                  gemm_plan, row_plan)
 from k3c.codegen.targets import TARGETS, get_target
@@ -254,17 +256,17 @@ def test_writer_numbers_and_lines():
 
 def test_grid_evaluator():
     env = {"M": 33, "N": 200, "BLOCK_M": 16, "BLOCK_N": 64}
-    assert L.eval_grid(("cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)",), env) == (12,)
-    assert L.eval_grid(("M", "max(1, N // 64 - 1)", "min(3, 2) + 0"), env) == (33, 2, 2)
+    assert RL.eval_grid(("cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)",), env) == (12,)
+    assert RL.eval_grid(("M", "max(1, N // 64 - 1)", "min(3, 2) + 0"), env) == (33, 2, 2)
     for bad in ["__import__('os')", "M.bit_length()", "M ** 2", "(lambda: 1)()", "K", "open('x')",
                 "cdiv(M, b=2)", "1.5", "M if N else 1", "[M][0]", "M; N", "cdiv(*[M, 2])", "True",
                 "getattr(M, 'real')", "M - 100", "M * " + "9" * 20, "x" * 300]:
-        with pytest.raises(L.GridError):
-            L.eval_grid((bad,), env)
-    with pytest.raises(L.GridError):
-        L.eval_grid(("cdiv(M, 0)",), env)
-    with pytest.raises(L.GridError):
-        L.eval_grid(("1", "70000"), env)
+        with pytest.raises(RL.GridError):
+            RL.eval_grid((bad,), env)
+    with pytest.raises(RL.GridError):
+        RL.eval_grid(("cdiv(M, 0)",), env)
+    with pytest.raises(RL.GridError):
+        RL.eval_grid(("1", "70000"), env)
 
 
 def test_launch_checks_and_memo():
@@ -272,17 +274,17 @@ def test_launch_checks_and_memo():
     ks = emit_rmsnorm(64, 1e-6, target=CPU, dtype="fp32")
     x, w, out = randn(3, 64), randn(64), torch.empty(3, 64)
     with pytest.raises(CodegenError):
-        L.launch(ks, x, w, out)                                               # missing M
+        RL.launch(ks, x, w, out)                                               # missing M
     with pytest.raises(CodegenError):
-        L.launch(ks, x.bfloat16(), w, out, 3)                                 # wrong dtype
+        RL.launch(ks, x.bfloat16(), w, out, 3)                                 # wrong dtype
     with pytest.raises(CodegenError):
-        L.launch(ks, x, w, out, 3.0)                                          # float for i32
-    L.launch(ks, x, w, out, 3)
+        RL.launch(ks, x, w, out, 3.0)                                          # float for i32
+    RL.launch(ks, x, w, out, 3)
     close(out, rms_norm(x, w, 1e-6), torch.float32)
-    fn = L.load_kernel(ks, True)
-    assert L.load_kernel(ks, True) is fn
+    fn = RL.load_kernel(ks, True)
+    assert RL.load_kernel(ks, True) is fn
     mod = sys.modules[fn.fn.__module__]
-    assert Path(mod.__file__).parent == L.kernel_dir() and mod.__name__.startswith("k3c_gen_")
+    assert Path(mod.__file__).parent == RL.kernel_dir() and mod.__name__.startswith("k3c_gen_")
     misses = L._emit_rmsnorm.cache_info().misses
     L.rmsnorm(x, w, 1e-6)
     n_fast = len(L._FAST)
@@ -295,9 +297,9 @@ def test_launch_checks_and_memo():
 
 # -- block-size plans from the target --------------------------------------------------------------------------------
 def test_plans_follow_targets():
-    assert sorted({L.m_bucket(m) for m in range(1, 3000)}) == list(L.M_BUCKETS)
+    assert sorted({CL.m_bucket(m) for m in range(1, 3000)}) == list(CL.M_BUCKETS)
     for t in TARGETS.values():
-        for m, n, n_b in itertools.product((1, *L.M_BUCKETS, 4096), (200, 3584, 7168), (1, 2)):
+        for m, n, n_b in itertools.product((1, *CL.M_BUCKETS, 4096), (200, 3584, 7168), (1, 2)):
             p = gemm_plan(m, n, 7168, 2, t, n_b=n_b)
             assert p.smem_bytes <= t.shared_mem_bytes
             assert min(p.block_m, p.block_n, p.block_k) >= 16                  # tl.dot's minimum on every backend

@@ -23,7 +23,8 @@ def register_emitter(op_name: str):
 
 
 def emit_kernels(module, target) -> list[KernelSource]:
-    """Every distinct kernel of the module's `impl = "kernel"` ops (deduplicated by content)."""
+    """Every distinct kernel of the module's `impl = "kernel"` ops (deduplicated by catalogue key: equal code
+    emitted for two ops, whose header comments name different locations, is one kernel)."""
     seen: dict[str, KernelSource] = {}
     for op in module.ops:
         if op.attr("impl", None) != "kernel":
@@ -34,7 +35,7 @@ def emit_kernels(module, target) -> list[KernelSource]:
 
             raise IRError("marked impl=kernel but no emitter is registered", op=op.describe(), loc=op.loc)
         for ks in emitter(op, module, target):
-            seen.setdefault(ks.digest, ks)
+            seen.setdefault(ks.key, ks)
     return list(seen.values())
 
 

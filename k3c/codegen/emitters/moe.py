@@ -1,10 +1,10 @@
 """AOT emitters of the moe-lower pass's ops: the kernels k3c.runtime.kernels.moe launches for them, with the same
 emit_* arguments (router / latent GEMMs per token bucket, the three routing kernels, the grouped GEMMs per
-rows-per-expert bucket, the combine)."""
+rows-per-expert class, both answers of the scale check: expert_gemm_classes), the combine)."""
 from __future__ import annotations
 
-from ..kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_gemm, emit_moe_linear, emit_moe_offsets,
-                           emit_moe_rank, emit_moe_scatter, emit_moe_topk, moe_gemm_plan, mx_mode)
+from ..kernels.moe import (emit_moe_combine, emit_moe_linear, emit_moe_offsets, emit_moe_rank, emit_moe_scatter,
+                           emit_moe_topk, expert_gemm_classes, mx_mode)
 from . import register_emitter
 from .basic import act_from_attrs
 
@@ -55,12 +55,9 @@ def _grouped(op, module, target, kind):
     n, k = w.shape[1], x.shape[-1]
     dt = _DT[x.dtype]
     act = act_from_attrs(a) if kind == "gate_up" else None
-    # the pair decode's exact (two-multiply) variant: an AOT artifact has no runtime check of the weight scales
-    return [emit_moe_gemm(kind, n, k, target=target,
-                          plan=moe_gemm_plan(kind, n, k, rows, mx, dt, target, one_mul=False),
-                          num_experts=el, top_k=a["top_k"], mx=mx, dtype=dt,
-                          w_dtype=None if mx != "none" else _DT[w.dtype], out_dtype=dt, act=act,
-                          ir_op=f"moe_{kind}", loc="", interpret=False) for rows in ROW_BUCKETS]
+    return expert_gemm_classes(kind, n, k, target=target, mx=mx, dtype=dt,
+                               w_dtype=None if mx != "none" else _DT[w.dtype], out_dtype=dt, act=act,
+                               num_experts=el, top_k=a["top_k"], ir_op=f"moe_{kind}", interpret=False)
 
 
 @register_emitter("moe_gate_up")

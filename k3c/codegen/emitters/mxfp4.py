@@ -5,8 +5,7 @@ k3c.runtime.kernels.mxfp4_linear launches for the same shapes. Ops with float we
 from __future__ import annotations
 
 from ...ir.ops import PACKED_PARTS, get_op_def, is_mxfp4, packed_name
-from ..kernels.moe import (DEQUANT_BLOCKS, DEQUANT_WORKSPACE_BYTES, emit_moe_dequant, emit_moe_gemm, moe_gemm_plan,
-                           mx_mode)
+from ..kernels.moe import DEQUANT_BLOCKS, DEQUANT_WORKSPACE_BYTES, expert_gemm_classes, moe_gemm_plan, mx_mode
 from ..launch import M_BUCKETS, m_bucket
 from . import EMITTERS, register_emitter
 
@@ -40,20 +39,9 @@ def dense_kernels(n: int, k: int, dtype: str, target, act_format: str | None, ir
     mx = dense_mx(target, act_format)
     if dtype == "fp32":             # the MX matrix units take bf16 / fp16 activations (as the runtime decides)
         mx = "upcast"
-    seen = {}
-    for m in M_BUCKETS:
-        for one_mul in (True, False):
-            plan = dense_plan(n, k, m, mx, dtype, target, one_mul=one_mul)
-            if plan.dequant:
-                ks = [emit_moe_gemm("dense", n, k, target=target, plan=plan, mx="none", dtype=dtype, w_dtype=dtype,
-                                    out_dtype=dtype, ir_op=ir_op, loc=loc, interpret=False),
-                      emit_moe_dequant(n, k, target=target, dtype=dtype, ir_op=ir_op, loc=loc, interpret=False)]
-            else:
-                ks = [emit_moe_gemm("dense", n, k, target=target, plan=plan, mx=mx, dtype=dtype, out_dtype=dtype,
-                                    ir_op=ir_op, loc=loc, interpret=False)]
-            for x in ks:
-                seen.setdefault(x.digest, x)
-    return list(seen.values())
+    return expert_gemm_classes("dense", n, k, target=target, rows=M_BUCKETS,
+                               plan_for=lambda m: dense_plan(n, k, m, mx, dtype, target), mx=mx, dtype=dtype,
+                               w_dtype=dtype, out_dtype=dtype, ir_op=ir_op, loc=loc, interpret=False)
 
 
 def _op_kernels(op, module, target, roles):

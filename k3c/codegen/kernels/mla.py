@@ -425,3 +425,33 @@ __all__ = ["emit_mla_latent_write", "emit_mla_latent_partial", "emit_mla_latent_
            "LatentSplitPlan", "LatentWritePlan", "LATENT_SPLIT_MAX_ROWS", "emit_mla_decode", "emit_mla_merge", "emit_mla_prefill", "decode_plan",
            "decode_candidates", "DecodePlan",
            "latent_write_plan", "prefill_plan", "paged_offset"]
+
+
+# -- shape-dependent choices the runtime makes and the AOT catalogue enumerates ---------------------------------------
+def decode_merge_block(rows: int, width: int, sms: int) -> int | None:
+    """BLOCK_D of the decode's LSE merge for `rows` output rows on a device of `sms` SMs: whole rows (None) when the
+    rows alone fill the GPU twice, else 64 or 128 columns a program (more programs for small batches)."""
+    bd = width if rows >= 2 * sms else max(16, min(width, 64 if rows * (-(-width // 64)) <= 4 * sms else 128))
+    return pow2_ceil(bd) if bd < width else None
+
+
+def decode_merge_blocks(width: int) -> list[int | None]:
+    """Every BLOCK_D decode_merge_block can answer for `width`, whatever the device's SM count."""
+    out = [None]
+    for bd in (64, 128):
+        b = max(16, min(width, bd))
+        if b < width and pow2_ceil(b) not in out:
+            out.append(pow2_ceil(b))
+    return out
+
+
+def plan_classes(plan_fn, values) -> list[int]:
+    """One representative of `values` per distinct plan_fn(value): the shape classes of a plan rule."""
+    reps: dict = {}
+    for v in values:
+        reps.setdefault(plan_fn(v), v)
+    return list(reps.values())
+
+
+# token counts (and rows) that reach every branch of the MLA plan rules: each value up to 4096, then powers of two
+TOKEN_CLASSES = tuple(range(1, 4097)) + tuple(2 ** i for i in range(13, 21))

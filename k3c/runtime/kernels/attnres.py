@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from ...codegen.kernels.attnres import SPLIT_MAX_M, emit_attnres_phase1, emit_attnres_phase1_split, emit_attnres_phase2
-from ...codegen.launch import launch, target_for, tt_dtype
+from ...codegen.launch import target_for, tt_dtype
+from ..launcher import launch
 from ...ir.attnres_ops import STATS
 from ..reference.attnres import attn_res_logits, attn_res_query
 from ..reference.norms import acc, rms_norm

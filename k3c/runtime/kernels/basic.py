@@ -1,28 +1,281 @@
-"""Kernel implementations of the generic ops (see k3c/codegen/emitters/basic.py for the AOT side)."""
+"""The generic ops' torch-facing kernel wrappers and their kernel implementations (AOT side:
+k3c/codegen/emitters/basic.py).
+
+Wrappers (each builds and memoises the KernelSource specialised on the actual shapes and dtypes, then launches it
+through k3c.runtime.launcher):
+    rmsnorm(x, weight, eps, residual=None) -> (out, new_residual or None)
+    gemm(a, w, bias=None, act=None, residual=None) -> act(a @ w.T + bias) + residual
+    gemm_glu(a, w_gate, w_up, act) -> act(a @ w_gate.T, a @ w_up.T)
+    glu(g, u=None, act="swiglu") -> act(g, u)    (u None: g is [..., 2F], gate first)
+    embedding(ids, table) -> table[ids]
+    softmax(x, scale=1.0) -> softmax(scale * x, -1)
+"""
 from __future__ import annotations
 
-from ...codegen import launch
+import functools
+
+import torch
+
 from ...codegen.emitters.basic import act_from_attrs
+from ...codegen.kernel import KernelSource
+from ...codegen.kernels import emit_embedding, emit_gemm, emit_gemm_glu, emit_glu, emit_rmsnorm, emit_softmax
+from ...codegen.kernels.common import epi_act, glu_act
+from ...codegen.launch import m_bucket, target_for, tt_dtype
+from ...codegen.targets import Target, get_target
+from ...codegen.writer import CodegenError
+from ..launcher import launch
 from . import register_kernel_impl
 
 
+def _resolve(target: Target | str | None, t: torch.Tensor) -> Target:
+    if target is None:
+        return target_for(t.device)
+    if isinstance(target, str):
+        return get_target(target)
+    return target
+
+
+# -- memoised emitters ---------------------------------------------------------------------------------------------
+_emit_rmsnorm = functools.lru_cache(maxsize=256)(emit_rmsnorm)
+_emit_embedding = functools.lru_cache(maxsize=256)(emit_embedding)
+_emit_glu = functools.lru_cache(maxsize=256)(emit_glu)
+_emit_gemm = functools.lru_cache(maxsize=512)(emit_gemm)
+_emit_gemm_glu = functools.lru_cache(maxsize=256)(emit_gemm_glu)
+_emit_softmax = functools.lru_cache(maxsize=256)(emit_softmax)
+
+
+# Per-call fast path: (family, id(target), shapes, dtypes, options) -> KernelSource, in front of the lru-cached
+# emitters (so equal specs from different keys still share one KernelSource, one loaded module and one launcher).
+_FAST: dict[tuple, tuple[Target, KernelSource]] = {}
+_MAX_FAST = 4096
+
+
+def _memo(key: tuple, tgt: Target, build) -> KernelSource:
+    hit = _FAST.get(key)
+    if hit is not None and hit[0] is tgt:          # key holds id(tgt); the entry keeps tgt alive
+        return hit[1]
+    ks = build()
+    if len(_FAST) >= _MAX_FAST:
+        _FAST.clear()
+    _FAST[key] = (tgt, ks)
+    return ks
+
+
+def _hashable(act: object) -> object:
+    try:
+        hash(act)
+        return act
+    except TypeError:
+        return repr(act)
+
+
+def _interp(t: torch.Tensor) -> bool:
+    """A CPU tensor runs through the interpreter: emit the interpreter variant whatever the target."""
+    return t.device.type == "cpu"
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _check_last(t: torch.Tensor, n: int, what: str) -> None:
+    if t.dim() < 1 or t.shape[-1] != n:
+        raise CodegenError(f"{what}: expected last dim {n}, got shape {tuple(t.shape)}")
+
+
+# -- family wrappers -----------------------------------------------------------------------------------------------
+def _dt(t: torch.Tensor | None) -> str | None:
+    return None if t is None else tt_dtype(t.dtype)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None, *,
+            target: Target | str | None = None, inplace: bool = False, max_block: int | None = None,
+            ir_op: str = "rms_norm", loc: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim, fp32 inside. With `residual`: s = x + residual (in their promoted dtype) is
+    returned as the new residual (written into `residual` itself when inplace=True) and out = rmsnorm(s).
+    Returns (out, new_residual or None); out has x's dtype (the promoted dtype when fused), as the reference."""
+    tgt = _resolve(target, x)
+    D = x.shape[-1]
+    x2 = _rows(x)
+    M = x2.shape[0]
+    if weight is not None:
+        _check_last(weight, D, "rmsnorm weight")
+        weight = weight.reshape(D).contiguous()
+    ws = [weight] if weight is not None else []
+    interp = _interp(x)
+    if residual is None:
+        out = torch.empty_like(x2)
+        ks = _memo(("rmsnorm", id(tgt), D, eps, x.dtype, _dt(weight), max_block, ir_op, loc, interp), tgt,
+                   lambda: _emit_rmsnorm(D, float(eps), target=tgt, dtype=tt_dtype(x.dtype),
+                                         weight_dtype=_dt(weight), has_weight=weight is not None,
+                                         max_block=max_block, ir_op=ir_op, loc=loc, interpret=interp))
+        launch(ks, x2, *ws, out, M)
+        return out.view(x.shape), None
+    if residual.shape != x.shape:
+        raise CodegenError(f"rmsnorm residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    rdt = torch.promote_types(x.dtype, residual.dtype)
+    if inplace and (residual.dtype != rdt or not residual.is_contiguous()):
+        raise CodegenError("rmsnorm inplace=True needs a contiguous residual of the promoted dtype")
+    r2 = _rows(residual)
+    res_out = r2 if inplace else torch.empty(M, D, dtype=rdt, device=x.device)
+    out = torch.empty(M, D, dtype=rdt, device=x.device)
+    ks = _memo(("rmsnorm_res", id(tgt), D, eps, x.dtype, residual.dtype, _dt(weight), max_block, ir_op, loc,
+                interp), tgt,
+               lambda: _emit_rmsnorm(D, float(eps), target=tgt, dtype=tt_dtype(x.dtype), residual=True,
+                                     residual_dtype=tt_dtype(rdt), out_dtype=tt_dtype(rdt),
+                                     weight_dtype=_dt(weight), has_weight=weight is not None, max_block=max_block,
+                                     ir_op=ir_op, loc=loc, interpret=interp))
+    if r2.dtype != rdt:
+        r2 = r2.to(rdt)
+    launch(ks, x2, r2, *ws, out, res_out, M)
+    return out.view(x.shape), (residual if inplace else res_out.view(x.shape))
+
+
+def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: object = None,
+         residual: torch.Tensor | None = None, *, target: Target | str | None = None,
+         out_dtype: torch.dtype | None = None, fp32_precision: str = "ieee", ir_op: str = "linear",
+         loc: str = "") -> torch.Tensor:
+    """act(a @ w.T + bias) + residual for a [..., K], w [N, K] (nn.Linear layout); result [..., N] in out_dtype
+    (default a's dtype). act: None | 'silu' | 'sigmoid' | 'relu' | ('situ_gate', beta) | ('situ_up', beta)."""
+    tgt = _resolve(target, a)
+    if w.dim() != 2:
+        raise CodegenError(f"gemm weight must be [N, K], got shape {tuple(w.shape)}")
+    N, K = w.shape
+    _check_last(a, K, "gemm input")
+    a2 = _rows(a)
+    M = a2.shape[0]
+    odt = out_dtype or a.dtype
+    extra = []
+    if bias is not None:
+        _check_last(bias, N, "gemm bias")
+        bias = bias.reshape(N).contiguous()
+        extra.append(bias)
+    if residual is not None:
+        _check_last(residual, N, "gemm residual")
+        if residual.shape[:-1] != a.shape[:-1]:
+            raise CodegenError(f"gemm residual shape {tuple(residual.shape)} does not match [..., {N}]")
+        residual = _rows(residual)
+        extra.append(residual)
+    out = torch.empty(M, N, dtype=odt, device=a.device)
+    interp, mb = _interp(a), m_bucket(M)
+    ks = _memo(("gemm", id(tgt), N, K, mb, a.dtype, w.dtype, odt, _dt(bias), _dt(residual), _hashable(act),
+                fp32_precision, ir_op, loc, interp), tgt,
+               lambda: _emit_gemm(N, K, target=tgt, m_hint=mb, dtype=tt_dtype(a.dtype), w_dtype=tt_dtype(w.dtype),
+                                  out_dtype=tt_dtype(odt), bias=bias is not None, bias_dtype=_dt(bias),
+                                  act=epi_act(act), residual=residual is not None, residual_dtype=_dt(residual),
+                                  fp32_precision=fp32_precision, ir_op=ir_op, loc=loc, interpret=interp))
+    launch(ks, a2, w.contiguous(), *extra, out, M)
+    return out.view(*a.shape[:-1], N)
+
+
+def gemm_glu(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: object = "swiglu", *,
+             target: Target | str | None = None, out_dtype: torch.dtype | None = None,
+             fp32_precision: str = "ieee", ir_op: str = "linear_glu", loc: str = "") -> torch.Tensor:
+    """act(a @ w_gate.T, a @ w_up.T) in one kernel (SwiGLU or SiTU-GLU; ActivationSpec accepted)."""
+    tgt = _resolve(target, a)
+    if w_gate.dim() != 2 or w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
+        raise CodegenError(f"gemm_glu weights must be two [F, K] of one dtype, got {tuple(w_gate.shape)} "
+                           f"{w_gate.dtype} and {tuple(w_up.shape)} {w_up.dtype}")
+    F, K = w_gate.shape
+    _check_last(a, K, "gemm_glu input")
+    a2 = _rows(a)
+    M = a2.shape[0]
+    odt = out_dtype or a.dtype
+    out = torch.empty(M, F, dtype=odt, device=a.device)
+    interp, mb = _interp(a), m_bucket(M)
+    ks = _memo(("gemm_glu", id(tgt), F, K, mb, a.dtype, w_gate.dtype, odt, _hashable(act), fp32_precision, ir_op,
+                loc, interp), tgt,
+               lambda: _emit_gemm_glu(F, K, glu_act(act), target=tgt, m_hint=mb, dtype=tt_dtype(a.dtype),
+                                      w_dtype=tt_dtype(w_gate.dtype), out_dtype=tt_dtype(odt),
+                                      fp32_precision=fp32_precision, ir_op=ir_op, loc=loc, interpret=interp))
+    launch(ks, a2, w_gate.contiguous(), w_up.contiguous(), out, M)
+    return out.view(*a.shape[:-1], F)
+
+
+def glu(g: torch.Tensor, u: torch.Tensor | None = None, act: object = "swiglu", *,
+        target: Target | str | None = None, ir_op: str = "glu", loc: str = "") -> torch.Tensor:
+    """act(g, u) elementwise, fp32 inside, in g's dtype. With u None, g is [..., 2F] (gate first, then up)."""
+    tgt = _resolve(target, g)
+    merged = u is None
+    if merged:
+        if g.shape[-1] % 2:
+            raise CodegenError(f"glu on a merged input needs an even last dim, got {g.shape[-1]}")
+        F = g.shape[-1] // 2
+        ins = [_rows(g)]
+        shape = (*g.shape[:-1], F)
+    else:
+        if u.shape != g.shape or u.dtype != g.dtype:
+            raise CodegenError(f"glu gate and up must match: {tuple(g.shape)} {g.dtype} vs {tuple(u.shape)} "
+                               f"{u.dtype}")
+        F = g.shape[-1]
+        ins = [_rows(g), _rows(u)]
+        shape = tuple(g.shape)
+    M = ins[0].shape[0]
+    out = torch.empty(M, F, dtype=g.dtype, device=g.device)
+    interp = _interp(g)
+    ks = _memo(("glu", id(tgt), F, g.dtype, merged, _hashable(act), ir_op, loc, interp), tgt,
+               lambda: _emit_glu(F, glu_act(act), target=tgt, dtype=tt_dtype(g.dtype), merged=merged, ir_op=ir_op,
+                                 loc=loc, interpret=interp))
+    launch(ks, *ins, out, M)
+    return out.view(shape)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor, *, target: Target | str | None = None,
+              ir_op: str = "embedding", loc: str = "") -> torch.Tensor:
+    """table[ids] for integer ids of any shape and table [V, D]; ids outside [0, V) give zero rows."""
+    tgt = _resolve(target, table)
+    if table.dim() != 2:
+        raise CodegenError(f"embedding table must be [V, D], got shape {tuple(table.shape)}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise CodegenError(f"embedding ids must be int64 or int32, got {ids.dtype}")
+    V, D = table.shape
+    flat = ids.reshape(-1).contiguous()
+    N = flat.numel()
+    out = torch.empty(N, D, dtype=table.dtype, device=table.device)
+    ks = _memo(("embedding", id(tgt), V, D, table.dtype, ids.dtype, ir_op, loc), tgt,
+               lambda: _emit_embedding(V, D, target=tgt, dtype=tt_dtype(table.dtype), ids_dtype=tt_dtype(ids.dtype),
+                                       ir_op=ir_op, loc=loc))
+    launch(ks, flat, table.contiguous(), out, N)
+    return out.view(*ids.shape, D)
+
+
+def softmax(x: torch.Tensor, scale: float = 1.0, *, target: Target | str | None = None,
+            out_dtype: torch.dtype | None = None, max_block: int | None = None, ir_op: str = "softmax",
+            loc: str = "") -> torch.Tensor:
+    """softmax(scale * x) over the last dim, fp32 inside, in out_dtype (default x's dtype)."""
+    tgt = _resolve(target, x)
+    D = x.shape[-1]
+    x2 = _rows(x)
+    M = x2.shape[0]
+    odt = out_dtype or x.dtype
+    out = torch.empty(M, D, dtype=odt, device=x.device)
+    interp = _interp(x)
+    ks = _memo(("softmax", id(tgt), D, scale, x.dtype, odt, max_block, ir_op, loc, interp), tgt,
+               lambda: _emit_softmax(D, target=tgt, scale=float(scale), dtype=tt_dtype(x.dtype),
+                                     out_dtype=tt_dtype(odt), max_block=max_block, ir_op=ir_op, loc=loc,
+                                     interpret=interp))
+    launch(ks, x2, out, M)
+    return out.view(x.shape)
+
+
+
 @register_kernel_impl("embedding")
-def embedding(a, cache, data, w):
-    return launch.embedding(data[0], w["embed_tokens.weight"])
+def kernel_embedding(a, cache, data, w):
+    return embedding(data[0], w["embed_tokens.weight"])
 
 
 @register_kernel_impl("rmsnorm")
-def rmsnorm(a, cache, data, w):
-    return launch.rmsnorm(data[0], w["weight"], a["eps"])[0]
+def kernel_rmsnorm(a, cache, data, w):
+    return rmsnorm(data[0], w["weight"], a["eps"])[0]
 
 
 @register_kernel_impl("rmsnorm_residual")
-def rmsnorm_residual(a, cache, data, w):
-    out, summed = launch.rmsnorm(data[0], w["weight"], a["eps"], residual=data[1])
+def kernel_rmsnorm_residual(a, cache, data, w):
+    out, summed = rmsnorm(data[0], w["weight"], a["eps"], residual=data[1])
     return summed, out
 
 
 @register_kernel_impl("mlp")
-def mlp(a, cache, data, w):
-    h = launch.gemm_glu(data[0], w["gate_proj.weight"], w["up_proj.weight"], act_from_attrs(a))
-    return launch.gemm(h, w["down_proj.weight"])
+def kernel_mlp(a, cache, data, w):
+    h = gemm_glu(data[0], w["gate_proj.weight"], w["up_proj.weight"], act_from_attrs(a))
+    return gemm(h, w["down_proj.weight"])

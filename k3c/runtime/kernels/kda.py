@@ -17,7 +17,8 @@ import torch
 
 from ...codegen.kernels.kda import (emit_kda_chunk, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
                                     emit_kda_prep, inter_dtype, kda_plan)
-from ...codegen.launch import launch, target_for, tt_dtype
+from ...codegen.launch import target_for, tt_dtype
+from ..launcher import launch
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
 from .. import reference as ref
@@ -255,8 +256,8 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 @register_kernel_impl("kda_proj")
 def kernel_kda_proj(a, cache, data, w):
-    from ...codegen import launch as _launch
-    return _launch.gemm(data[0], w["weight"], ir_op="kda_proj")     # the generated GEMM
+    from .basic import gemm
+    return gemm(data[0], w["weight"], ir_op="kda_proj")     # the generated GEMM
 
 
 @register_kernel_impl("kda_attn")

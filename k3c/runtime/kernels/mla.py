@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ...codegen.kernels.mla import (LATENT_SPLIT_MAX_ROWS, DecodePlan, decode_plan, emit_mla_decode,
-                                    emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write,
-                                    emit_mla_merge, emit_mla_prefill, latent_split_plan)
-from ...codegen.kernels.common import pow2_ceil
-from ...codegen.launch import ENABLE_FP_FUSION, eval_grid, launch, load_kernel, target_for, tt_dtype
+from ...codegen.kernels.mla import (LATENT_SPLIT_MAX_ROWS, DecodePlan, decode_merge_block, decode_plan,
+                                    emit_mla_decode, emit_mla_latent_partial, emit_mla_latent_reduce,
+                                    emit_mla_latent_write, emit_mla_merge, emit_mla_prefill)
+from ...codegen.launch import target_for, tt_dtype
 from ...codegen.targets import Target
 from ...frontend.spec import MLASpec
 from .. import reference as ref
 from ..executor import register_impl
+from ..launcher import fixed_launcher, launch
 from ..reference.norms import acc
 from . import register_kernel_impl
 
@@ -291,10 +291,8 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, o
     ks = _emit_decode(L, W - L, ps, float(scale), target=tgt, dtype=tt_dtype(dt), block_h=plan.block_h,
                       num_warps=plan.num_warps, num_stages=plan.num_stages, block_n=bn,
                       keys_major=plan.keys_major, lazy=plan.lazy, interpret=interp)
-    M = B * ROWS
-    sms = _sm_count(device.type, device.index)
-    bd = L if M >= 2 * sms else max(16, min(L, 64 if M * (-(-L // 64)) <= 4 * sms else 128))
-    mk = _emit_merge(L, target=tgt, out_dtype=tt_dtype(odt), block_d=pow2_ceil(bd) if bd < L else None,
+    mk = _emit_merge(L, target=tgt, out_dtype=tt_dtype(odt),
+                     block_d=decode_merge_block(B * ROWS, L, _sm_count(device.type, device.index)),
                      write_lse=False, interpret=interp)
     val = (S, pps, ks, mk, [None, None])
     if len(_DECODE_SETUP) >= 4096:
@@ -305,18 +303,12 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, o
 
 def _fast_launch(slot: list, i: int, ks, *args) -> None:
     """launch() checks every argument and evaluates the grid; a memoised setup fixes every int that the grid rule
-    reads, so after its first (checked) call later calls on a GPU go straight to the JIT function with that grid."""
+    reads, so after its first (checked) call later calls on a GPU repeat that launch with no checks."""
     fast = slot[i]
     if fast is not None:
-        fast[0][fast[1]](*args, **fast[2])
+        fast(*args)
         return
-    launch(ks, *args)
-    if args[0].device.type != "cpu":
-        env = {k: v for k, v in ks.constexprs.items() if isinstance(v, int) and not isinstance(v, bool)}
-        env.update({n: a for n, a in zip(ks.signature, args) if isinstance(a, int) and not isinstance(a, bool)})
-        slot[i] = (load_kernel(ks, False), eval_grid(ks.grid, env),
-                   dict(ks.constexprs, num_warps=ks.num_warps, num_stages=ks.num_stages,
-                        enable_fp_fusion=ENABLE_FP_FUSION))
+    slot[i] = fixed_launcher(ks, *args)
 
 
 def mqa_decode(q: torch.Tensor, store: LatentStore, lens: torch.Tensor, scale: float, kv_lora_rank: int, *,

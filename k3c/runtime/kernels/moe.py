@@ -11,68 +11,34 @@ Wrappers (tensors on any device; CPU runs through the Triton interpreter):
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 
-import numpy as np
 import torch
 
-from ...codegen import launch as _launch_mod
 from ...codegen.emitters.basic import act_from_attrs
-from ...codegen.kernel import KernelSource
 from ...codegen.kernels import moe as _kmoe
-from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_dequant, emit_moe_gemm, emit_moe_linear,
+from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_linear, expert_gemm_kernels,
                                     emit_moe_offsets, emit_moe_rank, emit_moe_scatter, emit_moe_topk, moe_gemm_plan,
                                     mx_mode, row_bucket, tile_slots)
-from ...codegen.launch import ENABLE_FP_FUSION, eval_grid, load_kernel, target_for, tt_dtype
+from ...codegen.launch import m_bucket, target_for, tt_dtype
 from ...codegen.writer import CodegenError
 from ...quant import mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_quantize
 from .. import reference as ref
 from .. import routing_replay
 from ..executor import register_impl
+from ..launcher import launch
 from ..reference.norms import acc
 from . import register_kernel_impl
-
-_PTR = {**_launch_mod.TORCH_TO_TT, torch.uint8: "u8"}
 
 _emit_topk = functools.lru_cache(maxsize=64)(emit_moe_topk)
 _emit_rank = functools.lru_cache(maxsize=64)(emit_moe_rank)
 _emit_scatter = functools.lru_cache(maxsize=64)(emit_moe_scatter)
 _emit_offsets = functools.lru_cache(maxsize=64)(emit_moe_offsets)
-_emit_gemm = functools.lru_cache(maxsize=256)(emit_moe_gemm)
-_emit_dequant = functools.lru_cache(maxsize=64)(emit_moe_dequant)
+_expert_kernels = functools.lru_cache(maxsize=256)(expert_gemm_kernels)
 _emit_combine = functools.lru_cache(maxsize=64)(emit_moe_combine)
 _emit_linear = functools.lru_cache(maxsize=256)(emit_moe_linear)
 _plan = functools.lru_cache(maxsize=256)(moe_gemm_plan)
-
-
-def run(ks: KernelSource, *args) -> None:
-    """Launch `ks` (args in signature order). launch.launch without its dtype table, which has no u8 pointers."""
-    env = {k: v for k, v in ks.constexprs.items() if isinstance(v, int) and not isinstance(v, bool)}
-    device = None
-    for (name, ty), v in zip(ks.signature.items(), args):
-        if ty.startswith("*"):
-            if not isinstance(v, torch.Tensor) or _PTR.get(v.dtype) != ty[1:]:
-                raise CodegenError(f"kernel {ks.name}: arg {name} must be a {ty[1:]} tensor, got "
-                                   f"{getattr(v, 'dtype', type(v).__name__)}")
-            device = device or v.device
-        elif ty in ("i32", "i64"):
-            env[name] = int(v)
-    if len(args) != len(ks.signature):
-        raise CodegenError(f"kernel {ks.name} takes {len(ks.signature)} args, got {len(args)}")
-    grid = eval_grid(ks.grid, env)
-    if 0 in grid:
-        return
-    interp = device is None or device.type == "cpu"
-    fn = load_kernel(ks, interp)
-    kw = dict(ks.constexprs, num_warps=ks.num_warps, num_stages=ks.num_stages, enable_fp_fusion=ENABLE_FP_FUSION)
-    if interp:
-        with _launch_mod._interpret_env(True), np.errstate(over="ignore", under="ignore", invalid="ignore",
-                                                           divide="ignore"):
-            fn[grid](*args, **kw)
-    else:
-        fn[grid](*args, **kw)
 
 
 def _interp(t: torch.Tensor) -> bool:
@@ -102,7 +68,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router
     ks = _emit_topk(E, top_k, target=tgt, router_activation=router_activation, bias=bias is not None,
                     renormalize=renormalize, scaling=float(scaling), e_local=el, e0=e0, ir_op=ir_op, loc=loc)
     extra = [bias.to(torch.float32).contiguous()] if bias is not None else []
-    run(ks, lg, *extra, w, ids, pres, N)
+    launch(ks, lg, *extra, w, ids, pres, N)
     if routing_replay.active() is not None:        # a replayed choice: this run's weights and presence for it
         ids = routing_replay.replayed_ids(ids)
         s = torch.sigmoid(lg) if router_activation == "sigmoid" else torch.softmax(lg, dim=-1)
@@ -111,9 +77,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router
         mine = (local >= 0) & (local < el)
         pres = torch.zeros(N, el, dtype=torch.int32, device=dev).scatter_add_(1, local.clamp(0, el - 1),
                                                                               mine.to(torch.int32))
-    run(_emit_rank(el, target=tgt, ir_op=ir_op, loc=loc), pres, cnt, N)
-    run(_emit_offsets(el, target=tgt, ir_op=ir_op, loc=loc), cnt, off)
-    run(_emit_scatter(el, top_k, target=tgt, e0=e0, ir_op=ir_op, loc=loc), ids, pres, off, perm, N)
+    launch(_emit_rank(el, target=tgt, ir_op=ir_op, loc=loc), pres, cnt, N)
+    launch(_emit_offsets(el, target=tgt, ir_op=ir_op, loc=loc), cnt, off)
+    launch(_emit_scatter(el, top_k, target=tgt, e0=e0, ir_op=ir_op, loc=loc), ids, pres, off, perm, N)
     return w, ids, off, perm
 
 
@@ -130,6 +96,8 @@ def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
         if hit is None or hit[0] != t._version:
             if t.is_cuda and torch.cuda.is_current_stream_capturing():
                 return False
+            if t.is_meta:       # no data: take the one-multiply entry (the artifact holds both)
+                return True
             fits = t.numel() == 0 or int(t.max()) <= _kmoe.PAIRS1_MAX_SCALE
             if hit is None:
                 weakref.finalize(t, _SCALES_FIT.pop, id(t), None)
@@ -141,26 +109,22 @@ def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
 
 def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtype, plan=None, ir_op="", loc="",
              scales=()):
+    """(GEMM kernel, dequant kernel or None) for these shapes: expert_gemm_kernels, the one choice the AOT
+    catalogue enumerates, with the weights' scale check answered here."""
     tgt = target_for(a.device)
     dt = tt_dtype(a.dtype)
     plan = plan or _plan(kind, n, k, rows, mx, dt, tgt)
-    if plan.one_mul and not scales_fit_one_mul(list(scales)):     # a scale above 2: the exact two-multiply decode
-        plan = dataclasses.replace(plan, one_mul=False)
-    if plan.dequant and mx == "upcast":     # the bf16 kernel over the dequantized workspace, by expert chunks
-        return _emit_gemm(kind, n, k, target=tgt, plan=plan, num_experts=num_experts, top_k=top_k, mx="none",
-                          dtype=dt, w_dtype=dt, out_dtype=tt_dtype(out_dtype), act=act, ir_op=ir_op, loc=loc,
-                          interpret=_interp(a), expert_chunk=kind != "dense")
-    return _emit_gemm(kind, n, k, target=tgt, plan=plan, num_experts=num_experts, top_k=top_k, mx=mx, dtype=dt,
-                      w_dtype=None if mx != "none" else tt_dtype(w_dtype), out_dtype=tt_dtype(out_dtype),
-                      act=act, ir_op=ir_op, loc=loc, interpret=_interp(a))
+    fits = not plan.one_mul or scales_fit_one_mul(list(scales))
+    return _expert_kernels(kind, n, k, rows, target=tgt, mx=mx, dtype=dt,
+                           w_dtype=None if mx != "none" else tt_dtype(w_dtype), out_dtype=tt_dtype(out_dtype),
+                           act=act, num_experts=num_experts, top_k=top_k, one_mul_fits=fits, plan=plan,
+                           ir_op=ir_op, loc=loc, interpret=_interp(a))
 
 
-def _dequant_run(ks, a, weights, off, *tail, el, n, k, slots, ir_op, loc):
+def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots):
     """The dequant path: per chunk of experts that fits DEQUANT_WORKSPACE_BYTES, the packed stacks to bf16 (one
-    streaming kernel each), then the bf16 grouped GEMM `ks` on those experts' tiles. The stream orders the
+    streaming kernel `dq` each), then the bf16 grouped GEMM `ks` on those experts' tiles. The stream orders the
     workspace's reuse; experts without rows are skipped by the dequant kernel and have no tiles."""
-    dq = _emit_dequant(n, k, target=target_for(a.device), dtype=tt_dtype(a.dtype), ir_op=ir_op, loc=loc,
-                       interpret=_interp(a))
     pairs = list(zip(weights[0::2], weights[1::2]))
     per_expert = n * k * a.element_size() * len(pairs)
     chunk = max(1, min(el, _kmoe.DEQUANT_WORKSPACE_BYTES // per_expert))
@@ -171,14 +135,14 @@ def _dequant_run(ks, a, weights, off, *tail, el, n, k, slots, ir_op, loc):
     for e0 in range(0, el, chunk):
         e1 = min(el, e0 + chunk)
         for (p, s), w in zip(pairs, ws):
-            run(dq, p, s, rows_off, w, e0, e1)
+            launch(dq, p, s, rows_off, w, e0, e1)
         if not routed:
-            run(ks, a, *ws, *tail)
+            launch(ks, a, *ws, *tail)
         elif _interp(a):
             t_off = off[1 + ROW_BUCKETS.index(bm)]
-            run(ks, a, *ws, off, *tail, int(t_off[e1] - t_off[e0]), e0, e1)
+            launch(ks, a, *ws, off, *tail, int(t_off[e1] - t_off[e0]), e0, e1)
         else:
-            run(ks, a, *ws, off, *tail, tile_slots(slots, e1 - e0, bm), e0, e1)
+            launch(ks, a, *ws, off, *tail, tile_slots(slots, e1 - e0, bm), e0, e1)
 
 
 def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: torch.Tensor, perm: torch.Tensor, *,
@@ -194,19 +158,19 @@ def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: t
         raise CodegenError(f"packed weight {tuple(weights[0].shape)} does not match K = {k}")
     S = slots if slots is not None else (a.shape[0] * top_k if kind == "gate_up" else a.shape[0])
     rows = -(-S // max(1, el))
-    ks = _gemm_ks(kind, n, k, rows, a, weights[0].dtype, mx, el, top_k, act if kind == "gate_up" else None,
-                  a.dtype, plan, ir_op or f"moe_{kind}", loc, scales=weights[1::2] if mx != "none" else ())
+    ks, dq = _gemm_ks(kind, n, k, rows, a, weights[0].dtype, mx, el, top_k, act if kind == "gate_up" else None,
+                      a.dtype, plan, ir_op or f"moe_{kind}", loc, scales=weights[1::2] if mx != "none" else ())
     out = torch.empty(S, n, dtype=a.dtype, device=a.device)
-    if "E0" in ks.signature:
-        _dequant_run(ks, a.contiguous(), [t.contiguous() for t in weights], off, perm, out, el=el, n=n, k=k,
-                     slots=S, ir_op=ks.ir_op, loc=loc)
+    if dq is not None:
+        _dequant_run(ks, dq, a.contiguous(), [t.contiguous() for t in weights], off, perm, out, el=el, n=n, k=k,
+                     slots=S)
         return out
     bm = ks.constexprs["BLOCK_M"]
     if _interp(a):      # the interpreter pays for every program, also those that exit: count the tiles exactly
         tiles = int(off[1 + ROW_BUCKETS.index(bm), -1])
     else:               # no host sync on a GPU: an upper bound, the programs past the last tile exit
         tiles = tile_slots(S, el, bm)
-    run(ks, a.contiguous(), *[t.contiguous() for t in weights], off, perm, out, tiles)
+    launch(ks, a.contiguous(), *[t.contiguous() for t in weights], off, perm, out, tiles)
     return out
 
 
@@ -219,13 +183,14 @@ def mx_linear(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, mx:
     a2 = a.reshape(-1, a.shape[-1]).contiguous()
     M, K = a2.shape
     N = packed.shape[0]
-    ks = _gemm_ks("dense", N, K, M, a2, torch.uint8, mx, 1, 1, None, a.dtype, plan, ir_op, loc, scales=[scale])
+    ks, dq = _gemm_ks("dense", N, K, M, a2, torch.uint8, mx, 1, 1, None, a.dtype, plan, ir_op, loc,
+                      scales=[scale])
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     w = [packed.reshape(N, K // 2).contiguous(), scale.reshape(N, K // 32).contiguous()]
-    if mx == "upcast" and ks.signature["w_ptr"] != "*u8":    # a dequant plan: bf16 weight, then the dense GEMM
-        _dequant_run(ks, a2, w, None, out, M, el=1, n=N, k=K, slots=M, ir_op=ir_op, loc=loc)
+    if dq is not None:      # a dequant plan: bf16 weight, then the dense GEMM
+        _dequant_run(ks, dq, a2, w, None, out, M, el=1, n=N, k=K, slots=M)
     else:
-        run(ks, a2, *w, out, M)
+        launch(ks, a2, *w, out, M)
     return out.view(*a.shape[:-1], N)
 
 
@@ -245,7 +210,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual:
     extra = [ids.reshape(N, top_k).contiguous()] if ep_size > 1 else []
     if residual is not None:
         extra.append(residual.reshape(N, Z).to(y.dtype).contiguous())
-    run(ks, y2, weights.reshape(N, top_k).contiguous(), *extra, out, N)
+    launch(ks, y2, weights.reshape(N, top_k).contiguous(), *extra, out, N)
     return out
 
 
@@ -264,7 +229,6 @@ def _experts(a, w, names):
 def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] W[N, K]^T (+ residual) through the MoE layer's own GEMM kernels (emit_moe_linear)."""
-    from ...codegen.launch import launch, m_bucket
 
     tgt = target_for(x.device)
     N, K = w.shape
@@ -424,5 +388,5 @@ for _name, _fn in (("moe_linear", torch_moe_linear), ("moe_route", torch_moe_rou
                    ("moe_combine", torch_moe_combine)):
     register_impl(_name, _fn)
 
-__all__ = ["linear", "route", "grouped_gemm", "mx_linear", "combine", "run", "torch_route", "row_bucket",
+__all__ = ["linear", "route", "grouped_gemm", "mx_linear", "combine", "torch_route", "row_bucket",
            "scales_fit_one_mul"]
