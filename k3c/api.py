@@ -27,6 +27,7 @@ class CompiledModel:
     module: Module
     stages: list[tuple[str, Module]] = field(default_factory=list)   # ("frontend", m0), ("dce", m1), ...
     records: list = field(default_factory=list)                      # PassRecord per pass run
+    run_dtypes: tuple[str, ...] = ("bf16",)  # activation dtypes the artifact holds kernels for (bf16, f32)
     artifact_dir: str | None = None          # the artifact this model was saved to or loaded from
     compiled_kernels: list | None = None     # its CompiledKernels (the catalogue the runtime launches from)
 
@@ -53,7 +54,7 @@ class CompiledModel:
         """Content address: hash of (k3c version, printed IR, target, pipeline)."""
         h = hashlib.sha256()
         for part in (__version__, print_module(self.module), json.dumps(asdict(self.target), sort_keys=True),
-                     ",".join(self.pass_names)):
+                     ",".join(self.pass_names), ",".join(self.run_dtypes)):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()
@@ -75,6 +76,7 @@ class CompiledModel:
             "model": self.spec.name,
             "target": asdict(self.target),
             "passes": self.pass_names,
+            "run_dtypes": list(self.run_dtypes),
             "cache_key": self.cache_key,
             "op_counts": dict(sorted(op_counts.items())),
             "kernels": [],          # filled by codegen (issue: codegen and targets)
@@ -85,19 +87,20 @@ class CompiledModel:
         }
 
     def kernels(self) -> list:
-        """The distinct generated kernels (KernelSource) of the final IR, specialised for the target."""
-        from .codegen.emitters import emit_kernels
+        """The kernel catalogue: every generated kernel (KernelSource) the runtime can launch for the final IR on the
+        target, for each of `run_dtypes`, every shape class."""
+        from .codegen.emitters import catalogue_kernels
 
-        return emit_kernels(self.module, self.target)
+        return catalogue_kernels(self.module, self.target, self.run_dtypes)
 
-    def compile_kernels(self, out_dir: str, *, progress: bool = True) -> list:
+    def compile_kernels(self, out_dir: str, *, progress: bool = True, keep_asm: bool = True) -> list:
         """AOT-compile every generated kernel for the target into out_dir (none for the cpu target, whose
         kernels run in the Triton interpreter)."""
         if self.target.backend == "cpu":
             return []
         from .codegen.aot import compile_kernels
 
-        return compile_kernels(self.kernels(), self.target, out_dir, progress=progress)
+        return compile_kernels(self.kernels(), self.target, out_dir, progress=progress, keep_asm=keep_asm)
 
     def extern_ops(self) -> list[dict]:
         """Ops the runtime executes through torch (impl extern / extern:reference), counted per kind."""
@@ -109,9 +112,10 @@ class CompiledModel:
         return [{"op": o, "impl": i, "count": n} for (o, i), n in sorted(counts.items())]
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False, keep: str | os.PathLike | None = None,
-             aot: bool = True, progress: bool = True) -> str:
+             aot: bool = True, progress: bool = True, keep_asm: bool = True) -> str:
         """Write the artifact directory atomically: a temp dir beside it, renamed into place at the end.
-        With `aot`, every generated kernel is compiled for the target (binaries, assembly, resources).
+        With `aot`, every generated kernel is compiled for the target (binaries, assembly unless keep_asm=False,
+        resources).
         `keep`: a directory inside `path` written by this compilation (the --dump-ir dumps) that is carried over."""
         path = os.path.abspath(os.fspath(path))
         kept = None
@@ -137,7 +141,7 @@ class CompiledModel:
             _write(tmp, "model.k3c", print_module(self.module))
             for i, (name, module) in enumerate(self.stages):
                 _write(tmp, os.path.join("ir", f"{i:03d}_{name}.k3c"), print_module(module))
-            compiled = self.compile_kernels(tmp, progress=progress) if aot else None
+            compiled = self.compile_kernels(tmp, progress=progress, keep_asm=keep_asm) if aot else None
             manifest = self.manifest()
             if compiled is not None:
                 manifest["kernels"] = [k.to_dict() for k in compiled]
@@ -267,10 +271,12 @@ def _is_artifact(path: str) -> bool:
 
 def compile(spec, target: str | Target = "mi355x", *, passes: list[str] | None = None,  # noqa: A001 (public API)
             dump_ir: str | os.PathLike | None = None, tp: int = 1, ep: int | None = None,
-            rank: int = 0, seq_parallel: bool = True) -> CompiledModel:
+            rank: int = 0, seq_parallel: bool = True, run_dtypes=("bf16",)) -> CompiledModel:
     """Run the pass pipeline on a spec (a ModelSpec or a path) for a target (a name or a Target): every pass gets
     it as `ctx.target`, so its tile and plan choices are the target's.
 
+    run_dtypes: the activation dtypes the artifact holds kernels for ("bfloat16" and/or "float32"; the IR is
+    bf16, a session with float32 weights launches the fp32 variants).
     tp / ep / rank: compile rank `rank`'s slice for tensor parallel tp x expert parallel ep (ep None = tp; the
     ranks are max(tp, ep)): the `shard` pass runs first (docs/distributed.md). seq_parallel: with tp > 1, the
     residual stream and AttnRes blocks hold T/tp tokens per rank during prefill (reduce-scatter / all-gather
@@ -293,7 +299,26 @@ def compile(spec, target: str | Target = "mi355x", *, passes: list[str] | None =
             names = ["shard"] + names
     stages: list = []
     final, records = run_pipeline(module, names, dump_dir=dump_ir, stages=stages, target=tgt)
-    return CompiledModel(spec=spec, target=tgt, module=final, stages=stages, records=records)
+    return CompiledModel(spec=spec, target=tgt, module=final, stages=stages, records=records,
+                         run_dtypes=_run_dtypes(run_dtypes))
+
+
+_DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "f32": "f32", "fp32": "f32", "float32": "f32"}
+
+
+def _run_dtypes(dtypes) -> tuple[str, ...]:
+    """("bf16",) / ("bf16", "f32") from names as users write them (bfloat16, float32, bf16, fp32, f32)."""
+    if isinstance(dtypes, str):
+        dtypes = [d.strip() for d in dtypes.split(",") if d.strip()]
+    out = []
+    for d in dtypes:
+        if d not in _DTYPE_NAMES:
+            raise ArgumentError(f"run dtype {d!r}: choose from bfloat16, float32")
+        if _DTYPE_NAMES[d] not in out:
+            out.append(_DTYPE_NAMES[d])
+    if not out:
+        raise ArgumentError("run dtypes: name at least one of bfloat16, float32")
+    return tuple(out)
 
 
 def load(path: str | os.PathLike) -> CompiledModel:
@@ -326,7 +351,10 @@ def load(path: str | os.PathLike) -> CompiledModel:
                 stages.append((fname[4:-4], parse_module(fh.read(), os.path.join(stage_dir, fname))))
     with open(os.path.join(path, "model.k3c"), encoding="utf-8") as fh:
         module = parse_module(fh.read(), os.path.join(path, "model.k3c"))
-    return CompiledModel(spec=spec, target=target, module=module, stages=stages,
+    dtypes = manifest.get("run_dtypes", ["bf16"])
+    if not isinstance(dtypes, list) or not dtypes or not all(d in ("bf16", "f32") for d in dtypes):
+        raise UserError(f"{path}/manifest.json: run_dtypes {dtypes!r} must be a list of bf16 / f32")
+    return CompiledModel(spec=spec, target=target, module=module, stages=stages, run_dtypes=tuple(dtypes),
                          artifact_dir=os.path.abspath(path) if kernels or target.backend == "cpu" else None,
                          compiled_kernels=kernels if kernels or target.backend == "cpu" else None)
 

@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass as numbered .k3c files")
     c.add_argument("--passes", type=_passes, help="comma-separated pass names (default: the target's pipeline)")
     c.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    c.add_argument("--no-asm", action="store_true",
+                   help="leave the assembly (.ptx/.amdgcn) and .ttgir out of the artifact (about half the bytes; "
+                   "binaries, sources and the resource report stay)")
+    c.add_argument("--run-dtypes", default="bfloat16", metavar="LIST",
+                   help="activation dtypes to hold kernels for, comma-separated: bfloat16 (default; the IR's), "
+                   "float32 (a run with --dtype float32 on the GPU)")
     _parallel_args(c, rank=True)
 
     i = sub.add_parser("inspect", help="print the IR of a spec (after a pass) as text, DOT or ONNX")
@@ -76,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--new-tokens", type=_positive("--new-tokens"), default=8)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default="cpu", help="cpu or cuda")
-    r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    r.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="weights and activations (default: float32 on a CPU; on a GPU the artifact's first run "
+                   "dtype, bfloat16 unless compiled with --run-dtypes float32)")
     r.add_argument("--no-kernels", action="store_true", help="run every op through torch (no generated kernels)")
     r.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps through captured CUDA graphs (runtime/cuda_graph.py; default: on with --device "
@@ -134,8 +142,8 @@ def cmd_compile(args) -> int:
 
     t0 = time.perf_counter()
     model = api.compile(args.spec, target=args.target, passes=args.passes, dump_ir=args.dump_ir, tp=args.tp,
-                        ep=args.ep, rank=args.rank)
-    model.save(args.output, overwrite=args.force, keep=args.dump_ir)
+                        ep=args.ep, rank=args.rank, run_dtypes=args.run_dtypes)
+    model.save(args.output, overwrite=args.force, keep=args.dump_ir, keep_asm=not args.no_asm)
     n_ops = len(model.module.ops)
     print(f"k3c: compiled {model.spec.name} for {model.target.name}: {n_ops} ops after "
           f"{len(model.records)} passes in {time.perf_counter() - t0:.2f} s -> {args.output}")

@@ -16,6 +16,7 @@ How it works (docs/targets.md has the long version):
         out_dir/kernels/<name>.py   the source
         out_dir/<name>.hsaco + <name>.amdgcn      (hip)    out_dir/<name>.cubin + <name>.ptx    (cuda)
         out_dir/<name>.ttgir        (keep_ttgir)   out_dir/<name>.json   triton's full kernel metadata
+    (the assembly and ttgir only with keep_asm: a deployment artifact needs the binary, its metadata and source)
 Nothing in this module imports triton in the calling process.
 """
 from __future__ import annotations
@@ -132,7 +133,7 @@ class CompiledKernel:
 
 # ================================================================================================== public API
 def compile_kernels(kernels: list[KernelSource], target: Target | str, out_dir: str, *, jobs: int | None = None,
-                    progress: bool = True, cache: bool = True, keep_ttgir: bool = True,
+                    progress: bool = True, cache: bool = True, keep_ttgir: bool = True, keep_asm: bool = True,
                     assume_aligned: bool = True, triton_options: dict | None = None) -> list[CompiledKernel]:
     """Compile `kernels` for `target` into `out_dir`; one CompiledKernel per kernel, in input order.
 
@@ -140,6 +141,8 @@ def compile_kernels(kernels: list[KernelSource], target: Target | str, out_dir: 
     progress:       tqdm bar on stderr (also off when stderr is not a TTY).
     cache:          use the content-addressed cache under settings().cache_dir (K3C_CACHE_DIR).
     keep_ttgir:     also write <name>.ttgir.
+    keep_asm:       write the assembly (.ptx / .amdgcn) and, with keep_ttgir, the ttgir (False: about half the
+                    bytes; resources are read during the compile either way).
     assume_aligned: compile pointer args with tt.divisibility=16 (what triton's JIT does for 16-byte-aligned
                     tensors; torch allocations are); recorded in CompiledKernel.divisible_by_16.
     triton_options: extra backend options for triton.compile (e.g. {"waves_per_eu": 2} on hip,
@@ -229,6 +232,11 @@ def compile_kernels(kernels: list[KernelSource], target: Target | str, out_dir: 
         raise _compile_error(failures, target)
     out = [r for r in results if r is not None]
     for ck in out:
+        if not keep_asm:        # compiled and cached with its assembly; the artifact leaves it out
+            for kind in (BINARY_KINDS[target.backend][1], "ttgir"):
+                rel = ck.files.pop(kind, None)
+                if rel is not None:
+                    os.unlink(os.path.join(out_dir, rel))
         ck.sha256 = {rel: file_sha256(os.path.join(out_dir, rel)) for rel in sorted(set(ck.files.values()))}
     return out
 

@@ -51,15 +51,20 @@ def _outputs(op_name: str, x) -> list[torch.Tensor]:
 
 
 def check_ops(compiled, weights: dict[str, torch.Tensor], input_ids: torch.Tensor, *, decode_steps: int = 1,
-              device: str = "cpu") -> list[OpError]:
+              device: str = "cpu", kernel_policy: str = "artifact") -> list[OpError]:
     """Run prefill on input_ids[:, :-decode_steps] and the remaining tokens as decodes, comparing every kernel op
-    with its torch implementation fed the same inputs."""
+    with its torch implementation fed the same inputs. On a GPU the kernels come from the model's artifact
+    (session.bind_kernels with `kernel_policy`)."""
     from . import kernels  # noqa: F401  (registers the reference implementations of kernel-level ops)
 
     if device == "cpu":
         from ..codegen.triton_mode import prepare_interpreter
 
         prepare_interpreter()
+    else:
+        from .session import bind_kernels
+
+        bind_kernels(compiled, torch.device(device), kernel_policy)
     phase = {"name": "prefill"}
     errors: list[OpError] = []
 

@@ -46,26 +46,13 @@ def _graph_line(eng, stats=None) -> str:
             f"replayed; {per or 'none captured (a batch size gets its graph on its second decode step in a row)'}")
 
 
-KERNEL_POLICIES = ("artifact", "strict", "allow-jit", "jit")       # = launcher.POLICIES
-
-
-def _launcher():
-    """k3c.runtime.launcher (stats() / reset_stats()), or None where this build has none."""
-    import importlib
-    import importlib.util
-
-    if importlib.util.find_spec(f"{__package__}.launcher") is None:
-        return None
-    launcher = importlib.import_module(f"{__package__}.launcher")
-    return launcher if hasattr(launcher, "stats") and hasattr(launcher, "reset_stats") else None
+_TORCH_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 
 def _kernel_line(use_kernels: bool, total, before_timed) -> str:
     """Where the distinct kernels came from (launcher.stats() over the whole run) and what the timed pass added."""
     if not use_kernels:
         return "  kernels:         off (--no-kernels: every op through torch)"
-    if total is None:
-        return "  kernels:         (no launch statistics: k3c.runtime.launcher is not in this build)"
     line = (f"  kernels:         {total.binaries} from the artifact's binaries (load {total.load_seconds:.2f} s), "
             f"{total.jit} JIT-compiled ({total.jit_seconds:.2f} s), {total.interpreted} in the interpreter "
             f"(distinct kernels, whole run); {total.launches:,} launches")
@@ -109,7 +96,7 @@ def _serve(eng, ids, new_tokens: int, sync, bar) -> dict:
 
 
 def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int = 1, prompt_len: int = 16,
-               new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str = "float32",
+               new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str | None = None,
                use_kernels: bool = True, prefill_chunk: int | None = None, progress: bool | None = None,
                cuda_graphs: bool | None = None, warmup: bool | None = None,
                kernel_policy: str = "artifact") -> str:
@@ -120,13 +107,15 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     on with CUDA, off on a CPU), one untimed pass of the same requests (JIT, CUDA graph capture of every length
     bucket the timed pass meets); then the timed pass: TTFT = its first step(s) (every prompt prefilled, first
     tokens sampled), prefill tokens/s = batch x prompt_len / TTFT, decode tokens/s over the steps after it.
-    `kernel_policy` (KERNEL_POLICIES) goes to the Engine: artifact (binaries; a miss is JIT-compiled once, with a
+    dtype: float32 | bfloat16; None = float32 on a CPU, the artifact's first run dtype on a GPU.
+    `kernel_policy` (launcher.POLICIES) goes to the Engine: artifact (binaries; a miss is JIT-compiled once, with a
     warning), strict (a miss raises), allow-jit (an artifact of another target: its sources JIT-compiled for the
     device), jit (every kernel JIT-compiled from source, the artifact's binaries ignored)."""
     import torch
     from tqdm import tqdm
 
     from .. import load_weights
+    from . import launcher
     from .engine import Engine
     from .weight_prep import prepare_weights
     from .weights import init_weights           # takes device= (k3c.init_weights does not)
@@ -135,27 +124,34 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
         raise ArgumentError(f"--device must be cpu or cuda, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ArgumentError("--device cuda: no CUDA device is available here (use --device cpu)")
-    if kernel_policy not in KERNEL_POLICIES:
-        raise ArgumentError(f"kernel_policy must be one of {', '.join(KERNEL_POLICIES)}, got {kernel_policy!r}")
+    if kernel_policy not in launcher.POLICIES:
+        raise ArgumentError(f"kernel_policy must be one of {', '.join(launcher.POLICIES)}, got {kernel_policy!r}")
     if kernel_policy != "artifact" and not use_kernels:
         raise ArgumentError(f"kernel policy {kernel_policy!r} needs kernels (it cannot go with --no-kernels)")
     cuda = device.startswith("cuda")
     warmup = cuda if warmup is None else warmup
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
-    launcher = _launcher() if use_kernels else None
-    if launcher is not None:
-        launcher.reset_stats()
+    launcher.reset_stats()
     t = time.perf_counter()
     is_artifact = os.path.isdir(spec_or_artifact) and os.path.isfile(os.path.join(spec_or_artifact,
                                                                                   "manifest.json"))
     model = _load_model(spec_or_artifact, device)
     t_model = time.perf_counter() - t
     spec = model.spec
+    if dtype is None:
+        dtype = {"bf16": "bfloat16", "f32": "float32"}[model.run_dtypes[0]] if cuda else "float32"
+    if dtype not in _TORCH_DTYPES:
+        raise ArgumentError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if cuda and use_kernels and kernel_policy in ("artifact", "strict") and \
+            _TORCH_DTYPES[dtype] not in model.run_dtypes:
+        held = ", ".join({"bf16": "bfloat16", "f32": "float32"}[d] for d in model.run_dtypes)
+        raise ArgumentError(f"{spec_or_artifact}: the artifact holds kernels for {held} only; run with --dtype "
+                            f"{held.split(', ')[0]}, compile with --run-dtypes {dtype}, or pass --jit")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     if prompt_len + new_tokens > spec.max_context:
         raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
                             f"max_context {spec.max_context}")
@@ -172,9 +168,9 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     sync()
     t_weights, t_prep = time.perf_counter() - t, time.perf_counter() - t_prep
     t = time.perf_counter()
-    policy = {} if kernel_policy == "artifact" else {"kernel_policy": kernel_policy}   # "artifact": the default
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
-                 use_kernels=use_kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs, **policy)
+                 use_kernels=use_kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+                 kernel_policy=kernel_policy)
     del w                        # the graph holds what it reads
     sync()
     t_engine = time.perf_counter() - t
@@ -190,10 +186,10 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     # bucket) the timed pass meets is compiled / captured here (identical inputs: identical data-dependent choices)
     warm = _serve(eng, ids, new_tokens, sync, bar) if warmup else None
     # stats() is the launcher's live record: copies, so the timed pass's additions can be told apart
-    before_timed = copy.deepcopy(launcher.stats()) if launcher is not None and warmup else None
+    before_timed = copy.deepcopy(launcher.stats()) if warmup else None
     run = _serve(eng, ids, new_tokens, sync, bar)
     bar.close()
-    total = copy.deepcopy(launcher.stats()) if launcher is not None else None
+    total = copy.deepcopy(launcher.stats())
 
     first = warm or run
     n_decoded = run["stats"].get("decode_tokens", 0)

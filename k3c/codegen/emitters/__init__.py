@@ -22,6 +22,34 @@ def register_emitter(op_name: str):
     return deco
 
 
+RUN_DTYPES = ("bf16", "f32")     # activation dtypes a session can run (the IR is bf16; fp32 weights run fp32)
+
+
+def retyped(module, dtype: str):
+    """`module` with its bf16 values (activations and float weights) in `dtype`: the graph a session runs with
+    weights of that dtype, so emit_kernels(retyped(m, "f32"), t) is what an fp32 run launches."""
+    from ...ir.core import TensorType
+
+    if dtype == "bf16":
+        return module
+    ops = tuple(op.replace(types=tuple(TensorType(dtype if t.dtype == "bf16" else t.dtype, t.shape)
+                                       for t in op.types)) for op in module.ops)
+    return module.replace(ops=ops)
+
+
+def catalogue_kernels(module, target, dtypes=("bf16",)) -> list[KernelSource]:
+    """emit_kernels for every run dtype in `dtypes` (deduplicated by catalogue key)."""
+    seen: dict[str, KernelSource] = {}
+    for dt in dtypes:
+        if dt not in RUN_DTYPES:
+            from ...errors import ArgumentError
+
+            raise ArgumentError(f"run dtype must be one of {', '.join(RUN_DTYPES)}, got {dt!r}")
+        for ks in emit_kernels(retyped(module, dt), target):
+            seen.setdefault(ks.key, ks)
+    return list(seen.values())
+
+
 def emit_kernels(module, target) -> list[KernelSource]:
     """Every distinct kernel of the module's `impl = "kernel"` ops (deduplicated by catalogue key: equal code
     emitted for two ops, whose header comments name different locations, is one kernel)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from ..kernel import KernelSource
 from ..kernels.gemm import emit_gemm
-from ..kernels.kda import (emit_kda_chunk, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
-                           emit_kda_prep, kda_plan)
+from ..kernels.kda import (DECODE_NORM_EPS, emit_kda_chunk, emit_kda_decode, emit_kda_inter, emit_kda_intra,
+                           emit_kda_out, emit_kda_prep, kda_plan, run_dot)
 from . import register_emitter
 
 _DT = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
@@ -23,7 +23,7 @@ def emit_attn(op, module, target) -> list[KernelSource]:
     dt = _dtype(module, op.inputs[0])
     h, d = a["num_heads"], a["head_dim"]
     loc = op.loc or ""
-    dot = "ieee" if dt == "fp32" else a["dot"]          # as k3c.runtime.kernels.kda.kernel_kda_attn
+    dot = run_dot(dt, a["dot"])
     plan = kda_plan(d, dt, target, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot)
     qkv = "bf16" if dot == "bf16" else "fp32"           # the prep's q / k / v rows
     common = dict(gate=a["gate"], gate_lower_bound=a["gate_lower_bound"], l2norm_eps=a["l2norm_eps"], target=target,
@@ -36,7 +36,7 @@ def emit_attn(op, module, target) -> list[KernelSource]:
         chunk = [emit_kda_chunk(h, d, target=target, qk_dtype=qkv, v_dtype=qkv, plan=plan, ir_op="kda_attn",
                                 loc=loc)]
     return [emit_kda_prep(h, d, a["conv_kernel"], qkv_dtype=qkv, **common), *chunk,
-            emit_kda_decode(h, d, a["conv_kernel"], norm_eps=1e-5, fuse_out=False, **common)]
+            emit_kda_decode(h, d, a["conv_kernel"], norm_eps=DECODE_NORM_EPS, fuse_out=False, **common)]
 
 
 @register_emitter("kda_out")

@@ -15,16 +15,16 @@ import functools
 
 import torch
 
-from ...codegen.kernels.kda import (emit_kda_chunk, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
-                                    emit_kda_prep, inter_dtype, kda_plan)
+from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_chunk, emit_kda_decode, emit_kda_inter,
+                                    emit_kda_intra, emit_kda_out, emit_kda_prep, inter_dtype, kda_plan, run_dot)
 from ...codegen.launch import target_for, tt_dtype
-from ..launcher import launch
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
 from .. import reference as ref
 from ..executor import register_impl
 from ..reference.kda import KDAState
 from ..reference.norms import acc
+from ..launcher import launch
 from . import register_kernel_impl
 
 _emit_prep = functools.lru_cache(maxsize=128)(emit_kda_prep)
@@ -274,13 +274,11 @@ def kernel_kda_attn(a, cache, data, w):
     flat = [x.reshape(b * t, -1) for x in (xq, xk, xv, xf, xb)]
     if t == 1:
         o, tails, s = kda_decode(*flat, None, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), None,
-                                 st.conv, st.state, norm_eps=1e-5, fuse_out=False, **common)
+                                 st.conv, st.state, norm_eps=DECODE_NORM_EPS, fuse_out=False, **common)
         cache.layers[a["layer"]] = KDAState(s, tails)
         return o.view(b, t, h, d)
     cu = cu_seqlens([t] * b, xq.device)
-    # the IR's `dot` is the precision chosen for the model's declared (bf16) activations; a session running the
-    # model in fp32 gets exact fp32 products (a bf16 dot there cost 0.3 relative error in k3-tiny's logits on the H200)
-    dot = "ieee" if xq.dtype == torch.float32 else a["dot"]
+    dot = run_dot(tt_dtype(xq.dtype), a["dot"])
     # bf16 matmul operands: the prep writes q / k / v in bf16 (half the bytes; the products round them anyway)
     packed, tails = kda_prep(*flat, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), st.conv, cu,
                              max_len=t, qkv_dtype=torch.bfloat16 if dot == "bf16" else torch.float32, **common)
