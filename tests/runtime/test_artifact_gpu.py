@@ -53,6 +53,17 @@ def _weights(spec, dtype, seed=0):
     return {k: (v if table[k].dtype == "fp32" else v.to(dtype)) for k, v in w.items()}
 
 
+def _reference_weights(spec, w):
+    """The weights the session runs: the spec's quantized experts through MXFP4 and back (its rule)."""
+    from k3c.frontend.quant_check import quantized_names
+    from k3c.quant import mxfp4_dequantize, mxfp4_quantize
+
+    out = dict(w)
+    for n in quantized_names(spec):
+        out[n] = mxfp4_dequantize(*mxfp4_quantize(w[n], spec.quantization.rule), w[n].dtype)
+    return out
+
+
 def _run(model, w, ids, policy):
     sess = model.session(w, device="cuda", max_batch=ids.shape[0], max_context=ids.shape[1] + 4,
                          kernel_policy=policy)
@@ -73,7 +84,8 @@ def test_fp32_from_the_artifact_matches_jit_and_reference(artifact, no_jit, monk
     pre, dec = _run(model, w, ids, "strict")
     st = launcher.stats()
     assert st.jit == 0 and st.binaries > 10, st
-    ref = k3c.reference_forward(spec, {k: v.cuda() for k, v in w.items()}, ids.cuda()).float().cpu()
+    ref_w = {k: v.cuda() for k, v in _reference_weights(spec, w).items()}
+    ref = k3c.reference_forward(spec, ref_w, ids.cuda()).float().cpu()
     assert rel_error(pre, ref) <= 1e-5, f"{name}: prefill vs reference {rel_error(pre, ref):.2e}"
     # the same sources JIT-compiled here (the pre-loader path)
     monkeypatch.undo()
