@@ -108,7 +108,7 @@ def _bench(args, name: str, extra: list[str], tmp: str) -> dict:
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-        rc, err = p.returncode, p.stderr
+        rc, err = p.returncode, p.stderr + p.stdout[-2000:]
     except subprocess.TimeoutExpired:
         rc, err = None, f"timed out after {args.timeout} s"
     data = None

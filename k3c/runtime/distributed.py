@@ -374,8 +374,10 @@ def run_ranks(fn: Callable, tp: int, ep: int | None = None, args: tuple = (), *,
     queue = ctx.Queue()
     port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // world) if not device.startswith("cuda") else 4
+    # not daemonic: a rank on a GPU compiles its slice's artifact through a process pool (a daemonic process may
+    # have no children); the finally below ends every rank process
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, tp, ep, device, threads, args, queue),
-                         daemon=True) for r in range(world)]
+                         daemon=False) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}

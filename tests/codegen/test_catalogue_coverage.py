@@ -66,6 +66,23 @@ def test_every_launch_is_in_the_catalogue(name, target):
     assert families & {"kda_attn", "mla_absorbed"} <= seen
 
 
+@pytest.mark.parametrize("target", ("h100", "h200"))
+def test_exact_pair_decode_is_in_the_catalogue(target, monkeypatch):
+    """The other answer of the data-dependent scale check (a scale above PAIRS1_MAX_SCALE): the exact two-multiply
+    pair decode, planned as such (its narrower tiles), is in the artifact too."""
+    from k3c.runtime.kernels import moe
+
+    monkeypatch.setattr(moe, "META_SCALES_FIT", False)
+    for name in ("k3-wide", "kimi-k3"):
+        model = k3c.compile(f"examples/{name}.yaml", target=target)
+        catalogue = {ks.key for ks in model.kernels()}
+        launched = record_launches(model, ((1, 1), (8, 1), (32, 17)))
+        names = {ks.name for ks, _ in launched}
+        assert any(n.endswith("_jp") for n in names) and not any("_jp1" in n for n in names), names
+        missing = sorted({ks.name for ks, _ in launched if ks.key not in catalogue})
+        assert not missing, missing
+
+
 def test_recording_catches_a_missing_class():
     """The check can fail: drop the grouped-GEMM kernels of one row class from the catalogue and it is reported."""
     model = k3c.compile("examples/k3-wide.yaml", target="h200")

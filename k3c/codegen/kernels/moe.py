@@ -1063,7 +1063,7 @@ def emit_moe_combine(z: int, top_k: int, *, target: Target, dtype: str = "bf16",
                         loc=loc)
 
 
-__all__ = ["expert_gemm_kernels", "expert_gemm_classes", "EXPERT_ROW_CLASSES", "emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
+__all__ = ["expert_plan", "expert_gemm_kernels", "expert_gemm_classes", "EXPERT_ROW_CLASSES", "emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
            "emit_moe_gemm", "emit_moe_dequant", "DEQUANT_MIN_ROWS", "GEMV_MAX_ROWS", "JOINED_DEFAULT", "PAIRS_MAX_ROWS",
            "PAIRS1_MAX_SCALE",
            "DEQUANT_WORKSPACE_BYTES", "emit_moe_combine", "emit_moe_linear", "moe_gemm_plan", "MoEGemmPlan",
@@ -1071,19 +1071,29 @@ __all__ = ["expert_gemm_kernels", "expert_gemm_classes", "EXPERT_ROW_CLASSES", "
 
 
 # -- the one choice of the expert GEMM kernels (runtime and AOT) ----------------------------------------------------
-def expert_gemm_kernels(kind: str, n: int, k: int, rows: int, *, target: Target, mx: str, dtype: str,
-                        w_dtype: str | None, out_dtype: str, act: object = None, num_experts: int = 1,
-                        top_k: int = 1, one_mul_fits: bool = True, plan: MoEGemmPlan | None = None,
-                        ir_op: str = "", loc: str = "",
-                        interpret: bool | None = None) -> tuple[KernelSource, KernelSource | None]:
-    """The GEMM kernel for `rows` rows per expert (the dense kind: rows = tokens), and the dequant kernel where the
-    plan first expands MXFP4 weights to a bf16 workspace (else None). `one_mul_fits` is the data-dependent answer
-    of the weights' scale check (runtime.kernels.moe.scales_fit_one_mul): False takes the exact two-multiply pair
-    decode. The runtime calls this with the shapes at hand; `expert_gemm_classes` calls it for every class, so the
-    artifact holds whatever the runtime can pick."""
-    plan = plan or moe_gemm_plan(kind, n, k, rows, mx, dtype, target)
-    if plan.one_mul and not one_mul_fits:
+def expert_plan(kind: str, n: int, k: int, rows: int, *, target: Target, mx: str, dtype: str,
+                one_mul_fits: bool = True, plan: MoEGemmPlan | None = None) -> MoEGemmPlan:
+    """The plan for `rows` rows per expert (the dense kind: rows = tokens, already a token bucket when `plan` is
+    the dense rule's). `one_mul_fits` is the data-dependent answer of the weights' scale check
+    (runtime.kernels.moe.scales_fit_one_mul); False takes the exact two-multiply pair decode, planned as such
+    (narrower tiles: the 128-wide exact decode spills on sm_90). An explicit `plan` (the dense linears' rule,
+    benchmarks) gets its exact twin by flipping the flag."""
+    if plan is None:
+        plan = moe_gemm_plan(kind, n, k, rows, mx, dtype, target)
+        if plan.one_mul and not one_mul_fits:
+            plan = moe_gemm_plan(kind, n, k, rows, mx, dtype, target, one_mul=False)
+    elif plan.one_mul and not one_mul_fits:
         plan = _replace(plan, one_mul=False)
+    return plan
+
+
+def expert_gemm_kernels(kind: str, n: int, k: int, *, plan: MoEGemmPlan, target: Target, mx: str, dtype: str,
+                        w_dtype: str | None, out_dtype: str, act: object = None, num_experts: int = 1,
+                        top_k: int = 1, ir_op: str = "", loc: str = "",
+                        interpret: bool | None = None) -> tuple[KernelSource, KernelSource | None]:
+    """The GEMM kernel of `plan` (expert_plan), and the dequant kernel where the plan first expands MXFP4 weights
+    to a bf16 workspace (else None). The runtime calls this with the plan of the shapes at hand;
+    `expert_gemm_classes` with every plan, so the artifact holds whatever the runtime can pick."""
     if plan.dequant and mx == "upcast":     # the bf16 kernel over the dequantized workspace, by expert chunks
         gemm = emit_moe_gemm(kind, n, k, target=target, plan=plan, num_experts=num_experts, top_k=top_k, mx="none",
                              dtype=dtype, w_dtype=dtype, out_dtype=out_dtype, act=act, ir_op=ir_op, loc=loc,
@@ -1101,20 +1111,22 @@ EXPERT_ROW_CLASSES = tuple(range(1, 2 * max(DEQUANT_MIN_ROWS, ROW_BUCKETS[-1]) +
     2 ** i for i in range(10, 21))
 
 
-def expert_gemm_classes(kind: str, n: int, k: int, *, target: Target, rows=EXPERT_ROW_CLASSES, plan_for=None,
-                        **kw) -> list[KernelSource]:
-    """Every kernel `expert_gemm_kernels` can return for these weights over `rows` (distinct plans only), with both
-    answers of the scale check. plan_for(rows) -> plan overrides the plan rule (the dense linears' token buckets)."""
+def expert_gemm_classes(kind: str, n: int, k: int, *, target: Target, mx: str, dtype: str,
+                        rows=EXPERT_ROW_CLASSES, plan_for=None, **kw) -> list[KernelSource]:
+    """Every kernel the runtime can launch for these weights: expert_plan over `rows`, with both answers of the
+    scale check, through expert_gemm_kernels (distinct plans only). plan_for(rows) gives the explicit plan a caller
+    passes (the dense linears' token-bucket rule)."""
     plans: dict = {}
     for r in rows:
-        p = plan_for(r) if plan_for else moe_gemm_plan(kind, n, k, r, kw["mx"], kw["dtype"], target)
-        plans.setdefault(p, r)
+        for fits in (True, False):
+            p = expert_plan(kind, n, k, r, target=target, mx=mx, dtype=dtype, one_mul_fits=fits,
+                            plan=plan_for(r) if plan_for else None)
+            plans.setdefault(p, r)
     out: dict[str, KernelSource] = {}
-    for p, r in plans.items():
-        for fits in ((True, False) if p.one_mul else (True,)):
-            for ks in expert_gemm_kernels(kind, n, k, r, target=target, plan=p, one_mul_fits=fits, **kw):
-                if ks is not None:
-                    out.setdefault(ks.key, ks)
+    for p in plans:
+        for ks in expert_gemm_kernels(kind, n, k, plan=p, target=target, mx=mx, dtype=dtype, **kw):
+            if ks is not None:
+                out.setdefault(ks.key, ks)
     return list(out.values())
 
 

@@ -18,8 +18,8 @@ import torch
 
 from ...codegen.emitters.basic import act_from_attrs
 from ...codegen.kernels import moe as _kmoe
-from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_linear, expert_gemm_kernels,
-                                    emit_moe_offsets, emit_moe_rank, emit_moe_scatter, emit_moe_topk, moe_gemm_plan,
+from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_linear, emit_moe_offsets, emit_moe_rank,
+                                    emit_moe_scatter, emit_moe_topk, expert_gemm_kernels, expert_plan, moe_gemm_plan,
                                     mx_mode, row_bucket, tile_slots)
 from ...codegen.launch import m_bucket, target_for, tt_dtype
 from ...codegen.writer import CodegenError
@@ -36,6 +36,7 @@ _emit_rank = functools.lru_cache(maxsize=64)(emit_moe_rank)
 _emit_scatter = functools.lru_cache(maxsize=64)(emit_moe_scatter)
 _emit_offsets = functools.lru_cache(maxsize=64)(emit_moe_offsets)
 _expert_kernels = functools.lru_cache(maxsize=256)(expert_gemm_kernels)
+_expert_plan = functools.lru_cache(maxsize=256)(expert_plan)
 _emit_combine = functools.lru_cache(maxsize=64)(emit_moe_combine)
 _emit_linear = functools.lru_cache(maxsize=256)(emit_moe_linear)
 _plan = functools.lru_cache(maxsize=256)(moe_gemm_plan)
@@ -87,6 +88,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router
 _SCALES_FIT: dict[int, tuple[int, bool]] = {}   # id(scale tensor) -> (its _version, all scales <= PAIRS1_MAX_SCALE)
 
 
+META_SCALES_FIT = True     # what the scale check answers for meta tensors (tests record both answers)
+
+
 def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
     """Whether every E8M0 scale is <= PAIRS1_MAX_SCALE, so the one-multiply pair decode is exact on these weights.
     One reduction per scale tensor, remembered while the tensor lives and is not written in place; during CUDA
@@ -96,8 +100,8 @@ def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
         if hit is None or hit[0] != t._version:
             if t.is_cuda and torch.cuda.is_current_stream_capturing():
                 return False
-            if t.is_meta:       # no data: take the one-multiply entry (the artifact holds both)
-                return True
+            if t.is_meta:       # no data: the answer recordings on meta tensors ask for (the artifact holds both)
+                return META_SCALES_FIT
             fits = t.numel() == 0 or int(t.max()) <= _kmoe.PAIRS1_MAX_SCALE
             if hit is None:
                 weakref.finalize(t, _SCALES_FIT.pop, id(t), None)
@@ -109,16 +113,17 @@ def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
 
 def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtype, plan=None, ir_op="", loc="",
              scales=()):
-    """(GEMM kernel, dequant kernel or None) for these shapes: expert_gemm_kernels, the one choice the AOT
-    catalogue enumerates, with the weights' scale check answered here."""
+    """(GEMM kernel, dequant kernel or None) for these shapes: expert_plan + expert_gemm_kernels, the one choice
+    the AOT catalogue enumerates, with the weights' scale check answered here (only where the plan asks)."""
     tgt = target_for(a.device)
     dt = tt_dtype(a.dtype)
-    plan = plan or _plan(kind, n, k, rows, mx, dt, tgt)
-    fits = not plan.one_mul or scales_fit_one_mul(list(scales))
-    return _expert_kernels(kind, n, k, rows, target=tgt, mx=mx, dtype=dt,
+    first = plan or _plan(kind, n, k, rows, mx, dt, tgt)
+    fits = not first.one_mul or scales_fit_one_mul(list(scales))
+    chosen = _expert_plan(kind, n, k, rows, target=tgt, mx=mx, dtype=dt, one_mul_fits=fits, plan=plan)
+    return _expert_kernels(kind, n, k, plan=chosen, target=tgt, mx=mx, dtype=dt,
                            w_dtype=None if mx != "none" else tt_dtype(w_dtype), out_dtype=tt_dtype(out_dtype),
-                           act=act, num_experts=num_experts, top_k=top_k, one_mul_fits=fits, plan=plan,
-                           ir_op=ir_op, loc=loc, interpret=_interp(a))
+                           act=act, num_experts=num_experts, top_k=top_k, ir_op=ir_op, loc=loc,
+                           interpret=_interp(a))
 
 
 def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots):
