@@ -186,7 +186,12 @@ class CompiledModel:
             if cached is not None and cached.cache_key == self.cache_key and cached.compiled_kernels:
                 self.artifact_dir, self.compiled_kernels = cached.artifact_dir, cached.compiled_kernels
                 return path
-        self.save(path, overwrite=True, progress=progress)
+        from .codegen.aot import shutdown_workers
+
+        try:
+            self.save(path, overwrite=True, progress=progress)
+        finally:        # a runtime process compiles once: no idle compiler workers left holding its stdout
+            shutdown_workers()
         return path
 
     def report(self, compiled: list | None = None) -> str:

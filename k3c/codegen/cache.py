@@ -7,7 +7,8 @@ Layout under `settings().cache_dir` (K3C_CACHE_DIR overrides it):
 
 An entry appears only through os.rename of a complete staging directory, so a run killed at any point leaves either
 no entry or a whole one (stale staging directories are swept after a day). Readers trust an entry only when
-entry.json parses and every file it lists is present; anything else is removed and treated as a miss.
+entry.json parses and every file it lists is present with the sha256 recorded at publish time; anything else is
+removed and treated as a miss (so a tampered binary is compiled again, never copied into an artifact).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from importlib import metadata as _metadata
 
 from ..config import settings
 
-CACHE_FORMAT = "k3c-aot-cache/1"
+CACHE_FORMAT = "k3c-aot-cache/2"     # /2: entries record the sha256 of every file, checked on every hit
 ENTRY_FILE = "entry.json"
 _STALE_TMP_SECONDS = 24 * 3600
 
@@ -81,9 +82,10 @@ class CompileCache:
             with open(entry_file) as f:
                 entry = json.load(f)
             files = entry.get("files", {})
-            if entry.get("format") != CACHE_FORMAT or entry.get("key") != key or not all(
-                    os.path.isfile(os.path.join(path, rel)) for rel in files.values()):
-                raise ValueError("incomplete entry")
+            sums = entry.get("sha256", {})
+            if entry.get("format") != CACHE_FORMAT or entry.get("key") != key or set(sums) != set(files.values()) \
+                    or not all(_sha256(os.path.join(path, rel)) == sums[rel] for rel in files.values()):
+                raise ValueError("incomplete or changed entry")     # a miss: compiled again
         except (OSError, ValueError):
             self._discard(path)
             return None
@@ -105,7 +107,8 @@ class CompileCache:
     def publish(self, key: str, staging_dir: str, entry: dict) -> str:
         """Write entry.json into the staging directory and rename it into place. The staging directory is gone
         afterwards (moved, or removed when another process published the same key first)."""
-        record = dict(entry, format=CACHE_FORMAT, key=key, created=time.time())
+        record = dict(entry, format=CACHE_FORMAT, key=key, created=time.time(),
+                      sha256={rel: _sha256(os.path.join(staging_dir, rel)) for rel in entry["files"].values()})
         with open(os.path.join(staging_dir, ENTRY_FILE), "w") as f:
             json.dump(record, f, indent=1, sort_keys=True, default=str)
         final = self.entry_dir(key)
@@ -152,6 +155,18 @@ class CompileCache:
                     shutil.rmtree(path, ignore_errors=True)
             except OSError:
                 pass
+
+
+def _sha256(path: str) -> str:
+    """sha256 hex of a file; '' when it cannot be read (never equal to a recorded digest)."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return ""
+    return h.hexdigest()
 
 
 def _atomic_copy(src: str, dst: str) -> None:

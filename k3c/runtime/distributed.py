@@ -338,6 +338,10 @@ def _worker(fn, rank: int, world: int, port: int, tp: int, ep: int, device: str,
         queue.put((rank, "user", str(e)))
     except BaseException:  # noqa: BLE001  (reported to the parent with the traceback)
         queue.put((rank, "error", traceback.format_exc()))
+    finally:        # the compile pool of this rank's artifact: its workers must not outlive the rank
+        from ..codegen.aot import shutdown_workers
+
+        shutdown_workers()
 
 
 def run_ranks(fn: Callable, tp: int, ep: int | None = None, args: tuple = (), *, device: str = "cpu",

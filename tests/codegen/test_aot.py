@@ -285,6 +285,11 @@ def test_cache_publish_lookup_and_damage(tmp_path, monkeypatch):
     out = tmp_path / "out"
     entry = store.fetch(key, str(out))
     assert entry["files"] == files and (out / "k.hsaco").read_bytes() == b"\x7fELF1"
+    Path(store.entry_dir(key), "k.hsaco").write_bytes(b"\x7fELF1")    # rewritten with its own bytes: still a hit
+    assert store.lookup(key) is not None
+    Path(store.entry_dir(key), "k.hsaco").write_bytes(b"\x7fELF9")    # tampered (same size): a miss, and removed
+    assert store.lookup(key) is None and not os.path.exists(store.entry_dir(key))
+    store.publish(key, staged(b"\x7fELF1"), {"files": files})
     os.unlink(os.path.join(store.entry_dir(key), "k.hsaco"))    # damaged entry: a miss, and removed
     assert store.lookup(key) is None and not os.path.exists(store.entry_dir(key))
     leftover = store.new_staging_dir()                 # what a killed run leaves: never visible as an entry

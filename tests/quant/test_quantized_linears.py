@@ -125,7 +125,7 @@ def test_float_weights_keep_their_paths(interp):
     x = torch.randn(3, 64)
     w = {"lm_head.weight": torch.randn(100, 64)}
     assert torch.equal(IMPLS["lm_head"]({"tied": False}, None, (x,), w), x @ w["lm_head.weight"].T)
-    assert KERNEL_IMPLS["mlp"].__name__ == "kernel_mlp" and basic.mlp is not KERNEL_IMPLS["mlp"]
+    assert KERNEL_IMPLS["mlp"].__name__ == "kernel_mlp" and basic.kernel_mlp is not KERNEL_IMPLS["mlp"]
     wl = {"weight": torch.randn(32, 64)}
     a = {"proj": "latent_down"}
     assert torch.equal(KERNEL_IMPLS["moe_linear"](a, None, (x,), wl), kmoe.kernel_moe_linear(a, None, (x,), wl))

@@ -54,10 +54,11 @@ def test_decoder_loop_matches_naive(tiny_spec, block_size):
     m64 = ReferenceModel(spec, w, dtype=torch.float64)
     assert rel_err(m64.prefill(ids)[0], naive_attnres_logits(m64, ids)) <= 1e-10
     # fp32, end to end. At block size 1 the 8-layer random model amplifies rounding: a 1e-7 relative weight
-    # perturbation moves its logits by 3e-5..9e-5 (block size 3: ~5e-6), so 1e-5 is out of reach there.
+    # perturbation moves its logits by 3e-5..9e-5 (block size 3: ~5e-6, 1.2e-5 where the CPU's fp32 reductions
+    # run in AVX-512 order), so 1e-5 is out of reach there.
     model = ReferenceModel(spec, w)
     got = model.prefill(ids)[0]
-    assert rel_err(got, naive_attnres_logits(model, ids)) <= (1e-4 if block_size == 1 else 1e-5)
+    assert rel_err(got, naive_attnres_logits(model, ids)) <= (1e-4 if block_size == 1 else 2e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 8, 100])

@@ -60,7 +60,8 @@ def test_resumed_requests_match_cold_runs(tiny, one_thread):
         assert seq.resumed == depth
         _, ref_outs = serve(cold, prompt, 4)
         assert [o.token for o in outs] == [o.token for o in ref_outs]
-        assert rel(torch.stack([o.logits for o in outs]), torch.stack([o.logits for o in ref_outs])) <= 1e-5
+        # fp32, another chunking of the same tokens: 1.1e-5 where the CPU's reductions run in AVX-512 order
+        assert rel(torch.stack([o.logits for o in outs]), torch.stack([o.logits for o in ref_outs])) <= 2e-5
         if depth == len(prompt):
             assert eng.stats["prefill_calls"] == calls
     assert pc.stats["hits"] == 4 and pc.hit_rate() > 0.5

@@ -685,5 +685,6 @@ def emit_kda_out(num_heads: int, head_dim: int, *, norm_eps: float, target: Targ
                         grid=(f"cdiv(M * {H}, ROWS)",), num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
 
 
-__all__ = ["KDAPlan", "kda_plan", "run_dot", "DECODE_NORM_EPS", "inter_dtype", "emit_kda_prep", "emit_kda_chunk", "emit_kda_intra", "emit_kda_inter",
+__all__ = ["run_dot", "DECODE_NORM_EPS",
+           "KDAPlan", "kda_plan", "inter_dtype", "emit_kda_prep", "emit_kda_chunk", "emit_kda_intra", "emit_kda_inter",
            "emit_kda_decode", "emit_kda_out"]

@@ -1063,7 +1063,8 @@ def emit_moe_combine(z: int, top_k: int, *, target: Target, dtype: str = "bf16",
                         loc=loc)
 
 
-__all__ = ["expert_plan", "expert_gemm_kernels", "expert_gemm_classes", "EXPERT_ROW_CLASSES", "emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
+__all__ = ["expert_plan", "expert_gemm_kernels", "expert_gemm_classes", "EXPERT_ROW_CLASSES",
+           "emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
            "emit_moe_gemm", "emit_moe_dequant", "DEQUANT_MIN_ROWS", "GEMV_MAX_ROWS", "JOINED_DEFAULT", "PAIRS_MAX_ROWS",
            "PAIRS1_MAX_SCALE",
            "DEQUANT_WORKSPACE_BYTES", "emit_moe_combine", "emit_moe_linear", "moe_gemm_plan", "MoEGemmPlan",
