@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default="cpu", help="cpu or cuda")
     r.add_argument("--dtype", choices=("float32", "bfloat16"),
-                   help="weights and activations (default: float32 on a CPU; on a GPU the artifact's first run "
-                   "dtype, bfloat16 unless compiled with --run-dtypes float32)")
+                   help="weights and activations (default: float32 on a CPU and with --tp/--ep; on a GPU the "
+                   "artifact's first run dtype, bfloat16 unless compiled with --run-dtypes float32)")
     r.add_argument("--no-kernels", action="store_true", help="run every op through torch (no generated kernels)")
     r.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps through captured CUDA graphs (runtime/cuda_graph.py; default: on with --device "
@@ -198,7 +198,8 @@ def cmd_run(args) -> int:
 
         text = run_report_distributed(args.spec, tp=args.tp, ep=args.ep, weights=args.weights, batch=args.batch,
                                       prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
-                                      device=args.device, dtype=args.dtype, use_kernels=not args.no_kernels,
+                                      device=args.device, dtype=args.dtype or "float32",
+                                      use_kernels=not args.no_kernels,
                                       cuda_graphs=args.cuda_graphs)
         if text:                                 # rank 0 reports (under torchrun the others print nothing)
             print(text)
