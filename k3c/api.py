@@ -168,7 +168,7 @@ class CompiledModel:
         if self.artifact_dir is None or self.compiled_kernels is None:
             return None
         return Catalogue(target=self.target, root=self.artifact_dir,
-                         entries={ck.catalogue_key: ck for ck in self.compiled_kernels}, verified=True)
+                         entries={ck.catalogue_key: ck for ck in self.compiled_kernels})
 
     def ensure_artifact(self, *, progress: bool = True) -> str:
         """The artifact directory, compiling one into the cache (K3C_CACHE_DIR/artifacts/<cache key>) when this

@@ -89,15 +89,6 @@ def target_for(device: torch.device | str) -> Target:
     return _device_target(*_device_key(device))
 
 
-def _resolve(target: Target | str | None, t: torch.Tensor) -> Target:
-    if target is None:
-        d = t.device
-        return _device_target(d.type, d.index or 0)     # a CUDA tensor's device always carries its index
-    if isinstance(target, str):
-        return get_target(target)
-    return target
-
-
 M_BUCKET_MAX = 1024
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)    # every m_hint the GEMM wrappers can ask for (AOT: emit these)
 

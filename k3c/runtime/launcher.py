@@ -235,13 +235,12 @@ def load_kernel(ks: KernelSource, interpret: bool) -> Any:
 # -- catalogues bound to devices -------------------------------------------------------------------------------------
 @dataclass
 class Catalogue:
-    """The kernels of one artifact: catalogue key -> CompiledKernel, for one target. `root` is the artifact
-    directory its files are relative to; `verified` records that every file was checked against the manifest."""
+    """The kernels of one artifact (checked against its manifest by k3c.load): catalogue key -> CompiledKernel,
+    for one target. `root` is the artifact directory its files are relative to."""
 
     target: Target
     root: str
     entries: dict[str, Any] = field(default_factory=dict)
-    verified: bool = False
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -297,11 +296,6 @@ def bind(device: torch.device | str, catalogue: Catalogue | None, policy: str = 
 def unbind(device: torch.device | str) -> None:
     _GENERATION[0] += 1
     _BINDINGS.pop(_device_slot(device), None)
-
-
-def binding(device: torch.device | str) -> tuple[Catalogue | None, str] | None:
-    b = _BINDINGS.get(_device_slot(device))
-    return None if b is None else (b.catalogue, b.policy)
 
 
 def stats() -> LaunchStats:
@@ -527,5 +521,5 @@ def _binary_runner(cat: Catalogue, entry, slot: tuple[str, int]):
 
 
 __all__ = ["launch", "fixed_launcher", "load_kernel", "eval_grid", "compile_grid_expr", "GridError", "kernel_dir",
-           "interpret_env", "Catalogue", "bind", "unbind", "binding", "stats", "reset_stats", "recording",
+           "interpret_env", "Catalogue", "bind", "unbind", "stats", "reset_stats", "recording",
            "LaunchStats", "MissingKernelError", "POLICIES", "ENABLE_FP_FUSION"]

@@ -46,7 +46,8 @@ def _graph_line(eng, stats=None) -> str:
             f"replayed; {per or 'none captured (a batch size gets its graph on its second decode step in a row)'}")
 
 
-_TORCH_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
+_RUN_DTYPES = {"float32": "f32", "bfloat16": "bf16"}      # --dtype -> the artifact's run dtype name
+_DTYPE_NAMES = {v: k for k, v in _RUN_DTYPES.items()}
 
 
 def _kernel_line(use_kernels: bool, total, before_timed) -> str:
@@ -143,12 +144,12 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     t_model = time.perf_counter() - t
     spec = model.spec
     if dtype is None:
-        dtype = {"bf16": "bfloat16", "f32": "float32"}[model.run_dtypes[0]] if cuda else "float32"
-    if dtype not in _TORCH_DTYPES:
+        dtype = _DTYPE_NAMES[model.run_dtypes[0]] if cuda else "float32"
+    if dtype not in _RUN_DTYPES:
         raise ArgumentError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if cuda and use_kernels and kernel_policy in ("artifact", "strict") and \
-            _TORCH_DTYPES[dtype] not in model.run_dtypes:
-        held = ", ".join({"bf16": "bfloat16", "f32": "float32"}[d] for d in model.run_dtypes)
+            _RUN_DTYPES[dtype] not in model.run_dtypes:
+        held = ", ".join(_DTYPE_NAMES[d] for d in model.run_dtypes)
         raise ArgumentError(f"{spec_or_artifact}: the artifact holds kernels for {held} only; run with --dtype "
                             f"{held.split(', ')[0]}, compile with --run-dtypes {dtype}, or pass --jit")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -29,7 +29,6 @@ def _meta_weights(model, dtype):
 
 def record_launches(model, shapes, dtype=torch.bfloat16):
     """[(kernel, (B, T))] for one prefill of B x T tokens and one decode step after it, per shape, on meta."""
-    spec = model.spec
     longest = max(t for _, t in shapes) + 1
     bind_device_target("meta", model.target)
     try:

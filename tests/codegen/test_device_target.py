@@ -102,10 +102,10 @@ def test_bind_and_unbind(fake_gpu):
     assert launch.unbind_device_target("cuda:0") is None
     # a meta (or cpu) device may take a GPU target: recording another target's kernel choices on meta tensors
     launch.bind_device_target("meta", "h200")
-    assert launch._resolve(None, torch.empty(1, device="meta")) is get_target("h200")
+    assert launch.target_for(torch.empty(1, device="meta").device) is get_target("h200")
     launch.unbind_device_target("meta")
     with pytest.raises(CodegenError, match="no kernel target"):
-        launch._resolve(None, torch.empty(1, device="meta"))
+        launch.target_for(torch.empty(1, device="meta").device)
     with pytest.raises(CodegenError, match="cannot bind target 'cpu'"):
         launch.bind_device_target("cuda:0", "cpu")
     with pytest.raises(ArgumentError, match="unknown target"):
