@@ -21,12 +21,14 @@ Nothing in this module imports triton in the calling process.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -37,7 +39,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, fields
 
 from ..errors import ArgumentError, K3cError
-from .cache import CompileCache, cache_key
+from .cache import cache_key, open_cache
 from .kernel import KernelSource
 from .resources import KernelResources, kernel_resources
 from .targets import Target, get_target
@@ -160,9 +162,11 @@ def compile_kernels(kernels: list[KernelSource], target: Target | str, out_dir: 
     os.makedirs(os.path.join(out_dir, "kernels"), exist_ok=True)
     options = {"assume_aligned": bool(assume_aligned), "fp_fusion": _fp_fusion(), "keep_ttgir": bool(keep_ttgir),
                "triton_options": dict(triton_options or {}), "env": _triton_env()}
-    store = CompileCache() if cache else None
+    store = open_cache() if cache else None         # None, with one warning line, when it cannot be used
+    if store is not None:
+        store.sweep()                                # staging left by killed compiles
     results: list[CompiledKernel | None] = [None] * len(kernels)
-    keys = [cache_key(k.digest, target, options) for k in kernels]
+    keys = [cache_key(k.compile_digest, target, options) for k in kernels]
 
     bar = _progress_bar(len(kernels), f"k3c aot {target.name}", progress)
     misses = []
@@ -182,12 +186,13 @@ def compile_kernels(kernels: list[KernelSource], target: Target | str, out_dir: 
             staging = store.new_staging_dir() if store else tempfile.mkdtemp(prefix="k3c-aot-")
             source_rel = f"kernels/{kernel.name}.py"
             os.makedirs(os.path.join(staging, "kernels"), exist_ok=True)
-            with open(os.path.join(staging, source_rel), "w") as f:
-                f.write(kernel.source)
+            with open(os.path.join(staging, source_rel), "w", encoding="utf-8") as f:
+                f.write(kernel.compile_source)         # comments blanked: the binary is the code's alone
             jobs_info.append((i, staging, _job(kernel, target, staging, source_rel, options)))
-        executor = _executor(jobs)
         futures = {}
+        restore_signals = _exit_on_signals()
         try:
+            executor = _executor(jobs)
             with _worker_environment():
                 futures = {executor.submit(_compile_worker, job): (i, staging) for i, staging, job in jobs_info}
             for future in as_completed(futures):
@@ -208,29 +213,31 @@ def compile_kernels(kernels: list[KernelSource], target: Target | str, out_dir: 
                     failures.append((kernel, res.get("error", "unknown error") + f"\nsource: {source_path}"))
                 else:
                     entry = _entry_from_result(kernel, target, res)
+                    _copy_tree_files(staging, out_dir, entry["files"])     # the artifact never waits on the cache
                     if store:
-                        store.publish(keys[i], staging, entry)
-                        entry = store.fetch(keys[i], out_dir)
-                        if entry is None:       # only if something deletes the cache under us
-                            failures.append((kernel, f"cache entry {keys[i][:16]} vanished after publishing"))
-                            bar.update(1)
-                            continue
-                    else:
-                        _copy_tree_files(staging, out_dir, entry["files"])
-                        shutil.rmtree(staging, ignore_errors=True)
+                        try:
+                            store.publish(keys[i], staging, entry)
+                        except OSError as exc:      # a cache dir that turned unwritable or hostile: not cached
+                            _warn_once(store.root, f"k3c: warning: cannot store kernels in the compile cache "
+                                                   f"{store.root} ({exc.strerror or exc}); they are not cached")
+                    shutil.rmtree(staging, ignore_errors=True)              # gone already once published
                     results[i] = _from_entry(entry, kernel, target, keys[i], hit=False)
                 bar.update(1)
         finally:
             bar.close()
-            if any(not f.done() for f in futures):      # interrupted: do not leave compiles running
-                shutdown_workers(wait=False)
-                for _i, staging, _job_ in jobs_info:
-                    shutil.rmtree(staging, ignore_errors=True)
+            if any(not f.done() for f in futures) or len(futures) < len(jobs_info):
+                shutdown_workers(wait=False, kill=True)         # interrupted: no compile is left running
+            for _i, staging, _job_ in jobs_info:                # published ones were renamed away already
+                shutil.rmtree(staging, ignore_errors=True)
+            restore_signals()
     else:
         bar.close()
     if failures:
         raise _compile_error(failures, target)
     out = [r for r in results if r is not None]
+    for kernel in kernels:      # the source as emitted (its header names the spec location); compiled blanked
+        with open(os.path.join(out_dir, "kernels", f"{kernel.name}.py"), "w", encoding="utf-8") as f:
+            f.write(kernel.source)
     for ck in out:
         if not keep_asm:        # compiled and cached with its assembly; the artifact leaves it out
             for kind in (BINARY_KINDS[target.backend][1], "ttgir"):
@@ -285,13 +292,24 @@ def report_markdown(compiled: list[CompiledKernel], target: Target | str) -> str
     return "\n".join(lines) + "\n"
 
 
-def shutdown_workers(wait: bool = True) -> None:
-    """Stop the reusable worker pool (it is otherwise kept for the next compile_kernels call)."""
+def shutdown_workers(wait: bool = True, *, kill: bool = False) -> None:
+    """Stop the reusable worker pool (it is otherwise kept for the next compile_kernels call). kill: SIGKILL every
+    worker's process group now (the worker and its ptxas / ld.lld), compiles in flight included."""
     global _EXECUTOR, _EXECUTOR_JOBS
     with _EXECUTOR_LOCK:
-        if _EXECUTOR is not None:
-            _EXECUTOR.shutdown(wait=wait, cancel_futures=True)
-        _EXECUTOR, _EXECUTOR_JOBS = None, 0
+        executor, _EXECUTOR, _EXECUTOR_JOBS = _EXECUTOR, None, 0
+    if executor is None or _EXECUTOR_PID != os.getpid():
+        return                  # none, or a forked child's copy of its parent's pool: the parent's to stop
+    procs = list((getattr(executor, "_processes", None) or {}).values()) if kill else []
+    executor.shutdown(wait=wait and not kill, cancel_futures=True)
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            if proc.exitcode is None:           # not reaped yet: its pid cannot name another process
+                _kill_worker(proc.pid)
+    if wait and kill:
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.join(5)
 
 
 # ================================================================================================ parent helpers
@@ -346,7 +364,8 @@ def _entry_from_result(kernel: KernelSource, target: Target, res: dict) -> dict:
     return {"name": kernel.name, "target": target.name, "backend": target.backend, "arch": target.arch,
             "files": res["files"], "resources": res["resources"], "compile_seconds": res["seconds"],
             "compile_cpu_seconds": res["cpu_seconds"],
-            "metadata": res["metadata"], "divisible_by_16": res["divisible_by_16"], "digest": kernel.digest}
+            "metadata": res["metadata"], "divisible_by_16": res["divisible_by_16"],
+            "digest": kernel.compile_digest}
 
 
 def _from_entry(entry: dict, kernel: KernelSource, target: Target, key: str, *, hit: bool) -> CompiledKernel:
@@ -360,6 +379,16 @@ def _from_entry(entry: dict, kernel: KernelSource, target: Target, key: str, *, 
         ir_op=kernel.ir_op, loc=kernel.loc, metadata=dict(entry["metadata"]),
         divisible_by_16=tuple(entry.get("divisible_by_16", ())), cache_hit=hit, key=key, digest=kernel.digest,
         catalogue_key=kernel.key)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """One line on stderr per `key` and process."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        print(message, file=sys.stderr)
 
 
 def _copy_tree_files(src_dir: str, out_dir: str, files: dict[str, str]) -> None:
@@ -414,6 +443,9 @@ _EXECUTOR_JOBS = 0
 _EXECUTOR_ENV: tuple = ()
 _EXECUTOR_LOCK = threading.Lock()
 _ENV_LOCK = threading.Lock()
+_EXECUTOR_PID = 0              # the process that made _EXECUTOR (a forked child must neither use nor kill it)
+_ATEXIT = False
+_WATCH_SECONDS = 0.2            # how often a worker checks that its parent is alive
 
 
 def _default_jobs() -> int:
@@ -426,11 +458,21 @@ def _default_jobs() -> int:
 def _executor(jobs: int | None) -> ProcessPoolExecutor:
     """The shared spawn pool, created on demand and replaced when the job count or the TRITON_* environment it
     was started with changed (triton caches tool paths and versions per process). Workers are spawned lazily
-    inside submit()."""
-    global _EXECUTOR, _EXECUTOR_JOBS, _EXECUTOR_ENV
+    inside submit().
+
+    No worker outlives this process, whatever ends it: each worker leads its own process group (so its ptxas goes
+    with it, and a terminal's Ctrl-C reaches only this process, which kills the workers), points its stdin /
+    stdout / stderr at /dev/null (a caller reading this process's output sees EOF when this process ends), and
+    watches its parent from a thread: when it is gone (SIGKILL, a crash) the worker kills its group within
+    _WATCH_SECONDS. Here, an exception or SIGTERM / SIGHUP during a compile (_exit_on_signals) kills the workers
+    in the finally block, and interpreter exit stops the pool (atexit). multiprocessing's resource tracker ends by
+    itself when the last process holding its pipe (this one and the workers) is gone."""
+    global _EXECUTOR, _EXECUTOR_JOBS, _EXECUTOR_ENV, _EXECUTOR_PID, _ATEXIT
     jobs = max(1, int(jobs)) if jobs else _default_jobs()
     env = (_fp_fusion(), tuple(_triton_env().items()))
     with _EXECUTOR_LOCK:
+        if _EXECUTOR is not None and _EXECUTOR_PID != os.getpid():
+            _EXECUTOR = None        # inherited through fork: its threads and pipes are the parent's
         if _EXECUTOR is not None and (_EXECUTOR_JOBS != jobs or _EXECUTOR_ENV != env
                                       or getattr(_EXECUTOR, "_broken", False)):
             _EXECUTOR.shutdown(wait=False, cancel_futures=True)
@@ -439,9 +481,48 @@ def _executor(jobs: int | None) -> ProcessPoolExecutor:
             import multiprocessing
 
             _EXECUTOR = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_worker_init, initargs=(_fp_fusion(),))
-            _EXECUTOR_JOBS, _EXECUTOR_ENV = jobs, env
+                                            initializer=_worker_init, initargs=(_fp_fusion(), os.getpid()))
+            _EXECUTOR_JOBS, _EXECUTOR_ENV, _EXECUTOR_PID = jobs, env, os.getpid()
+            if not _ATEXIT:
+                atexit.register(shutdown_workers, False, kill=True)
+                _ATEXIT = True
         return _EXECUTOR
+
+
+def _kill_worker(pid: int) -> None:
+    """SIGKILL a worker's process group (it leads one once started) and the worker itself. Only for a child not
+    reaped yet: until then its pid (and so the group id) cannot name anything else."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        with contextlib.suppress(OSError):
+            kill(target, signal.SIGKILL)
+
+
+def _exit_on_signals():
+    """While this call's kernels compile: SIGTERM / SIGHUP raise SystemExit(128 + signal) in the main thread, so
+    the finally blocks kill the workers and remove the staging directories (and `k3c compile` exits 143). Only
+    installed from the main thread and where the signal has its default action (a program's own handler is left
+    alone). Returns the function that restores the previous handlers. A second signal during the cleanup is
+    ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    fired = []
+
+    def handler(signo, _frame):
+        if not fired:
+            fired.append(signo)
+            raise SystemExit(128 + signo)
+
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                saved[sig] = signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, previous in saved.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, previous)
+    return restore
 
 
 @contextlib.contextmanager
@@ -476,10 +557,36 @@ def _worker_environment():
 
 
 # ===================================================================================== worker side (spawned process)
-def _worker_init(fp_fusion: str) -> None:
+def _worker_init(fp_fusion: str, parent_pid: int | None = None) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TRITON_DEFAULT_FP_FUSION"] = fp_fusion
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"           # ptxas -v log to stdout: exact spill bytes (captured)
+    if parent_pid is not None:
+        _detach_from_parent(parent_pid)
+
+
+def _detach_from_parent(parent_pid: int) -> None:
+    """Own process group, stdio on /dev/null (never the caller's pipes), and a thread that ends this worker and
+    its group when the parent is gone (_executor says why)."""
+    if os.getppid() != parent_pid:
+        os._exit(1)                                     # the parent died while this worker started
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_WATCH_SECONDS)
+        if os.getpgrp() == os.getpid():                # never the caller's group
+            with contextlib.suppress(OSError):
+                os.killpg(0, signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="k3c-aot-parent-watch", daemon=True).start()
 
 
 def _compile_worker(job: dict) -> dict:
@@ -520,7 +627,7 @@ def _compile_worker(job: dict) -> dict:
 
 
 def _compile_in_worker(job: dict) -> dict:
-    import importlib.util
+    import linecache
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -529,13 +636,19 @@ def _compile_in_worker(job: dict) -> dict:
     if triton.knobs.runtime.interpret:
         raise RuntimeError("TRITON_INTERPRET is set in the compiler worker; triton.compile cannot run")
     staging, name = job["staging"], job["name"]
-    path = os.path.join(staging, job["source_rel"])
-    module_name = f"_k3c_aot_{name}_{os.path.basename(staging)}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
+    with open(os.path.join(staging, job["source_rel"]), encoding="utf-8") as f:
+        text = f.read()
+    # Reproducible binaries: triton's line info (the .debug_line / DI file of the hsaco and cubin, the ttgir and
+    # PTX locs) names the file a kernel's code object was compiled from. The module is compiled under its artifact
+    # path "kernels/<name>.py" (relative; inspect reads it from linecache), never the random staging path under the
+    # cache, and under a fixed module name: two compiles of one kernel give the same bytes, and no cache path leaks.
+    file_name, module_name = job["source_rel"], f"_k3c_aot_{name}"
+    module = types.ModuleType(module_name)
+    module.__file__ = file_name
+    linecache.cache[file_name] = (len(text), None, text.splitlines(True), file_name)
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(compile(text, file_name, "exec"), module.__dict__)     # noqa: S102 - our own generated module
         fn = getattr(module, name, None)
         if fn is None or not hasattr(fn, "arg_names"):
             raise RuntimeError(f"the module defines no @triton.jit function named '{name}'")
@@ -550,6 +663,7 @@ def _compile_in_worker(job: dict) -> dict:
         seconds, cpu_seconds = time.perf_counter() - start, _cpu_seconds() - cpu_start
     finally:
         sys.modules.pop(module_name, None)
+        linecache.cache.pop(file_name, None)
 
     metadata = _json_metadata(compiled.metadata._asdict())
     backend = job["backend"]

@@ -57,6 +57,24 @@ class KernelSource:
             h.update(b"\0")
         return h.hexdigest()[:16]
 
+    @functools.cached_property
+    def compile_source(self) -> str:
+        """What the AOT compiler compiles: `source` with the text of every comment dropped (lines and columns of
+        the code unchanged, so line info still points into kernels/<name>.py). The header's spec location and
+        target do not reach the binary or the AOT cache key: a renamed spec hits the cache and gives equal bytes."""
+        return blank_comments(self.source)
+
+    @functools.cached_property
+    def compile_digest(self) -> str:
+        """`digest` over `compile_source`: the AOT cache's view of the kernel."""
+        h = hashlib.sha256(b"compile_source\0")
+        for part in (self.name, self.compile_source, repr(sorted(self.signature.items())),
+                     repr(sorted(self.constexprs.items())), repr(self.grid), str(self.num_warps),
+                     str(self.num_stages)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()[:16]
+
 
 @functools.lru_cache(maxsize=8192)
 def code_text(source: str) -> str:
@@ -68,3 +86,19 @@ def code_text(source: str) -> str:
         out.append(tok)
     lines = tokenize.untokenize(out).splitlines()
     return "\n".join(line.rstrip() for line in lines if line.strip())
+
+
+@functools.lru_cache(maxsize=8192)
+def blank_comments(source: str) -> str:
+    """`source` with each comment reduced to a bare '#' (tokenize, so a '#' inside a string stays); every other
+    character, line break and column is kept."""
+    lines = io.StringIO(source).readlines()          # the lines tokenize reads (split at \n only)
+    try:
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):
+        return source           # not valid Python: compiled as it is (and reported by the compiler)
+    for tok in reversed(tokens):        # comments never span lines; right to left keeps earlier columns valid
+        row, col = tok.start
+        line = lines[row - 1]
+        lines[row - 1] = line[:col] + "#" + line[tok.end[1]:]
+    return "".join(lines)
