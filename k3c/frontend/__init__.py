@@ -24,7 +24,7 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     path = os.fspath(path)
     if os.path.isdir(path):
         cfg = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg):
+        if not os.path.exists(cfg):              # a config.json that is not a regular file: read_spec_text says so
             raise SpecError("is a directory without a config.json; expected a YAML spec or a Hugging Face "
                             "model directory", file=path)
         path = cfg
@@ -40,4 +40,17 @@ def dump_spec_yaml(spec: ModelSpec) -> str:
     """The spec as YAML text in k3c's schema."""
     import yaml
 
-    return yaml.safe_dump(spec_to_dict(spec), sort_keys=False, default_flow_style=None, width=120)
+    return yaml.dump(spec_to_dict(spec), Dumper=_spec_dumper(yaml), sort_keys=False, default_flow_style=None,
+                     width=120)
+
+
+def _spec_dumper(yaml):
+    """SafeDumper that also quotes strings YAML 1.2 (how specs are read) would take as numbers or booleans (`1e5`,
+    `0o17`), besides those YAML 1.1 would (`0064`, `yes`)."""
+    from .yaml_loader import _CORE_BOOL, _CORE_FLOAT, _CORE_INT
+
+    dumper = type("_SpecDumper", (yaml.SafeDumper,), {})
+    dumper.add_implicit_resolver("tag:yaml.org,2002:bool", _CORE_BOOL, list("tTfF"))
+    dumper.add_implicit_resolver("tag:yaml.org,2002:int", _CORE_INT, list("-+0123456789"))
+    dumper.add_implicit_resolver("tag:yaml.org,2002:float", _CORE_FLOAT, list("-+.0123456789"))
+    return dumper

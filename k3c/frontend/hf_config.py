@@ -192,7 +192,7 @@ def _show(value: Any) -> str:
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, list):
-        return "a list"
+        return f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -308,6 +308,8 @@ def spec_from_hf_config_text(text: str, path: str) -> ModelSpec:
         text_scope = top
     else:
         top.known.add("text_config")
+        if "text_config" in data and not isinstance(data["text_config"], dict):
+            raise top.error("text_config", f"must be a mapping (the model's fields), got {_show(data['text_config'])}")
         text_scope = top.sub("text_config") if "text_config" in data else top
     importer = _Importer(reader, top, text_scope, model_type)
     schema_data = importer.run()
@@ -456,8 +458,8 @@ class _Importer:
         table = {"full_attention": "mla", "linear_attention": "kda"}
         kinds = []
         for i, item in enumerate(value):
-            if item not in table:
-                close = difflib.get_close_matches(str(item), list(table), n=1, cutoff=0.6)
+            if not isinstance(item, str) or item not in table:
+                close = difflib.get_close_matches(item, list(table), n=1, cutoff=0.6) if isinstance(item, str) else []
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise scope.error(key, f"item {i} must be one of full_attention, linear_attention, got "
                                        f"{_show(item)}{hint}", scope.item_line(key, i))
@@ -560,6 +562,9 @@ class _Importer:
         heads = self.get("mla.num_heads", heads_names, self.dflt(32))
         kv_names = self.names("num_key_value_heads")
         kv = self.get(None, kv_names, None)
+        if isinstance(heads, bool) or not isinstance(heads, int):
+            raise _err(self.r, self.r.find(heads_names), "num_attention_heads",
+                       f"must be an integer, got {_show(heads)}")
         if kv is not None and kv != heads:
             scope, key = self.r.find(kv_names)
             raise scope.error(key, f"num_key_value_heads {kv} differs from num_attention_heads {heads}; MLA "
@@ -636,7 +641,7 @@ class _Importer:
         act_names = self.names("hidden_act")
         act = self.get("mlp.activation", act_names, "silu")
         acts = {"silu": "swiglu", "swiglu": "swiglu", "situ": "situ"}
-        if act not in acts or (self.kl and act != "silu"):
+        if not isinstance(act, str) or act not in acts or (self.kl and act != "silu"):
             scope, key = self.r.find(act_names)
             options = "silu" if self.kl else "silu, situ"
             raise scope.error(key, f"unsupported hidden_act {_show(act)}; supported: {options}")
@@ -838,6 +843,8 @@ def _import_quantization(q: _Scope, partial: dict, reader: _Reader) -> dict:
     rule = "floor"
     for gname in groups.data:
         g = groups.sub(gname)
+        if g is None:
+            raise groups.error(gname, "must be a mapping (a compressed-tensors quantization group), got null")
         g.known.update({"targets", "weights", "input_activations", "output_activations", "format"})
         targets = g.data.get("targets")
         if not isinstance(targets, list) or not all(isinstance(x, str) for x in targets) or not targets:

@@ -38,6 +38,8 @@ MAX_COUNT = 1 << 16        # layers, heads, experts
 MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 26
 MAX_LAYERS = 4096
+KDA_MIN_HEAD_DIM = 16      # the KDA kernels' chunk matmuls (tl.dot) need K >= 16
+KDA_MAX_HEAD_DIM = 256     # the largest head dim the KDA kernels are built and checked for (K3: 128)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 PATTERN_RE = re.compile(r"^[A-Za-z0-9_.*?\[\]\-]{1,256}$")
 
@@ -126,9 +128,10 @@ class Section:
         if isinstance(value, bool) or not isinstance(value, int):
             hint = ""
             if isinstance(value, float) and math.isfinite(value) and value == int(value):
-                hint = " (write it without a decimal point)"
-            elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-                hint = " (remove the quotes)"
+                hint = (f" (write {int(value)}, without a decimal point)" if abs(value) < 1e18
+                        else " (write it as an integer, without a decimal point or exponent)")
+            elif isinstance(value, str):
+                hint = _yaml12_hint(value, "int")
             raise self.error(key, f"must be an integer{' or null' if allow_none else ''}, got {_show(value)}{hint}")
         if not lo <= value <= hi:
             raise self.error(key, f"must be in [{lo}, {hi}], got {_show(value)}")
@@ -138,7 +141,7 @@ class Section:
               open_lo: bool = False) -> float:
         value = self.raw(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(key, f"must be a number, got {_show(value)}")
+            raise self.error(key, f"must be a number, got {_show(value)}{_yaml12_hint(value, 'number')}")
         try:
             value = float(value)
         except OverflowError:
@@ -153,7 +156,7 @@ class Section:
     def bool(self, key: str, default: Any = _MISSING) -> bool:
         value = self.raw(key, default)
         if not isinstance(value, bool):
-            raise self.error(key, f"must be true or false, got {_show(value)}")
+            raise self.error(key, f"must be true or false, got {_show(value)}{_yaml12_hint(value, 'bool')}")
         return value
 
     def choice(self, key: str, options: tuple[str, ...], default: Any = _MISSING) -> str:
@@ -264,6 +267,51 @@ def _show(value: Any) -> str:
     return f"{_type_name(value)} {text}"
 
 
+_YAML11_BOOLS = {"yes": "true", "no": "false", "on": "true", "off": "false", "y": "true", "n": "false"}
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+_YAML11_BINARY = re.compile(r"^[-+]?0b[01_]+$")
+_NUMBER_WITH_UNDERSCORES = re.compile(r"^[-+]?(?:0x[0-9a-fA-F_]+|0o[0-7_]+|[0-9_]*\.?[0-9_]+(?:[eE][-+]?[0-9]+)?)$")
+_CORE_NUMBER = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|0o[0-7]+|0x[0-9a-fA-F]+)$")
+
+
+def _yaml12_hint(value: Any, want: str) -> str:
+    """A hint for a string where `want` ('bool', 'int' or 'number') was expected, when YAML 1.1 would have read it
+    as one (specs are read as YAML 1.2: yes/no/on/off, 1:04 and 1_000 are strings), or it is a quoted number."""
+    if not isinstance(value, str) or len(value) > 100:
+        return ""
+    shown = clean(value, MAX_SHOWN)
+    low = value.lower()
+    if low in _YAML11_BOOLS:
+        if want == "bool":
+            return f" ('{shown}' is a string in YAML 1.2; write {_YAML11_BOOLS[low]})"
+        return f" ('{shown}' is a string in YAML 1.2, as k3c reads specs; YAML 1.1 read it as a boolean)"
+    if want == "bool":
+        return " (remove the quotes)" if low in ("true", "false") else ""
+    if _SEXAGESIMAL.match(value):
+        parts = value.lstrip("+-").replace("_", "").split(":")
+        if "." not in value:
+            total = 0
+            for part in parts:
+                total = total * 60 + int(part)
+            sign = "-" if value.startswith("-") else ""
+            return (f" ('{shown}' is a string in YAML 1.2; YAML 1.1 read it as the base-60 number "
+                    f"{sign}{total}: write {sign}{total})")
+        return f" ('{shown}' is a string in YAML 1.2; YAML 1.1 read it as a base-60 number: write the number)"
+    if _YAML11_BINARY.match(value):
+        sign = "-" if value.startswith("-") else ""
+        n = int(value.lstrip("+-")[2:].replace("_", "") or "0", 2)
+        return f" (binary '{shown}' is not a YAML 1.2 number: write {sign}{n} or {sign}{hex(n)})"
+    if "_" in value and _NUMBER_WITH_UNDERSCORES.match(value) and _CORE_NUMBER.match(value.replace("_", "")):
+        return f" ('_' digit separators are not part of YAML 1.2 numbers: write {value.replace('_', '')})"
+    if re.match(r"^[-+]?0[XO][0-9a-fA-F]+$", value):
+        return " (YAML 1.2 writes hex as 0x... and octal as 0o..., in lowercase)"
+    if _CORE_NUMBER.match(value.strip()):
+        return " (remove the quotes)"
+    if low.lstrip("+-") in ("inf", "infinity", "nan"):
+        return " (YAML writes infinity and not-a-number as .inf and .nan)"
+    return ""
+
+
 def _did_you_mean(word: Any, options) -> str:
     word = str(word)
     if len(word) > 100:
@@ -336,7 +384,8 @@ def _index_list(sec: Section, key: str, n_layers: int, base: int) -> tuple[list[
     for i, item in enumerate(items):
         line = sec.item_line(key, i)
         if isinstance(item, bool) or not isinstance(item, int):
-            raise sec.error(key, f"item {i} must be a layer index (an integer), got {_show(item)}", line)
+            raise sec.error(key, f"item {i} must be a layer index (an integer), got {_show(item)}"
+                                 f"{_yaml12_hint(item, 'int')}", line)
         idx = item - base
         if not 0 <= idx < n_layers:
             why = "index_base 1: layers are numbered from 1, as published" if base == 1 else f"index_base {base}"
@@ -380,6 +429,9 @@ def _layer_kinds(sec: Section) -> tuple[str, ...]:
             raise sec.error("kinds", f"lists {len(kinds)} layers but count is {count}")
     elif "pattern" in given:
         pattern = check_kinds("pattern")
+        if len(pattern) > count:
+            raise sec.error("pattern", f"lists {len(pattern)} layers but count is {count}: a pattern is repeated "
+                                       f"to count layers, so it cannot be longer (use 'kinds' to list every layer)")
         kinds = [pattern[i % len(pattern)] for i in range(count)]
     else:
         mla, _ = _index_list(sec, "mla_layers", count, base) if sec.has("mla_layers") else (None, {})
@@ -407,8 +459,14 @@ def _kda(sec: Section | None, hidden: int) -> KDASpec | None:
     if sec is None:
         return None
     heads = sec.int("num_heads", hi=MAX_COUNT)
-    head_dim = sec.int("head_dim", hi=4096)
-    conv = sec.int("conv_kernel", 4, hi=64)
+    head_dim = sec.int("head_dim", lo=-MAX_DIM, hi=MAX_DIM)
+    if head_dim & (head_dim - 1) or not KDA_MIN_HEAD_DIM <= head_dim <= KDA_MAX_HEAD_DIM:
+        raise sec.error("head_dim", f"must be a power of two in [{KDA_MIN_HEAD_DIM}, {KDA_MAX_HEAD_DIM}] (the KDA "
+                                    f"kernels tile K = V in power-of-two blocks of at least 16), got {head_dim}")
+    conv = sec.int("conv_kernel", 4, lo=-MAX_DIM, hi=MAX_DIM)
+    if not 2 <= conv <= 64:
+        raise sec.error("conv_kernel", f"must be in [2, 64], got {conv} (the KDA kernels carry conv_kernel - 1 past "
+                                       "tokens; a 1-tap causal convolution would only be a scale)")
     gate = sec.choice("gate", ("softplus", "safe"), "safe")
     lb = sec.float("gate_lower_bound", -5.0, lo=-1e4, hi=0.0, open_lo=False)
     if gate == "safe" and lb == 0.0:
@@ -430,7 +488,7 @@ def _mla(sec: Section | None) -> MLASpec | None:
                   q_lora_rank=sec.int("q_lora_rank", None, allow_none=True),
                   kv_lora_rank=sec.int("kv_lora_rank"),
                   qk_nope_head_dim=sec.int("qk_nope_head_dim", hi=4096),
-                  qk_rope_head_dim=sec.int("qk_rope_head_dim", lo=0, hi=4096),
+                  qk_rope_head_dim=_rope_dim(sec),
                   v_head_dim=sec.int("v_head_dim", hi=4096),
                   rope=sec.choice("rope", ("none",), "none"),
                   output_gate=sec.bool("output_gate", True))
@@ -438,13 +496,23 @@ def _mla(sec: Section | None) -> MLASpec | None:
     return out
 
 
+def _rope_dim(sec: Section) -> int:
+    value = sec.int("qk_rope_head_dim", lo=-MAX_DIM, hi=MAX_DIM)
+    if not 1 <= value <= 4096:
+        raise sec.error("qk_rope_head_dim", f"must be in [1, 4096], got {value} (the MLA kernels keep at least one "
+                                            "rope dim beside the latent; under NoPE it is one more query/key dim)")
+    return value
+
+
 def _attn_res(top: Section, n_layers: int) -> AttnResSpec | None:
     value = top.raw("attn_res", None)
     if value is None or value is False or value == "off":
         return None
     if isinstance(value, str):
-        raise top.error("attn_res", f"must be a mapping {{block_size: N}} or 'off', got {_show(value)}"
-                                    f"{_did_you_mean(value, ('off',))}")
+        hint = _did_you_mean(value, ('off',))
+        if value.lower() in _YAML11_BOOLS or value.lower() == "off":
+            hint = f" ('{_key(value)}' is a string in YAML 1.2: write off or false to turn AttnRes off)"
+        raise top.error("attn_res", f"must be a mapping {{block_size: N}} or 'off', got {_show(value)}{hint}")
     sec = Section(value, "attn_res", top.file, top.key_line("attn_res"), top.record, SECTION_KEYS["attn_res"])
     size = sec.int("block_size", hi=MAX_LAYERS)
     sec.finish()

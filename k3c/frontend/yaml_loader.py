@@ -14,7 +14,9 @@ mapping is an error.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 import unicodedata
 from typing import Any
 
@@ -22,6 +24,7 @@ import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from ..errors import SpecError
+from ..paths import regular_file
 
 MAX_SPEC_BYTES = 4 * 1024 * 1024  # any spec-like file (YAML here, config.json in hf_config) is refused unread above
 MAX_YAML_BYTES = 256 * 1024       # a YAML spec is a few KB; pure-Python YAML reads only ~200 KB/s of dense input
@@ -283,6 +286,80 @@ _LocatingSafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# YAML 1.2 core schema for plain scalars. PyYAML resolves YAML 1.1, whose traps compile another model without a
+# word: `0064` is octal 52, `1:04` is base-60 64, `yes`/`on` are booleans, and `1e-5` (no dot) is a string. Here
+# bools are true/false only (yes/no/on/off are strings, which the schema then refuses with a hint), ints are
+# decimal, 0o octal or 0x hex, floats need no dot, and a decimal with leading zeros is refused rather than guessed.
+_INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_CORE_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_CORE_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_CORE_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_LEADING_ZEROS = re.compile(r"^[-+]?0[0-9]+$")
+
+_LocatingSafeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL_TAG, _INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_LocatingSafeLoader.add_implicit_resolver(_BOOL_TAG, _CORE_BOOL, list("tTfF"))
+_LocatingSafeLoader.add_implicit_resolver(_INT_TAG, _CORE_INT, list("-+0123456789"))       # before floats: 64 is an int
+_LocatingSafeLoader.add_implicit_resolver(_FLOAT_TAG, _CORE_FLOAT, list("-+.0123456789"))
+
+
+def leading_zeros_message(text: str) -> str:
+    """Why `0064` is refused: YAML 1.2 reads it as 64, YAML 1.1 (and so many tools) as octal 52."""
+    sign = "-" if text.startswith("-") else ""
+    digits = text.lstrip("+-")
+    decimal = f"{sign}{int(digits, 10)}"
+    if all(c in "01234567" for c in digits):
+        octal = f"{sign}{int(digits, 8)}"
+        return (f"leading zeros: write {decimal} (YAML 1.1 would read {clean(text, MAX_SHOWN)} as octal {octal}; "
+                f"write 0o{digits.lstrip('0') or '0'} if you meant octal)")
+    return f"leading zeros: write {decimal} (or quote it if it is text)"
+
+
+def _construct_core_int(loader: _LocatingSafeLoader, node) -> int:
+    text = loader.construct_scalar(node)
+    if not isinstance(text, str) or not _CORE_INT.match(text):
+        raise ValueError("not a YAML 1.2 integer (decimal, 0o octal or 0x hex)")
+    if _LEADING_ZEROS.match(text):
+        raise spec_error(leading_zeros_message(text), file=loader.spec_file, line=node.start_mark.line + 1,
+                         field=loader.field_path())
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    if text.startswith("0x"):
+        return int(text[2:], 16)
+    return int(text, 10)
+
+
+def _construct_core_float(loader: _LocatingSafeLoader, node) -> float:
+    text = loader.construct_scalar(node)
+    if not isinstance(text, str) or not (_CORE_FLOAT.match(text) or _CORE_INT.match(text)):
+        raise ValueError("not a YAML 1.2 number")
+    low = text.lower()
+    if low.endswith(".inf"):
+        return -math.inf if low.startswith("-") else math.inf
+    if low == ".nan":
+        return math.nan
+    if text.startswith(("0o", "0x")):
+        return float(_construct_core_int(loader, node))
+    return float(text)
+
+
+def _construct_core_bool(loader: _LocatingSafeLoader, node) -> bool:
+    text = loader.construct_scalar(node)
+    if not isinstance(text, str) or not _CORE_BOOL.match(text):
+        raise ValueError("a YAML 1.2 boolean is true or false")
+    return text.lower() == "true"
+
+
+_LocatingSafeLoader.add_constructor(_INT_TAG, _construct_core_int)
+_LocatingSafeLoader.add_constructor(_FLOAT_TAG, _construct_core_float)
+_LocatingSafeLoader.add_constructor(_BOOL_TAG, _construct_core_bool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 _HINTS = (
     ("cannot start any token", "'\\t'", "tabs cannot indent YAML; use spaces"),
     ("mapping values are not allowed here", "", "check the indentation, or quote a value that contains ': '"),
@@ -367,12 +444,22 @@ def load_yaml_text(text: str | bytes, file: str) -> LocDict:
     return data
 
 
+def _not_regular(path: str):
+    """regular_file's error for a spec path: a SpecError naming the file (the message without the path prefix)."""
+    def error(message: str) -> SpecError:
+        prefix = f"{path}: "
+        return spec_error(message[len(prefix):] if message.startswith(prefix) else message, file=path)
+    return error
+
+
 def read_spec_text(path: str) -> str:
     """Read a spec file as UTF-8 text with errors that name the file."""
     try:
         if os.path.isdir(path):
             raise spec_error("is a directory, not a spec file (for a Hugging Face model dir pass it to load_spec "
                              "with a config.json inside)", file=path)
+        if os.path.exists(path):                   # a FIFO, a device or a socket would block the read or never end
+            regular_file(path, "spec file", error=_not_regular(path))
         with open(path, "rb") as fh:
             raw = fh.read(MAX_SPEC_BYTES + 1)
     except FileNotFoundError:

@@ -80,7 +80,9 @@ class BlockPool:
         return self.ref[page] > 1 and self.filled[page] > offset
 
     def mark_written(self, pages: list[int], start: int, stop: int) -> None:
-        """Rows [start, stop) of a sequence with these pages were written."""
+        """Rows [start, stop) of a sequence with these pages were written (nothing to track without MLA layers)."""
+        if not self.used:
+            return
         ps = self.page_size
         for pos_page in range(start // ps, -(-stop // ps)):
             end = min(stop - pos_page * ps, ps)

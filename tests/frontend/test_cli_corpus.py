@@ -24,6 +24,8 @@ SAMPLE = [
     "layers_overlap.yaml",
     "empty.yaml",
     "key_with_newline.yaml",
+    "yaml11_octal_hidden_size.yaml",
+    "hf_text_config_null.json",
 ]
 
 

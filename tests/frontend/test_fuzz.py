@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3c.errors import SpecError
-from k3c.frontend import ModelSpec, dump_spec_yaml, parse_spec_text
+from k3c.frontend import ModelSpec, _spec_dumper, dump_spec_yaml, parse_spec_text
 from k3c.frontend.schema import SECTION_KEYS
 
 from .conftest import EXAMPLES
@@ -176,14 +176,15 @@ def valid_spec_data(draw):
     if "kda" in kinds or draw(st.booleans()):
         gate = draw(st.sampled_from(["safe", "softplus"]))
         low = draw(st.booleans())
-        data["kda"] = {"num_heads": draw(dim), "head_dim": draw(dim), "conv_kernel": draw(st.integers(1, 64)),
+        data["kda"] = {"num_heads": draw(dim), "head_dim": draw(st.sampled_from([16, 32, 64, 128, 256])),
+                       "conv_kernel": draw(st.integers(2, 64)),
                        "gate": gate, "gate_lower_bound": draw(st.floats(-1e4, -1e-3)),
                        "gate_rank": draw(st.none() | dim), "output_gate": "low_rank" if low else "full_rank"}
         if low:
             data["kda"]["output_gate_rank"] = draw(st.none() | dim)
     if "mla" in kinds or draw(st.booleans()):
         data["mla"] = {"num_heads": draw(dim), "q_lora_rank": draw(st.none() | dim), "kv_lora_rank": draw(dim),
-                       "qk_nope_head_dim": draw(dim), "qk_rope_head_dim": draw(st.integers(0, 128)),
+                       "qk_nope_head_dim": draw(dim), "qk_rope_head_dim": draw(st.integers(1, 128)),
                        "v_head_dim": draw(dim), "output_gate": draw(st.booleans())}
     if draw(st.booleans()):
         data["attn_res"] = {"block_size": draw(st.integers(1, n))}
@@ -226,7 +227,8 @@ def valid_spec_data(draw):
 @fuzz(100)
 @given(valid_spec_data())
 def test_round_trip(data):
-    spec = parse_spec_text(yaml.safe_dump(data, sort_keys=False), "gen.yaml")
+    # dumped so that YAML 1.2 reads back what was drawn (a name like '1e5' or '0o7' needs quotes)
+    spec = parse_spec_text(yaml.dump(data, Dumper=_spec_dumper(yaml), sort_keys=False), "gen.yaml")
     text = dump_spec_yaml(spec)
     again = parse_spec_text(text, "dumped.yaml")
     assert again == spec

@@ -151,7 +151,7 @@ def test_kimi_linear_layouts_agree_with_transformers(variant):
             "pad_token_id": 0}
     if variant == 0:
         data["linear_attn_config"] = {"full_attn_layers": [2, 7], "kda_layers": [1, 3, 4, 5, 6], "num_heads": 3,
-                                      "head_dim": 8, "short_conv_kernel_size": 3}
+                                      "head_dim": 16, "short_conv_kernel_size": 3}
         data["first_k_dense_replace"] = 2
     elif variant == 1:
         data["layer_types"] = ["full_attention"] + ["linear_attention"] * 6

@@ -52,12 +52,12 @@ CONFIGS = {
         intermediate_size=96, moe_intermediate_size=24, num_local_experts=6, num_experts_per_tok=2,
         n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.446),
     # q_lora, MLA first, a dense layer in the middle, v_head_dim != nope, 8 experts top-3, 2 shared, no renorm,
-    # conv kernel 3, more heads of a smaller head_dim
+    # conv kernel 3, more KDA heads
     "q-lora": dict(
         num_hidden_layers=4,
         layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
         mlp_layer_types=["sparse", "dense", "sparse", "sparse"],
-        linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=3,
+        linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=3,      # 16: the KDA kernels' minimum
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=20,
         qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=12,
         intermediate_size=80, moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=3,
