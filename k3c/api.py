@@ -5,8 +5,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 from . import __version__
@@ -51,9 +49,11 @@ class CompiledModel:
 
     @property
     def cache_key(self) -> str:
-        """Content address: hash of (k3c version, printed IR, target, pipeline)."""
+        """Content address: hash of (k3c version, printed IR, target, pipeline). The IR is printed without its
+        `loc` strings (the spec's path and line numbers): a spec renamed, moved or reformatted keeps its key."""
         h = hashlib.sha256()
-        for part in (__version__, print_module(self.module), json.dumps(asdict(self.target), sort_keys=True),
+        bare = self.module.replace(ops=tuple(op.replace(loc="") if op.loc else op for op in self.module.ops))
+        for part in (__version__, print_module(bare), json.dumps(asdict(self.target), sort_keys=True),
                      ",".join(self.pass_names), ",".join(self.run_dtypes)):
             h.update(part.encode())
             h.update(b"\0")
@@ -112,30 +112,21 @@ class CompiledModel:
         return [{"op": o, "impl": i, "count": n} for (o, i), n in sorted(counts.items())]
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False, keep: str | os.PathLike | None = None,
-             aot: bool = True, progress: bool = True, keep_asm: bool = True) -> str:
-        """Write the artifact directory atomically: a temp dir beside it, renamed into place at the end.
-        With `aot`, every generated kernel is compiled for the target (binaries, assembly unless keep_asm=False,
-        resources).
-        `keep`: a directory inside `path` written by this compilation (the --dump-ir dumps) that is carried over."""
-        path = os.path.abspath(os.fspath(path))
-        kept = None
-        if keep is not None:
-            keep = os.path.abspath(os.fspath(keep))
-            if os.path.dirname(keep) == path and os.path.isdir(keep):
-                kept = os.path.basename(keep)
-        if os.path.exists(path):
-            if not os.path.isdir(path):
-                raise ArgumentError(f"{path} exists and is not a directory")
-            ours = _is_artifact(path) or set(os.listdir(path)) <= ({kept} if kept else set())
-            if not overwrite and not ours:
-                raise ArgumentError(f"{path} exists and is not a k3c artifact; choose another -o or pass --force")
-        parent = os.path.dirname(path)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=".k3c-tmp-", dir=parent)
-        except OSError as exc:
-            raise ArgumentError(f"cannot create {path}: {exc.strerror}") from None
-        try:
+             aot: bool = True, progress: bool = True, keep_asm: bool = True, _replace_any: bool = False) -> str:
+        """Write the artifact directory atomically under the output policy of k3c/outputs.py: the path is checked
+        first (before any kernel is compiled), the artifact is written complete into a staging folder beside it
+        and renamed into place; an existing artifact is replaced only with `overwrite` and only when it holds
+        nothing k3c did not write. With `aot`, every generated kernel is compiled for the target (binaries,
+        assembly unless keep_asm=False, resources).
+        `keep`: a directory inside `path` written by this compilation (the --dump-ir dumps) that is carried over
+        (and listed in the manifest's sha256 like every file)."""
+        from .outputs import ARTIFACT, Staging, is_dump_dir
+
+        keep = os.path.abspath(os.fspath(keep)) if keep is not None else None
+        with Staging(path, overwrite=overwrite, kind=ARTIFACT, what="-o", keep=keep,
+                     replace_any=_replace_any) as staging:
+            path, tmp = staging.path, staging.dir
+            kept = os.path.basename(keep) if keep and os.path.dirname(keep) == path and is_dump_dir(keep) else None
             os.makedirs(os.path.join(tmp, "ir"))
             _write(tmp, "spec.yaml", dump_spec_yaml(self.spec))
             _write(tmp, "model.k3c", print_module(self.module))
@@ -147,16 +138,19 @@ class CompiledModel:
                 manifest["kernels"] = [k.to_dict() for k in compiled]
             manifest["extern"] = self.extern_ops()
             _write(tmp, "report.md", self.report(compiled))
-            manifest["sha256"] = _tree_sha256(tmp)       # every file the artifact holds, checked by load()
-            _write(tmp, "manifest.json", json.dumps(manifest, indent=2) + "\n")
             if kept:
-                os.replace(os.path.join(path, kept), os.path.join(tmp, kept))
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+                os.rename(os.path.join(path, kept), os.path.join(tmp, kept))
+            try:
+                manifest["sha256"] = _tree_sha256(tmp)       # every file the artifact holds, checked by load()
+                _write(tmp, "manifest.json", json.dumps(manifest, indent=2) + "\n")
+                staging.commit()
+            except BaseException:
+                if kept:                # the dumps go back where they were
+                    try:
+                        os.rename(os.path.join(tmp, kept), os.path.join(path, kept))
+                    except OSError:
+                        pass
+                raise
         if compiled is not None:
             self.artifact_dir, self.compiled_kernels = path, compiled
         return path
@@ -189,7 +183,7 @@ class CompiledModel:
         from .codegen.aot import shutdown_workers
 
         try:
-            self.save(path, overwrite=True, progress=progress)
+            self.save(path, overwrite=True, progress=progress, _replace_any=True)   # the cache's own directory
         finally:        # a runtime process compiles once: no idle compiler workers left holding its stdout
             shutdown_workers()
         return path
@@ -246,32 +240,96 @@ def _tree_sha256(root: str) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def _verify_files(path: str, manifest: dict) -> None:
-    """Every file the manifest lists exists and has its sha256 (nothing in an artifact is used unchecked)."""
+def _verify_files(path: str, manifest: dict) -> dict[str, str]:
+    """Every file the manifest lists exists, is a regular file (no symlink anywhere in the artifact) and has its
+    sha256; no file the manifest does not list is there (IR dump directories excepted: k3c's, never read).
+    Returns the listed files (relative path -> sha256): nothing in an artifact is used unchecked."""
+    import stat
+
     from .codegen.aot import file_sha256
+    from .outputs import _STAGING, is_dump_dir
 
     listed = manifest.get("sha256")
     if not isinstance(listed, dict) or not listed:
         raise UserError(f"{path}/manifest.json: no 'sha256' file list (written by an older k3c?); recompile the "
                         f"artifact")
-    root = os.path.realpath(path)
     for rel, digest in listed.items():
-        full = os.path.realpath(os.path.join(root, rel))
-        if not isinstance(rel, str) or os.path.isabs(rel) or not full.startswith(root + os.sep):
+        parts = rel.split("/") if isinstance(rel, str) else []
+        if (not parts or os.path.isabs(rel) or "\\" in rel or any(p in ("", ".", "..") for p in parts)
+                or not isinstance(digest, str)):
             raise UserError(f"{path}/manifest.json: file entry {rel!r} is outside the artifact")
-        if not os.path.isfile(full):
+    for dirpath, dirs, files in os.walk(path):          # what is there: regular files and directories only
+        rel_dir = os.path.relpath(dirpath, path).replace(os.sep, "/")
+        for name in sorted(dirs + files):
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            full = os.path.join(dirpath, name)
+            mode = os.lstat(full).st_mode
+            if stat.S_ISLNK(mode):
+                raise UserError(f"{path}/{rel}: is a symlink; an artifact holds regular files only (recompile it)")
+            if stat.S_ISDIR(mode):
+                if rel_dir == "." and name != "ir" and (is_dump_dir(full) or _STAGING.match(name)) \
+                        and not any(r.startswith(name + "/") for r in listed):
+                    dirs.remove(name)                   # --dump-ir dumps written into -o: never read
+                continue
+            if not stat.S_ISREG(mode):
+                raise UserError(f"{path}/{rel}: is not a regular file; an artifact holds regular files only")
+            if rel != "manifest.json" and rel not in listed:
+                raise UserError(f"{path}/{rel}: not listed in manifest.json (k3c did not write it); remove it or "
+                                f"recompile the artifact")
+    for rel, digest in listed.items():
+        full = os.path.join(path, *rel.split("/"))
+        try:
+            mode = os.lstat(full).st_mode
+        except OSError:
+            mode = None
+        if mode is None or not stat.S_ISREG(mode):
             raise UserError(f"{path}/{rel}: missing (listed in manifest.json); recompile the artifact")
         if file_sha256(full) != digest:
             raise UserError(f"{path}/{rel}: sha256 does not match manifest.json (the artifact was changed after "
                             f"it was written); recompile it")
+    for required in ("spec.yaml", "model.k3c"):
+        if required not in listed:
+            raise UserError(f"{path}/{required}: missing (not in manifest.json); recompile the artifact")
+    if not any(rel.startswith("ir/") for rel in listed):
+        raise UserError(f"{path}/ir/: missing (no stage in manifest.json); recompile the artifact")
+    return listed
+
+
+def _read_manifest(path: str):
+    """The artifact's manifest.json (a regular file, bounded, JSON); None when there is none."""
+    from .outputs import read_json
+
+    try:
+        return read_json(os.path.join(path, "manifest.json"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _is_artifact(path: str) -> bool:
     try:
-        with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
-            return json.load(fh).get("format") == ARTIFACT_FORMAT
-    except (OSError, ValueError, AttributeError):
+        manifest = _read_manifest(path)
+    except UserError:
         return False
+    return isinstance(manifest, dict) and manifest.get("format") == ARTIFACT_FORMAT
+
+
+def _read_text(path: str, rel: str) -> str:
+    try:
+        with open(os.path.join(path, *rel.split("/")), "rb") as fh:
+            return fh.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}/{rel}: not UTF-8 text") from None
+
+
+def _verified(module: Module, path: str, rel: str) -> Module:
+    from .errors import IRError
+    from .ir.verifier import verify
+
+    try:
+        verify(module, allow_dead=True)
+    except IRError as exc:
+        raise UserError(f"{path}/{rel}: the IR does not verify: {exc}") from None
+    return module
 
 
 def compile(spec, target: str | Target = "mi355x", *, passes: list[str] | None = None,  # noqa: A001 (public API)
@@ -327,35 +385,58 @@ def _run_dtypes(dtypes) -> tuple[str, ...]:
 
 
 def load(path: str | os.PathLike) -> CompiledModel:
-    """Read an artifact directory written by CompiledModel.save."""
+    """Read an artifact directory written by CompiledModel.save: every file checked (sha256, regular, listed), the
+    IR verified. An artifact replaced while it is read (a recompile with --force) is read again: the result is the
+    old or the new one, complete."""
+    import time
+
+    from .outputs import identity, swap_in_progress
+
     path = os.fspath(path)
-    if not _is_artifact(path):
+    for attempt in range(8):
+        before = identity(path)
+        try:
+            model = _load(path)
+        except (UserError, OSError) as exc:
+            after = identity(path)
+            if attempt < 7 and (after != before or (after is None and swap_in_progress(path))):
+                time.sleep(0.02 * (attempt + 1))        # replaced under us (or mid-swap): read it again
+                continue
+            if isinstance(exc, UserError):
+                raise
+            raise UserError(f"{exc.filename or path}: cannot read ({exc.strerror or exc})") from None
+        if identity(path) == before or attempt == 7:
+            return model
+        time.sleep(0.02 * (attempt + 1))
+    raise UserError(f"{path}: replaced repeatedly while being read")  # pragma: no cover
+
+
+def _load(path: str) -> CompiledModel:
+    if os.path.islink(os.path.join(path, "manifest.json")):
+        raise UserError(f"{path}/manifest.json: is a symlink; an artifact holds regular files only")
+    manifest = _read_manifest(path)
+    if not isinstance(manifest, dict) or manifest.get("format") != ARTIFACT_FORMAT:
         raise UserError(f"{path}: not a k3c artifact directory (no manifest.json of format {ARTIFACT_FORMAT})")
-    with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
-        manifest = json.load(fh)
-    _verify_files(path, manifest)
+    listed = _verify_files(path, manifest)
     target = _manifest_target(path, manifest)
     try:
         from .codegen.aot import CompiledKernel
 
         kernels = [CompiledKernel.from_dict(d) for d in manifest.get("kernels", [])]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UserError(f"{path}/manifest.json: a kernel entry does not parse ({exc})") from None
     for ck in kernels:
         if ck.target != target.name or not ck.catalogue_key:
             raise UserError(f"{path}/manifest.json: kernel {ck.name} is for target {ck.target!r} or has no "
                             f"catalogue key; recompile the artifact")
-    spec_path = os.path.join(path, "spec.yaml")
-    with open(spec_path, encoding="utf-8") as fh:
-        spec = parse_spec_text(fh.read(), spec_path)
-    stage_dir = os.path.join(path, "ir")
+    spec = parse_spec_text(_read_text(path, "spec.yaml"), os.path.join(path, "spec.yaml"))
     stages = []
-    for fname in sorted(os.listdir(stage_dir)):
-        if fname.endswith(".k3c"):
-            with open(os.path.join(stage_dir, fname), encoding="utf-8") as fh:
-                stages.append((fname[4:-4], parse_module(fh.read(), os.path.join(stage_dir, fname))))
-    with open(os.path.join(path, "model.k3c"), encoding="utf-8") as fh:
-        module = parse_module(fh.read(), os.path.join(path, "model.k3c"))
+    for rel in sorted(r for r in listed if r.startswith("ir/") and r.count("/") == 1 and r.endswith(".k3c")):
+        fname = rel[3:]
+        stages.append((fname[4:-4], _verified(parse_module(_read_text(path, rel), os.path.join(path, rel)),
+                                              path, rel)))
+    module = _verified(parse_module(_read_text(path, "model.k3c"), os.path.join(path, "model.k3c")), path,
+                       "model.k3c")
     dtypes = manifest.get("run_dtypes", ["bf16"])
     if not isinstance(dtypes, list) or not dtypes or not all(d in ("bf16", "f32") for d in dtypes):
         raise UserError(f"{path}/manifest.json: run_dtypes {dtypes!r} must be a list of bf16 / f32")

@@ -72,11 +72,12 @@ def resolve_passes(passes: str | Iterable[str]) -> list[str]:
     return out
 
 
-def _dump(dump_dir: str, index: int, name: str, module: Module, header: list[str]) -> str:
-    path = os.path.join(dump_dir, f"{index:03d}_{name}.k3c")
-    with open(path, "w", encoding="utf-8") as f:
+def _dump(dumps, index: int, name: str, module: Module, header: list[str]) -> str:
+    """Write one dump into the staging folder of `dumps` (an outputs.Staging); returns its path once in place."""
+    fname = f"{index:03d}_{name}.k3c"
+    with open(os.path.join(dumps.dir, fname), "w", encoding="utf-8") as f:
         f.write(print_module(module, header=header))
-    return path
+    return os.path.join(dumps.path, fname)
 
 
 def _located(e: IRError, pass_name: str) -> IRError:
@@ -98,18 +99,43 @@ def run_pipeline(module: Module, passes: str | Iterable[str], *, dump_dir: str |
     IRError naming the pass and the op.
     With `stages` (a list), appends (stage name, module) for the input and after every pass.
     With `dump_dir`, writes 000_<input_name>.k3c and NNN_<pass>.k3c, each before verification, so a broken
-    IR is on disk to inspect."""
+    IR is on disk to inspect. The dump directory follows k3c's output policy (k3c/outputs.py): it must be new,
+    empty or an earlier dump directory (never a file, a symlink or a directory holding other files); the dumps
+    are written into a staging folder beside it and put in place when the pipeline ends, failed or not."""
     names = resolve_passes(passes)
     tgt = get_target(target) if isinstance(target, str) else target
     if tgt is not None and not isinstance(tgt, Target):
         raise ArgumentError(f"target must be a Target or a target name, got {target!r}")
-    dump_dir = os.fspath(dump_dir) if dump_dir is not None else None
+    dumps = None
     if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        _dump(dump_dir, 0, input_name, module, [f"k3c IR dump 000: {input_name} (pipeline input)",
+        from ..outputs import DUMP, Staging
+
+        dumps = Staging(dump_dir, kind=DUMP, what="--dump-ir")
+    try:
+        if dumps is not None:
+            _dump(dumps, 0, input_name, module, [f"k3c IR dump 000: {input_name} (pipeline input)",
                                                  f"pipeline: {', '.join(names) or 'none'}",
                                                  f"target: {tgt.name if tgt is not None else DEFAULT_TARGET}"
                                                  + ("" if tgt is not None else " (default)")])
+        result = _run_passes(module, names, tgt, dumps, verify=verify, input_name=input_name, stages=stages)
+    except BaseException:
+        if dumps is not None:           # the IR up to the failing pass is on disk to inspect
+            try:
+                dumps.commit()
+            except ArgumentError:
+                dumps.abort()
+        raise
+    if dumps is not None:
+        try:
+            dumps.commit()
+        finally:
+            if not dumps.done:
+                dumps.abort()
+    return result
+
+
+def _run_passes(module: Module, names: list[str], tgt: Target | None, dumps, *, verify: bool, input_name: str,
+                stages: list | None) -> tuple[Module, list[PassRecord]]:
     allow_dead = False
     if verify:
         try:
@@ -138,8 +164,8 @@ def run_pipeline(module: Module, passes: str | Iterable[str], *, dump_dir: str |
         if not isinstance(out, Module):
             raise IRError(f"returned {type(out).__name__}, not a Module", pass_name=name)
         record = PassRecord(index, name, seconds, out != module, dict(ctx.counts))
-        if dump_dir is not None:
-            record = dataclasses.replace(record, dump=_dump(dump_dir, index, name, out, record.header()))
+        if dumps is not None:
+            record = dataclasses.replace(record, dump=_dump(dumps, index, name, out, record.header()))
         if verify:
             allow_dead = allow_dead and "no-dead-ops" not in info.ensures
             try:

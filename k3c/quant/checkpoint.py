@@ -7,15 +7,14 @@
     DIR/quantization.json    {"format": "mxfp4", "rule", "block": 32, "weights": [P, ...], "k3c_version", "spec"}
 
 `k3c.load_weights(spec, DIR)` reads it back and a session uses the packed tensors as they are. The directory is
-written atomically: into a temporary sibling, renamed into place when complete, so a failure leaves nothing
-half-written; an existing DIR is replaced only with `force`.
+written atomically under k3c's output policy (k3c/outputs.py): into a staging sibling, renamed into place when
+complete, so a failure leaves nothing half-written; an existing DIR is replaced only with `force` and only when it
+is a k3c quantized checkpoint holding nothing else (a directory of other files is refused, `force` or not).
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 
@@ -65,39 +64,23 @@ def save_quantized_checkpoint(spec, weights: dict[str, torch.Tensor], out_dir: s
 
     from .. import __version__
 
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not force:
-        raise ArgumentError(f"{out_dir} exists; pass --force to replace it")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ArgumentError(f"{out_dir} exists and is not a directory")
+    from ..outputs import QUANTIZED, Staging, check_output_dir
+
+    out_dir = check_output_dir(out_dir, force, kind=QUANTIZED)        # before the (long) quantization
     tensors, chosen, rule = quantize_weights(spec, weights, rule)
     record = {"format": "mxfp4", "rule": rule, "block": BLOCK_SIZE, "weights": chosen,
               "k3c_version": __version__, "spec": spec.name}
-    parent = os.path.dirname(out_dir)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    except OSError as exc:
-        raise ArgumentError(f"cannot write {out_dir}: {exc.strerror}") from None
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.path.join(tmp, MODEL_FILE),
-                  metadata={"format": "pt", "k3c_quantization": "mxfp4"})
-        with open(os.path.join(tmp, QUANT_JSON), "w", encoding="utf-8") as fh:
-            json.dump(record, fh, indent=2)
-            fh.write("\n")
-        if os.path.exists(out_dir):
-            old = out_dir + f".old-{os.getpid()}"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ArgumentError(f"cannot write {out_dir}: {exc.strerror}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with Staging(out_dir, overwrite=force, kind=QUANTIZED) as staging:
+        tmp = staging.dir
+        try:
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.path.join(tmp, MODEL_FILE),
+                      metadata={"format": "pt", "k3c_quantization": "mxfp4"})
+            with open(os.path.join(tmp, QUANT_JSON), "w", encoding="utf-8") as fh:
+                json.dump(record, fh, indent=2)
+                fh.write("\n")
+        except OSError as exc:
+            raise ArgumentError(f"cannot write {out_dir}: {exc.strerror}") from None
+        staging.commit()
     return record
 
 

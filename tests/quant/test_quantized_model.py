@@ -187,5 +187,9 @@ def test_quantize_cli_errors(qtiny, tmp_path, capsys):
     assert main(["quantize", str(path), str(tmp_path / "w.safetensors"), "-o", str(tmp_path / "d")]) == 2
     assert "norm.weight" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["o", "w.safetensors"]
-    assert main(["quantize", str(path), "--random", "-o", str(out), "--force"]) == 0        # replaces it
+    assert main(["quantize", str(path), "--random", "-o", str(out), "--force"]) == 2        # not k3c's: kept
+    assert "not a k3c quantized checkpoint" in capsys.readouterr().err and (out / "keep").read_text() == "x"
+    (out / "keep").unlink()
+    assert main(["quantize", str(path), "--random", "-o", str(out)]) == 0                   # an empty dir is fine
+    assert main(["quantize", str(path), "--random", "-o", str(out), "--force"]) == 0        # replaces its own
     assert sorted(os.listdir(out)) == ["model.safetensors", "quantization.json"]

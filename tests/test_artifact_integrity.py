@@ -1,0 +1,147 @@
+"""k3c.load (and `k3c run ARTIFACT`) on artifacts that were tampered with: every refusal is one UserError line
+naming the file; nothing is followed through a symlink, nothing unlisted is read, the IR is verified."""
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+
+import k3c
+from k3c.cli import main
+from k3c.errors import UserError
+
+TINY = "examples/k3-tiny.yaml"
+RUN = ["--batch", "1", "--prompt-len", "4", "--new-tokens", "1", "--no-kernels"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("art") / "art"
+    k3c.compile(TINY, target="cpu").save(path)
+    return path
+
+
+@pytest.fixture
+def art(saved, tmp_path):
+    path = tmp_path / "art"
+    shutil.copytree(saved, path, symlinks=True)
+    return path
+
+
+def reseal(art):
+    """The manifest's sha256 list recomputed (a forger who knows the format): the hash cannot catch it."""
+    manifest = json.loads((art / "manifest.json").read_text())
+    listed = {}
+    for dirpath, _dirs, files in os.walk(art):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), art)
+            if rel != "manifest.json":
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    listed[rel] = hashlib.sha256(fh.read()).hexdigest()
+    manifest["sha256"] = dict(sorted(listed.items()))
+    (art / "manifest.json").write_text(json.dumps(manifest))
+
+
+def refused(art, needle):
+    with pytest.raises(UserError) as info:
+        k3c.load(art)
+    msg = str(info.value)
+    assert needle in msg and "\n" not in msg, msg
+    return msg
+
+
+def test_an_intact_artifact_loads(art):
+    assert k3c.load(art).spec.name == "k3-tiny"
+
+
+@pytest.mark.parametrize("resealed", [False, True])
+def test_a_symlinked_spec_is_not_followed(art, resealed):
+    (art / "spec.yaml").unlink()
+    os.symlink("/etc/passwd", art / "spec.yaml")
+    if resealed:
+        reseal(art)
+    msg = refused(art, "spec.yaml: is a symlink")
+    assert "root:" not in msg
+
+
+def test_a_symlinked_directory_or_manifest_is_refused(art, tmp_path):
+    os.replace(art / "ir", art / "ir2")
+    os.symlink("ir2", art / "ir")
+    reseal(art)
+    refused(art, "art/ir: is a symlink")
+    other = tmp_path / "other"
+    shutil.copytree(art.parent / "art", other, symlinks=True)
+    os.replace(other / "manifest.json", other / "m.json")
+    os.symlink("m.json", other / "manifest.json")
+    refused(other, "manifest.json: is a symlink")
+
+
+@pytest.mark.parametrize("rel", ["spec.yaml", "model.k3c", "ir"])
+def test_a_missing_part_is_named(art, rel):
+    shutil.rmtree(art / rel) if (art / rel).is_dir() else (art / rel).unlink()
+    refused(art, rel)
+    reseal(art)                     # not listed either: still named
+    refused(art, f"{rel}" + ("/" if rel == "ir" else "") + ": missing")
+
+
+def test_ir_that_does_not_verify_is_refused(art):
+    lines = (art / "model.k3c").read_text().splitlines(keepends=True)
+    i = next(i for i, line in enumerate(lines) if line.lstrip().startswith("%") and " = " in line)
+    lines.insert(i + 1, lines[i])                   # a value defined twice
+    (art / "model.k3c").write_text("".join(lines))
+    reseal(art)
+    refused(art, "model.k3c: the IR does not verify")
+
+
+def test_a_stage_that_does_not_verify_is_refused(art):
+    stage = art / "ir" / "000_frontend.k3c"
+    lines = stage.read_text().splitlines(keepends=True)
+    i = next(i for i, line in enumerate(lines) if line.lstrip().startswith("%") and " = " in line)
+    lines.insert(i + 1, lines[i])
+    stage.write_text("".join(lines))
+    reseal(art)
+    refused(art, "ir/000_frontend.k3c: the IR does not verify")
+
+
+@pytest.mark.parametrize("rel", ["mynotes.txt", "ir/999_evil.k3c", "kernels/x.py"])
+def test_an_unlisted_file_is_refused(art, rel):
+    (art / rel).parent.mkdir(exist_ok=True)
+    (art / rel).write_text("not k3c's\n")
+    refused(art, f"{rel}: not listed in manifest.json")
+
+
+def test_an_ir_dump_directory_inside_is_tolerated_not_read(art, tmp_path):
+    from k3c.frontend.to_ir import spec_to_module
+    from k3c.passes.pipeline import run_pipeline
+
+    run_pipeline(spec_to_module(k3c.load_spec(TINY)), ["dce"], dump_dir=art / "ir-dumps")
+    assert len(k3c.load(art).stages) == len(os.listdir(art / "ir"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "garbage", "list", "huge", "binary"])
+def test_a_bad_manifest_is_one_line(art, kind):
+    m = art / "manifest.json"
+    m.unlink()
+    if kind == "fifo":
+        os.mkfifo(m)
+    elif kind == "huge":
+        with open(m, "wb") as fh:
+            fh.truncate(65 << 20)               # sparse: nothing is written
+    else:
+        m.write_bytes({"garbage": b"{oops", "list": b"[]", "binary": b"\xff\xfe{"}[kind])
+    refused(art, "art")
+    if kind in ("fifo", "huge"):
+        with pytest.raises(UserError, match=r"manifest.json: (is a FIFO|\d+ bytes, more than)"):
+            from k3c.outputs import read_json
+
+            read_json(str(m))
+
+
+def test_k3c_run_on_a_tampered_artifact_exits_2_with_one_line(art, capsys):
+    (art / "spec.yaml").unlink()
+    os.symlink("/etc/passwd", art / "spec.yaml")
+    reseal(art)
+    assert main(["run", str(art)] + RUN) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "spec.yaml" in err and "root:" not in err
