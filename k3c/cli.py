@@ -16,15 +16,60 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _positive(name: str):
+# Upper bounds of the numeric arguments, checked at parse time so that no command starts work (or memory) it
+# cannot finish: the planner's API checks the same ones (k3c/analysis/report.py LIMITS, layout.MAX_RANKS).
+MAX_TOKENS = 2 ** 31          # --context, --prompt-len, --new-tokens, --prefill-chunk
+MAX_BATCH = 2 ** 24           # --batch (sequences)
+MAX_RANKS = 2 ** 16           # --tp, --ep
+MAX_STAGES = 1024             # --pp, --vpp
+MAX_SEED = 2 ** 63 - 1        # --seed: [0, 2**63 - 1], what torch.Generator.manual_seed takes without wrapping
+
+
+def _integer(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _positive(name: str, maximum: int | None = None):
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        value = _integer(name, text)
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be <= {maximum}, got {value}")
         return value
+    return parse
+
+
+def _seed(text: str) -> int:
+    """--seed: an integer in [0, 2**63 - 1]."""
+    value = _integer("--seed", text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"--seed must be in [0, 2**63 - 1], got {value}")
+    return value
+
+
+def _fraction(name: str):
+    """A finite float in [0, 1)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number in [0, 1), got {text!r}") from None
+        if not 0.0 <= value < 1.0:          # NaN fails both comparisons; inf the upper one
+            raise argparse.ArgumentTypeError(f"{name} must be a number in [0, 1), got {text!r}")
+        return value
+    return parse
+
+
+def _path(name: str):
+    """A path argument that is not empty (an unset shell variable: `--weights "$W"`)."""
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"{name} needs a path, got an empty string")
+        return text
     return parse
 
 
@@ -36,8 +81,9 @@ def _passes(text: str) -> list[str]:
 
 
 def _parallel_args(p, rank: bool = False) -> None:
-    p.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel ranks (default 1)")
-    p.add_argument("--ep", type=_positive("--ep"), help="expert-parallel ranks (default: = --tp); the ranks are "
+    p.add_argument("--tp", type=_positive("--tp", MAX_RANKS), default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--ep", type=_positive("--ep", MAX_RANKS),
+                   help="expert-parallel ranks (default: = --tp); the ranks are "
                    "max(tp, ep), one must divide the other (docs/distributed.md)")
     if rank:
         p.add_argument("--rank", type=int, default=0, help="the rank whose slice to compile (default 0)")
@@ -76,11 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a model on random or given weights: prefill, then greedy decode")
     r.add_argument("spec", help="YAML spec, config.json, model directory, or a compiled artifact directory")
-    r.add_argument("--weights", help="safetensors file or Hugging Face model directory (default: random init)")
-    r.add_argument("--batch", type=_positive("--batch"), default=1)
-    r.add_argument("--prompt-len", type=_positive("--prompt-len"), default=16)
-    r.add_argument("--new-tokens", type=_positive("--new-tokens"), default=8)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--weights", type=_path("--weights"),
+                   help="safetensors file or Hugging Face model directory (default: random init)")
+    r.add_argument("--batch", type=_positive("--batch", MAX_BATCH), default=1,
+                   help="sequences (default 1; refused before anything is allocated when the run's estimated "
+                   "memory exceeds the device's)")
+    r.add_argument("--prompt-len", type=_positive("--prompt-len", MAX_TOKENS), default=16,
+                   help="tokens per prompt (default 16; prompt + new tokens <= the model's max_context)")
+    r.add_argument("--new-tokens", type=_positive("--new-tokens", MAX_TOKENS), default=8)
+    r.add_argument("--seed", type=_seed, default=0, help="seed of the random weights and prompts, in "
+                   "[0, 2**63 - 1] (default 0)")
     r.add_argument("--device", default="cpu", help="cpu or cuda")
     r.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights and activations (default: float32 on a CPU and with --tp/--ep; on a GPU the "
@@ -89,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps through captured CUDA graphs (runtime/cuda_graph.py; default: on with --device "
                    "cuda and kernels; falls back to the ordinary step where capture is impossible, reported)")
-    r.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"),
+    r.add_argument("--prefill-chunk", type=_positive("--prefill-chunk", MAX_TOKENS),
                    help="prefill at most this many tokens per sequence and step (default: the whole prompt)")
     r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="one untimed pass of the same requests before the timed one (JIT compiles, CUDA graph "
@@ -112,29 +163,43 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="memory plan, cost model and roofline for a target and a parallel layout")
     pl.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory")
     pl.add_argument("--target", required=True, help=f"one of: {', '.join(TARGETS)}")
-    pl.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel GPUs (default 1)")
-    pl.add_argument("--ep", type=_positive("--ep"), help="expert-parallel ranks (default: = TP)")
-    pl.add_argument("--context", type=_positive("--context"),
-                    help="tokens per sequence (default: the model's max_context)")
-    pl.add_argument("--batch", type=_positive("--batch"), default=1, help="sequences per TP group (default 1)")
+    pl.add_argument("--tp", type=_positive("--tp", MAX_RANKS), default=1, help="tensor-parallel GPUs (default 1)")
+    pl.add_argument("--ep", type=_positive("--ep", MAX_RANKS), help="expert-parallel ranks (default: = TP)")
+    pl.add_argument("--context", type=_positive("--context", MAX_TOKENS),
+                    help="tokens per sequence, at most 2**31 (default: the model's max_context)")
+    pl.add_argument("--batch", type=_positive("--batch", MAX_BATCH), default=1,
+                    help="sequences per TP group, at most 2**24 (default 1)")
     pl.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="bf16", help="MLA latent cache dtype")
-    pl.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=8192,
+    pl.add_argument("--prefill-chunk", type=_positive("--prefill-chunk", MAX_TOKENS), default=8192,
                     help="tokens per chunked-prefill step (default 8192)")
-    pl.add_argument("--headroom", type=float, default=0.10, help="fraction of HBM kept free (default 0.10)")
-    pl.add_argument("--pp", type=_positive("--pp"), default=4, help="pipeline stages P for the AttnRes "
+    pl.add_argument("--headroom", type=_fraction("--headroom"), default=0.10,
+                    help="fraction of HBM kept free, in [0, 1) (default 0.10)")
+    pl.add_argument("--pp", type=_positive("--pp", MAX_STAGES), default=4, help="pipeline stages P for the AttnRes "
                     "pipeline-communication estimate (default 4)")
-    pl.add_argument("--vpp", type=_positive("--vpp"), default=2, help="virtual stages V per pipeline stage "
+    pl.add_argument("--vpp", type=_positive("--vpp", MAX_STAGES), default=2, help="virtual stages V per pipeline stage "
                     "(default 2)")
     pl.add_argument("--sharded", action="store_true", help="plan rank 0's IR after the shard pass: the split "
                     "k3c run --tp/--ep really holds (docs/distributed.md)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys) instead of text")
-    pl.add_argument("--plot", metavar="FILE.png", help="write the memory breakdown and roofline chart")
-    pl.add_argument("--measured", metavar="BENCH.json",
+    pl.add_argument("--plot", metavar="FILE.png", type=_path("--plot"),
+                    help="write the memory breakdown and roofline chart")
+    pl.add_argument("--measured", metavar="BENCH.json", type=_path("--measured"),
                     help="benchmark records [{name, flops, bytes, seconds}] drawn on the roofline")
     from .quant.commands import add_parsers as add_quant_parsers
 
     add_quant_parsers(sub, _positive)            # quantize, calibrate-router
     return p
+
+
+def _check_ranks(args) -> None:
+    """--rank names one of the max(--tp, --ep) ranks (checked here, where the flag is known by name)."""
+    rank = getattr(args, "rank", None)
+    if rank is None:
+        return
+    world = max(args.tp, args.ep or args.tp)
+    if not 0 <= rank < world:
+        raise ArgumentError(f"--rank must be in [0, {world}) for --tp {args.tp} --ep {args.ep or args.tp}, got "
+                            f"{rank}")
 
 
 def cmd_compile(args) -> int:
@@ -269,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.command:
             raise ArgumentError("k3c: give a command: compile, inspect, run, plan, quantize or calibrate-router "
                                 "(see k3c --help)")
+        _check_ranks(args)
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"k3c: error: {exc}", file=sys.stderr)
@@ -279,12 +345,37 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("k3c: interrupted", file=sys.stderr)
+        if argv is None:                # the program itself, not a caller's in-process main([...])
+            _exit_quietly(130)
         return 130
     except Exception as exc:  # a bug: one line by default, the traceback with K3C_DEBUG >= 1
         print(f"k3c: internal error: {type(exc).__name__}: {exc} (set K3C_DEBUG=1 for a traceback)",
               file=sys.stderr)
         _maybe_traceback()
         return 1
+
+
+def _exit_quietly(code: int) -> None:
+    """End an interrupted program now, with nothing printed after its one line. Ctrl-C can land inside Triton (a
+    kernel being compiled, launched or interpreted, its objects half-built); the interpreter's teardown then
+    collects those objects and a __del__ raises, printed as "Exception ignored in ..." with a traceback after
+    "k3c: interrupted". So: flush, run the atexit handlers (k3c's own: the private kernel directory removed, AOT
+    compile workers killed) with stderr pointed at /dev/null, and leave by os._exit, which skips the teardown's
+    finalizers. Nothing else is lost: k3c writes its outputs to a staging path and renames them into place, and
+    the unwinding that brought the KeyboardInterrupt here has already removed an interrupted write's staging."""
+    import atexit
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:           # a closed pipe: nothing more to say on it
+            pass
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        atexit._run_exitfuncs()
+    except BaseException:           # a second Ctrl-C, or a handler's own error: exit all the same
+        pass
+    os._exit(code)
 
 
 def _maybe_traceback() -> None:

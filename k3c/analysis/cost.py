@@ -22,6 +22,7 @@ from .layout import ParallelLayout, ParamInfo
 from .memory import KV_BYTES, ModelFacts, WeightReport, expert_intermediate
 
 KINDS = ("kda", "mla", "moe", "mlp", "attn_res", "other")
+EXACT_PREFILL_CHUNKS = 1024      # prefills of more chunks are summed piecewise linearly (CostModel._chunk_sum)
 
 
 def kind_of(opname: str) -> str:
@@ -277,16 +278,75 @@ class CostModel:
 
     # phases
     def prefill(self, context: int, batch: int, chunk: int) -> PhaseResult:
-        """`batch` fresh prompts of `context` tokens, each prefilled in chunks of `chunk` tokens."""
-        steps: dict[Step, int] = {}
-        done = 0
-        while done < context:
-            t = min(chunk, context - done)
-            st = Step(1, t, done, 1 if done + t >= context else 0)
-            steps[st] = steps.get(st, 0) + batch
-            done += t
-        return self.phase("prefill", f"{batch} x {context:,} fresh tokens in chunks of {chunk:,}",
-                          list(steps.items()))
+        """`batch` fresh prompts of `context` tokens, each prefilled in chunks of `chunk` tokens. Up to
+        EXACT_PREFILL_CHUNKS chunks are priced one by one; a longer prefill sums its chunks piecewise linearly
+        (_chunk_sum): bounded work whatever the context (--context 10**10 at chunk 1 is a few hundred steps)."""
+        full, rem = divmod(context, chunk)
+        desc = f"{batch} x {context:,} fresh tokens in chunks of {chunk:,}"
+        if full + (rem > 0) <= EXACT_PREFILL_CHUNKS:
+            steps: dict[Step, int] = {}
+            done = 0
+            while done < context:
+                t = min(chunk, context - done)
+                st = Step(1, t, done, 1 if done + t >= context else 0)
+                steps[st] = steps.get(st, 0) + batch
+                done += t
+            return self.phase("prefill", desc, list(steps.items()))
+        n = full - (rem == 0)                  # full chunks without logits; the last chunk computes them
+        last = Step(1, rem, full * chunk, 1) if rem else Step(1, chunk, (full - 1) * chunk, 1)
+        return self.phase("prefill", desc, self._chunk_sum(chunk, n, batch) + [(last, batch)])
+
+    def _chunk_sum(self, chunk: int, n: int, times: int) -> list[tuple[Step, int]]:
+        """(step, times) pairs whose sum is that of chunks j = 0 .. n-1 (Step(1, chunk, j x chunk)) x `times`.
+        Every cost of a step is piecewise linear in its cached tokens (linear per MLA mode and per roofline
+        branch; the kinks are where the faster mode or the bound changes), so an interval of chunks on which the
+        step is linear sums exactly from its ends: (n/2) x (first + last), n odd adding the midpoint once. An
+        interval is taken as linear when its midpoint and quarter point lie on the chord; otherwise it is halved
+        (O(kinks x log n) steps priced)."""
+        if n <= 0:
+            return []
+        vec: dict[int, dict] = {}
+
+        def at(j: int) -> dict:
+            if j not in vec:
+                flat: dict = {}
+                for kind, (cost, secs, _count, modes) in self.step(Step(1, chunk, j * chunk, 0)).items():
+                    flat.update({(kind, "flops", k): v for k, v in cost.flops.items()})
+                    flat.update({(kind, "bytes"): cost.bytes, (kind, "comm"): cost.comm,
+                                 (kind, "collectives"): cost.collectives, (kind, "seconds"): secs})
+                    flat.update({(kind, "mode", k): v for k, v in modes.items()})
+                vec[j] = flat
+            return vec[j]
+
+        def on_chord(a: int, b: int, x: int) -> bool:
+            va, vb, vx = at(a), at(b), at(x)
+            w = (x - a) / (b - a)
+            for key in set(va) | set(vb) | set(vx):
+                ya, yb, yx = va.get(key, 0.0), vb.get(key, 0.0), vx.get(key, 0.0)
+                if abs(yx - (ya + (yb - ya) * w)) > 1e-9 * max(abs(ya), abs(yb), abs(yx)):
+                    return False
+            return True
+
+        def st(j: int) -> Step:
+            return Step(1, chunk, j * chunk, 0)
+
+        out: list[tuple[Step, int]] = []
+        todo = [(0, n - 1)]
+        while todo:
+            a, b = todo.pop()
+            if b - a < 4:
+                out += [(st(j), times) for j in range(a, b + 1)]
+                continue
+            mid = (a + b) // 2
+            if on_chord(a, b, mid) and on_chord(a, b, (a + mid) // 2):
+                count = b - a + 1
+                out += [(st(a), times * (count // 2)), (st(b), times * (count // 2))]
+                if count % 2:                  # b - a even: mid is the exact midpoint, the mean of the ends
+                    out.append((st(mid), times))
+            else:
+                todo += [(a, mid), (mid + 1, b)]
+        return out
+
 
     def decode(self, context: int, batch: int) -> PhaseResult:
         st = Step(batch, 1, max(context - 1, 0), batch)

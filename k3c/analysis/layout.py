@@ -29,6 +29,7 @@ from ..ir.core import DTYPE_BITS, Module, Op, TensorType
 from ..ir.ops import get_op_def
 from .formulas import ceil_div, mxfp4_bytes
 
+MAX_RANKS = 2 ** 16        # --tp, --ep: at most this many (k3c/cli.py checks the same bound at parse time)
 FLOAT_WEIGHT_DTYPES = ("bf16", "f16", "f32", "f64")
 DEFAULT_MXFP4_INCLUDE = ("layers.*.block_sparse_moe.experts.*",)
 
@@ -67,6 +68,8 @@ class ParallelLayout:
         for name, v in (("--tp", tp), ("--ep", ep)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ArgumentError(f"{name} must be an integer >= 1, got {v!r}")
+            if v > MAX_RANKS:
+                raise ArgumentError(f"{name} must be <= {MAX_RANKS}, got {v}")
         if max(tp, ep) % min(tp, ep):
             raise ArgumentError(f"--tp {tp} and --ep {ep}: one must divide the other "
                                 "(a replica spans max(TP, EP) GPUs)")

@@ -62,7 +62,9 @@ def _memory(ax, plan) -> None:
             ax.bar([x], [value / GB], bottom=[bottom / GB], color=color, width=0.55,
                    label=f"{name}: {value / GB:,.2f} GB" if x == 0 else None)
             bottom += value
-        ax.text(x, bottom / GB, f"{bottom / GB:,.1f} GB", ha="center", va="bottom", fontsize=8)
+        top = plan.memory.hbm_bytes * 1.1               # the y limit: a label far above it overflows the raster
+        ax.text(x, min(bottom, top * 0.95) / GB, f"{bottom / GB:,.1f} GB" + (" (off scale)" if bottom > top else ""),
+                ha="center", va="bottom", fontsize=8)
     mem = plan.memory
     ax.axhline(mem.hbm_bytes / GB, color="black", lw=1.2)
     right = len(bars) + 1.25

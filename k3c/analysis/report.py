@@ -22,6 +22,10 @@ SCHEMA = "k3c-plan/1"
 FIT_LENGTHS = (8192, 32768, 131072, 1048576)
 DEFAULT_PREFILL_CHUNK = 8192
 DEFAULT_HEADROOM = 0.10
+# Upper bounds of plan()'s sizes (k3c plan checks them at parse time too, k3c/cli.py): the plan's work is bounded
+# whatever they are (the prefill sums its chunks in O(kinks x log chunks), CostModel._chunk_sum), these keep the
+# numbers meaningful. TP and EP: layout.MAX_RANKS.
+LIMITS = {"--context": 2 ** 31, "--batch": 2 ** 24, "--prefill-chunk": 2 ** 31, "--pp": 1024, "--vpp": 1024}
 
 
 @dataclass
@@ -209,11 +213,16 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
         model = k3c_compile(model, target=tgt, tp=layout.tp, ep=layout.ep, rank=0)
     if kv_dtype not in KV_BYTES:
         raise ArgumentError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}, got {kv_dtype!r}")
-    for name, v in (("--batch", batch), ("--prefill-chunk", prefill_chunk), ("--pp", pp), ("--vpp", vpp)):
+    for name, v in (("--batch", batch), ("--prefill-chunk", prefill_chunk), ("--pp", pp), ("--vpp", vpp),
+                    ("--context", context)):
+        if name == "--context" and v is None:
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ArgumentError(f"{name} must be an integer >= 1, got {v!r}")
-    if not 0 <= headroom < 1:
-        raise ArgumentError(f"--headroom must be in [0, 1), got {headroom}")
+        if v > LIMITS[name]:
+            raise ArgumentError(f"{name} must be <= {LIMITS[name]}, got {v}")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ArgumentError(f"--headroom must be a number in [0, 1), got {headroom!r}")
     if mla_mode not in ("auto", "mha", "mqa"):
         raise ArgumentError(f"mla_mode must be auto, mha or mqa, got {mla_mode!r}")
     points = load_measured(measured) if isinstance(measured, str) else list(measured or [])

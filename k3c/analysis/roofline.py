@@ -75,6 +75,9 @@ def kv_throughput(cm: CostModel, mla_values_per_token: int, kda_state_per_seq_fu
 
 def load_measured(path: str) -> list[Point]:
     """Read a bench JSON file (schema above); a bad file is a user error (exit 2)."""
+    from ..paths import regular_file
+
+    regular_file(path, "file", error=lambda msg: ArgumentError(f"--measured {msg}"))   # a FIFO: never ends
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)

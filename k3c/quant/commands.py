@@ -20,24 +20,28 @@ from ..errors import ArgumentError, WeightError
 
 SCORES_RE = re.compile(r"^layers\.(\d+)\.block_sparse_moe\.gate\.scores$")
 BIAS = "layers.{}.block_sparse_moe.gate.e_score_correction_bias"
+MAX_ITERATIONS = 1000          # Quantile Balancing converges in a few steps; each costs a sort of the scores
+MAX_BIAS = 1e6                 # |starting bias| bound: router scores lie in [0, 1], a bias beyond this is garbage
 
 
 def add_parsers(sub, positive) -> None:
+    from ..cli import _seed
+
     q = sub.add_parser("quantize", help="write a packed MXFP4 checkpoint (the spec's quantization: section)")
     q.add_argument("spec", help="YAML spec (with a quantization: section), config.json or model directory")
     q.add_argument("weights", nargs="?", help="safetensors file or model directory (or --random)")
     q.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
     q.add_argument("--rule", choices=("floor", "rceil"), help="E8M0 scale rule (default: the spec's)")
     q.add_argument("--random", action="store_true", help="quantize a random checkpoint (k3c.init_weights)")
-    q.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    q.add_argument("--seed", type=_seed, default=0, help="seed of --random, in [0, 2**63 - 1] (default 0)")
     q.add_argument("--force", action="store_true", help="replace an existing output directory")
 
     c = sub.add_parser("calibrate-router", help="router biases by Quantile Balancing of recorded scores")
     c.add_argument("spec", help="YAML spec, config.json or model directory")
     c.add_argument("scores", help="safetensors with layers.{i}.block_sparse_moe.gate.scores [tokens, experts]")
     c.add_argument("-o", "--output", required=True, help="safetensors file for the new biases")
-    c.add_argument("--iterations", type=positive("--iterations"), default=8,
-                   help="Quantile Balancing steps (default 8)")
+    c.add_argument("--iterations", type=positive("--iterations", MAX_ITERATIONS), default=8,
+                   help=f"Quantile Balancing steps, at most {MAX_ITERATIONS} (default 8)")
     c.add_argument("--force", action="store_true", help="replace an existing output file")
 
 
@@ -55,7 +59,11 @@ def cmd_quantize(args) -> int:
     if args.random:
         weights = k3c.init_weights(spec, seed=args.seed, dtype=torch.bfloat16)
     else:
-        weights = k3c.load_weights(spec, args.weights)
+        weights = k3c.load_weights(spec, args.weights)           # refuses NaN / inf weights, naming the tensor
+    from ..runtime.checkpoint import check_finite
+
+    for name, t in weights.items():                              # what is packed must be finite (MX keeps NaN)
+        check_finite(name, t, args.weights or "--random weights")
     record = save_quantized_checkpoint(spec, weights, args.output, rule=args.rule, force=args.force)
     print(f"k3c: quantized {len(record['weights'])} weights of {spec.name} to MXFP4 ({record['rule']}) -> "
           f"{args.output}")
@@ -66,8 +74,9 @@ def read_scores(spec, path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor |
     """layer -> (scores fp32 [T, E], starting bias or None), checked against the spec."""
     from safetensors import safe_open
 
-    if not os.path.isfile(path):
-        raise ArgumentError(f"{path}: no such file")
+    from ..paths import regular_file
+
+    regular_file(path, "file")                       # not a FIFO or device: a read of one never ends
     if spec.mlp.moe is None:
         raise ArgumentError(f"spec '{spec.name}' has no MoE layers to calibrate")
     n = spec.mlp.moe.num_experts
@@ -92,9 +101,14 @@ def read_scores(spec, path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor |
                               f"{list(t.shape)}")
         if not bool(torch.isfinite(t).all()):
             raise WeightError(f"{path}: '{key}' holds NaN or inf")
+        if bool(((t < 0) | (t > 1)).any()):
+            raise WeightError(f"{path}: '{key}' holds values outside [0, 1] (min {float(t.min()):g}, max "
+                              f"{float(t.max()):g}); record the router scores after the sigmoid, before the bias")
         bias = tensors.get(BIAS.format(layer))
         if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_floating_point()):
             raise WeightError(f"{path}: '{BIAS.format(layer)}' must be float [{n}], got {list(bias.shape)}")
+        if bias is not None and not bool((bias.to(torch.float64).abs() <= MAX_BIAS).all()):   # NaN fails too
+            raise WeightError(f"{path}: '{BIAS.format(layer)}' holds NaN, inf or values beyond +-{MAX_BIAS:g}")
         out[layer] = (t.to(torch.float32), None if bias is None else bias.to(torch.float32))
     for key in tensors:
         m = re.match(r"^layers\.(\d+)\.block_sparse_moe\.gate\.e_score_correction_bias$", key)
@@ -109,6 +123,8 @@ def calibrate(spec, scores: dict, iterations: int) -> dict[int, tuple[torch.Tens
     """layer -> (new bias, max/mean load before, after), Quantile Balancing iterated on the recorded scores."""
     from .balancing import load_imbalance, quantile_balancing
 
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or not 1 <= iterations <= MAX_ITERATIONS:
+        raise ArgumentError(f"--iterations must be an integer in [1, {MAX_ITERATIONS}], got {iterations!r}")
     k = spec.mlp.moe.top_k
     out = {}
     for layer, (s, bias) in scores.items():
@@ -116,8 +132,24 @@ def calibrate(spec, scores: dict, iterations: int) -> dict[int, tuple[torch.Tens
         b = bias
         for _ in range(iterations):
             b = quantile_balancing(s, k, b)
+        if not bool(torch.isfinite(b).all()):      # finite inputs give finite biases: never write NaN
+            raise WeightError(f"layer {layer}: Quantile Balancing gave a non-finite bias (scores or starting bias "
+                              f"out of range)")
         out[layer] = (b, before, load_imbalance(s, k, b))
     return out
+
+
+def _check_output(path: str, force: bool) -> None:
+    """The output file can be written: its directory exists, it is not a directory, --force to replace it."""
+    if not path:
+        raise ArgumentError("-o needs a file name, got an empty string")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ArgumentError(f"-o {path}: directory {parent} does not exist")
+    if os.path.isdir(path):
+        raise ArgumentError(f"-o {path}: is a directory; give a .safetensors file name")
+    if os.path.lexists(path) and not force:
+        raise ArgumentError(f"{path} exists; pass --force to replace it")
 
 
 def cmd_calibrate_router(args) -> int:
@@ -125,18 +157,17 @@ def cmd_calibrate_router(args) -> int:
     from safetensors.torch import save_file
 
     spec = k3c.load_spec(args.spec)
-    if os.path.exists(args.output) and not args.force:
-        raise ArgumentError(f"{args.output} exists; pass --force to replace it")
+    _check_output(args.output, args.force)
     result = calibrate(spec, read_scores(spec, args.scores), args.iterations)
     tensors = {BIAS.format(layer): b.contiguous() for layer, (b, _, _) in result.items()}
     tmp = f"{args.output}.tmp-{os.getpid()}"
     try:
         save_file(tensors, tmp, metadata={"format": "pt", "k3c": "calibrate-router"})
         os.replace(tmp, args.output)
-    except OSError as exc:
+    except Exception as exc:        # OSError, or safetensors' own error for a file it cannot create
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise ArgumentError(f"cannot write {args.output}: {exc.strerror}") from None
+        raise ArgumentError(f"cannot write {args.output}: {getattr(exc, 'strerror', None) or exc}") from None
     print(f"k3c: Quantile Balancing, top-{spec.mlp.moe.top_k} of {spec.mlp.moe.num_experts} experts, "
           f"{args.iterations} iterations; max/mean expert load:")
     for layer, (_, before, after) in sorted(result.items()):

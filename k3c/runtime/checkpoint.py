@@ -28,6 +28,7 @@ import torch
 
 from ..errors import WeightError
 from ..ir.ops import packed_name
+from ..paths import regular_file
 from ..frontend.spec import ModelSpec
 from .weight_names import WeightInfo, weight_table
 
@@ -68,14 +69,33 @@ def _pickle_error(file: str) -> WeightError:
                        f"checkpoint to safetensors (e.g. with transformers' save_pretrained(safe_serialization=True))")
 
 
+def _regular(path: str) -> str:
+    """`path` when it is a regular file (a FIFO or device would block the read forever), else a WeightError."""
+    return regular_file(path, "file", error=_weight_error)
+
+
+def check_finite(name: str, t: torch.Tensor, where: str) -> torch.Tensor:
+    """`t` when it holds no NaN or inf (float tensors; one isfinite().all() each), else a WeightError naming the
+    tensor: a checkpoint with NaN weights is refused at load, not found out as non-finite logits."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise _weight_error(f"{where}: tensor '{name}' holds NaN or inf")
+    return t
+
+
 def _resolve_files(path: str) -> tuple[list[str], dict[str, str] | None]:
-    """The safetensors files to read and, for an index, its weight_map (tensor name -> file path)."""
+    """The safetensors files to read and, for an index, its weight_map (tensor name -> file path); each one a
+    regular file."""
+    files, weight_map = _resolve_paths(path)
+    return [_regular(f) for f in files], weight_map
+
+
+def _resolve_paths(path: str) -> tuple[list[str], dict[str, str] | None]:
     if os.path.isdir(path):
         index = os.path.join(path, INDEX_NAME)
-        if os.path.isfile(index):
-            return _read_index(index)
+        if os.path.lexists(index):
+            return _read_index(_regular(index))
         single = os.path.join(path, SINGLE_NAME)
-        if os.path.isfile(single):
+        if os.path.lexists(single):
             return [single], None
         names = sorted(os.listdir(path))
         shards = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
@@ -88,6 +108,7 @@ def _resolve_files(path: str) -> tuple[list[str], dict[str, str] | None]:
                           f"{INDEX_NAME})")
     if not os.path.exists(path):
         raise _weight_error(f"{path}: no such file or directory")
+    _regular(path)                                   # not a FIFO, socket or device
     if _is_pickle(os.path.basename(path)):
         raise _pickle_error(path)
     if path.endswith(".json"):
@@ -119,8 +140,9 @@ def _read_index(index: str) -> tuple[list[str], dict[str, str]]:
             raise _weight_error(f"{index}: tensor '{name}' maps to '{shard}', not a .safetensors file")
         full = os.path.join(base, shard)
         if shard not in files:
-            if not os.path.isfile(full):
+            if not os.path.lexists(full):
                 raise _weight_error(f"{index}: shard '{shard}' (holding '{name}') does not exist")
+            _regular(full)
             files[shard] = full
         out_map[name] = full
     return list(files.values()), out_map
@@ -398,7 +420,7 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
                                   f"'{k3_checkpoint_names(spec)[name][0]}'), expected shape {_fmt(info.shape)}")
             if want is not None and t.dtype != want:
                 t = t.to(want)
-            out[name] = t.contiguous()
+            out[name] = check_finite(name, t.contiguous(), path)
         for name in (record or {}).get("weights", ()):
             if name in table and packed_name(name, "weight_packed") not in out:
                 raise _weight_error(f"{path}: quantization.json lists '{name}' as MXFP4 but the checkpoint holds "
@@ -436,6 +458,8 @@ def _packed_part(t: torch.Tensor, info: WeightInfo, expected: tuple, key: str, f
     if tuple(t.shape) != tuple(expected):
         raise _weight_error(f"{file}: tensor '{key}' (k3c '{info.name}') has shape {_fmt(t.shape)}, expected "
                           f"{_fmt(expected)} (MXFP4, blocks of 32 along the last dimension)")
+    if info.name.endswith(".weight_scale") and bool((t == 255).any()):
+        raise _weight_error(f"{file}: tensor '{key}' (k3c '{info.name}') holds the E8M0 NaN scale 0xFF")
     return t
 
 
@@ -652,5 +676,5 @@ def load_weight_slices(spec: ModelSpec, path: str | os.PathLike, shards: dict, d
             want = torch.float32 if info.dtype == "fp32" else target
             if want is not None and t.dtype != want:
                 t = t.to(want)
-            out[name] = t.contiguous()
+            out[name] = check_finite(name, t.contiguous(), path)
         return out

@@ -17,6 +17,7 @@ segments and returns their logits; running out of pages there raises CacheFullEr
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from .executor import LayerCaches
 from .kernels.mla import LatentStore, PagedLatentCache
 from .reference.kda import KDAState
 from .seq_state import SeqState, gather_kda
-from .session import describe_graph, load_graph
+from .session import _device, check_token_ids, describe_graph, load_graph
 
 
 def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
@@ -72,10 +73,10 @@ class Engine:
                                 "(the default pipeline)")
         for name, v in (("max_batch", max_batch), ("max_context", max_context), ("num_pages", num_pages),
                         ("page_size", page_size), ("prefill_chunk", prefill_chunk)):
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ArgumentError(f"{name} must be a positive integer, got {v!r}")
         self.compiled, self.spec = compiled, spec
-        self.device = torch.device(device)
+        self.device = _device(device)
         self.max_batch = max_batch
         self.max_context = max_context or spec.max_context
         self.use_kernels = use_kernels
@@ -132,9 +133,16 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------------------------
     def _tokens(self, ids, name: str) -> list[int]:
         if isinstance(ids, torch.Tensor):
+            check_token_ids(ids, name)                 # a float or bool tensor is not silently truncated
             if ids.dim() != 1:
                 raise ArgumentError(f"{name} must be a 1-D sequence of token ids, got shape {tuple(ids.shape)}")
             ids = ids.tolist()
+        elif isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ArgumentError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
+        ids = list(ids)
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise ArgumentError(f"{name} must hold integer token ids, got {repr(bad)[:60]}")
         ids = [int(t) for t in ids]
         if not ids:
             raise ArgumentError(f"{name} must hold at least one token")
@@ -152,7 +160,7 @@ class Engine:
     def add_request(self, prompt, max_new_tokens: int = 16) -> int:
         """Queue a request (prompt: 1-D token ids); it joins the batch at the next step with room. Returns its id."""
         tokens = self._tokens(prompt, "prompt")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ArgumentError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if len(tokens) + max_new_tokens > self.max_context:
             raise ArgumentError(f"prompt of {len(tokens)} + {max_new_tokens} new tokens exceeds max_context "

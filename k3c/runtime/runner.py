@@ -11,12 +11,17 @@ import time
 from ..errors import ArgumentError
 
 
+def _is_artifact(path: str) -> bool:
+    """A directory with a manifest.json (whatever the manifest is: api.load says what is wrong with it)."""
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, "manifest.json"))
+
+
 def _load_model(spec_or_artifact: str, device: str = "cpu"):
     """An artifact is loaded as it is; a spec is compiled for the device's target (cuda: launch.target_for, which
     tells an H200 from an H100; anything else: cpu)."""
     from .. import api
 
-    if os.path.isdir(spec_or_artifact) and os.path.isfile(os.path.join(spec_or_artifact, "manifest.json")):
+    if _is_artifact(spec_or_artifact):
         return api.load(spec_or_artifact)
     if str(device).startswith("cuda"):
         from ..codegen.launch import target_for
@@ -44,6 +49,68 @@ def _graph_line(eng, stats=None) -> str:
                                                        else "") for b, dg in sorted(eng._graphs.items()))
     return (f"  decode graphs:   {stats.get('decode_graph_calls', 0)} of {stats.get('decode_calls', 0)} decode steps "
             f"replayed; {per or 'none captured (a batch size gets its graph on its second decode step in a row)'}")
+
+
+def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, prefill_chunk: int | None = None,
+                       elem_bytes: int = 4, page_size: int = 64) -> dict[str, int]:
+    """A rough lower bound of the memory `k3c run` needs, by part: the weights (at `elem_bytes`, fp32 entries at
+    4), the engine's MLA page pool (batch x pages of the whole context), the KDA states (fp32) and conv tails of
+    every sequence, and the activations of the largest step (the prefill of every prompt, or one chunk of each:
+    the logits [n, vocab] and a few hidden-state buffers; AttnRes keeps its completed blocks)."""
+    import math
+
+    from .weight_names import weight_table
+
+    weights = sum(math.prod(w.shape) * (4 if w.dtype == "fp32" else elem_bytes) for w in weight_table(spec).values())
+    ctx = prompt_len + new_tokens
+    kinds = spec.layer_kinds
+    mla = 0
+    if spec.mla is not None:
+        width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+        mla = batch * -(-ctx // page_size) * page_size * width * kinds.count("mla") * elem_bytes
+    kda = 0
+    if spec.kda is not None:
+        h, d = spec.kda.num_heads, spec.kda.head_dim
+        kda = batch * kinds.count("kda") * (h * d * d * 4 + 3 * h * d * (spec.kda.conv_kernel - 1) * elem_bytes)
+    n = batch * min(prompt_len, prefill_chunk or prompt_len)          # tokens of the largest step
+    blocks = -(-spec.num_layers // spec.attn_res.block_size) + 1 if spec.attn_res else 0
+    acts = n * (spec.vocab_size + spec.hidden_size * (4 + blocks)) * elem_bytes
+    return {"weights": weights, "MLA cache": mla, "KDA state": kda, "activations": acts}
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory free for a run on `device`: the GPU's free memory (torch.cuda.mem_get_info), on a CPU the host's
+    MemAvailable (/proc/meminfo; else the free physical pages). None when it cannot be told."""
+    import torch
+
+    if device.startswith("cuda"):
+        try:
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        except Exception:           # no such device index, a driver error: the run itself will say
+            return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_run_fits(spec, device: str, **sizes) -> None:
+    """ArgumentError when the run's estimated memory (estimate_run_bytes) exceeds what `device` has free: refused
+    before anything is allocated, not found out by the OOM killer."""
+    parts = estimate_run_bytes(spec, **sizes)
+    need, free = sum(parts.values()), available_bytes(device)
+    if free is not None and need > free:
+        what = ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in parts.items() if v)
+        raise ArgumentError(f"--batch {sizes['batch']} x --prompt-len {sizes['prompt_len']} + --new-tokens "
+                            f"{sizes['new_tokens']}: the run needs at least {need / 2**30:,.2f} GiB ({what} GiB), "
+                            f"{device} has {free / 2**30:,.2f} GiB free; use a smaller batch or shorter sequences")
 
 
 _RUN_DTYPES = {"float32": "f32", "bfloat16": "bf16"}      # --dtype -> the artifact's run dtype name
@@ -121,10 +188,22 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     from .weight_prep import prepare_weights
     from .weights import init_weights           # takes device= (k3c.init_weights does not)
 
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ArgumentError(f"--device must be cpu or cuda, got {device!r}")
+    for name, v in (("--batch", batch), ("--prompt-len", prompt_len), ("--new-tokens", new_tokens),
+                    ("--prefill-chunk", prefill_chunk)):
+        if (v is not None or name != "--prefill-chunk") and (isinstance(v, bool) or not isinstance(v, int)
+                                                              or v < 1):
+            raise ArgumentError(f"{name} must be an integer >= 1, got {v!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ArgumentError(f"--seed must be an integer in [0, 2**63 - 1], got {seed!r}")
+    import re
+
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", device):
+        raise ArgumentError(f"--device must be cpu or cuda (cuda:N for one GPU), got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ArgumentError("--device cuda: no CUDA device is available here (use --device cpu)")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ArgumentError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                            f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     if kernel_policy not in launcher.POLICIES:
         raise ArgumentError(f"kernel_policy must be one of {', '.join(launcher.POLICIES)}, got {kernel_policy!r}")
     if kernel_policy != "artifact" and not use_kernels:
@@ -138,8 +217,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
 
     launcher.reset_stats()
     t = time.perf_counter()
-    is_artifact = os.path.isdir(spec_or_artifact) and os.path.isfile(os.path.join(spec_or_artifact,
-                                                                                  "manifest.json"))
+    is_artifact = _is_artifact(spec_or_artifact)
     model = _load_model(spec_or_artifact, device)
     t_model = time.perf_counter() - t
     spec = model.spec
@@ -156,6 +234,11 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     if prompt_len + new_tokens > spec.max_context:
         raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
                             f"max_context {spec.max_context}")
+    from ..codegen.launch import target_for
+
+    check_run_fits(spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                   prefill_chunk=prefill_chunk, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
+                   page_size=target_for(torch.device(device)).mla_page_size)
     t = time.perf_counter()
     if weights:
         w = load_weights(spec, weights, dtype=torch_dtype)          # host memory; the engine build moves them

@@ -89,14 +89,33 @@ def describe_graph(compiled, use_kernels: bool) -> str:
     return f"torch.fx graph from the IR after {len(compiled.pass_names)} passes: {parts}"
 
 
+def check_token_ids(ids, name: str = "input_ids") -> None:
+    """ArgumentError unless `ids` is an integer tensor (not bool: an id tensor, not a mask)."""
+    if not isinstance(ids, torch.Tensor):
+        raise ArgumentError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ArgumentError(f"{name} must hold integer token ids, got dtype {str(ids.dtype).replace('torch.', '')}")
+
+
+def _device(device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ArgumentError(f"device must be a torch device such as cpu or cuda:0, got {device!r}") from None
+
+
 class Session:
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
                  max_context: int | None = None, use_kernels: bool = True, kernel_policy: str = "artifact"):
+        for name, v in (("max_batch", max_batch), ("max_context", max_context)):
+            if (v is not None or name == "max_batch") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ArgumentError(f"{name} must be a positive integer, got {v!r}")
         self.compiled = compiled
         self.spec = compiled.spec
-        self.device = torch.device(device)
+        self.device = _device(device)
         self.max_batch = max_batch
         self.max_context = max_context or self.spec.max_context
+        self.batch: int | None = None            # rows of the cached batch (set by prefill)
         self.use_kernels = use_kernels
         self.graph = load_graph(compiled, weights, self.device, use_kernels, kernel_policy=kernel_policy)
         self.cache: LayerCaches | None = None
@@ -113,22 +132,27 @@ class Session:
     def length(self) -> int:
         return self.cache.length if self.cache else 0
 
-    def _run(self, ids: torch.Tensor, cache: LayerCaches, check_ids: bool = True) -> torch.Tensor:
-        if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ArgumentError(f"input_ids must be [B, T] with T >= 1, got {tuple(ids.shape)}")
+    def _run(self, ids: torch.Tensor, cache: LayerCaches, check_ids: bool = True, name: str = "input_ids"
+             ) -> torch.Tensor:
+        check_token_ids(ids, name)
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+            raise ArgumentError(f"{name} must be [B, T] with B, T >= 1, got {tuple(ids.shape)}")
         b, t = ids.shape
         if b > self.max_batch:
             raise ArgumentError(f"batch {b} exceeds the session's max_batch {self.max_batch}")
+        if cache.length and self.batch is not None and b != self.batch:
+            raise ArgumentError(f"{name} has {b} row(s) but the session caches a batch of {self.batch} (prefill a "
+                                f"new batch to change its size)")
         if cache.length + t > self.max_context:
             raise ArgumentError(f"{cache.length} cached + {t} new tokens exceed max_context {self.max_context}")
         # one host read for both bounds (on a GPU each read is a device sync); generate's own argmax ids skip it
         if check_ids and bool(((ids < 0) | (ids >= self.spec.vocab_size)).any()):
-            raise ArgumentError(f"token ids must be in [0, {self.spec.vocab_size})")
+            raise ArgumentError(f"{name}: token ids must be in [0, {self.spec.vocab_size})")
         work = cache.copy()          # a failed call leaves the session's cache untouched
         with torch.no_grad():
             logits = self.graph(ids.to(self.device), work)
         work.length = cache.length + t
-        self.cache = work
+        self.cache, self.batch = work, b
         return logits
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -139,16 +163,25 @@ class Session:
         """Append-prefill a segment [B, T'] after the cached context."""
         if self.cache is None:
             raise ArgumentError("append() needs a prefill first")
-        return self._run(segment_ids, self.cache)
+        return self._run(segment_ids, self.cache, name="segment_ids")
 
     def decode(self, next_ids: torch.Tensor) -> torch.Tensor:
         """One token per sequence: [B] -> logits [B, vocab]."""
         if self.cache is None:
             raise ArgumentError("decode() needs a prefill first")
-        return self._run(next_ids.reshape(-1, 1), self.cache)[:, 0]
+        check_token_ids(next_ids, "next_ids")
+        if next_ids.dim() != 1:
+            raise ArgumentError(f"next_ids must be [B] (one token per sequence), got {tuple(next_ids.shape)}")
+        return self._run(next_ids.reshape(-1, 1), self.cache, name="next_ids")[:, 0]
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16) -> torch.Tensor:
         """Greedy decoding: [B, T] -> the new tokens [B, max_new_tokens]."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ArgumentError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_token_ids(input_ids)
+        if input_ids.dim() == 2 and input_ids.shape[1] + max_new_tokens - 1 > self.max_context:
+            raise ArgumentError(f"{input_ids.shape[1]} prompt + {max_new_tokens} new tokens exceed max_context "
+                                f"{self.max_context}")
         logits = self.prefill(input_ids)
         out = [logits[:, -1].argmax(-1)]
         for _ in range(max_new_tokens - 1):

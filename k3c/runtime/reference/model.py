@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import ArgumentError
 from ...frontend.spec import ModelSpec
 from ..weight_names import model_weights
 from .attnres import attn_res_mix
@@ -25,6 +26,11 @@ from .moe import mlp, moe_layer
 from .norms import acc_dtype, linear, rms_norm
 
 LayerCache = KDAState | torch.Tensor
+
+
+class InputError(ArgumentError, ValueError):
+    """Bad input ids or cache for the reference model: an ArgumentError (a user error, exit 2 through the CLI),
+    and a ValueError as these checks raised before."""
 
 
 @dataclass(frozen=True)
@@ -106,11 +112,20 @@ class ReferenceModel:
     def forward(self, input_ids: torch.Tensor, cache: ReferenceCache | None = None
                 ) -> tuple[torch.Tensor, ReferenceCache]:
         """Logits [B, T, vocab] of a segment input_ids [B, T] appended after `cache` (None: a fresh prefill)."""
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+            raise InputError(f"input_ids must hold integer token ids, got dtype "
+                             f"{str(input_ids.dtype).replace('torch.', '')}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+            raise InputError(f"input_ids must be [B, T] with B, T >= 1, got {tuple(input_ids.shape)}")
+        vocab = self.spec.vocab_size
+        if bool(((input_ids < 0) | (input_ids >= vocab)).any()):   # -1 would wrap to the last embedding row
+            raise InputError(f"input_ids must be in [0, {vocab}), got values from {int(input_ids.min())} to "
+                             f"{int(input_ids.max())}")
         cache = cache or self.empty_cache()
         if cache.batch not in (None, input_ids.shape[0]):
-            raise ValueError(f"batch {input_ids.shape[0]} does not match the cache's batch {cache.batch}")
+            raise InputError(f"batch {input_ids.shape[0]} does not match the cache's batch {cache.batch}")
         spec, new_caches = self.spec, []
         x = self.embed(input_ids)
         if spec.attn_res is None:
@@ -144,6 +159,9 @@ class ReferenceModel:
 
     def decode(self, next_ids: torch.Tensor, cache: ReferenceCache) -> tuple[torch.Tensor, ReferenceCache]:
         """One token per sequence: next_ids [B] -> (logits [B, vocab], new cache)."""
+        if not isinstance(next_ids, torch.Tensor) or next_ids.dim() != 1:
+            got = tuple(next_ids.shape) if isinstance(next_ids, torch.Tensor) else type(next_ids).__name__
+            raise InputError(f"next_ids must be a 1-D tensor [B], got {got}")
         logits, cache = self.forward(next_ids.reshape(-1, 1), cache)
         return logits[:, 0], cache
 
