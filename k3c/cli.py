@@ -204,8 +204,12 @@ def _check_ranks(args) -> None:
 
 def cmd_compile(args) -> int:
     from . import api
+    from .outputs import DUMP, check_output_dir
 
     t0 = time.perf_counter()
+    check_output_dir(args.output, args.force, keep=args.dump_ir)      # before the compile writes dumps or kernels
+    if args.dump_ir is not None:
+        check_output_dir(args.dump_ir, kind=DUMP, what="--dump-ir")
     model = api.compile(args.spec, target=args.target, passes=args.passes, dump_ir=args.dump_ir, tp=args.tp,
                         ep=args.ep, rank=args.rank, run_dtypes=args.run_dtypes)
     model.save(args.output, overwrite=args.force, keep=args.dump_ir, keep_asm=not args.no_asm)

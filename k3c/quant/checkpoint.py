@@ -65,8 +65,11 @@ def save_quantized_checkpoint(spec, weights: dict[str, torch.Tensor], out_dir: s
     from .. import __version__
 
     from ..outputs import QUANTIZED, Staging, check_output_dir
+    from ..runtime.checkpoint import check_finite
 
     out_dir = check_output_dir(out_dir, force, kind=QUANTIZED)        # before the (long) quantization
+    for name, t in weights.items():                                   # NaN experts are refused, not packed
+        check_finite(name, t, "weights")
     tensors, chosen, rule = quantize_weights(spec, weights, rule)
     record = {"format": "mxfp4", "rule": rule, "block": BLOCK_SIZE, "weights": chosen,
               "k3c_version": __version__, "spec": spec.name}

@@ -52,6 +52,9 @@ def cmd_quantize(args) -> int:
 
     if args.random == bool(args.weights):
         raise ArgumentError("k3c quantize: give WEIGHTS or --random (one of them)")
+    from ..outputs import QUANTIZED, check_output_dir
+
+    check_output_dir(args.output, args.force, kind=QUANTIZED)         # before the weights are read
     spec = k3c.load_spec(args.spec)
     if spec.quantization is None:
         raise ArgumentError(f"spec '{spec.name}' has no quantization: section (add `quantization: {{format: mxfp4}}` "

@@ -476,13 +476,17 @@ def run_report_distributed(spec, *, tp: int, ep: int | None = None, weights: str
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ArgumentError("--device cuda: no CUDA device is available here (use --device cpu)")
     ep = tp if ep is None else ep
-    if isinstance(spec, str) and os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "manifest.json")):
+    if isinstance(spec, str) and os.path.isdir(spec) and os.path.lexists(os.path.join(spec, "manifest.json")):
         spec = api.load(spec).spec                  # an artifact: recompile its spec sharded
     elif not hasattr(spec, "layer_kinds"):
         spec = load_spec(spec)
     if prompt_len + new_tokens > spec.max_context:
         raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
                             f"max_context {spec.max_context}")
+    from .runner import check_run_fits
+
+    check_run_fits(spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                   elem_bytes=4 if dtype == "float32" else 2)
     from ..passes.shard import check_divisible, make_layout
     from ..frontend.to_ir import spec_to_module
 
