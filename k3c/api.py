@@ -5,6 +5,8 @@ import hashlib
 import json
 import os
 import platform
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 
 from . import __version__
@@ -169,9 +171,17 @@ class CompiledModel:
         model has none: a second process with the same spec, passes and target loads it instead of compiling."""
         if self.artifact_dir is not None and self.compiled_kernels is not None:
             return self.artifact_dir
+        from .codegen.cache import open_cache
         from .config import settings
 
-        path = os.path.join(settings().cache_dir, "artifacts", self.cache_key[:32])
+        if open_cache() is None:        # an unusable K3C_CACHE_DIR (warned): a private artifact for this process
+            import atexit
+
+            path = tempfile.mkdtemp(prefix="k3c-artifact-")
+            atexit.register(shutil.rmtree, path, True)
+            path = os.path.join(path, self.cache_key[:32])
+        else:
+            path = os.path.join(settings().cache_dir, "artifacts", self.cache_key[:32])
         if _is_artifact(path):
             try:
                 cached = load(path)
@@ -193,10 +203,10 @@ class CompiledModel:
                  f"- layers: {self.spec.num_layers} ({self.spec.layer_kinds.count('kda')} KDA, "
                  f"{self.spec.layer_kinds.count('mla')} MLA)",
                  f"- passes: {', '.join(self.pass_names) or '(none)'}",
-                 f"- ops after the last pass: {len(self.module.ops)}", "", "| pass | time (ms) | changed |",
-                 "|---|---|---|"]
+                 f"- ops after the last pass: {len(self.module.ops)}", "", "| pass | changed |",
+                 "|---|---|"]
         for rec in self.records:
-            lines.append(f"| {rec.name} | {rec.seconds * 1e3:.1f} | {'yes' if rec.changed else 'no'} |")
+            lines.append(f"| {rec.name} | {'yes' if rec.changed else 'no'} |")      # times: K3C_DEBUG=1
         lines += ["", "## Ops executed through torch", "", "| op | impl | count |", "|---|---|---|"]
         lines += [f"| {e['op']} | {e['impl']} | {e['count']} |" for e in self.extern_ops()]
         lines += ["", "## Generated kernels", ""]

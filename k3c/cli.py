@@ -214,8 +214,13 @@ def cmd_compile(args) -> int:
                         ep=args.ep, rank=args.rank, run_dtypes=args.run_dtypes)
     model.save(args.output, overwrite=args.force, keep=args.dump_ir, keep_asm=not args.no_asm)
     n_ops = len(model.module.ops)
+    kernels = model.compiled_kernels or []
+    hits = sum(ck.cache_hit for ck in kernels)
+    built = (f"; {len(kernels)} kernels: {len(kernels) - hits} compiled "
+             f"({sum(ck.compile_seconds for ck in kernels if not ck.cache_hit):.1f} s of compile time), {hits} "
+             f"from the cache" if kernels else "")
     print(f"k3c: compiled {model.spec.name} for {model.target.name}: {n_ops} ops after "
-          f"{len(model.records)} passes in {time.perf_counter() - t0:.2f} s -> {args.output}")
+          f"{len(model.records)} passes in {time.perf_counter() - t0:.2f} s{built} -> {args.output}")
     return 0
 
 

@@ -278,3 +278,17 @@ def test_cache_artifacts_are_replaced_even_when_damaged(model, tmp_path, monkeyp
     with pytest.raises(UserError):
         (tmp_path / "x").mkdir()
         k3c.load(tmp_path / "x")
+
+
+@pytest.mark.parametrize("cache", ["/dev/null", "notes.txt"])
+def test_an_unusable_cache_dir_gets_a_private_artifact(cache, tmp_path, monkeypatch, capfd):
+    """K3C_CACHE_DIR naming /dev/null or a file: the runtime's artifact goes into a temp dir of this process (one
+    warning), nothing is written where K3C_CACHE_DIR points."""
+    (tmp_path / "notes.txt").write_text("a user's file\n")
+    fresh = k3c.compile(TINY, target="cpu")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("K3C_CACHE_DIR", cache)
+    path = fresh.ensure_artifact(progress=False)
+    assert not path.startswith(str(tmp_path)) and k3c.load(path).cache_key == fresh.cache_key
+    assert "not usable" in capfd.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "a user's file\n"

@@ -81,13 +81,15 @@ class CompiledKernel:
     num_warps: int
     num_stages: int
     resources: KernelResources
-    compile_seconds: float                   # triton.compile wall time when it was compiled (also for cache hits)
-    compile_cpu_seconds: float = 0.0         # CPU time of that compile (worker + ptxas): comparable on busy hosts
+    # how this build got the kernel: kept in memory for the compile's own report, never written into an artifact
+    # (an artifact holds what was built, byte-identical whatever the cache held or how busy the host was)
+    compile_seconds: float = field(default=0.0, compare=False)      # triton.compile wall time (also for cache hits)
+    compile_cpu_seconds: float = field(default=0.0, compare=False)  # its CPU time (worker + ptxas): busy hosts
     ir_op: str = ""
     loc: str = ""
     metadata: dict = field(default_factory=dict)           # LAUNCH_METADATA_KEYS subset of triton's metadata
     divisible_by_16: tuple[str, ...] = ()    # pointer args compiled assuming 16-byte alignment (launcher checks)
-    cache_hit: bool = False
+    cache_hit: bool = field(default=False, compare=False)
     key: str = ""                            # cache key
     digest: str = ""                         # KernelSource.digest
     catalogue_key: str = ""                  # KernelSource.key: what the runtime looks its launches up by
@@ -111,12 +113,11 @@ class CompiledKernel:
     def to_dict(self) -> dict:
         return {
             "name": self.name, "target": self.target, "backend": self.backend, "arch": self.arch,
-            "files": dict(self.files), "signature": dict(self.signature), "constexprs": dict(self.constexprs),
+            "files": dict(sorted(self.files.items())), "signature": dict(self.signature), "constexprs": dict(self.constexprs),
             "grid": list(self.grid), "num_warps": self.num_warps, "num_stages": self.num_stages,
-            "resources": self.resources.to_dict(), "compile_seconds": self.compile_seconds,
-            "compile_cpu_seconds": self.compile_cpu_seconds, "ir_op": self.ir_op,
-            "loc": self.loc, "metadata": dict(self.metadata), "divisible_by_16": list(self.divisible_by_16),
-            "cache_hit": self.cache_hit, "key": self.key, "digest": self.digest,
+            "resources": self.resources.to_dict(), "ir_op": self.ir_op,
+            "loc": self.loc, "metadata": dict(sorted(self.metadata.items())), "divisible_by_16": list(self.divisible_by_16),
+            "key": self.key, "digest": self.digest,
             "catalogue_key": self.catalogue_key, "sha256": dict(self.sha256),
         }
 
@@ -265,7 +266,7 @@ def report_markdown(compiled: list[CompiledKernel], target: Target | str) -> str
     shared_name = "LDS" if amd else "shared"
     lines = [f"# k3c AOT report: {target.name} ({target.backend} {target.arch}, warp {target.warp_size})", ""]
     header = ["kernel", "IR op", "warps/stages", "regs" + (" (VGPR/SGPR/AGPR)" if amd else "/thread"),
-              f"{shared_name} bytes", "scratch / spills", "occupancy", "matrix instructions", "compile s"]
+              f"{shared_name} bytes", "scratch / spills", "occupancy", "matrix instructions"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     flagged = []
     for ck in compiled:
@@ -279,12 +280,8 @@ def report_markdown(compiled: list[CompiledKernel], target: Target | str) -> str
         op = ck.ir_op + (f" ({ck.loc})" if ck.loc else "") if ck.ir_op else "-"
         lines.append("| " + " | ".join([
             f"`{ck.name}`", op, f"{ck.num_warps}/{ck.num_stages}", r.regs_text(), str(r.shared_bytes), spill,
-            r.occupancy_text(), r.matrix_text(),
-            "cached" if ck.cache_hit else f"{ck.compile_seconds:.2f}"]) + " |")
-    hits = sum(ck.cache_hit for ck in compiled)
-    compile_s = sum(ck.compile_seconds for ck in compiled if not ck.cache_hit)
-    lines += ["", f"**{len(compiled)} kernels** for {target.name}: {len(compiled) - hits} compiled in "
-                  f"{compile_s:.1f} s of compile time, {hits} cache hits; {len(flagged)} with scratch/spills."]
+            r.occupancy_text(), r.matrix_text()]) + " |")
+    lines += ["", f"**{len(compiled)} kernels** for {target.name}; {len(flagged)} with scratch/spills."]
     if flagged:
         lines += ["", "Kernels using scratch (private/local memory: spills or local arrays): "
                   + ", ".join(f"`{ck.name}` ({ck.ir_op or '-'})" for ck in flagged)]

@@ -311,8 +311,9 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
          f"the first token; {passed})" if n_decoded else "  decode:          (none: one new token is the prefill's)"),
         _kernel_line(use_kernels, total, before_timed),
         f"  peak memory:     {_peak_memory_bytes(device) / 2**20:,.1f} MiB",
-        f"  MLA cache:       {eng.pool.num_pages} pages of {eng.pool.page_size} tokens "
-        f"({eng.pool.num_pages * eng.pool.page_bytes / 2**20:,.1f} MiB)",
+        (f"  MLA cache:       {eng.pool.num_pages} pages of {eng.pool.page_size} tokens "
+         f"({eng.pool.num_pages * eng.pool.page_bytes / 2**20:,.1f} MiB)" if "mla" in spec.layer_kinds
+         else "  MLA cache:       none (no MLA layers)"),
         f"  MLA modes:       {modes or '(no MLA layers)'} (timed pass)",
         *([_graph_line(eng, run["stats"]) + " (timed pass)"] if eng.cuda_graphs else []),
         f"  logits finite:   {finite}",
