@@ -7,6 +7,7 @@ import sys
 import time
 
 from .errors import ArgumentError, K3cError, UserError
+from .limits import MAX_BATCH, MAX_RANKS, MAX_SEED, MAX_STAGES, MAX_TOKENS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -16,13 +17,6 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-# Upper bounds of the numeric arguments, checked at parse time so that no command starts work (or memory) it
-# cannot finish: the planner's API checks the same ones (k3c/analysis/report.py LIMITS, layout.MAX_RANKS).
-MAX_TOKENS = 2 ** 31          # --context, --prompt-len, --new-tokens, --prefill-chunk
-MAX_BATCH = 2 ** 24           # --batch (sequences)
-MAX_RANKS = 2 ** 16           # --tp, --ep
-MAX_STAGES = 1024             # --pp, --vpp
-MAX_SEED = 2 ** 63 - 1        # --seed: [0, 2**63 - 1], what torch.Generator.manual_seed takes without wrapping
 
 
 def _integer(name: str, text: str) -> int:
@@ -187,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="benchmark records [{name, flops, bytes, seconds}] drawn on the roofline")
     from .quant.commands import add_parsers as add_quant_parsers
 
-    add_quant_parsers(sub, _positive)            # quantize, calibrate-router
+    add_quant_parsers(sub, _positive, _seed)            # quantize, calibrate-router
     return p
 
 

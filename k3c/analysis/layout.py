@@ -27,9 +27,9 @@ from fnmatch import fnmatchcase
 from ..errors import ArgumentError, K3cError
 from ..ir.core import DTYPE_BITS, Module, Op, TensorType
 from ..ir.ops import get_op_def
+from ..limits import MAX_RANKS
 from .formulas import ceil_div, mxfp4_bytes
 
-MAX_RANKS = 2 ** 16        # --tp, --ep: at most this many (k3c/cli.py checks the same bound at parse time)
 FLOAT_WEIGHT_DTYPES = ("bf16", "f16", "f32", "f64")
 DEFAULT_MXFP4_INCLUDE = ("layers.*.block_sparse_moe.experts.*",)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..codegen.targets import TARGETS, Target, get_target
 from ..errors import ArgumentError
 from ..ir.core import Module
+from ..limits import MAX_BATCH, MAX_STAGES, MAX_TOKENS
 from .cost import CostModel, PhaseResult, cost_rules, mla_crossover_new_tokens, mla_mode_costs, op_params
 from .formulas import (FORMULAS, GB, GiB, attnres_pp_cached_blocks, attnres_pp_naive_blocks, ceil_div, fmt_bytes,
                        fmt_seconds, fmt_si, moe_comm_compute_ratio)
@@ -22,10 +23,10 @@ SCHEMA = "k3c-plan/1"
 FIT_LENGTHS = (8192, 32768, 131072, 1048576)
 DEFAULT_PREFILL_CHUNK = 8192
 DEFAULT_HEADROOM = 0.10
-# Upper bounds of plan()'s sizes (k3c plan checks them at parse time too, k3c/cli.py): the plan's work is bounded
-# whatever they are (the prefill sums its chunks in O(kinks x log chunks), CostModel._chunk_sum), these keep the
-# numbers meaningful. TP and EP: layout.MAX_RANKS.
-LIMITS = {"--context": 2 ** 31, "--batch": 2 ** 24, "--prefill-chunk": 2 ** 31, "--pp": 1024, "--vpp": 1024}
+# Upper bounds of plan()'s sizes (k3c/limits.py): the plan's work is bounded whatever they are (the prefill sums
+# its chunks in O(kinks x log chunks), CostModel._chunk_sum), these keep the numbers meaningful.
+LIMITS = {"--context": MAX_TOKENS, "--batch": MAX_BATCH, "--prefill-chunk": MAX_TOKENS, "--pp": MAX_STAGES,
+          "--vpp": MAX_STAGES}
 
 
 @dataclass

@@ -24,16 +24,15 @@ MAX_ITERATIONS = 1000          # Quantile Balancing converges in a few steps; ea
 MAX_BIAS = 1e6                 # |starting bias| bound: router scores lie in [0, 1], a bias beyond this is garbage
 
 
-def add_parsers(sub, positive) -> None:
-    from ..cli import _seed
-
+def add_parsers(sub, positive, seed) -> None:
+    """`positive(name, bound)` and `seed` are the CLI's argument types (k3c/cli.py)."""
     q = sub.add_parser("quantize", help="write a packed MXFP4 checkpoint (the spec's quantization: section)")
     q.add_argument("spec", help="YAML spec (with a quantization: section), config.json or model directory")
     q.add_argument("weights", nargs="?", help="safetensors file or model directory (or --random)")
     q.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
     q.add_argument("--rule", choices=("floor", "rceil"), help="E8M0 scale rule (default: the spec's)")
     q.add_argument("--random", action="store_true", help="quantize a random checkpoint (k3c.init_weights)")
-    q.add_argument("--seed", type=_seed, default=0, help="seed of --random, in [0, 2**63 - 1] (default 0)")
+    q.add_argument("--seed", type=seed, default=0, help="seed of --random, in [0, 2**63 - 1] (default 0)")
     q.add_argument("--force", action="store_true", help="replace an existing output directory")
 
     c = sub.add_parser("calibrate-router", help="router biases by Quantile Balancing of recorded scores")

@@ -9,6 +9,7 @@ import sys
 import time
 
 from ..errors import ArgumentError
+from ..limits import MAX_SEED
 
 
 def _is_artifact(path: str) -> bool:
@@ -193,7 +194,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
         if (v is not None or name != "--prefill-chunk") and (isinstance(v, bool) or not isinstance(v, int)
                                                               or v < 1):
             raise ArgumentError(f"{name} must be an integer >= 1, got {v!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ArgumentError(f"--seed must be an integer in [0, 2**63 - 1], got {seed!r}")
     import re
 
