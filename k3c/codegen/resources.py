@@ -74,7 +74,9 @@ class KernelResources:
         return ", ".join(f"{name} x{count}" for name, count in sorted(self.matrix_ops.items()))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)          # mnemonics sorted: a fresh compile and a cache hit write the same bytes
+        data["matrix_ops"] = dict(sorted(self.matrix_ops.items()))
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelResources":
