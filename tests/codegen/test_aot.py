@@ -240,6 +240,21 @@ def test_manifest_round_trip(compiled, aot_env):
         assert set(ck.sha256) == set(ck.files.values()) and ck.catalogue_key
 
 
+def test_manifest_entries_do_not_depend_on_how_the_kernel_was_got():
+    """A fresh compile and a cache hit list files, metadata and matrix instructions in different orders and differ in
+    time and cache_hit: the manifest entry (what the artifact holds) must be the same bytes."""
+    res = R.KernelResources(backend="cuda", arch="sm_90", regs=32, matrix_ops={"wgmma.m64n64k16": 2, "wgmma.m64n16k16": 4})
+    flipped = dataclasses.replace(res, matrix_ops={"wgmma.m64n16k16": 4, "wgmma.m64n64k16": 2})
+    common = dict(name="k", target="h200", backend="cuda", arch="sm_90", signature={"x": "*bf16"}, constexprs={},
+                  grid=("1",), num_warps=4, num_stages=2)
+    fresh = CompiledKernel(files={"source": "kernels/k.py", "cubin": "k.cubin"}, resources=res,
+                           metadata={"shared": 0, "name": "k"}, compile_seconds=3.0, **common)
+    hit = CompiledKernel(files={"cubin": "k.cubin", "source": "kernels/k.py"}, resources=flipped,
+                         metadata={"name": "k", "shared": 0}, cache_hit=True, **common)
+    assert json.dumps(fresh.to_dict()) == json.dumps(hit.to_dict()) and fresh == hit
+    assert "compile_seconds" not in fresh.to_dict() and "cache_hit" not in fresh.to_dict()
+
+
 def test_bad_arguments(aot_env):
     with pytest.raises(ArgumentError):
         compile_kernels([add_kernel()], "cpu", str(aot_env / "cpu"))
