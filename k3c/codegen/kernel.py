@@ -39,23 +39,12 @@ class KernelSource:
         """The kernel's identity in the catalogue: its code without comments (the header names the IR op, the spec
         location and the target, which do not change what runs), signature, constexprs, grid and launch options.
         The AOT artifact and the runtime compute it alike, so equal code has one key wherever it was emitted."""
-        h = hashlib.sha256()
-        for part in (self.name, code_text(self.source), repr(sorted(self.signature.items())),
-                     repr(sorted(self.constexprs.items())), repr(self.grid), str(self.num_warps),
-                     str(self.num_stages)):
-            h.update(part.encode())
-            h.update(b"\0")
-        return h.hexdigest()[:20]
+        return self._fingerprint(code_text(self.source), 20)
 
     @property
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for part in (self.name, self.source, repr(sorted(self.signature.items())),
-                     repr(sorted(self.constexprs.items())), repr(self.grid), str(self.num_warps),
-                     str(self.num_stages)):
-            h.update(part.encode())
-            h.update(b"\0")
-        return h.hexdigest()[:16]
+        """The fingerprint of the exact source text, comments included (recorded in the manifest)."""
+        return self._fingerprint(self.source, 16)
 
     @functools.cached_property
     def compile_source(self) -> str:
@@ -67,13 +56,16 @@ class KernelSource:
     @functools.cached_property
     def compile_digest(self) -> str:
         """`digest` over `compile_source`: the AOT cache's view of the kernel."""
-        h = hashlib.sha256(b"compile_source\0")
-        for part in (self.name, self.compile_source, repr(sorted(self.signature.items())),
-                     repr(sorted(self.constexprs.items())), repr(self.grid), str(self.num_warps),
-                     str(self.num_stages)):
+        return self._fingerprint(self.compile_source, 16, salt=b"compile_source\0")
+
+    def _fingerprint(self, code: str, length: int, salt: bytes = b"") -> str:
+        """sha256 of (salt, name, code, signature, constexprs, grid, warps, stages), hex, cut to `length`."""
+        h = hashlib.sha256(salt)
+        for part in (self.name, code, repr(sorted(self.signature.items())), repr(sorted(self.constexprs.items())),
+                     repr(self.grid), str(self.num_warps), str(self.num_stages)):
             h.update(part.encode())
             h.update(b"\0")
-        return h.hexdigest()[:16]
+        return h.hexdigest()[:length]
 
 
 @functools.lru_cache(maxsize=8192)
