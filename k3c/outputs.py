@@ -272,14 +272,16 @@ def _mkdir_unique(parent: str, role: str, name: str) -> str:
 
 # ---- staging, publishing, sweeping ---------------------------------------------------------------------------------
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host may still run, so that what it is writing is not swept: only a pid that
+    does not exist is dead (EPERM: someone else's live process; pid <= 0 is never a writer's)."""
+    if pid <= 0 or pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError, ValueError):
+    except (OSError, OverflowError, ValueError):
         return True
     return True
 
@@ -295,7 +297,7 @@ def sweep(parent: str, name: str) -> list[str]:
     for entry in entries:
         m = pattern.match(entry)
         full = os.path.join(parent, entry)
-        if m and not _pid_alive(int(m.group(1))) and not os.path.islink(full) and os.path.isdir(full):
+        if m and not pid_alive(int(m.group(1))) and not os.path.islink(full) and os.path.isdir(full):
             shutil.rmtree(full, ignore_errors=True)
             swept.append(full)
     return swept

@@ -28,6 +28,7 @@ import uuid
 from importlib import metadata as _metadata
 
 from ..config import settings
+from ..outputs import pid_alive
 
 CACHE_FORMAT = "k3c-aot-cache/3"     # /2: entries record the sha256 of every file, checked on every hit;
                                      # /3: binaries compiled from kernels/<name>.py, comments blanked (no paths)
@@ -98,7 +99,7 @@ class CompileCache:
             path = os.path.join(self.tmp_root, name)
             m = _OWNED.match(name)
             try:
-                dead = m is not None and m.group(2) == host and not _pid_alive(int(m.group(1)))
+                dead = m is not None and m.group(2) == host and not pid_alive(int(m.group(1)))
                 if dead or now - os.lstat(path).st_mtime > _STALE_TMP_SECONDS:
                     if os.path.isdir(path) and not os.path.islink(path):
                         shutil.rmtree(path, ignore_errors=True)
@@ -214,18 +215,6 @@ def _host_tag() -> str:
 def _owned_name() -> str:
     """<pid>-<host>-<random>: a name the next compile can tell is orphaned (its process gone)."""
     return f"{os.getpid()}-{_host_tag()}-{uuid.uuid4().hex}"
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True                 # never ours: left to the age rule
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:                 # EPERM: someone else's live process
-        return True
-    return True
 
 
 def _sha256(path: str) -> str:
