@@ -1,7 +1,5 @@
 """k3c.load (and `k3c run ARTIFACT`) on artifacts that were tampered with: every refusal is one UserError line
 naming the file; nothing is followed through a symlink, nothing unlisted is read, the IR is verified."""
-import hashlib
-import json
 import os
 import shutil
 
@@ -10,6 +8,8 @@ import pytest
 import k3c
 from k3c.cli import main
 from k3c.errors import UserError
+
+from hostile.sandbox import reseal_manifest
 
 TINY = "examples/k3-tiny.yaml"
 RUN = ["--batch", "1", "--prompt-len", "4", "--new-tokens", "1", "--no-kernels"]
@@ -29,18 +29,7 @@ def art(saved, tmp_path):
     return path
 
 
-def reseal(art):
-    """The manifest's sha256 list recomputed (a forger who knows the format): the hash cannot catch it."""
-    manifest = json.loads((art / "manifest.json").read_text())
-    listed = {}
-    for dirpath, _dirs, files in os.walk(art):
-        for f in files:
-            rel = os.path.relpath(os.path.join(dirpath, f), art)
-            if rel != "manifest.json":
-                with open(os.path.join(dirpath, f), "rb") as fh:
-                    listed[rel] = hashlib.sha256(fh.read()).hexdigest()
-    manifest["sha256"] = dict(sorted(listed.items()))
-    (art / "manifest.json").write_text(json.dumps(manifest))
+reseal = reseal_manifest
 
 
 def refused(art, needle):

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .sandbox import TINY, Case
+from .sandbox import TINY, Case, reseal_manifest
 
 QUANT_SECTION = "\nquantization:\n  format: mxfp4\n  rule: floor\n"
 MOE_LAYERS = range(1, 8)          # k3-tiny: first_k_dense 1 of 8 layers
@@ -103,17 +103,7 @@ def _artifact(edit, *, reseal: bool = False):
         art = root / "art"
         edit(art)
         if reseal:
-            import hashlib
-
-            manifest = json.loads((art / "manifest.json").read_text())
-            listed = {}
-            for dirpath, _dirs, files in os.walk(art):
-                for f in files:
-                    rel = os.path.relpath(os.path.join(dirpath, f), art)
-                    if rel != "manifest.json":
-                        listed[rel] = hashlib.sha256(Path(dirpath, f).read_bytes()).hexdigest()
-            manifest["sha256"] = dict(sorted(listed.items()))
-            (art / "manifest.json").write_text(json.dumps(manifest, indent=2))
+            reseal_manifest(art)
     return setup
 
 

@@ -49,6 +49,23 @@ class Case:
     check: Callable[[Path], None] | None = field(default=None)   # extra assertions on the sandbox after the run
 
 
+def reseal_manifest(art: Path) -> None:
+    """The artifact's manifest sha256 list recomputed (a forger who knows the format): the hash cannot catch what
+    was changed, another check must."""
+    import json
+
+    manifest = json.loads((art / "manifest.json").read_text())
+    listed = {}
+    for dirpath, _dirs, files in os.walk(art):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), art)
+            if rel != "manifest.json":
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    listed[rel] = hashlib.sha256(fh.read()).hexdigest()
+    manifest["sha256"] = dict(sorted(listed.items()))
+    (art / "manifest.json").write_text(json.dumps(manifest))
+
+
 def snapshot(root: Path) -> dict[str, tuple]:
     """relative path -> (kind, size, sha256 or link target); nothing followed, nothing outside root read."""
     out: dict[str, tuple] = {}
