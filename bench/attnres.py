@@ -8,7 +8,7 @@ Per decoder layer (two sublayers), averaged over the 8 block groups:
   split  = sum_g phase1(N = g + 1, Q = 24) / 96 + the phase-2 ops of a group / 12
            (per group: 1 sublayer without a partial, 1 reading it, 22 with the fused update; all with the fused
            RMSNorm of the next sublayer)
-  plain  = 2 x the fused residual add + RMSNorm Triton kernel of k3c (k3c.runtime.kernels.basic.rmsnorm(residual=...):
+  plain  = 2 x the fused residual add + RMSNorm Triton kernel of k3c (k3c.runtime.kernel_impls.basic.rmsnorm(residual=...):
            reads x and r, writes r + x and its norm; one row per program, fp32 math)
   naive  = 2 x [p = p + y; h = attn_res_mix(b_0..b_{N-1}, p) (the eager reference); rmsnorm(h)], averaged over N
 Also shown: the same residual + RMSNorm in eager torch (for scale only; the target compares against the Triton one).
@@ -26,11 +26,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from k3c.runtime.kernels import basic as L  # noqa: E402
+from k3c.runtime.kernel_impls import basic as L  # noqa: E402
 from k3c.ir.attnres_ops import STATS  # noqa: E402
-from k3c.runtime.kernels import attnres as ka  # noqa: E402
-from k3c.runtime.reference.attnres import attn_res_mix  # noqa: E402
-from k3c.runtime.reference.norms import rms_norm  # noqa: E402
+from k3c.runtime.kernel_impls import attnres as ka  # noqa: E402
+from k3c.reference.attnres import attn_res_mix  # noqa: E402
+from k3c.reference.norms import rms_norm  # noqa: E402
 
 EPS = 1e-5
 

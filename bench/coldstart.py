@@ -7,7 +7,7 @@ kernel JIT-compiled from source: the path before the loader) beside it.
 Each mode (--modes, default artifact,jit) is one fresh process of
     k3c run ARTIFACT --device cuda --dtype bfloat16 --batch 8 --prompt-len 1024 --new-tokens 64 [--jit]
 timed from the outside (total wall time: interpreter start, imports, weights, load, warm-up, timed pass, exit), its
-report parsed (k3c/runtime/runner.py: weights, model, engine build and warm-up seconds, cold TTFT = model + engine
+report parsed (k3c/commands/run.py: weights, model, engine build and warm-up seconds, cold TTFT = model + engine
 build + the first prefill, weights excluded, steady TTFT and prefill / decode tokens/s of the timed pass, the kernel
 provenance line). Each process gets empty Triton and k3c caches (--keep-caches: the user's), so the JIT mode pays
 what a first run pays. An absent artifact is compiled first (`k3c compile --spec --target`, timed apart, not part

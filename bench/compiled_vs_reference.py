@@ -35,13 +35,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import k3c
-    from k3c.runtime.reference import ReferenceModel
+    from k3c.reference import ReferenceModel
 
     dtype = getattr(torch, args.dtype)
     spec = k3c.load_spec(args.spec)
     target = "h200" if args.device.startswith("cuda") else "cpu"
     model = k3c.compile(spec, target=target, passes=args.passes.split(",") if args.passes else None)
-    from k3c.runtime.weight_names import weight_table
+    from k3c.frontend.weight_names import weight_table
 
     table = weight_table(spec)
     base = k3c.init_weights(spec, seed=0)

@@ -48,7 +48,7 @@ def main(argv=None) -> dict:
     import k3c
     from bench.e2e import make_weights
     from k3c.runtime.cuda_graph import DecodeGraph
-    from k3c.runtime.reference.kda import KDAState
+    from k3c.reference.kda import KDAState
 
     t0 = time.perf_counter()
     dtype = getattr(torch, args.dtype)

@@ -24,7 +24,7 @@ def _run(spec, seed, ids, dtype, replay):
     """(logits fp32, [(name, input, output)] per sublayer) of the reference forward in `dtype` (the same draw of the
     weights for every dtype; the fp32-only ones stay fp32, as a session loads them)."""
     import k3c
-    from k3c.runtime.reference.model import ReferenceModel
+    from k3c.reference.model import ReferenceModel
 
     model = ReferenceModel(spec, k3c.init_weights(spec, seed=seed, dtype=dtype))
     rows = []

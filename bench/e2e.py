@@ -40,10 +40,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def grouped_experts(z, w1, w3, w2, p, idx, act):
-    """The reference's routed experts (k3c.runtime.reference.moe.routed_experts: same math, fp32 combine) as three
+    """The reference's routed experts (k3c.reference.moe.routed_experts: same math, fp32 combine) as three
     grouped GEMMs over the expert-sorted slots (torch._grouped_mm): no .tolist(), no host sync, so torch.compile
     keeps the MoE in its graph (--compile-moe grouped: the strongest torch peer we know how to write)."""
-    from k3c.runtime.reference.moe import glu_act
+    from k3c.reference.moe import glu_act
 
     n, k = idx.shape
     flat = idx.reshape(-1)
@@ -66,7 +66,7 @@ def make_weights(spec, module, device, dtype, seed: int = 0, reference: bool = T
     small ones from k3c's initialiser; MXFP4 experts as packed tensors (what the graph reads) plus, with
     `reference`, their exact dequantized values (what the reference reads; 59 GB at k3-wide)."""
     from k3c.quant.mx import mxfp4_dequantize
-    from k3c.runtime.weight_names import model_weights
+    from k3c.frontend.weight_names import model_weights
     from k3c.runtime.weight_prep import graph_params, quantize_stack
     from k3c.runtime.weights import _generator, _init_one
 
@@ -107,8 +107,8 @@ class WideReference:
     these weights is ~1e-15, and the fp32 reference's is ~1e-6 (bench/e2e.py reports the latter as a calibration)."""
 
     def __new__(cls, spec, w, act: torch.dtype, **options):
-        from k3c.runtime.reference import ReferenceModel
-        from k3c.runtime.reference.model import strip_prefix
+        from k3c.reference import ReferenceModel
+        from k3c.reference.model import strip_prefix
 
         class _Wide(ReferenceModel):
             def embed(self, input_ids):
@@ -141,9 +141,9 @@ def numerics_probe(spec, eng, w, device: str, dtype: torch.dtype, check_len: int
     from the same cache (the truth's prefill cache rounded as the run's dtype stores it). The gap of k3c to the
     truth, next to eager's own gap to the truth, says whether k3c's difference from eager is the bf16 floor of the
     model (same order) or a bug (k3c much worse)."""
-    from k3c.runtime.reference import ReferenceModel
-    from k3c.runtime.reference.kda import KDAState
-    from k3c.runtime.reference.model import ReferenceCache
+    from k3c.reference import ReferenceModel
+    from k3c.reference.kda import KDAState
+    from k3c.reference.model import ReferenceCache
 
     g = torch.Generator(device="cpu").manual_seed(7)
     ids = torch.randint(0, spec.vocab_size, (1, check_len + 1), generator=g).to(device)
@@ -318,9 +318,9 @@ def run(argv=None) -> dict:
 
     import k3c
     from k3c.runtime.engine import Engine
-    from k3c.runtime.reference import ReferenceModel
-    from k3c.runtime.reference.kda import KDAState
-    from k3c.runtime.reference.model import ReferenceCache
+    from k3c.reference import ReferenceModel
+    from k3c.reference.kda import KDAState
+    from k3c.reference.model import ReferenceCache
 
     torch.manual_seed(0)
     spec = k3c.load_spec(args.spec)
@@ -539,8 +539,8 @@ def run(argv=None) -> dict:
         # new expert set recompiles the frame until the recompile limit; run it eagerly inside the compiled graph
         # the KDA chunk loop (T / 64 iterations a layer) would be unrolled into one huge graph (the first full-size
         # run was still in inductor after 6 min): the loop runs eagerly and its body, one chunk, is compiled once
-        from k3c.runtime.reference import kda as ref_kda
-        from k3c.runtime.reference import moe as ref_moe
+        from k3c.reference import kda as ref_kda
+        from k3c.reference import moe as ref_moe
         import torch._dynamo as dynamo
 
         eager_experts = ref_moe.routed_experts

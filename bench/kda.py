@@ -32,7 +32,7 @@ os.environ.setdefault("FLA_CACHE_RESULTS", "0")
 
 import torch  # noqa: E402
 
-from k3c.runtime.kernels.kda import cu_seqlens, kda_chunk, kda_decode, kda_out, kda_prep, unpack  # noqa: E402
+from k3c.runtime.kernel_impls.kda import cu_seqlens, kda_chunk, kda_decode, kda_out, kda_prep, unpack  # noqa: E402
 
 T_START = time.time()
 DEV = os.environ.get("K3C_BENCH_DEVICE", "cuda")       # "cpu": a dry run of the script through the interpreter
@@ -169,7 +169,7 @@ def prefill(b, t, h, variants):
         from k3c.codegen.kernels.kda import inter_dtype
         from k3c.codegen.launch import target_for
         from k3c.runtime.launcher import launch
-        from k3c.runtime.kernels.kda import _emit_inter, _emit_intra, _plan
+        from k3c.runtime.kernel_impls.kda import _emit_inter, _emit_intra, _plan
         pl = _plan(D, q.dtype, q.device, **var)
         idt = torch.bfloat16 if inter_dtype(pl.dot) == "bf16" else torch.float32
         tgt = target_for(q.device)
@@ -397,7 +397,7 @@ def _warm(job):
                                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                     use_beta_sigmoid_in_kernel=True, lower_bound=LB)
             elif var == "out":
-                from k3c.runtime.kernels.kda import kda_out
+                from k3c.runtime.kernel_impls.kda import kda_out
                 kda_out(xq.float().view(b, h, D), xg, nw, 1e-5)
             elif kind == "decode_rec":
                 kda_decode(xq, xk, xv, xf, xb, None, conv_w, a_log, dt_bias, None, tails, state, fuse_out=False,

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from k3c.analysis.cost import mla_mode_costs  # noqa: E402
 from k3c.codegen.kernels.mla import DecodePlan, decode_candidates, decode_plan  # noqa: E402
 from k3c.codegen.launch import target_for  # noqa: E402
-from k3c.runtime.kernels import mla as rt  # noqa: E402
+from k3c.runtime.kernel_impls import mla as rt  # noqa: E402
 
 L_, R_, P_, V_ = 512, 64, 128, 128
 SGL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".peers", "sglang", "srt", "layers",

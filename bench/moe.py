@@ -42,8 +42,8 @@ from k3c.codegen.kernels.moe import moe_gemm_plan  # noqa: E402
 from k3c.runtime.launcher import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
 from k3c.codegen.launch import target_for  # noqa: E402
 from k3c.frontend.spec import ActivationSpec  # noqa: E402
-from k3c.runtime.kernels import moe as M  # noqa: E402
-from k3c.runtime.reference import glu_act  # noqa: E402
+from k3c.runtime.kernel_impls import moe as M  # noqa: E402
+from k3c.reference import glu_act  # noqa: E402
 
 ACT = ActivationSpec("situ", 4.0, 25.0)
 ROWS: list[dict] = []

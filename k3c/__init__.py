@@ -30,7 +30,7 @@ def load_weights(spec, path, dtype=None):
 
 def reference_forward(spec, weights, input_ids):
     """Eager PyTorch semantics of the whole model: input ids [B, T] -> logits [B, T, vocab]."""
-    from .runtime.reference import reference_forward as _ref
+    from .reference import reference_forward as _ref
 
     return _ref(spec, weights, input_ids)
 

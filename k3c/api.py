@@ -91,7 +91,7 @@ class CompiledModel:
     def kernels(self) -> list:
         """The kernel catalogue: every generated kernel (KernelSource) the runtime can launch for the final IR on the
         target, for each of `run_dtypes`, every shape class."""
-        from .codegen.emitters import catalogue_kernels
+        from .codegen.catalogue import catalogue_kernels
 
         return catalogue_kernels(self.module, self.target, self.run_dtypes)
 

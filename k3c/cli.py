@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the memory breakdown and roofline chart")
     pl.add_argument("--measured", metavar="BENCH.json", type=_path("--measured"),
                     help="benchmark records [{name, flops, bytes, seconds}] drawn on the roofline")
-    from .quant.commands import add_parsers as add_quant_parsers
+    from .commands.quantize import add_parsers as add_quant_parsers
 
     add_quant_parsers(sub, _positive, _seed)            # quantize, calibrate-router
     return p
@@ -272,7 +272,7 @@ def cmd_run(args) -> int:
         if text:                                 # rank 0 reports (under torchrun the others print nothing)
             print(text)
         return 0
-    from .runtime.runner import run_report
+    from .commands.run import run_report
 
     print(run_report(args.spec, weights=args.weights, batch=args.batch, prompt_len=args.prompt_len,
                      new_tokens=args.new_tokens, seed=args.seed, device=args.device, dtype=args.dtype,
@@ -311,13 +311,13 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def cmd_quantize(args) -> int:
-    from .quant.commands import cmd_quantize as run
+    from .commands.quantize import cmd_quantize as run
 
     return run(args)
 
 
 def cmd_calibrate_router(args) -> int:
-    from .quant.commands import cmd_calibrate_router as run
+    from .commands.quantize import cmd_calibrate_router as run
 
     return run(args)
 

@@ -195,7 +195,8 @@ def test_compile_rank_and_ranks(capsys, tmp_path, argv, needle):
 
 
 def test_run_refuses_what_does_not_fit_before_allocating(capsys, monkeypatch):
-    from k3c.runtime import runner, weights
+    from k3c.commands import run as runner
+    from k3c.runtime import weights
 
     monkeypatch.setattr(runner, "available_bytes", lambda device: 2 ** 30)
     drawn = []
@@ -206,7 +207,7 @@ def test_run_refuses_what_does_not_fit_before_allocating(capsys, monkeypatch):
 
 
 def test_run_estimate_grows_with_every_size():
-    from k3c.runtime.runner import estimate_run_bytes
+    from k3c.commands.run import estimate_run_bytes
 
     spec = k3c.load_spec(TINY)
     base = sum(estimate_run_bytes(spec, batch=1, prompt_len=16, new_tokens=8).values())
@@ -231,7 +232,7 @@ def test_run_odd_sizes_run(capsys):
     ({"seed": 2 ** 70}, "--seed"), ({"device": "cuda:x"}, "--device"), ({"device": None}, "--device"),
 ])
 def test_run_report_api_arguments(kw, needle):
-    from k3c.runtime.runner import run_report
+    from k3c.commands.run import run_report
 
     with pytest.raises(ArgumentError, match=needle):
         run_report(TINY, use_kernels=False, **kw)
@@ -316,7 +317,7 @@ def test_calibrate_output_path(capsys, tmp_path, out, needle):
 
 
 def test_calibrate_api_iterations():
-    from k3c.quant.commands import calibrate
+    from k3c.commands.quantize import calibrate
 
     spec = k3c.load_spec(TINY)
     for bad in (0, 10 ** 9, 2.0, True):

@@ -1,6 +1,6 @@
 """Parallel layout (TP, EP) and how each IR param is stored: category, precision, bytes, share per GPU.
 
-Everything is read from the lowered IR. A param's canonical name (k3c/runtime/weight_names.py; every pass keeps
+Everything is read from the lowered IR. A param's canonical name (k3c/frontend/weight_names.py; every pass keeps
 it) decides its category and how it is split; the layer's ops give the head and expert counts; its declared type
 decides its bytes. The module attrs `weight_format`, `mxfp4_include` and `mxfp4_exclude` (fnmatch patterns over
 canonical names) select the weights counted as MXFP4 (4.25 bits per weight) while they are still typed bf16; a
@@ -171,7 +171,7 @@ _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
 def name_kind_role(name: str, module: Module) -> tuple[str | None, str, int | None]:
-    """(op kind, role, layer) of a canonical weight name (k3c/runtime/weight_names.py). Names are what every
+    """(op kind, role, layer) of a canonical weight name (k3c/frontend/weight_names.py). Names are what every
     stage of the IR keeps, whatever kernel-level ops a pass splits a layer into."""
     if name == "embed_tokens.weight":
         return "embedding", name, None

@@ -1,6 +1,6 @@
 """Device -> Target at run time, the token-count buckets GEMM kernels are specialised for, and the dtype table of
 kernel signatures. Launching lives in k3c.runtime.launcher (the one launcher); the torch-facing family wrappers
-(rmsnorm, gemm, ...) in k3c.runtime.kernels.basic."""
+(rmsnorm, gemm, ...) in k3c.runtime.kernel_impls.basic."""
 from __future__ import annotations
 
 import functools

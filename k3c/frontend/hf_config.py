@@ -795,7 +795,7 @@ def _probe_spec(partial: dict) -> ModelSpec:
 
 def _module_names(spec: ModelSpec) -> list[tuple[str, list[str]]]:
     """(canonical weight name, module names in the K3 checkpoint it stands for) for every Linear weight."""
-    from ..runtime.weight_names import model_weights
+    from .weight_names import model_weights
 
     out = []
     for w in model_weights(spec):
@@ -907,7 +907,7 @@ def _check_regex(scope: _Scope, key: str, index: int, pattern: str) -> None:
 
 
 def _quantizable(spec: ModelSpec) -> list[str]:
-    from ..runtime.weight_names import model_weights
+    from .weight_names import model_weights
 
     return [w.name for w in model_weights(spec) if w.kind in ("linear", "experts")]
 

@@ -62,7 +62,7 @@ def select(names, include, exclude) -> list[str]:
 
 def quantized_names(spec: ModelSpec) -> list[str]:
     """Canonical weights the spec's `quantization:` section selects ([] without one)."""
-    from ..runtime.weight_names import model_weights
+    from .weight_names import model_weights
 
     q = spec.quantization
     if q is None:
@@ -72,7 +72,7 @@ def quantized_names(spec: ModelSpec) -> list[str]:
 
 def check_quantization(spec: ModelSpec, sec, precision_sec) -> ModelSpec:
     """Validate spec.quantization (read from Section `sec`); returns the spec with the precision plan filled in."""
-    from ..runtime.weight_names import model_weights
+    from .weight_names import model_weights
 
     q = spec.quantization
     infos = {w.name: w for w in model_weights(spec)}

@@ -6,8 +6,8 @@ Layer indices are 0-based everywhere inside k3c. A spec records where each field
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Mapping
 
 LayerKind = Literal["kda", "mla"]
 LAYER_KINDS = ("kda", "mla")
@@ -36,6 +36,11 @@ class KDASpec:
     def width(self) -> int:
         return self.num_heads * self.head_dim
 
+    @classmethod
+    def from_attrs(cls, a: Mapping[str, Any]) -> "KDASpec":
+        """The spec an IR op's attrs describe (to_ir writes them; kernel-level ops carry the subset they need)."""
+        return cls(**{k: a[k] for k in _FIELDS[cls] if k in a})
+
 
 @dataclass(frozen=True)
 class MLASpec:
@@ -57,6 +62,11 @@ class MLASpec:
         """Values per token in the latent cache: [c (L) | k_pe (R)]."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @classmethod
+    def from_attrs(cls, a: Mapping[str, Any]) -> "MLASpec":
+        """The spec an mla op's attrs describe."""
+        return cls(**{k: a[k] for k in _FIELDS[cls] if k in a})
+
 
 @dataclass(frozen=True)
 class AttnResSpec:
@@ -68,6 +78,13 @@ class ActivationSpec:
     kind: Literal["situ", "swiglu"] = "swiglu"
     situ_beta_gate: float = 4.0
     situ_beta_up: float = 25.0
+
+    @classmethod
+    def from_attrs(cls, a: Mapping[str, Any]) -> "ActivationSpec":
+        """The activation an op's attrs name (`activation`, and the SiTU betas for "situ")."""
+        if a["activation"] == "situ":
+            return cls("situ", a["situ_beta_gate"], a["situ_beta_up"])
+        return cls(a["activation"])
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,12 @@ class MoESpec:
         if self.shared_intermediate_size is not None:
             return self.shared_intermediate_size
         return self.num_shared_experts * self.expert_intermediate_size
+
+    @classmethod
+    def from_attrs(cls, a: Mapping[str, Any], expert_intermediate_size: int) -> "MoESpec":
+        """The spec a moe op's attrs describe; the expert width comes from its weights (the attrs do not hold it)."""
+        return cls(expert_intermediate_size=expert_intermediate_size,
+                   **{k: a[k] for k in _FIELDS[cls] if k in a and k != "expert_intermediate_size"})
 
 
 @dataclass(frozen=True)
@@ -172,3 +195,7 @@ class ModelSpec:
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
+
+
+# Field names of the specs that from_attrs reads from IR attrs.
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in (KDASpec, MLASpec, MoESpec)}

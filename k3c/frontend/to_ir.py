@@ -4,7 +4,7 @@ With AttnRes the decoder follows K3.md section 4 literally: an explicit list of 
 `add` ops for the partial sums, `attn_res_mix` ops over the completed blocks plus the partial, and a final mix for
 the output. Without it, the ordinary pre-norm residual stream. Every op's loc is the YAML field it comes from.
 
-Weights come from the canonical table (k3c/runtime/weight_names.py) in the order of the consuming op's roles, each
+Weights come from the canonical table (k3c/frontend/weight_names.py) in the order of the consuming op's roles, each
 `param` emitted right before its first use. One weight of the table is never read: layer 0's
 `self_attention_res.*` (with no completed block yet, h = the embedding), so it gets no param op.
 """
@@ -15,7 +15,7 @@ import re
 from ..ir.builder import Builder
 from ..ir.core import Module, TensorType
 from ..ir.ops import get_op_def
-from ..runtime.weight_names import weight_table
+from .weight_names import weight_table
 from .spec import ModelSpec
 
 PARAM_DTYPES = {"float": "bf16", "fp32": "f32"}

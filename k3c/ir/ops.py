@@ -2,7 +2,7 @@
 
 An `OpDef` says what an op means to the verifier and to passes:
   * `roles(attrs)` -> the input roles in order. Param roles of layer ops are canonical weight-name suffixes
-    (k3c/runtime/weight_names.py), so the verifier can check that `q_proj.weight` really feeds the q_proj slot.
+    (k3c/frontend/weight_names.py), so the verifier can check that `q_proj.weight` really feeds the q_proj slot.
   * `attrs`: name -> AttrSpec (type, required, choices). Every op may also carry COMMON_ATTRS.
   * `infer(attrs, ins)` -> result types from the input types (a dict role -> TensorType), raising TypeCheck
     on inconsistent inputs; None for ops whose type is declared (input, param).
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import IRError
-from .core import FLOAT_DTYPES, INT_DTYPES, TensorType
+from .core import FLOAT_DTYPES, INT_DTYPES, Op, TensorType
 
 
 class TypeCheck(Exception):
@@ -110,6 +110,20 @@ def get_op_def(name: str) -> OpDef | None:
 
 def registered_ops() -> dict[str, OpDef]:
     return dict(_REGISTRY)
+
+
+def bind(op: Op) -> dict[str, str]:
+    """Role name -> input value name of `op` (its OpDef's roles for its attrs, in input order): the one place an
+    op's inputs are matched to what they mean."""
+    return bind_inputs(op.op, op.attr_dict, op.inputs)
+
+
+def bind_inputs(op_name: str, attrs: Mapping[str, Any], inputs: Sequence[str]) -> dict[str, str]:
+    """bind() for inputs of an op not built yet (a pass about to rewrite it)."""
+    opdef = get_op_def(op_name)
+    if opdef is None:
+        raise IRError(f"unknown op '{op_name}'")
+    return {r.name: v for r, v in zip(opdef.roles(attrs), inputs)}
 
 
 # ---- helpers for inference rules -------------------------------------------------------------------------

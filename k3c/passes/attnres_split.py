@@ -37,7 +37,7 @@ def _elem_bytes(dtype: str) -> int:
 @register_pass("attnres-split", ensures=("no-dead-ops",))
 def attnres_split(module: Module, ctx: PassContext) -> Module:
     """Block AttnRes as per-block phase-1 ops + per-sublayer phase-2 ops (merge, update, next RMSNorm)."""
-    from ..runtime import kernels as _runtime_kernels  # noqa: F401  (registers the new ops' executor impls)
+    from ..runtime import kernel_impls as _runtime_kernels  # noqa: F401  (registers the new ops' executor impls)
 
     ops = module.ops
     mixes = [i for i, op in enumerate(ops) if op.op == "attn_res_mix"]

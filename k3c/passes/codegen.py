@@ -1,6 +1,6 @@
 """codegen: decide, for every compute op, how the runtime executes it (attr `impl`).
 
-- "kernel": a Triton emitter is registered for the op (k3c/codegen/emitters/); `k3c compile` emits and compiles
+- "kernel": a Triton emitter is registered for the op (k3c/codegen/catalogue/); `k3c compile` emits and compiles
   its kernels ahead of time and the runtime launches them.
 - "extern": dense work handed to torch / the vendor BLAS on purpose (lm_head GEMM with float weights; an MXFP4
   lm_head (the mxfp4 pass) is "kernel": the dense MXFP4 GEMM, elementwise adds left unfused,
@@ -23,7 +23,7 @@ NO_IMPL_OPS = frozenset({"input", "param"})
 
 
 def impl_for(op) -> str | None:
-    from ..codegen.emitters import EMITTERS
+    from ..codegen.catalogue import EMITTERS
 
     if op.op in NO_IMPL_OPS:
         return None

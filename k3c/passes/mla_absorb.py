@@ -27,7 +27,7 @@ def mla_absorb(module: Module, ctx: PassContext) -> Module:
     """MLA layers -> W_kvb split (weight transform) + the absorbed/expanded sublayer over the paged latent cache."""
     if not any(op.op == "mla" for op in module.ops):
         return module
-    from ..runtime.kernels import mla as _runtime  # noqa: F401  (registers the ops' runtime implementations)
+    from ..runtime.kernel_impls import mla as _runtime  # noqa: F401  (registers the ops' runtime implementations)
 
     b = Builder.like(module)
     for op in ctx.walk(module.ops):

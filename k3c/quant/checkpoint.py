@@ -1,6 +1,6 @@
 """Packed MXFP4 checkpoints (`k3c quantize`): the spec's `quantization:` selection packed once, offline.
 
-    DIR/model.safetensors    canonical names (k3c/runtime/weight_names.py): each selected stack P as
+    DIR/model.safetensors    canonical names (k3c/frontend/weight_names.py): each selected stack P as
                              `P.weight_packed` u8 [E, out, in/2] + `P.weight_scale` u8 [E, out, in/32] (a selected
                              linear `X.weight` as `X.weight_packed` [out, in/2] + `X.weight_scale` [out, in/32]),
                              the rest as loaded (bf16)
@@ -31,7 +31,7 @@ def quantize_weights(spec, weights: dict[str, torch.Tensor], rule: str | None = 
     (`P.weight_packed`, from a packed checkpoint) are kept as they are."""
     from ..frontend.quant_check import quantized_names
     from ..ir.ops import packed_name
-    from ..runtime.weight_names import weight_table
+    from ..frontend.weight_names import weight_table
     from ..runtime.weight_prep import quantize_stack
 
     if spec.quantization is None:

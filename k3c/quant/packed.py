@@ -1,6 +1,6 @@
 """Packed MXFP4 expert stacks as the eager reference reads them: `stack[e]` dequantizes one expert on demand.
 
-The reference MoE (k3c/runtime/reference/moe.py) indexes `w1[e]` only for experts that received tokens and reads
+The reference MoE (k3c/reference/moe.py) indexes `w1[e]` only for experts that received tokens and reads
 `w2.shape`, so a packed stack runs there without dequantizing all E experts at once (K3-wide: 8.4 GB per layer in
 bf16, against 2.2 GB packed).
 """

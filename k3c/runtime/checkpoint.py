@@ -30,7 +30,7 @@ from ..errors import WeightError
 from ..ir.ops import packed_name
 from ..paths import regular_file
 from ..frontend.spec import ModelSpec
-from .weight_names import WeightInfo, weight_table
+from ..frontend.weight_names import WeightInfo, weight_table
 
 __all__ = ["load_weights", "save_k3_checkpoint", "k3_checkpoint_names", "PICKLE_SUFFIXES"]
 

@@ -38,8 +38,8 @@ import torch
 
 from ..errors import ArgumentError
 from .executor import LayerCaches
-from .kernels.mla import DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table
-from .reference.kda import KDAState, kda_zero_state
+from .kernel_impls.mla import DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table
+from ..reference.kda import KDAState, kda_zero_state
 
 # ops whose decode path has a host sync or a data-dependent shape on every impl / on the torch impl
 _COLLECTIVES = ("all_reduce", "all_gather", "seq_scatter", "reduce_scatter", "seq_gather")

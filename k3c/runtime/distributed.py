@@ -191,10 +191,10 @@ def moe_layer_ep(x: torch.Tensor, w: dict, cfg, act, eps: float, ep_rank: int, e
     """(Latent)MoE with this rank's experts w["experts.*"][0:E/ep] = global [ep_rank E/ep, (ep_rank+1) E/ep).
     Routing runs over all E (router replicated), only local experts are computed, the fp32 routed combine is
     all-reduced over EP, then the (nonlinear) latent RMSNorm and up projection and the shared experts, as
-    k3c.runtime.reference.moe_layer does on one rank."""
-    from .reference import glu_act, linear, route
-    from .reference.moe import moe_output
-    from .reference.norms import acc, acc_dtype
+    k3c.reference.moe_layer does on one rank."""
+    from ..reference import glu_act, linear, route
+    from ..reference.moe import moe_output
+    from ..reference.norms import acc, acc_dtype
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -261,7 +261,7 @@ def init_sharded_weights(compiled, seed: int = 0, dtype: torch.dtype = torch.flo
     tensor beyond its slices (never the whole model). On a GPU every rank draws the same full tensors. Stacks the
     graph reads as MXFP4 are quantized as they are drawn (what load would do), so the float copies of all expert
     stacks never coexist (59 GB in bf16 at k3-wide, twice that in fp32)."""
-    from .weight_names import model_weights
+    from ..frontend.weight_names import model_weights
     from .weight_prep import quantize_stack
     from .weights import _generator, _init_one
 
@@ -483,7 +483,7 @@ def run_report_distributed(spec, *, tp: int, ep: int | None = None, weights: str
     if prompt_len + new_tokens > spec.max_context:
         raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
                             f"max_context {spec.max_context}")
-    from .runner import check_run_fits
+    from ..commands.run import check_run_fits
 
     check_run_fits(spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                    elem_bytes=4 if dtype == "float32" else 2)

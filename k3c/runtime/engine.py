@@ -29,8 +29,8 @@ from ..codegen.launch import target_for
 from ..errors import ArgumentError
 from .block_pool import BlockPool, CacheFullError
 from .executor import LayerCaches
-from .kernels.mla import LatentStore, PagedLatentCache
-from .reference.kda import KDAState
+from .kernel_impls.mla import LatentStore, PagedLatentCache
+from ..reference.kda import KDAState
 from .seq_state import SeqState, gather_kda
 from .session import _device, check_token_ids, describe_graph, load_graph
 

@@ -19,7 +19,7 @@ from ..errors import IRError
 from ..frontend.spec import ActivationSpec, KDASpec, MLASpec, MoESpec
 from ..ir import Module
 from ..ir.ops import get_op_def
-from . import reference as ref
+from .. import reference as ref
 
 
 class LayerCaches:
@@ -163,7 +163,7 @@ def _buffer_name(weight: str) -> str:
 def _implementation(op, use_kernels: bool) -> Callable:
     """impl="kernel" ops launch generated kernels (when `use_kernels`); everything else runs through torch."""
     if use_kernels and op.attr("impl", None) == "kernel":
-        from .kernels import KERNEL_IMPLS
+        from .kernel_impls import KERNEL_IMPLS
 
         fn = KERNEL_IMPLS.get(op.op)
         if fn is None:
@@ -185,7 +185,7 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
     """An fx GraphModule computing `module` with `weights` (canonical names) as buffers. With `use_kernels`,
     ops the codegen pass marked impl="kernel" launch their generated Triton kernels (the interpreter on a CPU).
     `wrap(op, fn) -> fn'` may replace each op's implementation (k3c.runtime.opcheck uses it)."""
-    from . import kernels  # noqa: F401  (registers every family's kernel and reference implementations)
+    from . import kernel_impls  # noqa: F401  (registers every family's kernel and reference implementations)
 
     root = torch.nn.Module()
     graph = fx.Graph()

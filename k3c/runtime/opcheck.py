@@ -35,7 +35,7 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def _phase1_parts(packed: torch.Tensor) -> list[torch.Tensor]:
     # packed phase-1 rows [lse bits, padding, o]: compare o and the lse, never the unused padding
     from ..ir.attnres_ops import STATS
-    from .kernels.attnres import lse_view
+    from .kernel_impls.attnres import lse_view
 
     return [packed[..., STATS:], lse_view(packed)]
 
@@ -55,7 +55,7 @@ def check_ops(compiled, weights: dict[str, torch.Tensor], input_ids: torch.Tenso
     """Run prefill on input_ids[:, :-decode_steps] and the remaining tokens as decodes, comparing every kernel op
     with its torch implementation fed the same inputs. On a GPU the kernels come from the model's artifact
     (session.bind_kernels with `kernel_policy`)."""
-    from . import kernels  # noqa: F401  (registers the reference implementations of kernel-level ops)
+    from . import kernel_impls  # noqa: F401  (registers the reference implementations of kernel-level ops)
 
     if device == "cpu":
         from ..codegen.triton_mode import prepare_interpreter

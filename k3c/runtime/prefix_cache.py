@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ArgumentError
 from .block_pool import CacheFullError
-from .reference.kda import KDAState
+from ..reference.kda import KDAState
 from .seq_state import SeqState, clone_row, state_bytes
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..frontend.spec import KDASpec
-from .reference.kda import KDAState, kda_zero_state
+from ..reference.kda import KDAState, kda_zero_state
 
 RowRef = tuple[KDAState, int]
 

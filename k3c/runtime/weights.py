@@ -13,7 +13,7 @@ import zlib
 import torch
 
 from ..frontend.spec import ModelSpec
-from .weight_names import WeightInfo, model_weights
+from ..frontend.weight_names import WeightInfo, model_weights
 
 
 def _generator(seed: int, name: str, device: str | torch.device = "cpu") -> torch.Generator:

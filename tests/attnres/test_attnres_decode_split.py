@@ -7,8 +7,8 @@ import torch
 from k3c.codegen.kernels.attnres import SPLIT_MAX_M, emit_attnres_phase1_split, phase1_split_plan
 from k3c.codegen.targets import get_target
 from k3c.ir.attnres_ops import STATS
-from k3c.runtime.kernels import attnres as ka
-from k3c.runtime.reference.attnres import attn_res_partial, attn_res_query
+from k3c.runtime.kernel_impls import attnres as ka
+from k3c.reference.attnres import attn_res_partial, attn_res_query
 
 from .test_attnres_ops import EPS, NORM_EPS, make, naive, rel
 

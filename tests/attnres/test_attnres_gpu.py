@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from k3c.runtime.kernels import attnres as ka
-from k3c.runtime.reference.attnres import attn_res_mix
-from k3c.runtime.reference.norms import rms_norm
+from k3c.runtime.kernel_impls import attnres as ka
+from k3c.reference.attnres import attn_res_mix
+from k3c.reference.norms import rms_norm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from k3c.ir.attnres_ops import STATS
-from k3c.runtime.kernels import attnres as ka
-from k3c.runtime.reference.attnres import attn_res_mix, attn_res_query
-from k3c.runtime.reference.norms import rms_norm
+from k3c.runtime.kernel_impls import attnres as ka
+from k3c.reference.attnres import attn_res_mix, attn_res_query
+from k3c.reference.norms import rms_norm
 
 EPS, NORM_EPS = 1e-5, 1e-6
 
@@ -71,7 +71,7 @@ def test_split_equals_naive(n, q, lead, d, dtype, tol, impl):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_phase1_kernel_matches_two_phase_oracle(dtype):
     """o and lse of the kernel against the reference's attn_res_partial (lse = m + log l)."""
-    from k3c.runtime.reference.attnres import attn_res_partial
+    from k3c.reference.attnres import attn_res_partial
 
     blocks, proj, norm, *_ = make(4, 6, (2, 9), 56, dtype, seed=7)
     queries = ka.fold_queries(list(zip(proj, norm)))

@@ -9,7 +9,7 @@ from k3c.ir import parse_module, print_module, verify
 from k3c.passes import run_pipeline
 from k3c.runtime import executor
 from k3c.runtime.executor import LayerCaches, build_graph_module
-from k3c.runtime.kernels import KERNEL_IMPLS
+from k3c.runtime.kernel_impls import KERNEL_IMPLS
 
 TINY = "examples/k3-tiny.yaml"
 SPLIT_OPS = ("attn_res_phase1", "attn_res_phase2", "attn_res_fold_queries", "attn_res_take")
@@ -118,8 +118,8 @@ def test_model_bf16_each_mix_equals_naive(tiny, kernels):
     """bf16 whole-model logits are chaotic on random weights (a 1-ulp perturbation of the mixes moves k3-tiny's
     logits by ~10%), so in bf16 every phase-2 result inside the running model is checked against the naive
     mix + RMSNorm of the same inputs instead."""
-    from k3c.runtime.reference.attnres import attn_res_mix
-    from k3c.runtime.reference.norms import rms_norm
+    from k3c.reference.attnres import attn_res_mix
+    from k3c.reference.norms import rms_norm
 
     spec, _, after, _ = tiny
     w = {k: v.bfloat16() for k, v in k3c.init_weights(spec, seed=4).items()}

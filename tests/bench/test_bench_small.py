@@ -147,7 +147,7 @@ def test_agentic_small(tmp_path):
 def test_grouped_experts_equal_the_reference_loop():
     """bench/e2e.py's grouped-GEMM MoE (the compiled peer's --compile-moe grouped) equals the reference's expert loop,
     with empty experts and one expert taking most slots."""
-    from k3c.runtime.reference.moe import routed_experts
+    from k3c.reference.moe import routed_experts
     from k3c.frontend.spec import ActivationSpec
 
     g = torch.Generator().manual_seed(0)

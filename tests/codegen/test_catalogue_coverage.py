@@ -69,7 +69,7 @@ def test_every_launch_is_in_the_catalogue(name, target):
 def test_exact_pair_decode_is_in_the_catalogue(target, monkeypatch):
     """The other answer of the data-dependent scale check (a scale above PAIRS1_MAX_SCALE): the exact two-multiply
     pair decode, planned as such (its narrower tiles), is in the artifact too."""
-    from k3c.runtime.kernels import moe
+    from k3c.runtime.kernel_impls import moe
 
     monkeypatch.setattr(moe, "META_SCALES_FIT", False)
     for name in ("k3-wide", "kimi-k3"):

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from k3c import __version__
 from k3c.codegen import launch as CL
 from k3c.runtime import launcher as RL
-from k3c.runtime.kernels import basic as L
+from k3c.runtime.kernel_impls import basic as L
 from k3c.codegen.kernels import (emit_embedding, emit_gemm, emit_gemm_glu, emit_glu, emit_rmsnorm, emit_softmax,
                                  gemm_plan, row_plan)
 from k3c.codegen.targets import TARGETS, get_target
 from k3c.codegen.writer import CodegenError, SourceWriter, comment_text, ident, num
 from k3c.frontend.spec import ActivationSpec
-from k3c.runtime.reference import glu_act, linear, rms_norm
+from k3c.reference import glu_act, linear, rms_norm
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = get_target("cpu")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from k3c.errors import WeightError
 from k3c.frontend import load_spec
 from k3c.runtime.checkpoint import k3_checkpoint_names, load_weights, save_k3_checkpoint
-from k3c.runtime.weight_names import weight_table
+from k3c.frontend.weight_names import weight_table
 from k3c.runtime.weights import init_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def rewrite(src_dir, dst_dir, fn) -> None:
 
 
 def test_round_trip_is_exact(tiny, saved):
-    from k3c.runtime.reference import reference_forward
+    from k3c.reference import reference_forward
 
     spec, w = tiny
     cfg = json.load(open(f"{saved}/config.json"))

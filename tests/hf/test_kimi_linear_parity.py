@@ -36,7 +36,7 @@ _RESTORED = sys.modules.get("fla", _ABSENT) is _saved_fla and all(sys.modules[n]
 from k3c.frontend import load_spec  # noqa: E402
 from k3c.runtime.checkpoint import load_weights  # noqa: E402
 
-reference = pytest.importorskip("k3c.runtime.reference")
+reference = pytest.importorskip("k3c.reference")
 
 BASE = dict(vocab_size=96, hidden_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
             initializer_range=0.02, hidden_act="silu", num_expert_group=1, topk_group=1)

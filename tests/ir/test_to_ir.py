@@ -6,7 +6,7 @@ import pytest
 from k3c.frontend.spec import AttnResSpec, MLPSpec
 from k3c.frontend.to_ir import spec_to_module
 from k3c.ir import TensorType, verify
-from k3c.runtime.weight_names import weight_table
+from k3c.frontend.weight_names import weight_table
 
 from .helpers import EXAMPLES, example_module, example_spec
 

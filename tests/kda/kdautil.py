@@ -6,7 +6,7 @@ import math
 import torch
 
 from k3c.frontend.spec import KDASpec
-from k3c.runtime.reference import kda_gate, l2_norm
+from k3c.reference import kda_gate, l2_norm
 
 
 def gen(seed):

@@ -10,8 +10,8 @@ from k3c.codegen.kernels.kda import emit_kda_chunk, emit_kda_inter, emit_kda_int
 from k3c.codegen.targets import get_target
 from k3c.codegen.writer import CodegenError
 from k3c.frontend.spec import KDASpec
-from k3c.runtime.kernels.kda import cu_seqlens, kda_chunk, kda_decode, kda_out, kda_prep, unpack
-from k3c.runtime.reference import kda_chunked, kda_gate, kda_recurrent, l2_norm, rms_norm, short_conv
+from k3c.runtime.kernel_impls.kda import cu_seqlens, kda_chunk, kda_decode, kda_out, kda_prep, unpack
+from k3c.reference import kda_chunked, kda_gate, kda_recurrent, l2_norm, rms_norm, short_conv
 from kdautil import rel_err, rnd, scan_inputs
 from refutil import fla_naive
 

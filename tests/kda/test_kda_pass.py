@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import k3c
-from k3c.codegen.emitters import EMITTERS
+from k3c.codegen.catalogue import EMITTERS
 from k3c.codegen.targets import get_target
 from k3c.frontend.to_ir import spec_to_module
 from k3c.ir import parse_module, print_module, verify
 from k3c.passes import PIPELINES, run_pipeline
 from k3c.runtime import executor
 from k3c.runtime.executor import LayerCaches, build_graph_module
-from k3c.runtime.kernels import KERNEL_IMPLS
+from k3c.runtime.kernel_impls import KERNEL_IMPLS
 from kdautil import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]

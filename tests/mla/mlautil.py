@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from k3c.frontend.spec import MLASpec
-from k3c.runtime.kernels import mla as rt
+from k3c.runtime.kernel_impls import mla as rt
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

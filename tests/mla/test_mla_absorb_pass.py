@@ -7,7 +7,7 @@ import torch
 
 from k3c import load_spec
 from k3c.analysis.cost import mla_crossover_new_tokens, mla_mode_costs
-from k3c.codegen.emitters import EMITTERS
+from k3c.codegen.catalogue import EMITTERS
 from k3c.codegen.targets import get_target
 from k3c.errors import IRError
 from k3c.frontend.to_ir import spec_to_module
@@ -16,9 +16,9 @@ from k3c.ir.builder import Builder
 from k3c.ir.core import TensorType
 from k3c.ir.verifier import verify
 from k3c.passes.pipeline import PIPELINES, run_pipeline
-from k3c.runtime import reference as ref
+from k3c import reference as ref
 from k3c.runtime.executor import LayerCaches
-from k3c.runtime.kernels import mla as rt
+from k3c.runtime.kernel_impls import mla as rt
 
 from mlautil import layer_setup, rel
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from k3c.runtime.executor import LayerCaches
-from k3c.runtime import reference as ref
-from k3c.runtime.kernels import mla as rt
+from k3c import reference as ref
+from k3c.runtime.kernel_impls import mla as rt
 from mlautil import TOL, layer_setup, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,4 +1,4 @@
-"""MLA kernels (k3c.codegen.kernels.mla through k3c.runtime.kernels.mla) against the eager reference, in Triton's
+"""MLA kernels (k3c.codegen.kernels.mla through k3c.runtime.kernel_impls.mla) against the eager reference, in Triton's
 interpreter: paged latent write with fused RMSNorm, MQA split-KV decode (mixed lengths, page boundaries, query length
 > 1 with causal masking, forced splits), the chunked MHA prefill step, and the whole absorbed sublayer in both modes
 == the reference mla_layer over prefill, append and decode. Metric ||out - ref|| / ||ref||: fp32 <= 1e-5,
@@ -10,9 +10,9 @@ import torch
 
 from k3c.codegen.targets import get_target
 from k3c.frontend.spec import MLASpec
-from k3c.runtime import reference as ref
+from k3c import reference as ref
 from k3c.runtime.executor import LayerCaches
-from k3c.runtime.kernels import mla as rt
+from k3c.runtime.kernel_impls import mla as rt
 
 from mlautil import TOL, layer_setup, rel
 

@@ -1,5 +1,5 @@
 """The split-K latent write (k3c.codegen.kernels.mla.emit_mla_latent_partial + emit_mla_latent_reduce, launched by
-k3c.runtime.kernels.mla.write_latent for B*T <= LATENT_SPLIT_MAX_ROWS): against the eager reference in Triton's
+k3c.runtime.kernel_impls.mla.write_latent for B*T <= LATENT_SPLIT_MAX_ROWS): against the eager reference in Triton's
 interpreter (several column tiles with a partial last one, K splits with a masked last step, more than one row tile,
 page boundaries crossed), bit-for-bit repeatable, the plan it picks for k3-wide on an H200, and (slow) both kernels
 compiled for sm_90 and gfx950 without spills."""
@@ -12,8 +12,8 @@ from k3c.codegen.kernels.mla import (LATENT_SPLIT_MAX_ROWS, emit_mla_latent_part
                                      latent_split_plan)
 from k3c.codegen.targets import get_target
 from k3c.frontend.spec import MLASpec
-from k3c.runtime import reference as ref
-from k3c.runtime.kernels import mla as rt
+from k3c import reference as ref
+from k3c.runtime.kernel_impls import mla as rt
 
 from mlautil import TOL, rel
 

@@ -15,8 +15,8 @@ import torch
 
 from k3c.codegen.kernels.mla import paged_offset
 from k3c.frontend.spec import MLASpec
-from k3c.runtime import reference as ref
-from k3c.runtime.kernels import mla as rt
+from k3c import reference as ref
+from k3c.runtime.kernel_impls import mla as rt
 
 PS, L, R = 16, 32, 8
 W = L + R

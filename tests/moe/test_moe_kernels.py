@@ -12,8 +12,8 @@ from k3c.codegen.kernels.moe import moe_gemm_plan
 from k3c.codegen.targets import get_target
 from k3c.frontend.spec import ActivationSpec
 from k3c.quant import mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_quantize
-from k3c.runtime import reference as ref
-from k3c.runtime.kernels import moe as M
+from k3c import reference as ref
+from k3c.runtime.kernel_impls import moe as M
 
 SITU = ActivationSpec("situ", 4.0, 25.0)
 SWIGLU = ActivationSpec("swiglu")

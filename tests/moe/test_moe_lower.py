@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import k3c
-from k3c.codegen.emitters import EMITTERS
+from k3c.codegen.catalogue import EMITTERS
 from k3c.frontend.to_ir import spec_to_module
 from k3c.ir import parse_module, print_module, verify
 from k3c.ir.builder import Builder
@@ -18,7 +18,7 @@ from k3c.ir.layer_ops import moe_roles
 from k3c.passes import PIPELINES, run_pipeline
 from k3c.quant import mxfp4_dequantize, mxfp4_quantize
 from k3c.runtime.executor import LayerCaches, build_graph_module
-from k3c.runtime.kernels import KERNEL_IMPLS
+from k3c.runtime.kernel_impls import KERNEL_IMPLS
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE_OPS = ("moe_linear", "moe_route", "moe_gate_up", "moe_down", "moe_combine")

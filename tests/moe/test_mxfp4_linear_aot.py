@@ -11,8 +11,8 @@ import pytest
 
 import k3c
 from k3c.codegen.aot import compile_kernels
-from k3c.codegen.emitters import emit_kernels
-from k3c.codegen.emitters.mxfp4 import dense_kernels, dense_mx
+from k3c.codegen.catalogue import emit_kernels
+from k3c.codegen.catalogue.mxfp4 import dense_kernels, dense_mx
 from k3c.codegen.targets import get_target
 from k3c.frontend import parse_spec_text
 
@@ -33,7 +33,7 @@ def compiled(aot_dir, target, shape, act, tag):
 
 
 def test_dequant_plan_only_where_it_fits():
-    from k3c.codegen.emitters.mxfp4 import dense_plan, dequant_fits
+    from k3c.codegen.catalogue.mxfp4 import dense_plan, dequant_fits
 
     t = get_target("h200")
     assert not dequant_fits(*HEAD) and dequant_fits(*LATENT_UP) and dequant_fits(33792, 7168)    # K3 dense MLP

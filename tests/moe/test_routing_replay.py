@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from k3c.frontend.spec import MoESpec
-from k3c.runtime import reference as ref
-from k3c.runtime.kernels import moe as M
+from k3c import reference as ref
+from k3c.runtime.kernel_impls import moe as M
 from k3c.runtime.routing_replay import RoutingReplay, load_routes, routed_weights
 
 

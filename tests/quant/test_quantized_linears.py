@@ -65,7 +65,7 @@ def _packed(n, k, seed):
 @pytest.mark.parametrize("m", [1, 7, 40, 300])      # decode, MMA tiles, the dequant plan (bucket 512)
 def test_kernels_equal_reference_on_dequantized_weights(interp, dtype, tol, m):
     from k3c.runtime.executor import IMPLS
-    from k3c.runtime.kernels import KERNEL_IMPLS
+    from k3c.runtime.kernel_impls import KERNEL_IMPLS
 
     g = torch.Generator().manual_seed(m)
     d, f, v = 64, 96, 160
@@ -98,8 +98,8 @@ def test_native_mode_matches_reference_with_quantized_activations(interp, monkey
     """On targets with MX matrix units (mi355x, b200: forced here) the kernel runs tl.dot_scaled on activations
     quantized per 32; the torch implementation quantizes them the same way (k3c.quant) before the float GEMM."""
     from k3c.runtime.executor import IMPLS
-    from k3c.runtime.kernels import KERNEL_IMPLS
-    from k3c.runtime.kernels import mxfp4_linear as L
+    from k3c.runtime.kernel_impls import KERNEL_IMPLS
+    from k3c.runtime.kernel_impls import mxfp4_linear as L
 
     monkeypatch.setattr(L, "dense_mx", lambda target, act: mode)
     g = torch.Generator().manual_seed(7)
@@ -118,9 +118,9 @@ def test_native_mode_matches_reference_with_quantized_activations(interp, monkey
 def test_float_weights_keep_their_paths(interp):
     """Unquantized ops run what they ran before (the wrappers hand them on)."""
     from k3c.runtime.executor import IMPLS
-    from k3c.runtime.kernels import KERNEL_IMPLS
-    from k3c.runtime.kernels import basic
-    from k3c.runtime.kernels import moe as kmoe
+    from k3c.runtime.kernel_impls import KERNEL_IMPLS
+    from k3c.runtime.kernel_impls import basic
+    from k3c.runtime.kernel_impls import moe as kmoe
 
     x = torch.randn(3, 64)
     w = {"lm_head.weight": torch.randn(100, 64)}

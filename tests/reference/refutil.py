@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3c.runtime.reference import ReferenceModel
+from k3c.reference import ReferenceModel
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

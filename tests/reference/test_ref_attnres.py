@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from k3c.frontend.spec import AttnResSpec
-from k3c.runtime.reference import (ReferenceModel, attn_res_merge, attn_res_mix, attn_res_partial,
+from k3c.reference import (ReferenceModel, attn_res_merge, attn_res_mix, attn_res_partial,
                                    attn_res_query)
 from k3c.runtime.weights import init_weights
 from refutil import rand_ids, randn, record_sublayers, rel_err

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from k3c.runtime.reference import kda_layer, mla_layer, moe_layer, strip_prefix
+from k3c.reference import kda_layer, mla_layer, moe_layer, strip_prefix
 from k3c.runtime.weights import init_weights
 from refutil import randn, rel_err
 

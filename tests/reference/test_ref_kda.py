@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from k3c.frontend.spec import KDASpec
-from k3c.runtime.reference import (kda_chunked, kda_gate, kda_layer, kda_recurrent, l2_norm, short_conv,
+from k3c.reference import (kda_chunked, kda_gate, kda_layer, kda_recurrent, l2_norm, short_conv,
                                    strip_prefix)
 from k3c.runtime.weights import init_weights
 from refutil import fla_naive, randn, rel_err

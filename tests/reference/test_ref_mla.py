@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3c.runtime.reference import ReferenceModel, mla_latent, mla_layer, rms_norm, strip_prefix
+from k3c.reference import ReferenceModel, mla_latent, mla_layer, rms_norm, strip_prefix
 from k3c.runtime.weights import init_weights
 from refutil import rand_ids, randn, rel_err
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3c.runtime.reference import KDAState, ReferenceModel, reference_forward
-from k3c.runtime.weight_names import model_weights
+from k3c.reference import KDAState, ReferenceModel, reference_forward
+from k3c.frontend.weight_names import model_weights
 from k3c.runtime.weights import init_weights
 from refutil import rand_ids, record_sublayers, rel_err
 
@@ -140,7 +140,7 @@ def test_init_weights_contract(tiny_spec, plain_spec):
 @pytest.mark.parametrize("name", ["tiny", "plain"])
 def test_init_decays_span_weak_to_strong(request, name):
     # per-token decays exp(g) on real layer inputs: some channels forget fast, some keep nearly everything
-    from k3c.runtime.reference import kda_gate, linear, rms_norm, strip_prefix
+    from k3c.reference import kda_gate, linear, rms_norm, strip_prefix
     spec = spec_of(request, name)
     w = init_weights(spec, seed=0)
     lw = strip_prefix(w, "layers.0.self_attn.")

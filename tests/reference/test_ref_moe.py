@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from k3c.frontend.spec import ActivationSpec
-from k3c.runtime.reference import glu_act, mlp, moe_layer, route, strip_prefix
+from k3c.reference import glu_act, mlp, moe_layer, route, strip_prefix
 from k3c.runtime.weights import init_weights
 from refutil import randn, rel_err
 

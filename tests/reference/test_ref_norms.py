@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from k3c.runtime.reference import l2_norm, rms_norm
+from k3c.reference import l2_norm, rms_norm
 from refutil import randn, rel_err
 
 

@@ -13,7 +13,7 @@ import torch
 import k3c
 from k3c.runtime import launcher
 from k3c.runtime.opcheck import check_ops, rel_error, summarize
-from k3c.runtime.weight_names import weight_table
+from k3c.frontend.weight_names import weight_table
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -57,7 +57,7 @@ def test_replay_equals_eager_path_bf16_small_wide():
     B = 4
     dg = DecodeGraph(model, sess.graph, batch=B, capacity=2048, device="cuda", strict=True)   # 32-page grid
     g = torch.Generator(device="cuda").manual_seed(0)
-    from k3c.runtime.reference.kda import KDAState
+    from k3c.reference.kda import KDAState
     kda = {i: KDAState(0.05 * torch.randn_like(st.state), tuple(torch.randn_like(t) for t in st.conv))
            for i, st in dg.kda.items()}
     lat = {i: torch.randn(B, 200, p.shape[-1], generator=g, device="cuda").to(torch.bfloat16)

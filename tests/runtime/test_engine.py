@@ -164,7 +164,7 @@ def test_bad_arguments(tiny):
 
 def test_adopt_a_given_cache(tiny, one_thread):
     """A sequence built from a reference cache (a migrated context) continues exactly like the reference."""
-    from k3c.runtime.reference import ReferenceModel
+    from k3c.reference import ReferenceModel
 
     spec, model, w = tiny
     p, nxt = prompts(spec, (19, 4), seed=11)

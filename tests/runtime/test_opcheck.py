@@ -6,7 +6,7 @@ import torch
 
 import k3c
 from k3c.runtime.opcheck import check_ops, summarize
-from k3c.runtime.weight_names import weight_table
+from k3c.frontend.weight_names import weight_table
 
 
 @pytest.fixture(scope="module")

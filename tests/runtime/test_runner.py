@@ -62,7 +62,7 @@ def test_run_report_warmup_excluded_from_rates(monkeypatch, one_thread):
     """With --warmup, TTFT and tokens/s come from the second (timed) pass only. A fake clock: each step of the
     first pass costs 100 s, a prefill step of the second 2 s and a decode step 0.5 s."""
     from k3c.runtime import engine as engine_mod
-    from k3c.runtime import runner
+    from k3c.commands import run as runner
 
     clock = {"now": 0.0, "steps": 0}
     batch, prompt, new = 2, 5, 4                       # a pass: 1 prefill step + 3 decode steps
@@ -91,7 +91,7 @@ def test_kernel_provenance_line(monkeypatch):
     """The kernels line from k3c.runtime.launcher's stats(): the whole run's counts, and what the timed pass added."""
     from dataclasses import dataclass
 
-    from k3c.runtime import runner
+    from k3c.commands import run as runner
 
     @dataclass
     class LaunchStats:
@@ -148,7 +148,7 @@ def test_kernel_policy_reaches_the_engine(monkeypatch, one_thread):
         init(self, *a, kernel_policy=kernel_policy, **kw)
 
     monkeypatch.setattr(engine_mod.Engine, "__init__", spy)
-    from k3c.runtime import runner
+    from k3c.commands import run as runner
 
     for flag, policy in (("--strict", "strict"), ("--allow-jit", "allow-jit"), ("--jit", "jit"),
                          (None, "artifact")):

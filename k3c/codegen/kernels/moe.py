@@ -1076,7 +1076,7 @@ def expert_plan(kind: str, n: int, k: int, rows: int, *, target: Target, mx: str
                 one_mul_fits: bool = True, plan: MoEGemmPlan | None = None) -> MoEGemmPlan:
     """The plan for `rows` rows per expert (the dense kind: rows = tokens, already a token bucket when `plan` is
     the dense rule's). `one_mul_fits` is the data-dependent answer of the weights' scale check
-    (runtime.kernels.moe.scales_fit_one_mul); False takes the exact two-multiply pair decode, planned as such
+    (runtime.kernel_impls.moe.scales_fit_one_mul); False takes the exact two-multiply pair decode, planned as such
     (narrower tiles: the 128-wide exact decode spills on sm_90). An explicit `plan` (the dense linears' rule,
     benchmarks) gets its exact twin by flipping the flag."""
     if plan is None:

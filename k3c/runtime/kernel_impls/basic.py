@@ -1,5 +1,5 @@
 """The generic ops' torch-facing kernel wrappers and their kernel implementations (AOT side:
-k3c/codegen/emitters/basic.py).
+k3c/codegen/catalogue/basic.py).
 
 Wrappers (each builds and memoises the KernelSource specialised on the actual shapes and dtypes, then launches it
 through k3c.runtime.launcher):
@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ...codegen.emitters.basic import act_from_attrs
+from ...codegen.catalogue.basic import act_from_attrs
 from ...codegen.kernel import KernelSource
 from ...codegen.kernels import emit_embedding, emit_gemm, emit_gemm_glu, emit_glu, emit_rmsnorm, emit_softmax
 from ...codegen.kernels.common import epi_act, glu_act

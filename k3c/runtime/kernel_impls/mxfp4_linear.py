@@ -7,7 +7,7 @@ Ops with float weights run exactly as before: each wrapper hands them to the imp
 
     mx_dense(x [..., K], packed u8 [N, K/2], scale u8 [N, K/32], act_format) -> x W^T   (one launch, or dequant +
                      bf16 GEMM at prefill buckets; the bucket of M picks the plan, as the AOT emitters do:
-                     k3c/codegen/emitters/mxfp4.py)
+                     k3c/codegen/catalogue/mxfp4.py)
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import functools
 
 import torch
 
-from ...codegen.emitters.basic import act_from_attrs
-from ...codegen.emitters.mxfp4 import dense_mx, dense_plan
+from ...codegen.catalogue.basic import act_from_attrs
+from ...codegen.catalogue.mxfp4 import dense_mx, dense_plan
 from ...codegen.launch import m_bucket, target_for, tt_dtype
 from ...ir.ops import PACKED_PARTS, is_mxfp4, packed_name
 from ...quant import mxfp4_dequantize
-from .. import reference as ref
+from ... import reference as ref
 from ..executor import IMPLS, register_impl
 from . import KERNEL_IMPLS, register_kernel_impl
 from . import moe as _moe

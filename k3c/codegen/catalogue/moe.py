@@ -1,4 +1,4 @@
-"""AOT emitters of the moe-lower pass's ops: the kernels k3c.runtime.kernels.moe launches for them, with the same
+"""AOT emitters of the moe-lower pass's ops: the kernels k3c.runtime.kernel_impls.moe launches for them, with the same
 emit_* arguments (router / latent GEMMs per token bucket, the three routing kernels, the grouped GEMMs per
 rows-per-expert class, both answers of the scale check: expert_gemm_classes), the combine)."""
 from __future__ import annotations

@@ -20,10 +20,10 @@ from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_chunk, emit_kda_de
 from ...codegen.launch import target_for, tt_dtype
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
-from .. import reference as ref
+from ... import reference as ref
 from ..executor import register_impl
-from ..reference.kda import KDAState
-from ..reference.norms import acc
+from ...reference.kda import KDAState
+from ...reference.norms import acc
 from ..launcher import launch
 from . import register_kernel_impl
 

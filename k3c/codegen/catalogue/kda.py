@@ -1,5 +1,5 @@
 """AOT emitters of the kda-chunk pass's kernel-level ops: the KernelSources the runtime launches for them
-(k3c.runtime.kernels.kda calls the same emit_* functions with the same arguments)."""
+(k3c.runtime.kernel_impls.kda calls the same emit_* functions with the same arguments)."""
 from __future__ import annotations
 
 from ..kernel import KernelSource

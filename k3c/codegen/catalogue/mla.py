@@ -1,4 +1,4 @@
-"""Emitter of `mla_absorbed`: every kernel the runtime (k3c.runtime.kernels.mla) can launch for it, by the plan
+"""Emitter of `mla_absorbed`: every kernel the runtime (k3c.runtime.kernel_impls.mla) can launch for it, by the plan
 rules it calls with the shapes at hand, each enumerated over its whole domain (codegen.kernels.mla.plan_classes):
 the latent write (the one-kernel form per token class; the split-K pair for B*T <= LATENT_SPLIT_MAX_ROWS: partials
 per row class, and the per-row reduce), the MQA split-KV decode per row class (query tokens x heads), its LSE merges

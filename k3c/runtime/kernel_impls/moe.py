@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ...codegen.emitters.basic import act_from_attrs
+from ...codegen.catalogue.basic import act_from_attrs
 from ...codegen.kernels import moe as _kmoe
 from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_linear, emit_moe_offsets, emit_moe_rank,
                                     emit_moe_scatter, emit_moe_topk, expert_gemm_kernels, expert_plan, moe_gemm_plan,
@@ -24,11 +24,11 @@ from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_line
 from ...codegen.launch import m_bucket, target_for, tt_dtype
 from ...codegen.writer import CodegenError
 from ...quant import mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_quantize
-from .. import reference as ref
+from ... import reference as ref
 from .. import routing_replay
 from ..executor import register_impl
 from ..launcher import launch
-from ..reference.norms import acc
+from ...reference.norms import acc
 from . import register_kernel_impl
 
 _emit_topk = functools.lru_cache(maxsize=64)(emit_moe_topk)

@@ -1,6 +1,6 @@
 """AOT emitters of the ops whose linear weights the `mxfp4` pass packed (weight_format "mxfp4": lm_head, mlp,
 moe_linear): the dense MXFP4 x bf16 GEMM (k3c.codegen.kernels.moe, kind "dense") per token bucket, the kernels
-k3c.runtime.kernels.mxfp4_linear launches for the same shapes. Ops with float weights keep the emitters they had
+k3c.runtime.kernel_impls.mxfp4_linear launches for the same shapes. Ops with float weights keep the emitters they had
 (lm_head: torch on purpose, no emitter; the codegen pass marks only an MXFP4 lm_head "kernel")."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """AOT emitters of the two-phase Block AttnRes ops: the same emit_* calls the runtime makes
-(k3c/runtime/kernels/attnres.py), specialised on the op's hidden size, source/query counts and dtypes. Phase 1
+(k3c/runtime/kernel_impls/attnres.py), specialised on the op's hidden size, source/query counts and dtypes. Phase 1
 has two forms, both emitted: the row-tile pair (prefill) and the D-split pair (decode: up to SPLIT_MAX_M rows)."""
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import ArgumentError
-from ...frontend.spec import ModelSpec
-from ..weight_names import model_weights
+from ..errors import ArgumentError
+from ..frontend.spec import ModelSpec
+from ..frontend.weight_names import model_weights
 from .attnres import attn_res_mix
 from .kda import KDAMode, KDAState, kda_layer
 from .mla import MLAMode, mla_layer

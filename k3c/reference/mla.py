@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from ...frontend.spec import MLASpec
+from ..frontend.spec import MLASpec
 from .norms import LOW_RANK_NORM_EPS, acc, linear, rms_norm
 
 MLAMode = Literal["mha", "mqa"]

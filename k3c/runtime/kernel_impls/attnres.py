@@ -17,8 +17,8 @@ from ...codegen.kernels.attnres import SPLIT_MAX_M, emit_attnres_phase1, emit_at
 from ...codegen.launch import target_for, tt_dtype
 from ..launcher import launch
 from ...ir.attnres_ops import STATS
-from ..reference.attnres import attn_res_logits, attn_res_query
-from ..reference.norms import acc, rms_norm
+from ...reference.attnres import attn_res_logits, attn_res_query
+from ...reference.norms import acc, rms_norm
 from . import register_kernel_impl
 
 # -- packed phase-1 rows --------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..frontend.spec import ModelSpec
+from .spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from ...codegen.kernels.mla import (LATENT_SPLIT_MAX_ROWS, DecodePlan, decode_me
 from ...codegen.launch import target_for, tt_dtype
 from ...codegen.targets import Target
 from ...frontend.spec import MLASpec
-from .. import reference as ref
+from ... import reference as ref
 from ..executor import register_impl
 from ..launcher import fixed_launcher, launch
-from ..reference.norms import acc
+from ...reference.norms import acc
 from . import register_kernel_impl
 
 _emit_write = functools.lru_cache(maxsize=64)(emit_mla_latent_write)

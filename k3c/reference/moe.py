@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...frontend.spec import ActivationSpec, MoESpec
-from ..routing_replay import replayed_ids, routed_weights
+from ..frontend.spec import ActivationSpec, MoESpec
+from ..runtime.routing_replay import replayed_ids, routed_weights
 from .norms import acc, acc_dtype, linear, rms_norm
 
 

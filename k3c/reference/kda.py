@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ...frontend.spec import KDASpec
+from ..frontend.spec import KDASpec
 from .norms import acc, acc_dtype, l2_norm, linear, rms_norm
 
 

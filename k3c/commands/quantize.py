@@ -47,7 +47,7 @@ def add_parsers(sub, positive, seed) -> None:
 def cmd_quantize(args) -> int:
     import k3c
 
-    from .checkpoint import save_quantized_checkpoint
+    from ..quant.checkpoint import save_quantized_checkpoint
 
     if args.random == bool(args.weights):
         raise ArgumentError("k3c quantize: give WEIGHTS or --random (one of them)")
@@ -123,7 +123,7 @@ def read_scores(spec, path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor |
 
 def calibrate(spec, scores: dict, iterations: int) -> dict[int, tuple[torch.Tensor, float, float]]:
     """layer -> (new bias, max/mean load before, after), Quantile Balancing iterated on the recorded scores."""
-    from .balancing import load_imbalance, quantile_balancing
+    from ..quant.balancing import load_imbalance, quantile_balancing
 
     if isinstance(iterations, bool) or not isinstance(iterations, int) or not 1 <= iterations <= MAX_ITERATIONS:
         raise ArgumentError(f"--iterations must be an integer in [1, {MAX_ITERATIONS}], got {iterations!r}")

@@ -60,7 +60,7 @@ def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, pr
     the logits [n, vocab] and a few hidden-state buffers; AttnRes keeps its completed blocks)."""
     import math
 
-    from .weight_names import weight_table
+    from ..frontend.weight_names import weight_table
 
     weights = sum(math.prod(w.shape) * (4 if w.dtype == "fp32" else elem_bytes) for w in weight_table(spec).values())
     ctx = prompt_len + new_tokens
@@ -184,10 +184,10 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     from tqdm import tqdm
 
     from .. import load_weights
-    from . import launcher
-    from .engine import Engine
-    from .weight_prep import prepare_weights
-    from .weights import init_weights           # takes device= (k3c.init_weights does not)
+    from ..runtime import launcher
+    from ..runtime.engine import Engine
+    from ..runtime.weight_prep import prepare_weights
+    from ..runtime.weights import init_weights           # takes device= (k3c.init_weights does not)
 
     for name, v in (("--batch", batch), ("--prompt-len", prompt_len), ("--new-tokens", new_tokens),
                     ("--prefill-chunk", prefill_chunk)):
