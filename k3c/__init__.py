@@ -5,35 +5,38 @@
     model = k3c.compile(spec, target="mi355x")
     w = k3c.init_weights(spec, seed=0)
     logits = k3c.reference_forward(spec, w, input_ids)
+
+The names below load their modules on first use: `import k3c.ir` (or any lower layer, docs/layout.md) runs only
+that layer's code, and compiling never imports torch.
 """
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from .api import CompiledModel, compile, load  # noqa: E402,A004
-from .frontend import load_spec  # noqa: E402
+# public name -> (module, attribute)
+_PUBLIC = {
+    "load_spec": ("k3c.frontend", "load_spec"),
+    "compile": ("k3c.api", "compile"),
+    "load": ("k3c.api", "load"),
+    "CompiledModel": ("k3c.api", "CompiledModel"),
+    "init_weights": ("k3c.runtime.weights", "init_weights"),
+    "load_weights": ("k3c.runtime.checkpoint", "load_weights"),
+    "reference_forward": ("k3c.reference", "reference_forward"),
+}
+
+__all__ = [*_PUBLIC, "__version__"]
 
 
-def init_weights(spec, seed: int = 0, dtype=None):
-    """Random, non-degenerate weights for every canonical weight name of `spec`."""
-    import torch
-
-    from .runtime.weights import init_weights as _init
-
-    return _init(spec, seed=seed, dtype=dtype or torch.float32)
-
-
-def load_weights(spec, path, dtype=None):
-    """Weights from safetensors: a Hugging Face model dir (Kimi Linear or K3 layout) or a .safetensors file."""
-    from .runtime.checkpoint import load_weights as _load
-
-    return _load(spec, path, dtype=dtype)
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'k3c' has no attribute {name!r}")
+    module, attr = _PUBLIC[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
 
 
-def reference_forward(spec, weights, input_ids):
-    """Eager PyTorch semantics of the whole model: input ids [B, T] -> logits [B, T, vocab]."""
-    from .reference import reference_forward as _ref
-
-    return _ref(spec, weights, input_ids)
-
-
-__all__ = ["load_spec", "compile", "load", "CompiledModel", "init_weights", "load_weights", "reference_forward",
-           "__version__"]
+def __dir__():
+    return sorted({*globals(), *_PUBLIC})

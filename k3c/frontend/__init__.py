@@ -1,14 +1,20 @@
-"""Spec frontend: YAML specs and Hugging Face configs become a validated ModelSpec."""
+"""Spec frontend: YAML specs and Hugging Face configs become a validated ModelSpec.
+
+Modules, lowest first (each imports only those before it): located (spec file text, located containers, one-line
+errors) < yaml_loader, json_loader < spec (the dataclasses) < weight_names < quant_check < schema (YAML schema
+-> ModelSpec and back) < hf_config (config.json -> ModelSpec), hf_export (ModelSpec -> config.json) < to_ir.
+"""
 from __future__ import annotations
 
-import json
 import os
 
 from ..errors import SpecError
+from .hf_config import spec_from_hf_config_text
+from .located import read_spec_text
 from .schema import spec_from_data, spec_to_dict
 from .spec import (ActivationSpec, AttnResSpec, KDASpec, MLASpec, MLPSpec, ModelSpec, MoESpec, PrecisionSpec,
                    WeightPrecisionSpec)
-from .yaml_loader import load_yaml_text, read_spec_text
+from .yaml_loader import dump_yaml_text, load_yaml_text
 
 __all__ = ["load_spec", "parse_spec_text", "dump_spec_yaml", "ModelSpec", "KDASpec", "MLASpec", "AttnResSpec",
            "MLPSpec", "MoESpec", "ActivationSpec", "PrecisionSpec", "WeightPrecisionSpec"]
@@ -30,27 +36,10 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         path = cfg
     text = read_spec_text(path)
     if path.endswith(".json"):
-        from .hf_config import spec_from_hf_config_text
-
         return spec_from_hf_config_text(text, path)
     return parse_spec_text(text, path)
 
 
 def dump_spec_yaml(spec: ModelSpec) -> str:
     """The spec as YAML text in k3c's schema."""
-    import yaml
-
-    return yaml.dump(spec_to_dict(spec), Dumper=_spec_dumper(yaml), sort_keys=False, default_flow_style=None,
-                     width=120)
-
-
-def _spec_dumper(yaml):
-    """SafeDumper that also quotes strings YAML 1.2 (how specs are read) would take as numbers or booleans (`1e5`,
-    `0o17`), besides those YAML 1.1 would (`0064`, `yes`)."""
-    from .yaml_loader import _CORE_BOOL, _CORE_FLOAT, _CORE_INT
-
-    dumper = type("_SpecDumper", (yaml.SafeDumper,), {})
-    dumper.add_implicit_resolver("tag:yaml.org,2002:bool", _CORE_BOOL, list("tTfF"))
-    dumper.add_implicit_resolver("tag:yaml.org,2002:int", _CORE_INT, list("-+0123456789"))
-    dumper.add_implicit_resolver("tag:yaml.org,2002:float", _CORE_FLOAT, list("-+.0123456789"))
-    return dumper
+    return dump_yaml_text(spec_to_dict(spec))

@@ -1,7 +1,6 @@
-"""Hugging Face `config.json` import (and its inverse, export) for Kimi Linear and Kimi K3.
+"""Hugging Face `config.json` import for Kimi Linear and Kimi K3 (hf_export writes the inverse).
 
     spec_from_hf_config_text(text, path) -> ModelSpec      # what load_spec() calls for *.json / model dirs
-    spec_to_hf_config(spec) -> dict                         # a K3-style config.json (model_type kimi_k3)
 
 Two model types are understood (docs/hf-import.md lists every field, alias and default):
 
@@ -13,138 +12,28 @@ Two model types are understood (docs/hf-import.md lists every field, alias and d
   section 1 (a flat config without `text_config` is accepted too).
 
 The importer builds the YAML schema's plain-data form and validates it with `schema.spec_from_data`, so HF and YAML
-specs go through the same checks; every error is re-located to the JSON file, line and dotted key.
+specs go through the same checks; every error is re-located to the JSON file, line and dotted key. A compressed-tensors
+`quantization_config` becomes the precision section (and, for a packed checkpoint, the quantization section).
 """
 from __future__ import annotations
 
-import bisect
 import difflib
-import fnmatch
 import json
 import os
 import re
 from typing import Any
 
 from ..errors import SpecError
+from .json_loader import parse_json_located
+from .located import did_you_mean, spec_error
+from .quant_check import packable, quantizable_names, quantization_patterns, select
+from .schema import spec_from_data
 from .spec import DEFAULT_MXFP4_INCLUDE, ModelSpec
-from .yaml_loader import MAX_SPEC_BYTES, LocDict, LocList
+from .weight_names import K3_CHECKPOINT_PREFIX, K3_LM_HEAD, model_weights
 
 SUPPORTED_MODEL_TYPES = ("kimi_k3", "kimi_linear")
-K3_CHECKPOINT_PREFIX = "language_model.model."
-K3_LM_HEAD = "language_model.lm_head"
 
 _MISSING = object()
-
-
-def _clean(text: Any) -> str:
-    """User text (JSON keys, file names) made safe for a one-line message: control characters escaped."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
-
-
-def _spec_error(message: str, *, file: str | None = None, line: int | None = None,
-                field: str | None = None) -> SpecError:
-    return SpecError(_clean(message), file=None if file is None else _clean(file), line=line,
-                     field=None if field is None else _clean(field))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# JSON with line numbers
-class _JSONLocator:
-    """A strict JSON parser producing LocDict / LocList with the 1-based line of every key and item.
-
-    The text is first validated by the stdlib parser (whose messages carry line and column), then re-scanned here
-    for positions. Duplicate keys are errors (json.loads would silently keep the last one).
-    """
-
-    _WS = re.compile(r"[ \t\n\r]*")
-    _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(\.\d+)?([eE][-+]?\d+)?")
-
-    def __init__(self, text: str, file: str):
-        self.text = text
-        self.file = file
-        self.newlines = [i for i, ch in enumerate(text) if ch == "\n"]
-
-    def line(self, pos: int) -> int:
-        return bisect.bisect_left(self.newlines, pos) + 1
-
-    def parse(self) -> Any:
-        value, pos = self._value(self._ws(0))
-        return value
-
-    def _ws(self, pos: int) -> int:
-        return self._WS.match(self.text, pos).end()
-
-    def _value(self, pos: int):
-        text = self.text
-        ch = text[pos]
-        if ch == "{":
-            out = LocDict()
-            out.line = self.line(pos)
-            pos = self._ws(pos + 1)
-            if text[pos] == "}":
-                return out, pos + 1
-            while True:
-                key_line = self.line(pos)
-                key, pos = json.decoder.scanstring(text, pos + 1)
-                if key in out:
-                    raise _spec_error(f"duplicate key '{key}' (first at line {out.key_lines[key]})", file=self.file,
-                                    line=key_line, field=key)
-                pos = self._ws(self._ws(pos) + 1)          # skip ':'
-                value, pos = self._value(pos)
-                out[key] = value
-                out.key_lines[key] = key_line
-                pos = self._ws(pos)
-                if text[pos] == "}":
-                    return out, pos + 1
-                pos = self._ws(pos + 1)                    # skip ','
-        if ch == "[":
-            out = LocList()
-            out.line = self.line(pos)
-            pos = self._ws(pos + 1)
-            if text[pos] == "]":
-                return out, pos + 1
-            while True:
-                out.item_lines.append(self.line(pos))
-                value, pos = self._value(pos)
-                out.append(value)
-                pos = self._ws(pos)
-                if text[pos] == "]":
-                    return out, pos + 1
-                pos = self._ws(pos + 1)
-        if ch == '"':
-            return json.decoder.scanstring(text, pos + 1)
-        for word, value in (("true", True), ("false", False), ("null", None)):
-            if text.startswith(word, pos):
-                return value, pos + len(word)
-        m = self._NUMBER.match(text, pos)
-        literal = m.group(0)
-        return (float(literal) if m.group(1) or m.group(2) else int(literal)), m.end()
-
-
-def parse_json_located(text: str, file: str) -> Any:
-    """Parse JSON text into LocDict/LocList; SpecError with file and line (and column) on any problem."""
-    if len(text) > MAX_SPEC_BYTES:
-        raise _spec_error(f"file is larger than {MAX_SPEC_BYTES} bytes; not a model config", file=file)
-
-    def no_constants(name: str):
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        json.loads(text, parse_constant=no_constants)
-    except json.JSONDecodeError as exc:
-        raise _spec_error(f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", file=file,
-                        line=exc.lineno) from None
-    except ValueError as exc:
-        raise _spec_error(f"invalid JSON: {exc}", file=file) from None
-    except RecursionError:
-        raise _spec_error("JSON nesting too deep", file=file) from None
-    try:
-        return _JSONLocator(text, file).parse()
-    except RecursionError:
-        raise _spec_error("JSON nesting too deep", file=file) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,7 +43,7 @@ class _Scope:
 
     def __init__(self, data: Any, path: str, file: str, line: int | None):
         if not isinstance(data, dict):
-            raise _spec_error(f"must be a mapping, got {_show(data)}", file=file, line=line, field=path or None)
+            raise spec_error(f"must be a mapping, got {_show(data)}", file=file, line=line, field=path or None)
         self.data = data
         self.path = path
         self.file = file
@@ -170,7 +59,7 @@ class _Scope:
     def error(self, key: str | None, message: str, line: int | None = None) -> SpecError:
         if line is None:
             line = self.key_line(key) if key else self.line
-        return _spec_error(message, file=self.file, line=line, field=self.field(key) if key else (self.path or None))
+        return spec_error(message, file=self.file, line=line, field=self.field(key) if key else (self.path or None))
 
     def item_line(self, key: str, index: int) -> int | None:
         lines = getattr(self.data.get(key), "item_lines", None)
@@ -248,7 +137,7 @@ def _int(scope_key: tuple[_Scope, str] | None, value: Any, reader: _Reader, what
 
 def _err(reader: _Reader, scope_key: tuple[_Scope, str] | None, what: str, message: str) -> SpecError:
     if scope_key is None:
-        return _spec_error(message, file=reader.file, field=what)
+        return spec_error(message, file=reader.file, field=what)
     scope, key = scope_key
     return scope.error(key, message)
 
@@ -293,14 +182,13 @@ def spec_from_hf_config_text(text: str, path: str) -> ModelSpec:
     """Validate a Hugging Face config.json (Kimi Linear or Kimi K3) into a ModelSpec; errors name file:line."""
     data = parse_json_located(text, path)
     if not isinstance(data, dict):
-        raise _spec_error(f"a config.json must hold a JSON object, got {_show(data)}", file=path, line=1)
+        raise spec_error(f"a config.json must hold a JSON object, got {_show(data)}", file=path, line=1)
     top = _Scope(data, "", path, 1)
     model_type = data.get("model_type", _MISSING)
     if model_type is _MISSING:
         raise top.error(None, f"no 'model_type' key; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        close = difflib.get_close_matches(str(model_type), SUPPORTED_MODEL_TYPES, n=1, cutoff=0.6)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        hint = did_you_mean(model_type, SUPPORTED_MODEL_TYPES)
         raise top.error("model_type", f"unsupported model_type {_show(model_type)}{hint}; supported model types: "
                                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     reader = _Reader(path)
@@ -317,8 +205,6 @@ def spec_from_hf_config_text(text: str, path: str) -> ModelSpec:
 
 
 def _validate(schema_data: dict, reader: _Reader, path: str) -> ModelSpec:
-    from .schema import spec_from_data
-
     try:
         spec = spec_from_data(schema_data, path)
     except SpecError as exc:
@@ -329,19 +215,22 @@ def _validate(schema_data: dict, reader: _Reader, path: str) -> ModelSpec:
                 field, line = reader.record[probe]
                 break
             probe = probe.rpartition(".")[0]
-        raise _spec_error(exc.message, file=path, line=line, field=field or exc.field) from None
+        raise spec_error(exc.message, file=path, line=line, field=field or exc.field) from None
     locations = tuple(sorted((k, v[1]) for k, v in reader.record.items() if v[1] is not None))
     return spec.replace(source=path, locations=locations)
 
 
 class _Importer:
+    """Builds the YAML schema's plain data from a config's scopes: `top` (the file), `text` (its text_config, or the
+    file itself) and linear_attn_config inside it."""
+
     def __init__(self, reader: _Reader, top: _Scope, text: _Scope, model_type: str):
         self.r = reader
         self.top = top
         self.t = text
-        self.mt = model_type
         self.kl = model_type == "kimi_linear"
         self.lin = text.sub("linear_attn_config")
+        self.packed_scope: _Scope | None = None    # a quantization_config of packed MXFP4 weights (precision sets it)
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def names(self, *keys: str, lin: tuple[str, ...] = ()) -> list[tuple[_Scope | None, str]]:
@@ -362,7 +251,6 @@ class _Importer:
 
     # -- the import --------------------------------------------------------------------------------------------
     def run(self) -> dict:
-        t = self.t
         out: dict[str, Any] = {"name": self.name()}
         hidden = self.get("model.hidden_size", self.names("hidden_size"), self.dflt(2304))
         vocab = self.get("model.vocab_size", self.names("vocab_size"), self.dflt(163840))
@@ -424,15 +312,11 @@ class _Importer:
             from_types = self.from_layer_types(hit, n)
             self.r.record["layers.kinds"] = (hit[0].field(hit[1]), hit[0].key_line(hit[1]))
         full_hit, kda_hit = self.r.find(full_names), self.r.find(kda_names)
-        if full_hit is not None or kda_hit is not None:
-            if self.kl and (full_hit is None or kda_hit is None):
-                # transformers only honours the lists when both are given
-                pass
-            else:
-                from_lists = self.from_index_lists(full_hit, kda_hit, n)
-                if from_types is None:
-                    where = full_hit or kda_hit
-                    self.r.record["layers.kinds"] = (where[0].field(where[1]), where[0].key_line(where[1]))
+        given = [h for h in (full_hit, kda_hit) if h is not None]
+        if given and not (self.kl and len(given) < 2):    # transformers' KimiLinear reads both lists or neither
+            from_lists = self.from_index_lists(full_hit, kda_hit, n)
+            if from_types is None:
+                self.r.record["layers.kinds"] = (given[0][0].field(given[0][1]), given[0][0].key_line(given[0][1]))
         if from_types is not None and from_lists is not None and from_types != from_lists:
             first = next(i for i in range(n) if from_types[i] != from_lists[i])
             where = full_hit or kda_hit
@@ -459,8 +343,7 @@ class _Importer:
         kinds = []
         for i, item in enumerate(value):
             if not isinstance(item, str) or item not in table:
-                close = difflib.get_close_matches(item, list(table), n=1, cutoff=0.6) if isinstance(item, str) else []
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                hint = did_you_mean(item, table) if isinstance(item, str) else ""
                 raise scope.error(key, f"item {i} must be one of full_attention, linear_attention, got "
                                        f"{_show(item)}{hint}", scope.item_line(key, i))
             kinds.append(table[item])
@@ -603,6 +486,21 @@ class _Importer:
 
     # -- MLP / MoE ---------------------------------------------------------------------------------------------
     def mlp(self, n: int) -> tuple[dict, dict | None]:
+        """The mlp section and the moe section (None when no layer is MoE)."""
+        types = self.mlp_layer_types(n)
+        dense = [i for i in range(n) if types[i] == "dense"]
+        any_moe = "sparse" in types
+        activation = self.activation()
+        mlp: dict[str, Any] = {"dense_layers": dense, "activation": activation}
+        if dense or not any_moe:
+            mlp["dense_intermediate_size"] = self.get("mlp.dense_intermediate_size", self.names("intermediate_size"),
+                                                      self.dflt(9216))
+        mlp.update(self.situ_betas(activation))
+        self.check_routing()
+        return mlp, (self.moe() if any_moe else None)
+
+    def mlp_layer_types(self, n: int) -> list[str]:
+        """'dense' or 'sparse' (MoE) per layer: mlp_layer_types, or first_k_dense_replace with moe_layer_freq."""
         mlt_names = self.names("mlp_layer_types")
         fk_names = self.names("first_k_dense_replace")
         freq_names = self.names("moe_layer_freq")
@@ -614,30 +512,28 @@ class _Importer:
         fk = _int(fk_hit, fk_hit[0].data[fk_hit[1]], self.r, "first_k_dense_replace", lo=0, hi=n) if fk_hit else 1
         from_freq = ["dense" if i < fk or i % freq != 0 else "sparse" for i in range(n)]
         hit = self.r.find(mlt_names)
-        if hit is not None and hit[0].data[hit[1]] is not None:
-            scope, key = hit
-            value = scope.data[key]
-            if not isinstance(value, list) or len(value) != n:
-                raise scope.error(key, f"must be a list of {n} entries 'dense' or 'sparse', got {_show(value)}")
-            for i, item in enumerate(value):
-                if item not in ("dense", "sparse"):
-                    raise scope.error(key, f"item {i} must be dense or sparse, got {_show(item)}",
-                                      scope.item_line(key, i))
-            if (fk_hit or freq_hit) and list(value) != from_freq:
-                other = fk_hit or freq_hit
-                raise other[0].error(other[1], f"disagrees with '{scope.field(key)}'")
-            types = list(value)
-            self.r.record["mlp.dense_layers"] = (scope.field(key), scope.key_line(key))
-        else:
+        if hit is None or hit[0].data[hit[1]] is None:
             if not self.kl and fk_hit is None:
                 raise self.t.error(None, "missing required field 'first_k_dense_replace' (or 'mlp_layer_types')")
-            types = from_freq
             where = fk_hit or freq_hit
             if where:
                 self.r.record["mlp.dense_layers"] = (where[0].field(where[1]), where[0].key_line(where[1]))
-        dense = [i for i in range(n) if types[i] == "dense"]
-        any_moe = "sparse" in types
+            return from_freq
+        scope, key = hit
+        value = scope.data[key]
+        if not isinstance(value, list) or len(value) != n:
+            raise scope.error(key, f"must be a list of {n} entries 'dense' or 'sparse', got {_show(value)}")
+        for i, item in enumerate(value):
+            if item not in ("dense", "sparse"):
+                raise scope.error(key, f"item {i} must be dense or sparse, got {_show(item)}", scope.item_line(key, i))
+        if (fk_hit or freq_hit) and list(value) != from_freq:
+            other = fk_hit or freq_hit
+            raise other[0].error(other[1], f"disagrees with '{scope.field(key)}'")
+        self.r.record["mlp.dense_layers"] = (scope.field(key), scope.key_line(key))
+        return list(value)
 
+    def activation(self) -> str:
+        """The schema's MLP activation (swiglu or situ) that hidden_act names."""
         act_names = self.names("hidden_act")
         act = self.get("mlp.activation", act_names, "silu")
         acts = {"silu": "swiglu", "swiglu": "swiglu", "situ": "situ"}
@@ -645,38 +541,37 @@ class _Importer:
             scope, key = self.r.find(act_names)
             options = "silu" if self.kl else "silu, situ"
             raise scope.error(key, f"unsupported hidden_act {_show(act)}; supported: {options}")
-        mlp: dict[str, Any] = {"dense_layers": dense, "activation": acts[act]}
-        if dense or not any_moe:
-            mlp["dense_intermediate_size"] = self.get("mlp.dense_intermediate_size", self.names("intermediate_size"),
-                                                      self.dflt(9216))
+        return acts[act]
+
+    def situ_betas(self, activation: str) -> dict:
+        """SiTU's betas (situ_betas = [gate, up], or situ_beta_gate / situ_beta_up); SwiGLU refuses them."""
         beta_pair = self.names("situ_betas", "hidden_act_betas")
         beta_g = self.names("situ_beta_gate")
         beta_u = self.names("situ_beta_up")
-        if acts[act] == "situ":
-            pair_hit = self.r.find(beta_pair)
-            if pair_hit is not None:
-                scope, key = pair_hit
-                pair = scope.data[key]
-                if not isinstance(pair, list) or len(pair) != 2:
-                    raise scope.error(key, f"must be a list [beta_gate, beta_up], got {_show(pair)}")
-                if self.r.find(beta_g) or self.r.find(beta_u):
-                    raise scope.error(key, "give either situ_betas or situ_beta_gate/situ_beta_up, not both")
-                mlp["situ_beta_gate"], mlp["situ_beta_up"] = pair
-                self.r.record["mlp.situ_beta_gate"] = self.r.record["mlp.situ_beta_up"] = (
-                    scope.field(key), scope.key_line(key))
-            else:
-                mlp["situ_beta_gate"] = self.get("mlp.situ_beta_gate", beta_g, 4.0)
-                mlp["situ_beta_up"] = self.get("mlp.situ_beta_up", beta_u, 25.0)
-        else:
+        if activation != "situ":
             for names in (beta_pair, beta_g, beta_u):
                 hit = self.r.find(names)
                 if hit is not None:
                     raise hit[0].error(hit[1], "only applies to hidden_act situ")
+            return {}
+        pair_hit = self.r.find(beta_pair)
+        if pair_hit is None:
+            return {"situ_beta_gate": self.get("mlp.situ_beta_gate", beta_g, 4.0),
+                    "situ_beta_up": self.get("mlp.situ_beta_up", beta_u, 25.0)}
+        scope, key = pair_hit
+        pair = scope.data[key]
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise scope.error(key, f"must be a list [beta_gate, beta_up], got {_show(pair)}")
+        if self.r.find(beta_g) or self.r.find(beta_u):
+            raise scope.error(key, "give either situ_betas or situ_beta_gate/situ_beta_up, not both")
+        self.r.record["mlp.situ_beta_gate"] = self.r.record["mlp.situ_beta_up"] = (scope.field(key),
+                                                                                    scope.key_line(key))
+        return {"situ_beta_gate": pair[0], "situ_beta_up": pair[1]}
 
-        latent_names = self.names("routed_expert_hidden_size", "latent_moe_dim")
-        lnorm_names = self.names("latent_moe_use_norm")
-        self.reject_for_kimi_linear(latent_names, None, "LatentMoE (routed_expert_hidden_size)")
-        self.reject_for_kimi_linear(lnorm_names, False, "LatentMoE's norm")
+    def check_routing(self) -> None:
+        """Refuse expert routing k3c does not run: LatentMoE under kimi_linear, grouped (n_group > 1) routing."""
+        self.reject_for_kimi_linear(self.latent_names, None, "LatentMoE (routed_expert_hidden_size)")
+        self.reject_for_kimi_linear(self.latent_norm_names, False, "LatentMoE's norm")
         group_names = self.names("n_group", "num_expert_group")
         topk_group_names = self.names("topk_group")
         groups = self.get(None, group_names, 1, null_is_default=True)
@@ -686,9 +581,8 @@ class _Importer:
         if groups > 1 and topk_group != groups:
             raise ghit[0].error(ghit[1], f"grouped expert routing ({groups} groups, topk_group {topk_group}) is "
                                          f"not supported: k3c routes over all experts (set n_group 1)")
-        if not any_moe:
-            return mlp, None
 
+    def moe(self) -> dict:
         n_exp = self.get("moe.num_experts", self.names("n_routed_experts", "num_experts", "num_local_experts"),
                          self.dflt(256))
         top_k = self.get("moe.top_k", self.names("num_experts_per_tok", "num_experts_per_token"), self.dflt(8))
@@ -704,8 +598,8 @@ class _Importer:
         moe: dict[str, Any] = {
             "num_experts": n_exp, "top_k": top_k, "num_shared_experts": shared,
             "expert_intermediate_size": inter,
-            "latent_dim": self.get("moe.latent_dim", latent_names, None),
-            "latent_norm": self.get("moe.latent_norm", lnorm_names, False),
+            "latent_dim": self.get("moe.latent_dim", self.latent_names, None),
+            "latent_norm": self.get("moe.latent_norm", self.latent_norm_names, False),
             "router_activation": router,
             "router_bias": self.get("moe.router_bias", self.names("moe_router_bias"), True),
             "renormalize": self.get("moe.renormalize", self.names("norm_topk_prob", "moe_renormalize"), True),
@@ -717,7 +611,15 @@ class _Importer:
             self.reject_for_kimi_linear(self.names("shared_expert_intermediate_size"), None,
                                         "an explicit shared-expert width")
             moe["shared_intermediate_size"] = shared_size
-        return mlp, moe
+        return moe
+
+    @property
+    def latent_names(self) -> list[tuple[_Scope | None, str]]:
+        return self.names("routed_expert_hidden_size", "latent_moe_dim")
+
+    @property
+    def latent_norm_names(self) -> list[tuple[_Scope | None, str]]:
+        return self.names("latent_moe_use_norm")
 
     # -- precision ---------------------------------------------------------------------------------------------
     def precision(self, partial: dict) -> dict:
@@ -737,7 +639,7 @@ class _Importer:
         linears k3c can read packed: lm_head, MLPs, shared experts, latent projections): the graph reads them packed,
         so the spec gets a `quantization:` section selecting what precision.weights does. A `dense` export (unpacked
         floats) or MXFP4 elsewhere (attention, router) gives none."""
-        scope = getattr(self, "packed_scope", None)
+        scope = self.packed_scope
         w = partial["precision"]["weights"]
         if scope is None or w.get("format") != "mxfp4":
             return None
@@ -745,10 +647,8 @@ class _Importer:
             probe = _probe_spec(partial)
         except SpecError:
             return None
-        names = _quantizable(probe)
-        chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in w["include"])
-                  and not any(fnmatch.fnmatchcase(n, p) for p in w["exclude"])}
-        if not _packable(chosen):
+        chosen = set(select(quantizable_names(probe), w["include"], w["exclude"]))
+        if not packable(probe, chosen):
             return None
         out = {"format": "mxfp4", "rule": w.get("scale_rule", "floor")}
         if list(w["include"]) != list(DEFAULT_MXFP4_INCLUDE):
@@ -759,23 +659,6 @@ class _Importer:
         return out
 
 
-def _packable(chosen: set[str]) -> bool:
-    """Whether the `quantization:` section may select exactly `chosen` (k3c.frontend.quant_check's rules)."""
-    from .quant_check import dense_group
-
-    for n in chosen:
-        if ".block_sparse_moe.experts.w" in n:
-            group = [n[:-1] + i for i in "123"]
-        else:
-            g = dense_group(n)
-            if g is None:
-                return False
-            group = g[1]
-        if not set(group) <= chosen:
-            return False
-    return True
-
-
 def _sanitize_name(name: str) -> str:
     name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", name).strip("-.") or "model"
     if not name[0].isalnum():
@@ -784,10 +667,8 @@ def _sanitize_name(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# compressed-tensors quantization_config <-> precision section
+# compressed-tensors quantization_config -> precision section (hf_export writes the inverse)
 def _probe_spec(partial: dict) -> ModelSpec:
-    from .schema import spec_from_data
-
     data = dict(partial)
     data["precision"] = {"weights": {"format": "bf16"}, "activations": "bf16"}
     return spec_from_data(data, "<probe>")
@@ -795,8 +676,6 @@ def _probe_spec(partial: dict) -> ModelSpec:
 
 def _module_names(spec: ModelSpec) -> list[tuple[str, list[str]]]:
     """(canonical weight name, module names in the K3 checkpoint it stands for) for every Linear weight."""
-    from .weight_names import model_weights
-
     out = []
     for w in model_weights(spec):
         if w.kind == "linear":
@@ -904,194 +783,3 @@ def _check_regex(scope: _Scope, key: str, index: int, pattern: str) -> None:
         except re.error as exc:
             raise scope.error(key, f"item {index}: bad regular expression {pattern!r}: {exc}",
                               scope.item_line(key, index)) from None
-
-
-def _quantizable(spec: ModelSpec) -> list[str]:
-    from .weight_names import model_weights
-
-    return [w.name for w in model_weights(spec) if w.kind in ("linear", "experts")]
-
-
-def quantized_weight_names(spec: ModelSpec) -> set[str]:
-    """Canonical Linear/expert weights that the spec's precision patterns select for MXFP4."""
-    w = spec.precision.weights
-    if w.format != "mxfp4":
-        return set()
-    return {n for n in _quantizable(spec)
-            if any(fnmatch.fnmatchcase(n, p) for p in w.include)
-            and not any(fnmatch.fnmatchcase(n, p) for p in w.exclude)}
-
-
-_EXPERT_FAMILY = re.compile(r"^layers\.\*\.block_sparse_moe\.experts\.w[123]$")
-
-
-def quantization_patterns(spec: ModelSpec, quantized: set[str]) -> tuple[list[str], list[str]]:
-    """Canonical (include, exclude) fnmatch patterns that select exactly `quantized` among the Linear weights."""
-    names = _quantizable(spec)
-    experts = {n for n in names if ".block_sparse_moe.experts.w" in n}
-    if quantized == experts:
-        return list(DEFAULT_MXFP4_INCLUDE), []
-    families: dict[str, list[str]] = {}
-    for n in names:
-        families.setdefault(re.sub(r"^layers\.\d+\.", "layers.*.", n), []).append(n)
-    include: list[str] = []
-    exclude: list[str] = []
-    for fam, members in families.items():
-        q = [n for n in members if n in quantized]
-        if not q:
-            continue
-        if len(q) == len(members):
-            include.append(fam)
-        elif 2 * len(q) >= len(members):
-            include.append(fam)
-            exclude += [n for n in members if n not in quantized]
-        else:
-            include += q
-    # three complete expert families -> the one default pattern
-    full_experts = [p for p in include if _EXPERT_FAMILY.match(p)]
-    if len(full_experts) == 3:
-        include = [p for p in include if p not in full_experts] + list(DEFAULT_MXFP4_INCLUDE)
-    # a layer whose three expert tensors are all excluded -> one pattern
-    by_layer: dict[str, list[str]] = {}
-    for n in exclude:
-        m = re.match(r"^(layers\.\d+\.block_sparse_moe\.experts)\.w[123]$", n)
-        if m:
-            by_layer.setdefault(m.group(1), []).append(n)
-    for prefix, items in by_layer.items():
-        if len(items) == 3:
-            exclude = [n for n in exclude if n not in items] + [prefix + ".*"]
-    probe = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in include)
-             and not any(fnmatch.fnmatchcase(n, p) for p in exclude)}
-    if probe != quantized:                                 # never expected; stay exact regardless
-        return sorted(quantized), []
-    return include, exclude
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Export: the inverse of the importer
-def spec_to_hf_config(spec: ModelSpec) -> dict[str, Any]:
-    """A K3-layout config.json (model_type kimi_k3, fields in `text_config`) that imports back to `spec`.
-
-    `spec_from_hf_config_text(json.dumps(spec_to_hf_config(s)), p) == s` for every spec whose KDA ranks are explicit
-    (the importer always sets gate_rank/output_gate_rank) and whose precision patterns are in canonical form.
-    """
-    n = spec.num_layers
-    tc: dict[str, Any] = {
-        "model_type": "kimi_k3_text",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "num_hidden_layers": n,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "max_position_embeddings": spec.max_context,
-        "tie_word_embeddings": spec.tie_word_embeddings,
-    }
-    lin: dict[str, Any] = {
-        "full_attn_layers": [i + 1 for i in range(n) if spec.layer_kinds[i] == "mla"],
-        "kda_layers": [i + 1 for i in range(n) if spec.layer_kinds[i] == "kda"],
-    }
-    if spec.kda is not None:
-        k = spec.kda
-        lin.update({"num_heads": k.num_heads, "head_dim": k.head_dim, "short_conv_kernel_size": k.conv_kernel,
-                    "gate_lower_bound": k.gate_lower_bound if k.gate == "safe" else None,
-                    "use_full_rank_gate": k.output_gate == "full_rank"})
-        if k.gate_rank is not None and k.gate_rank != k.head_dim:
-            lin["forget_gate_rank"] = k.gate_rank
-        if k.output_gate == "low_rank" and k.output_gate_rank is not None and k.output_gate_rank != k.head_dim:
-            lin["output_gate_rank"] = k.output_gate_rank
-    tc["linear_attn_config"] = lin
-    if spec.mla is not None:
-        m = spec.mla
-        tc.update({"num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
-                   "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
-                   "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
-                   "v_head_dim": m.v_head_dim, "mla_use_nope": True, "mla_use_output_gate": m.output_gate})
-    mlp = spec.mlp
-    tc["mlp_layer_types"] = ["dense" if not spec.is_moe_layer(i) else "sparse" for i in range(n)]
-    if mlp.dense_layers and list(mlp.dense_layers) == list(range(len(mlp.dense_layers))) and mlp.moe is not None:
-        tc["first_k_dense_replace"] = len(mlp.dense_layers)
-        del tc["mlp_layer_types"]
-    elif mlp.moe is not None and not mlp.dense_layers:
-        tc["first_k_dense_replace"] = 0
-        del tc["mlp_layer_types"]
-    if mlp.dense_layers or mlp.moe is None:
-        tc["intermediate_size"] = mlp.dense_intermediate_size
-    act = mlp.activation
-    tc["hidden_act"] = "situ" if act.kind == "situ" else "silu"
-    if act.kind == "situ":
-        tc["situ_betas"] = [act.situ_beta_gate, act.situ_beta_up]
-    if mlp.moe is not None:
-        e = mlp.moe
-        tc.update({"n_routed_experts": e.num_experts, "num_experts_per_tok": e.top_k,
-                   "n_shared_experts": e.num_shared_experts, "moe_intermediate_size": e.expert_intermediate_size,
-                   "routed_expert_hidden_size": e.latent_dim, "latent_moe_use_norm": e.latent_norm,
-                   "moe_router_activation_func": e.router_activation, "moe_router_bias": e.router_bias,
-                   "norm_topk_prob": e.renormalize, "routed_scaling_factor": e.routed_scaling_factor,
-                   "n_group": 1, "topk_group": 1})
-        if e.shared_intermediate_size is not None:
-            tc["shared_expert_intermediate_size"] = e.shared_intermediate_size
-    tc["attn_res_block_size"] = spec.attn_res.block_size if spec.attn_res is not None else None
-    q = _export_quantization(spec)
-    if q is not None:
-        tc["quantization_config"] = q
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "_name_or_path": spec.name,
-            "text_config": tc}
-
-
-def _module_regex(canon: str) -> str:
-    """Canonical weight name (layer index may be '*') -> a compressed-tensors 're:' target over module names."""
-    base = canon[: -len(".weight")] if canon.endswith(".weight") else canon
-    if base == "lm_head":
-        return "re:^" + re.escape(K3_LM_HEAD) + "$"
-    parts = []
-    for piece in base.split("."):
-        parts.append(r"\d+" if piece == "*" else re.escape(piece))
-    body = r"\.".join(parts)
-    m = re.match(r"^(.*experts)\\\.(w[123])$", body)
-    if m:
-        body = m.group(1) + r"\.\d+\." + m.group(2)
-    return "re:^" + re.escape(K3_CHECKPOINT_PREFIX) + body + "$"
-
-
-_MXFP8_ACTS = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-               "dynamic": True}
-
-
-def _export_quantization(spec: ModelSpec) -> dict | None:
-    w = spec.precision.weights
-    quantized = quantized_weight_names(spec)
-    act = spec.precision.activations
-    if not quantized and act == "bf16":
-        return None
-    if not quantized:                                      # MXFP8 activations only: a group without weights
-        return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-                "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": dict(_MXFP8_ACTS)}},
-                "ignore": []}
-    families: dict[str, list[str]] = {}
-    for n in _quantizable(spec):
-        families.setdefault(re.sub(r"^layers\.\d+\.", "layers.*.", n), []).append(n)
-    targets: list[str] = []
-    if quantized == {n for n in _quantizable(spec) if ".block_sparse_moe.experts.w" in n}:
-        families = {}                                      # exactly the routed experts: one target
-        targets.append("re:^" + re.escape(K3_CHECKPOINT_PREFIX) + r"layers\.\d+\.block_sparse_moe\.experts\.\d+\."
-                       r"w[123]$")
-    for fam, members in families.items():
-        q = [n for n in members if n in quantized]
-        if len(q) == len(members):
-            targets.append(_module_regex(fam))
-        else:
-            targets += [_module_regex(n) for n in q]
-    weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-               "dynamic": False, "scale_dtype": "float8_e8m0fnu"}
-    if w.scale_rule != "floor":
-        weights["scale_rule"] = w.scale_rule
-    group: dict[str, Any] = {"targets": targets, "weights": weights}
-    if act == "mxfp8":
-        group["input_activations"] = dict(_MXFP8_ACTS)
-    # packed only when the spec quantizes (its graph reads packed experts); else the checkpoint holds floats
-    fmt = "mxfp4-pack-quantized" if spec.quantization is not None else "dense"
-    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group}, "ignore": []}
-
-
-def dump_hf_config(spec: ModelSpec) -> str:
-    """spec_to_hf_config as JSON text."""
-    return json.dumps(spec_to_hf_config(spec), indent=2) + "\n"

@@ -1,19 +1,23 @@
-"""The `quantization:` section against the weights it names: what the `mxfp4` pass will pack, checked at load time
-so a bad pattern is a spec error with file, line and field, not a failure deep in a pass.
+"""Which weights are MXFP4: the rules over canonical weight names that the `quantization:` section, the precision
+plan and the HF quantization_config all follow.
 
-Rules: every explicit pattern matches some weight; the selection is non-empty and holds only weights that a GEMM reads
-as a plain operand (the ones the runtime reads packed: routed expert stacks, an untied lm_head, the dense MLP, the
-MoE layer's shared experts and latent projections: QUANTIZABLE); each selected weight's reduction (last)
-dimension is a multiple of 32;
-and `precision.weights`, when given, declares the same weights and scale rule as MXFP4 (the cost model and the HF
-export read the precision plan, so the two may not disagree). Without `precision.weights` it is derived from here.
+The `quantization:` section is checked against the weights it names at load time (check_quantization), so a bad
+pattern is a spec error with file, line and field, not a failure deep in a pass. Rules: every explicit pattern
+matches some weight; the selection is non-empty and holds only weights that a GEMM reads as a plain operand (the ones
+the runtime reads packed: routed expert stacks, an untied lm_head, the dense MLP, the MoE layer's shared experts and
+latent projections: QUANTIZABLE), each with the rest of its group (a layer's three expert stacks; an MLP's gate, up
+and down); each selected weight's reduction (last) dimension is a multiple of 32; and `precision.weights`, when
+given, declares the same weights and scale rule as MXFP4 (the cost model and the HF export read the precision plan,
+so the two may not disagree). Without `precision.weights` it is derived from here, in the canonical pattern form of
+quantization_patterns.
 """
 from __future__ import annotations
 
 import re
 from fnmatch import fnmatchcase
 
-from .spec import ModelSpec, PrecisionSpec, WeightPrecisionSpec
+from .spec import DEFAULT_MXFP4_INCLUDE, ModelSpec, PrecisionSpec, WeightPrecisionSpec
+from .weight_names import WeightInfo, model_weights, weight_table
 
 BLOCK = 32   # MXFP4 block along the reduction dimension (k3c.quant.BLOCK_SIZE; not imported: no torch here)
 
@@ -62,20 +66,40 @@ def select(names, include, exclude) -> list[str]:
 
 def quantized_names(spec: ModelSpec) -> list[str]:
     """Canonical weights the spec's `quantization:` section selects ([] without one)."""
-    from .weight_names import model_weights
-
     q = spec.quantization
     if q is None:
         return []
     return select([w.name for w in model_weights(spec)], q.include, q.exclude)
 
 
+def _group(info: WeightInfo) -> tuple[list[str], str] | None:
+    """(the weights quantized together with `info`, the rule that says so); None if k3c cannot quantize it."""
+    if info.kind == "experts":
+        prefix = info.name.rpartition(".")[0]
+        return ([f"{prefix}.{w}" for w in ("w1", "w3", "w2")],
+                "a layer's expert stacks w1, w3 and w2 are quantized together (one expert format per MoE layer)")
+    group = dense_group(info.name) if info.kind == "linear" else None
+    if group is None:
+        return None
+    what, stacks = group
+    return stacks, f"the {what}'s gate_proj, up_proj and down_proj are quantized together (one MXFP4 GEMM format " \
+                   f"per op)"
+
+
+def packable(spec: ModelSpec, chosen: set[str]) -> bool:
+    """Whether a `quantization:` section may select exactly `chosen` (the grouping rules of check_quantization)."""
+    infos = weight_table(spec)
+    for n in chosen:
+        group = _group(infos[n])
+        if group is None or not set(group[0]) <= chosen:
+            return False
+    return True
+
+
 def check_quantization(spec: ModelSpec, sec, precision_sec) -> ModelSpec:
     """Validate spec.quantization (read from Section `sec`); returns the spec with the precision plan filled in."""
-    from .weight_names import model_weights
-
     q = spec.quantization
-    infos = {w.name: w for w in model_weights(spec)}
+    infos = weight_table(spec)
     names = list(infos)
     for key in ("include", "exclude"):
         if not sec.has(key):
@@ -93,19 +117,13 @@ def check_quantization(spec: ModelSpec, sec, precision_sec) -> ModelSpec:
             " (the default selects routed experts and the spec has none: list linears under include, e.g. "
             "'lm_head.weight', or drop the section)"))
     for n in chosen:
-        if infos[n].kind == "experts":
-            what, stacks = "routed experts", [n.rpartition(".")[0] + "." + w for w in ("w1", "w3", "w2")]
-            rule = "a layer's expert stacks w1, w3 and w2 are quantized together (one expert format per MoE layer)"
-        else:
-            group = dense_group(n) if infos[n].kind == "linear" else None
-            if group is None:
-                i, pat = next((i, p) for i, p in enumerate(q.include) if fnmatchcase(n, p))
-                raise sec.error("include", f"pattern '{pat}' selects '{n}', which k3c cannot quantize: "
-                                           f"{_why_not(infos[n])}. MXFP4 applies to {QUANTIZABLE}; exclude it",
-                                sec.item_line("include", i) if sec.has("include") else None)
-            what, stacks = group
-            rule = f"the {what}'s gate_proj, up_proj and down_proj are quantized together (one MXFP4 GEMM format " \
-                   f"per op)"
+        group = _group(infos[n])
+        if group is None:
+            i, pat = next((i, p) for i, p in enumerate(q.include) if fnmatchcase(n, p))
+            raise sec.error("include", f"pattern '{pat}' selects '{n}', which k3c cannot quantize: "
+                                       f"{_why_not(infos[n])}. MXFP4 applies to {QUANTIZABLE}; exclude it",
+                            sec.item_line("include", i) if sec.has("include") else None)
+        stacks, rule = group
         if not all(x in chosen for x in stacks):
             missing = next(x for x in stacks if x not in chosen)
             raise sec.error("exclude" if sec.has("exclude") else "include",
@@ -118,8 +136,6 @@ def check_quantization(spec: ModelSpec, sec, precision_sec) -> ModelSpec:
 
 
 def _precision_plan(spec: ModelSpec, chosen: list[str], precision_sec, sec) -> PrecisionSpec:
-    from .hf_config import quantization_patterns, quantized_weight_names
-
     q = spec.quantization
     given = precision_sec is not None and precision_sec.has("weights")
     if not given:
@@ -137,3 +153,71 @@ def _precision_plan(spec: ModelSpec, chosen: list[str], precision_sec, sec) -> P
     if w.scale_rule != q.rule:
         raise sec.error("rule", f"rule {q.rule} disagrees with precision.weights.scale_rule {w.scale_rule}")
     return spec.precision
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the precision plan's MXFP4 weights, as names and as canonical patterns
+def quantizable_names(spec: ModelSpec) -> list[str]:
+    """The Linear weights and routed expert stacks: what precision patterns range over."""
+    return [w.name for w in model_weights(spec) if w.kind in ("linear", "experts")]
+
+
+def expert_stack_names(spec: ModelSpec) -> set[str]:
+    """The routed expert stacks (experts.w1 / w3 / w2 of every MoE layer): what DEFAULT_MXFP4_INCLUDE selects."""
+    return {w.name for w in model_weights(spec) if w.kind == "experts"}
+
+
+def quantized_weight_names(spec: ModelSpec) -> set[str]:
+    """Canonical Linear/expert weights that the spec's precision patterns select for MXFP4."""
+    w = spec.precision.weights
+    if w.format != "mxfp4":
+        return set()
+    return set(select(quantizable_names(spec), w.include, w.exclude))
+
+
+_EXPERT_FAMILY = re.compile(r"^layers\.\*\.block_sparse_moe\.experts\.w[123]$")
+
+
+def weight_families(names: list[str]) -> dict[str, list[str]]:
+    """Names grouped by their pattern over all layers (`layers.3.mlp.up_proj.weight` -> `layers.*.mlp.up_proj.weight`),
+    in order."""
+    families: dict[str, list[str]] = {}
+    for n in names:
+        families.setdefault(re.sub(r"^layers\.\d+\.", "layers.*.", n), []).append(n)
+    return families
+
+
+def quantization_patterns(spec: ModelSpec, quantized: set[str]) -> tuple[list[str], list[str]]:
+    """Canonical (include, exclude) fnmatch patterns that select exactly `quantized` among the Linear weights."""
+    if quantized == expert_stack_names(spec):
+        return list(DEFAULT_MXFP4_INCLUDE), []
+    names = quantizable_names(spec)
+    include: list[str] = []
+    exclude: list[str] = []
+    for fam, members in weight_families(names).items():
+        q = [n for n in members if n in quantized]
+        if not q:
+            continue
+        if len(q) == len(members):
+            include.append(fam)
+        elif 2 * len(q) >= len(members):
+            include.append(fam)
+            exclude += [n for n in members if n not in quantized]
+        else:
+            include += q
+    # three complete expert families -> the one default pattern
+    full_experts = [p for p in include if _EXPERT_FAMILY.match(p)]
+    if len(full_experts) == 3:
+        include = [p for p in include if p not in full_experts] + list(DEFAULT_MXFP4_INCLUDE)
+    # a layer whose three expert tensors are all excluded -> one pattern
+    by_layer: dict[str, list[str]] = {}
+    for n in exclude:
+        m = re.match(r"^(layers\.\d+\.block_sparse_moe\.experts)\.w[123]$", n)
+        if m:
+            by_layer.setdefault(m.group(1), []).append(n)
+    for prefix, items in by_layer.items():
+        if len(items) == 3:
+            exclude = [n for n in exclude if n not in items] + [prefix + ".*"]
+    if set(select(names, include, exclude)) != quantized:     # never expected; stay exact regardless
+        return sorted(quantized), []
+    return include, exclude

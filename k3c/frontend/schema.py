@@ -23,15 +23,15 @@ Schema (every section but `model`, `layers` and `mlp` is optional):
 """
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from typing import Any
 
 from ..errors import SpecError
+from .located import MAX_SHOWN, LocDict, clean, did_you_mean, spec_error
+from .quant_check import check_quantization
 from .spec import (DEFAULT_MXFP4_INCLUDE, DEFAULT_QUANT_INCLUDE, LAYER_KINDS, ActivationSpec, AttnResSpec, KDASpec,
                    MLASpec, MLPSpec, ModelSpec, MoESpec, PrecisionSpec, QuantizationSpec, WeightPrecisionSpec)
-from .yaml_loader import MAX_SHOWN, LocDict, LocList, clean, spec_error
 
 MAX_DIM = 1 << 20          # widths (hidden, intermediate, ranks)
 MAX_COUNT = 1 << 16        # layers, heads, experts
@@ -162,7 +162,7 @@ class Section:
     def choice(self, key: str, options: tuple[str, ...], default: Any = _MISSING) -> str:
         value = self.raw(key, default)
         if not isinstance(value, str) or value not in options:
-            hint = _did_you_mean(value, options) if isinstance(value, str) else ""
+            hint = did_you_mean(value, options) if isinstance(value, str) else ""
             raise self.error(key, f"must be one of {', '.join(options)}, got {_show(value)}{hint}")
         return value
 
@@ -312,16 +312,8 @@ def _yaml12_hint(value: Any, want: str) -> str:
     return ""
 
 
-def _did_you_mean(word: Any, options) -> str:
-    word = str(word)
-    if len(word) > 100:
-        return ""
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
 def _unknown_hint(key: Any, known, path: str) -> str:
-    hint = _did_you_mean(key, known)
+    hint = did_you_mean(key, known)
     if hint:
         return hint
     homes = [sec for sec, keys in SECTION_KEYS.items() if key in keys and sec != path]
@@ -350,7 +342,7 @@ def spec_from_data(data: LocDict, file: str) -> ModelSpec:
     layer_kinds = _layer_kinds(layers)
     n_layers = len(layer_kinds)
 
-    kda = _kda(top.sub("kda", None), hidden)
+    kda = _kda(top.sub("kda", None))
     mla = _mla(top.sub("mla", None))
     for kind, section_value in (("kda", kda), ("mla", mla)):
         if kind in layer_kinds and section_value is None:
@@ -361,7 +353,7 @@ def spec_from_data(data: LocDict, file: str) -> ModelSpec:
     attn_res = _attn_res(top, n_layers)
     mlp = _mlp(top.sub("mlp"), top.sub("moe", None), n_layers, hidden)
     precision_sec = top.sub("precision", None)
-    precision = _precision(precision_sec, mlp)
+    precision = _precision(precision_sec)
     quant_sec = top.sub("quantization", None)
     quantization = _quantization(quant_sec)
     top.finish()
@@ -370,8 +362,6 @@ def spec_from_data(data: LocDict, file: str) -> ModelSpec:
                      max_context=max_context, tie_word_embeddings=tie, source=file,
                      locations=tuple(sorted(record.items())))
     if quant_sec is not None:
-        from .quant_check import check_quantization
-
         spec = check_quantization(spec, quant_sec, precision_sec)
     return spec
 
@@ -418,7 +408,7 @@ def _layer_kinds(sec: Section) -> tuple[str, ...]:
             raise sec.error(key, f"lists {len(items)} layers; at most {MAX_LAYERS}")
         for i, item in enumerate(items):
             if not isinstance(item, str) or item not in LAYER_KINDS:
-                hint = _did_you_mean(item, LAYER_KINDS) if isinstance(item, str) else ""
+                hint = did_you_mean(item, LAYER_KINDS) if isinstance(item, str) else ""
                 raise sec.error(key, f"item {i} must be one of {', '.join(LAYER_KINDS)}, got {_show(item)}{hint}",
                                 sec.item_line(key, i))
         return list(items)
@@ -455,7 +445,7 @@ def _layer_kinds(sec: Section) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def _kda(sec: Section | None, hidden: int) -> KDASpec | None:
+def _kda(sec: Section | None) -> KDASpec | None:
     if sec is None:
         return None
     heads = sec.int("num_heads", hi=MAX_COUNT)
@@ -509,7 +499,7 @@ def _attn_res(top: Section, n_layers: int) -> AttnResSpec | None:
     if value is None or value is False or value == "off":
         return None
     if isinstance(value, str):
-        hint = _did_you_mean(value, ('off',))
+        hint = did_you_mean(value, ('off',))
         if value.lower() in _YAML11_BOOLS or value.lower() == "off":
             hint = f" ('{_key(value)}' is a string in YAML 1.2: write off or false to turn AttnRes off)"
         raise top.error("attn_res", f"must be a mapping {{block_size: N}} or 'off', got {_show(value)}{hint}")
@@ -551,34 +541,35 @@ def _mlp(sec: Section, moe_sec: Section | None, n_layers: int, hidden: int) -> M
                 raise sec.error(key, "only applies to activation: situ")
     sec.finish()
     act = ActivationSpec(kind=kind, situ_beta_gate=beta_g, situ_beta_up=beta_u)
-
-    moe = None
-    if moe_sec is not None:
-        experts = moe_sec.int("num_experts", hi=MAX_COUNT)
-        top_k = moe_sec.int("top_k", hi=MAX_COUNT)
-        if top_k > experts:
-            raise moe_sec.error("top_k", f"top_k {top_k} exceeds num_experts {experts}")
-        moe = MoESpec(num_experts=experts, top_k=top_k,
-                      expert_intermediate_size=moe_sec.int("expert_intermediate_size"),
-                      num_shared_experts=moe_sec.int("num_shared_experts", 0, lo=0, hi=MAX_COUNT),
-                      shared_intermediate_size=moe_sec.int("shared_intermediate_size", None, allow_none=True),
-                      latent_dim=moe_sec.int("latent_dim", None, allow_none=True),
-                      latent_norm=moe_sec.bool("latent_norm", False),
-                      router_activation=moe_sec.choice("router_activation", ("sigmoid", "softmax"), "sigmoid"),
-                      router_bias=moe_sec.bool("router_bias", True),
-                      renormalize=moe_sec.bool("renormalize", True),
-                      routed_scaling_factor=moe_sec.float("routed_scaling_factor", 1.0, lo=0.0, hi=1e4,
-                                                          open_lo=True))
-        if moe.latent_norm and moe.latent_dim is None:
-            raise moe_sec.error("latent_norm", "needs latent_dim (the norm sits before the latent up projection)")
-        if moe.latent_dim is not None and moe.latent_dim > hidden:
-            raise moe_sec.error("latent_dim", f"latent_dim {moe.latent_dim} exceeds hidden_size {hidden}")
-        if moe.shared_intermediate_size is not None and moe.num_shared_experts == 0:
-            raise moe_sec.error("shared_intermediate_size", "given but num_shared_experts is 0")
-        moe_sec.finish()
-        if len(dense) == n_layers:
-            raise sec.error(dense_key or "dense_layers", "every layer is dense, yet a 'moe' section is given")
+    moe = _moe(moe_sec, hidden) if moe_sec is not None else None
+    if moe is not None and len(dense) == n_layers:
+        raise sec.error(dense_key or "dense_layers", "every layer is dense, yet a 'moe' section is given")
     return MLPSpec(dense_layers=dense, dense_intermediate_size=dense_size or 0, activation=act, moe=moe)
+
+
+def _moe(sec: Section, hidden: int) -> MoESpec:
+    experts = sec.int("num_experts", hi=MAX_COUNT)
+    top_k = sec.int("top_k", hi=MAX_COUNT)
+    if top_k > experts:
+        raise sec.error("top_k", f"top_k {top_k} exceeds num_experts {experts}")
+    moe = MoESpec(num_experts=experts, top_k=top_k,
+                  expert_intermediate_size=sec.int("expert_intermediate_size"),
+                  num_shared_experts=sec.int("num_shared_experts", 0, lo=0, hi=MAX_COUNT),
+                  shared_intermediate_size=sec.int("shared_intermediate_size", None, allow_none=True),
+                  latent_dim=sec.int("latent_dim", None, allow_none=True),
+                  latent_norm=sec.bool("latent_norm", False),
+                  router_activation=sec.choice("router_activation", ("sigmoid", "softmax"), "sigmoid"),
+                  router_bias=sec.bool("router_bias", True),
+                  renormalize=sec.bool("renormalize", True),
+                  routed_scaling_factor=sec.float("routed_scaling_factor", 1.0, lo=0.0, hi=1e4, open_lo=True))
+    if moe.latent_norm and moe.latent_dim is None:
+        raise sec.error("latent_norm", "needs latent_dim (the norm sits before the latent up projection)")
+    if moe.latent_dim is not None and moe.latent_dim > hidden:
+        raise sec.error("latent_dim", f"latent_dim {moe.latent_dim} exceeds hidden_size {hidden}")
+    if moe.shared_intermediate_size is not None and moe.num_shared_experts == 0:
+        raise sec.error("shared_intermediate_size", "given but num_shared_experts is 0")
+    sec.finish()
+    return moe
 
 
 def _patterns(w: Section, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -604,7 +595,7 @@ def _quantization(sec: Section | None) -> QuantizationSpec | None:
     return QuantizationSpec(format=fmt, rule=rule, include=include, exclude=exclude)
 
 
-def _precision(sec: Section | None, mlp: MLPSpec) -> PrecisionSpec:
+def _precision(sec: Section | None) -> PrecisionSpec:
     if sec is None:
         return PrecisionSpec()
     w = sec.sub("weights", None)

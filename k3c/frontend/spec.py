@@ -187,12 +187,6 @@ class ModelSpec:
             probe = probe.rpartition(".")[0]
         return self.source
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data in the YAML schema's shape (what `dump_spec_yaml` writes)."""
-        from .schema import spec_to_dict
-
-        return spec_to_dict(self)
-
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
 

@@ -15,8 +15,8 @@ import re
 from ..ir.builder import Builder
 from ..ir.core import Module, TensorType
 from ..ir.ops import get_op_def
-from .weight_names import weight_table
 from .spec import ModelSpec
+from .weight_names import weight_table
 
 PARAM_DTYPES = {"float": "bf16", "fp32": "f32"}
 L2NORM_EPS = 1e-6          # KDA q/k L2 norm (K3.md section 2)

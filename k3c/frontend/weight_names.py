@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from .spec import ModelSpec
 
+K3_CHECKPOINT_PREFIX = "language_model.model."   # K3 checkpoint names: this + the canonical name (experts per expert)
+K3_LM_HEAD = "language_model.lm_head"            # the K3 checkpoint's lm_head module, outside that prefix
+
 
 @dataclass(frozen=True)
 class WeightInfo:

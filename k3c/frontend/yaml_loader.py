@@ -4,34 +4,30 @@ Only YAML's safe types are constructed (no `!!python/...` tags), duplicate keys 
 SpecError naming the file, the line and (once construction has started) the dotted field path. The rendered error is
 always a single line.
 
-Hostile input is bounded before it can cost much: files over MAX_SPEC_BYTES are refused unread, composition stops
+Hostile input is bounded before it can cost much: text over MAX_YAML_BYTES is refused unparsed, composition stops
 after MAX_NODES nodes or MAX_DEPTH levels of nesting, and a document whose aliases would expand to more than
 MAX_EXPANDED_NODES values (a "billion laughs" bomb, merge-key bombs included) or that refers to itself is refused
 before anything is constructed.
 
 Merge keys (`<<: *defaults`) work as in YAML 1.1: explicit keys override merged ones; a key written twice in the same
-mapping is an error.
+mapping is an error. Plain scalars resolve by the YAML 1.2 core schema; SpecDumper writes YAML that reads back the same
+under both 1.1 and 1.2.
 """
 from __future__ import annotations
 
 import math
-import os
 import re
-import unicodedata
-from typing import Any
 
 import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from ..errors import SpecError
-from ..paths import regular_file
+from .located import MAX_SHOWN, LocDict, LocList, clean, decode_spec_bytes, spec_error
 
-MAX_SPEC_BYTES = 4 * 1024 * 1024  # any spec-like file (YAML here, config.json in hf_config) is refused unread above
 MAX_YAML_BYTES = 256 * 1024       # a YAML spec is a few KB; pure-Python YAML reads only ~200 KB/s of dense input
 MAX_NODES = 10_000                # YAML nodes composed (a 4096-layer `kinds` list is ~4,200)
 MAX_DEPTH = 64                    # nesting levels (a spec needs 3)
 MAX_EXPANDED_NODES = 200_000      # nodes after expanding aliases and merges
-MAX_SHOWN = 60                    # characters of user text quoted in a message
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _VALUE_TAG = "tag:yaml.org,2002:value"
@@ -39,66 +35,11 @@ _STR_TAG = "tag:yaml.org,2002:str"
 _NON_PRINTABLE = yaml.reader.Reader.NON_PRINTABLE
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# one-line messages
-def clean(text: Any, limit: int | None = None) -> str:
-    """`text` with every control / line-separator character escaped, optionally shortened: safe on one line."""
-    text = str(text)
-    if limit is not None and len(text) > limit:
-        text = text[: max(limit - 3, 1)] + "..."
-    if text.isprintable():
-        return text
-    out = []
-    for ch in text:
-        if ch.isprintable() or ch == " ":
-            out.append(ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif unicodedata.category(ch) in ("Zs",):
-            out.append(" ")
-        else:
-            code = ord(ch)
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
-    return "".join(out)
-
-
-def spec_error(message: str, *, file: str | None = None, line: int | None = None,
-               field: str | None = None) -> SpecError:
-    """A SpecError whose rendering is guaranteed to be one line (user text in any part is escaped)."""
-    return SpecError(clean(message), file=None if file is None else clean(file),
-                     line=line, field=None if field is None else clean(field, 200))
-
-
 def line_at(text: str, index: int) -> int:
     """1-based line of character `index`, counting line breaks the way PyYAML's marks do."""
     head = text[:index]
     return (head.count("\n") + head.count("\x85") + head.count("\u2028") + head.count("\u2029")
             + head.count("\r") - head.count("\r\n") + 1)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-class LocDict(dict):
-    """A mapping that knows its own line and the line of each key (1-based)."""
-
-    line: int | None = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.key_lines: dict[str, int] = {}
-
-
-class LocList(list):
-    """A list that knows its own line and the line of each item (1-based)."""
-
-    line: int | None = None
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.item_lines: list[int] = []
 
 
 def _short_tag(tag: str | None) -> str:
@@ -242,12 +183,18 @@ def _construct_key(loader: _LocatingSafeLoader, key_node) -> str:
     return key
 
 
-def _construct_mapping(loader: _LocatingSafeLoader, node) -> LocDict:
-    if not isinstance(node, MappingNode):
-        raise spec_error(f"{_short_tag(node.tag)} needs a mapping, found a {node.id}", file=loader.spec_file,
+def _located(loader: _LocatingSafeLoader, node, node_type, container, what: str):
+    """An empty `container` (LocDict / LocList) on `node`'s line; a SpecError when `node` is no `node_type`."""
+    if not isinstance(node, node_type):
+        raise spec_error(f"{_short_tag(node.tag)} needs {what}, found a {node.id}", file=loader.spec_file,
                          line=node.start_mark.line + 1, field=loader.field_path())
-    out = LocDict()
+    out = container()
     out.line = node.start_mark.line + 1
+    return out
+
+
+def _construct_mapping(loader: _LocatingSafeLoader, node) -> LocDict:
+    out = _located(loader, node, MappingNode, LocDict, "a mapping")
     merged, own = _mapping_pairs(loader, node)
     for pairs, explicit in ((merged, False), (own, True)):
         seen: set[str] = set()
@@ -268,11 +215,7 @@ def _construct_mapping(loader: _LocatingSafeLoader, node) -> LocDict:
 
 
 def _construct_sequence(loader: _LocatingSafeLoader, node) -> LocList:
-    if not isinstance(node, SequenceNode):
-        raise spec_error(f"{_short_tag(node.tag)} needs a list, found a {node.id}", file=loader.spec_file,
-                         line=node.start_mark.line + 1, field=loader.field_path())
-    out = LocList()
-    out.line = node.start_mark.line + 1
+    out = _located(loader, node, SequenceNode, LocList, "a list")
     for i, child in enumerate(node.value):
         loader._path.append(f"[{i}]")
         out.append(loader.construct_object(child, deep=True))
@@ -359,6 +302,21 @@ _LocatingSafeLoader.add_constructor(_FLOAT_TAG, _construct_core_float)
 _LocatingSafeLoader.add_constructor(_BOOL_TAG, _construct_core_bool)
 
 
+class SpecDumper(yaml.SafeDumper):
+    """SafeDumper that also quotes strings YAML 1.2 (how specs are read) would take as numbers or booleans (`1e5`,
+    `0o17`), besides those YAML 1.1 would (`0064`, `yes`)."""
+
+
+SpecDumper.add_implicit_resolver(_BOOL_TAG, _CORE_BOOL, list("tTfF"))
+SpecDumper.add_implicit_resolver(_INT_TAG, _CORE_INT, list("-+0123456789"))
+SpecDumper.add_implicit_resolver(_FLOAT_TAG, _CORE_FLOAT, list("-+.0123456789"))
+
+
+def dump_yaml_text(data: dict) -> str:
+    """Plain spec data as YAML text that load_yaml_text reads back to the same data."""
+    return yaml.dump(data, Dumper=SpecDumper, sort_keys=False, default_flow_style=None, width=120)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 _HINTS = (
     ("cannot start any token", "'\\t'", "tabs cannot indent YAML; use spaces"),
@@ -386,19 +344,6 @@ def _yaml_error_message(exc: yaml.MarkedYAMLError) -> tuple[str, int | None]:
         if needle in problem and also in problem:
             message += f"; {hint}"
     return message, line
-
-
-def decode_spec_bytes(raw: bytes, file: str) -> str:
-    """UTF-8 text of a spec file's bytes (BOM allowed), or a SpecError naming the file and line."""
-    if len(raw) > MAX_SPEC_BYTES:
-        raise spec_error(f"file is larger than {MAX_SPEC_BYTES} bytes; not a spec", file=file)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        what = "binary data (a PNG image?)" if raw.startswith(b"\x89PNG") else "binary data"
-        raise spec_error(f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start}; {what}, not a spec",
-                         file=file, line=line) from None
 
 
 def load_yaml_text(text: str | bytes, file: str) -> LocDict:
@@ -442,32 +387,3 @@ def load_yaml_text(text: str | bytes, file: str) -> LocDict:
         raise spec_error(f"top level must be a mapping of sections (name, model, layers, ...), got {kind}",
                          file=file, line=getattr(loader, "root_line", 1))
     return data
-
-
-def _not_regular(path: str):
-    """regular_file's error for a spec path: a SpecError naming the file (the message without the path prefix)."""
-    def error(message: str) -> SpecError:
-        prefix = f"{path}: "
-        return spec_error(message[len(prefix):] if message.startswith(prefix) else message, file=path)
-    return error
-
-
-def read_spec_text(path: str) -> str:
-    """Read a spec file as UTF-8 text with errors that name the file."""
-    try:
-        if os.path.isdir(path):
-            raise spec_error("is a directory, not a spec file (for a Hugging Face model dir pass it to load_spec "
-                             "with a config.json inside)", file=path)
-        if os.path.exists(path):                   # a FIFO, a device or a socket would block the read or never end
-            regular_file(path, "spec file", error=_not_regular(path))
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_SPEC_BYTES + 1)
-    except FileNotFoundError:
-        raise spec_error("no such file", file=path) from None
-    except IsADirectoryError:
-        raise spec_error("is a directory, not a spec file", file=path) from None
-    except OSError as exc:
-        raise spec_error(f"cannot read: {exc.strerror or exc}", file=path) from None
-    except ValueError as exc:                      # e.g. a NUL character in the path
-        raise spec_error(f"not a usable path ({exc})", file=path) from None
-    return decode_spec_bytes(raw, path)

@@ -13,7 +13,8 @@ import yaml
 
 from k3c.errors import SpecError, UserError
 from k3c.frontend import load_spec, parse_spec_text, yaml_loader
-from k3c.frontend.yaml_loader import MAX_SPEC_BYTES, MAX_YAML_BYTES
+from k3c.frontend.located import MAX_SPEC_BYTES
+from k3c.frontend.yaml_loader import MAX_YAML_BYTES
 
 from .conftest import BAD_SPECS
 
@@ -95,7 +96,7 @@ def test_directory(tmp_path):
 
 
 def test_directory_read_directly(tmp_path):
-    from k3c.frontend.yaml_loader import read_spec_text
+    from k3c.frontend.located import read_spec_text
 
     with pytest.raises(SpecError, match="is a directory") as info:
         read_spec_text(str(tmp_path))

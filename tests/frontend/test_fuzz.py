@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3c.errors import SpecError
-from k3c.frontend import ModelSpec, _spec_dumper, dump_spec_yaml, parse_spec_text
-from k3c.frontend.schema import SECTION_KEYS
+from k3c.frontend import ModelSpec, dump_spec_yaml, parse_spec_text
+from k3c.frontend.schema import SECTION_KEYS, spec_to_dict
+from k3c.frontend.yaml_loader import SpecDumper
 
 from .conftest import EXAMPLES
 
@@ -228,11 +229,11 @@ def valid_spec_data(draw):
 @given(valid_spec_data())
 def test_round_trip(data):
     # dumped so that YAML 1.2 reads back what was drawn (a name like '1e5' or '0o7' needs quotes)
-    spec = parse_spec_text(yaml.dump(data, Dumper=_spec_dumper(yaml), sort_keys=False), "gen.yaml")
+    spec = parse_spec_text(yaml.dump(data, Dumper=SpecDumper, sort_keys=False), "gen.yaml")
     text = dump_spec_yaml(spec)
     again = parse_spec_text(text, "dumped.yaml")
     assert again == spec
     assert dump_spec_yaml(again) == text
-    assert spec.to_dict() == again.to_dict()
+    assert spec_to_dict(spec) == spec_to_dict(again)
     for value in (spec.rms_norm_eps, spec.mlp.moe.routed_scaling_factor if spec.mlp.moe else 1.0):
         assert math.isfinite(value)

@@ -9,8 +9,9 @@ import pytest
 
 from k3c.errors import SpecError
 from k3c.frontend import load_spec
-from k3c.frontend.hf_config import (SUPPORTED_MODEL_TYPES, quantized_weight_names, spec_from_hf_config_text,
-                                    spec_to_hf_config)
+from k3c.frontend.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config_text
+from k3c.frontend.hf_export import spec_to_hf_config
+from k3c.frontend.quant_check import quantized_weight_names
 from k3c.frontend.spec import DEFAULT_MXFP4_INCLUDE
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,28 +1,42 @@
-"""Device -> Target at run time, the token-count buckets GEMM kernels are specialised for, and the dtype table of
-kernel signatures. Launching lives in k3c.runtime.launcher (the one launcher); the torch-facing family wrappers
-(rmsnorm, gemm, ...) in k3c.runtime.kernel_impls.basic."""
+"""The torch side of kernels: which Target a device runs (detected from its properties, or bound to an artifact's
+target; whether a tensor's kernels run in the interpreter), and the one dtype table (user spellings -> torch
+dtypes, torch dtypes -> kernel signature types)."""
 from __future__ import annotations
 
 import functools
 
 import torch
 
-from .kernels.common import pow2_ceil
-from .targets import TARGETS, Target, get_target
-from .writer import CodegenError
+from ..codegen.targets import TARGETS, Target, get_target
+from ..codegen.writer import CodegenError
+from ..errors import ArgumentError
+from ..ir.core import DTYPE_SPELLINGS
 
 TORCH_TO_TT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
                torch.int32: "i32", torch.uint8: "u8"}
 
+# The torch dtype of each IR float type a model runs in, and of every spelling of it k3c accepts.
+TORCH_OF_IR = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+TORCH_DTYPES = {spelling: TORCH_OF_IR[ir] for spelling, ir in DTYPE_SPELLINGS.items()}
+
 
 def tt_dtype(dtype: torch.dtype) -> str:
+    """The kernel signature type of a torch dtype ("bf16", "fp32", ...)."""
     try:
         return TORCH_TO_TT[dtype]
     except KeyError:
         raise CodegenError(f"no kernel dtype for {dtype}") from None
 
 
-# -- targets -------------------------------------------------------------------------------------------------------
+def torch_dtype(name: str, what: str = "dtype") -> torch.dtype:
+    """The torch dtype a user, config or checkpoint names (`what` names the argument in the error)."""
+    try:
+        return TORCH_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ArgumentError(f"{what} {name!r}: choose from {', '.join(sorted(TORCH_DTYPES))}") from None
+
+
+# -- targets --------------------------------------------------------------------------------------------------------
 # Overrides: a runtime session running an artifact binds the device to the artifact's Target (an h100 artifact on an
 # H200 keeps the h100 row), so the kernels it picks at run time carry the artifact's catalogue keys.
 _BOUND: dict[tuple[str, int], Target] = {}
@@ -36,7 +50,7 @@ def _device_key(device: torch.device | str) -> tuple[str, int]:
 @functools.lru_cache(maxsize=None)
 def _detected_target(device_type: str, index: int) -> Target:
     """The Target of the device itself (targets.target_for_properties on torch's device properties)."""
-    from .targets import target_for_properties
+    from ..codegen.targets import target_for_properties
 
     if device_type == "cpu":
         return TARGETS["cpu"]
@@ -89,15 +103,7 @@ def target_for(device: torch.device | str) -> Target:
     return _device_target(*_device_key(device))
 
 
-M_BUCKET_MAX = 1024
-M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)    # every m_hint the GEMM wrappers can ask for (AOT: emit these)
-
-
-def m_bucket(m: int) -> int:
-    """The token-count bucket the GEMM tiles are specialised for: powers of two from 16 to 1024 (every M >= 513
-    shares the 1024 kernel; tiles only change below that, and the program-count rule needs M's scale)."""
-    return max(16, min(M_BUCKET_MAX, pow2_ceil(max(1, m))))
-
-
-
-__all__ = ["target_for", "device_target", "tt_dtype", "TORCH_TO_TT", "m_bucket", "M_BUCKETS"]
+def interpreted(t: torch.Tensor) -> bool:
+    """Whether kernels on `t` run through the Triton interpreter (a CPU tensor): such a launch takes the
+    interpreter variant of its kernel, whatever target the device is bound to."""
+    return t.device.type == "cpu"
