@@ -354,41 +354,32 @@ def compile(spec, target: str | Target = "mi355x", *, passes: list[str] | None =
     ranks are max(tp, ep)): the `shard` pass runs first (docs/distributed.md). seq_parallel: with tp > 1, the
     residual stream and AttnRes blocks hold T/tp tokens per rank during prefill (reduce-scatter / all-gather
     instead of all-reduce)."""
-    from .frontend.to_ir import spec_to_module
-    from .passes.pipeline import resolve_passes, run_pipeline
-    from .passes.shard import check_divisible, make_layout
+    from .passes.pipeline import lower
 
     tgt = get_target(target) if isinstance(target, str) else target
-    layout = make_layout(tp, tp if ep is None else ep, rank)
     if not isinstance(spec, ModelSpec):
         spec = load_spec(spec)
-    module = spec_to_module(spec)
-    names = list(passes) if passes is not None else ["default"]
-    if layout.world > 1:
-        module = module.replace(attrs={**module.attr_dict, "tp": layout.tp, "ep": layout.ep, "rank": layout.rank,
-                                       "seq_parallel": bool(seq_parallel)})
-        check_divisible(module, layout)           # bad --tp / --ep: a clear error before any pass runs
-        if "shard" not in resolve_passes(names):
-            names = ["shard"] + names
     stages: list = []
-    final, records = run_pipeline(module, names, dump_dir=dump_ir, stages=stages, target=tgt)
+    final, records = lower(spec, tgt, list(passes) if passes is not None else ["default"], tp=tp, ep=ep, rank=rank,
+                           seq_parallel=seq_parallel, dump_dir=dump_ir, stages=stages)
     return CompiledModel(spec=spec, target=tgt, module=final, stages=stages, records=records,
                          run_dtypes=_run_dtypes(run_dtypes))
-
-
-_DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "f32": "f32", "fp32": "f32", "float32": "f32"}
 
 
 def _run_dtypes(dtypes) -> tuple[str, ...]:
     """("bf16",) / ("bf16", "f32") from names as users write them (bfloat16, float32, bf16, fp32, f32)."""
     if isinstance(dtypes, str):
         dtypes = [d.strip() for d in dtypes.split(",") if d.strip()]
+    from .codegen.catalogue import RUN_DTYPES
+    from .ir.core import DTYPE_SPELLINGS
+
     out = []
     for d in dtypes:
-        if d not in _DTYPE_NAMES:
+        ir = DTYPE_SPELLINGS.get(d) if isinstance(d, str) else None
+        if ir not in RUN_DTYPES:
             raise ArgumentError(f"run dtype {d!r}: choose from bfloat16, float32")
-        if _DTYPE_NAMES[d] not in out:
-            out.append(_DTYPE_NAMES[d])
+        if ir not in out:
+            out.append(ir)
     if not out:
         raise ArgumentError("run dtypes: name at least one of bfloat16, float32")
     return tuple(out)

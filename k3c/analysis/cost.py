@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..codegen.targets import Target
-from ..ir.core import Module, Op
+from ..ir.core import DTYPE_BITS, Module, Op
 from .formulas import (causal_pairs, ceil_div, experts_touched, kda_decode_bytes, kda_decode_flops,
                        kda_prefill_bytes, kda_prefill_flops, mla_pair_flops, ring_allreduce_bytes)
-from .layout import ParallelLayout, ParamInfo
-from .memory import KV_BYTES, ModelFacts, WeightReport, expert_intermediate
+from .layout import ParallelLayout, ParamInfo, op_params
+from .memory import KV_BYTES, ModelFacts, WeightReport, expert_intermediate, weight_derived_values
 
 KINDS = ("kda", "mla", "moe", "mlp", "attn_res", "other")
 EXACT_PREFILL_CHUNKS = 1024      # prefills of more chunks are summed piecewise linearly (CostModel._chunk_sum)
@@ -212,14 +212,12 @@ class CostModel:
         # group identical ops (same op, attrs but the layer, input types and param shares): K3 has ~40 groups
         groups: dict[tuple, list] = {}
         self.unmodeled: dict[str, int] = {}
-        from .memory import weight_derived_values
-
         self.weight_transforms = weight_derived_values(module)      # evaluated once at load: no step cost
         for op in module.ops:
             if op.op in ("param", "input") or (op.results and op.results[0] in self.weight_transforms):
                 continue
-            if op.op not in _RULES:      # priced by the generic rule; listed in the report (kernel ops of
-                #                          passes k3c.analysis does not know yet)
+            if op.op not in _RULES:      # priced by the generic rule; listed in the report (ops without a
+                #                          cost rule here)
                 self.unmodeled[op.op] = self.unmodeled.get(op.op, 0) + 1
             params = op_params(module, op, by_name)
             key = (op.op, tuple((k, v) for k, v in op.attrs if k != "layer"),
@@ -394,18 +392,6 @@ class CostModel:
             c.collectives += 1
 
 
-def op_params(module: Module, op: Op, by_name: dict[str, ParamInfo]) -> dict[str, ParamInfo]:
-    """The params an op reads, keyed by their role as the canonical name gives it (`q_proj.weight`,
-    `experts.w1`, ...): stable whatever input order or role names a pass gives its kernel-level ops."""
-    out: dict[str, ParamInfo] = {}
-    for v in op.inputs:
-        d = module.defs.get(v)
-        if d is not None and d.op == "param":
-            p = by_name[d.attr("name")]
-            out[p.name if p.role in out else p.role] = p
-    return out
-
-
 def _kda_core(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step) -> Cost:
     """The KDA core per GPU: chunked prefill (K3.md: 12C^3 + 8C^2 D + 6C D^2 FLOPs, 8C^2 + 22CD bytes per chunk
     and head, plus the fp32 state loaded and stored once) or recurrent decode (7 D^2 FLOPs, 8 D^2 bytes per head
@@ -572,8 +558,6 @@ def _generic(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step, toke
     """An op without a rule of its own (a fused elementwise op a pass introduced, say): memory-bound, each
     activation input read once and each result written once (symbolic dims count as the step's tokens), its
     params read once, 1 FLOP per result element."""
-    from ..ir.core import DTYPE_BITS
-
     def elems(ty) -> float:
         fixed = 1
         symbolic = False

@@ -24,9 +24,9 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from ..errors import ArgumentError, K3cError
+from ..errors import ArgumentError, IRError, K3cError
 from ..ir.core import DTYPE_BITS, Module, Op, TensorType
-from ..ir.ops import get_op_def
+from ..ir.ops import bind
 from ..limits import MAX_RANKS
 from .formulas import ceil_div, mxfp4_bytes
 
@@ -157,13 +157,27 @@ def consumers(module: Module) -> dict[str, tuple[Op, str]]:
         if op.op == "param":
             continue
         try:
-            roles = get_op_def(op.op).roles(op.attr_dict)
-        except Exception:      # an op this analysis does not know: fall back to names below
-            roles = ()
-        for i, v in enumerate(op.inputs):
+            bound = bind(op)
+        except IRError:        # an op the registry does not know: no roles, the names decide (name_kind_role)
+            bound = {}
+        for role, v in bound.items():
             if v in params and v not in out:
-                role = roles[i].name if i < len(roles) else ""
                 out[v] = (op, role)
+        for v in op.inputs:
+            if v in params and v not in out:
+                out[v] = (op, "")
+    return out
+
+
+def op_params(module: Module, op: Op, by_name: dict[str, ParamInfo]) -> dict[str, ParamInfo]:
+    """The params an op reads, keyed by their role as the canonical name gives it (`q_proj.weight`,
+    `experts.w1`, ...): stable whatever input order or role names a pass gives its kernel-level ops."""
+    out: dict[str, ParamInfo] = {}
+    for v in op.inputs:
+        d = module.defs.get(v)
+        if d is not None and d.op == "param":
+            p = by_name[d.attr("name")]
+            out[p.name if p.role in out else p.role] = p
     return out
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..ir.core import DTYPE_BITS, Module, Op
 from .formulas import ceil_div
-from .layout import CATEGORIES, ParallelLayout, ParamInfo, classify_params
+from .layout import CATEGORIES, ParallelLayout, ParamInfo, classify_params, op_params
 
 KV_BYTES = {"bf16": 2, "fp8": 1}
 
@@ -301,7 +301,7 @@ class MemoryPlanner:
         for op in f.moe[:1]:
             e, k = op.attr("num_experts"), op.attr("top_k")
             z = op.attr("latent_dim") or d
-            params = _op_params(self.module, op, self.weights.by_name)
+            params = op_params(self.module, op, self.weights.by_name)
             m = expert_intermediate(params)
             rows = n * k / tp
             shared = 0.0
@@ -310,7 +310,7 @@ class MemoryPlanner:
             # router scores fp32, latent z, expert rows (input z, gate|up 2m, activation m, output z), shared
             layer["moe"] = n * e * 4 + n * z * a + rows * (2 * z + 3 * m) * a + shared
         for op in f.mlp[:1]:
-            gate = _op_params(self.module, op, self.weights.by_name).get("gate_proj.weight")
+            gate = op_params(self.module, op, self.weights.by_name).get("gate_proj.weight")
             width = gate.type.shape[0] if gate is not None else 0
             layer["mlp"] = n * width / tp * 3 * a
         if layer:
@@ -353,12 +353,6 @@ class MemoryPlanner:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.fits(context, mid, base) else (lo, mid)
         return lo
-
-
-def _op_params(module: Module, op: Op, by_name: dict[str, ParamInfo]) -> dict[str, ParamInfo]:
-    from .cost import op_params
-
-    return op_params(module, op, by_name)
 
 
 def expert_intermediate(params: dict[str, ParamInfo]) -> int:

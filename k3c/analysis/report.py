@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 
 from ..codegen.targets import TARGETS, Target, get_target
 from ..errors import ArgumentError
+from ..frontend import ModelSpec, load_spec
 from ..ir.core import Module
 from ..limits import MAX_BATCH, MAX_STAGES, MAX_TOKENS
-from .cost import CostModel, PhaseResult, cost_rules, mla_crossover_new_tokens, mla_mode_costs, op_params
+from ..passes.pipeline import lower
+from .cost import CostModel, PhaseResult, cost_rules, mla_crossover_new_tokens, mla_mode_costs
 from .formulas import (FORMULAS, GB, GiB, attnres_pp_cached_blocks, attnres_pp_naive_blocks, ceil_div, fmt_bytes,
                        fmt_seconds, fmt_si, moe_comm_compute_ratio)
-from .layout import ParallelLayout
+from .layout import ParallelLayout, op_params
 from .memory import (KV_BYTES, MemoryConfig, MemoryPlan, MemoryPlanner, ModelFacts, WeightReport,
                      expert_intermediate, weight_report)
 from .roofline import KV_THROUGHPUT_LENGTHS, Point, kv_throughput, load_measured, measured_rows, ridge
@@ -183,20 +185,39 @@ def _phase_dict(ph: PhaseResult, target: Target) -> dict:
 
 
 # ---- building the plan -----------------------------------------------------------------------------------
-def _module_of(model, target: Target) -> tuple[Module, str, list[str]]:
-    from ..api import CompiledModel, compile as k3c_compile
+@dataclass
+class _Lowered:
+    """A spec through the default pipeline: what plan() reads of a compiled model (the k3c.api.CompiledModel
+    fields of the same names)."""
+    spec: ModelSpec
+    module: Module
+    stages: list[tuple[str, Module]]
 
+
+def _lowered(model, target: Target, layout: ParallelLayout | None = None) -> _Lowered:
+    """A spec (a path or a ModelSpec) lowered for `target`; with `layout`, rank 0's slice of it (the shard pass)."""
+    spec = model if isinstance(model, ModelSpec) else load_spec(model)
+    shard = {} if layout is None else {"tp": layout.tp, "ep": layout.ep, "rank": 0}
+    stages: list[tuple[str, Module]] = []
+    module, _ = lower(spec, target, stages=stages, **shard)
+    return _Lowered(spec, module, stages)
+
+
+def _module_of(model, target: Target) -> tuple[Module, str, list[str]]:
+    """(the module the plan prices, the model's name, the passes it went through) of a Module, a compiled model
+    (k3c.api.CompiledModel or _Lowered) or a spec."""
     if isinstance(model, Module):
         return model, model.name, []
-    if not isinstance(model, CompiledModel):
-        model = k3c_compile(model, target=target)
+    if not hasattr(model, "stages"):
+        model = _lowered(model, target)
+    names = [name for name, _ in model.stages[1:]]
     module = model.module
-    names = model.pass_names
     if "moe-lower" in names and names.index("moe-lower") > 0:
         # the MoE cost and memory rules price the layer-level `moe` op (routing, active experts, dispatch): read
         # the IR just before moe-lower, where every other layer is already lowered
-        module = model.module_after(names[names.index("moe-lower") - 1])
-    return module, model.spec.name, model.pass_names
+        before = names[names.index("moe-lower") - 1]
+        module = next(m for name, m in reversed(model.stages) if name == before)
+    return module, model.spec.name, names
 
 
 def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None = None,
@@ -209,9 +230,7 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
     tgt = get_target(target) if isinstance(target, str) else target
     layout = ParallelLayout.make(tp, ep)
     if sharded and not isinstance(model, Module) and not hasattr(model, "module"):
-        from ..api import compile as k3c_compile
-
-        model = k3c_compile(model, target=tgt, tp=layout.tp, ep=layout.ep, rank=0)
+        model = _lowered(model, tgt, layout)
     if kv_dtype not in KV_BYTES:
         raise ArgumentError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}, got {kv_dtype!r}")
     for name, v in (("--batch", batch), ("--prefill-chunk", prefill_chunk), ("--pp", pp), ("--vpp", vpp),
@@ -333,8 +352,8 @@ def _gb(x: float) -> str:
 
 
 def _render(p: Plan) -> list[str]:
-    t, lay, cfg, f, w, mem = p.target, p.layout, p.config, p.facts, p.weights, p.memory
-    a = f.act_bytes
+    """The text report, one line per item: the header, sections 1-8, the unmodeled ops and the assumptions."""
+    t, lay, cfg, f, w = p.target, p.layout, p.config, p.facts, p.weights
     out = [f"k3c plan: {p.model} on {t.name} ({t.backend} {t.arch}), {lay}",
            f"  context {cfg.context:,} tokens x batch {cfg.batch}, MLA cache {cfg.kv_dtype}, prefill chunk "
            f"{cfg.prefill_chunk:,} tokens, KDA chunk C = {cfg.kda_chunk}, headroom {cfg.headroom:.0%}",
@@ -342,8 +361,24 @@ def _render(p: Plan) -> list[str]:
            f"{len(w.params):,} params; {len(f.kda)} KDA + {len(f.mla)} MLA layers, {len(f.moe)} MoE + "
            f"{len(f.mlp)} dense MLP, {len(f.attn_res)} AttnRes mixes",
            "  units: GB = 1e9 bytes, GiB = 2^30 bytes; [brackets] name the formula of each derived number", ""]
+    for section in (_weights_lines, _memory_lines, _cost_lines, _kv_throughput_lines, _mla_lines,
+                    _moe_comm_lines, _attnres_pp_lines, _measured_lines):
+        out += section(p)
+    if p.cost_model.unmodeled:
+        out += ["", "  ops without a cost rule of their own, priced as memory-bound (activations in/out once, "
+                "1 FLOP per result element): "
+                + ", ".join(f"{k} x {v}" for k, v in sorted(p.cost_model.unmodeled.items()))
+                + f"; rules exist for {', '.join(cost_rules())}"]
+    out += ["", "Assumptions"] + [f"  - {s}" for s in p.assumptions()]
+    if p.plot_path:
+        out += ["", f"plot: {p.plot_path}"]
+    return out
 
-    # 1. weights
+
+def _weights_lines(p: Plan) -> list[str]:
+    """1. Weights: whole model and per GPU, by category and by precision."""
+    w = p.weights
+    out: list[str] = []
     out += ["1. Weights",
             f"  whole model on disk  {fmt_bytes(w.total_bytes)}  = {w.total_bytes:,} B  [sum over IR params of "
             "stored bytes: numel x dtype bits / 8; MXFP4: rows x (ceil(K/2) + ceil(K/32))]",
@@ -369,8 +404,14 @@ def _render(p: Plan) -> list[str]:
     rows = [[k, _gb(d["bytes"]), _gb(d["gpu_bytes"])] for k, d in w.by_precision.items()]
     out += _table(["precision", "total GB", "per GPU GB"], rows)
     out.append("")
+    return out
 
-    # 2. memory
+
+def _memory_lines(p: Plan) -> list[str]:
+    """2. Memory per GPU item by item, and the largest context and batch that fit."""
+    t, lay, cfg, f, mem = p.target, p.layout, p.config, p.facts, p.memory
+    a = f.act_bytes
+    out: list[str] = []
     pages = ceil_div(cfg.context, cfg.page_size) * cfg.page_size
     ncols = f"{p.planner.mla_values_per_token // max(len(f.mla), 1)}" if f.mla else "0"
     kda0 = f.kda[0] if f.kda else None
@@ -410,8 +451,13 @@ def _render(p: Plan) -> list[str]:
             f"  largest batch at context {cfg.context:,}: {fit['max_batch_at_context']:,}; at "
             + ", ".join(f"{int(k) // 1024:,}K: {v:,}" for k, v in fit["max_batch_by_context"].items())
             + "  [largest batch with total <= usable]", ""]
+    return out
 
-    # 3. cost
+
+def _cost_lines(p: Plan) -> list[str]:
+    """3. Cost per GPU by layer kind for each phase, against the roofline."""
+    t = p.target
+    out: list[str] = []
     peaks = p.cost_model.peaks
     out += [f"3. Cost per GPU: FLOPs and HBM bytes per token by layer kind; roofline "
             f"[{FORMULAS['roofline_time']}]",
@@ -450,75 +496,95 @@ def _render(p: Plan) -> list[str]:
                    f"[{FORMULAS['allreduce_bytes']}] + latency {fmt_seconds(lat)} [{FORMULAS['collective_latency']}] "
                    f"= {fmt_seconds(ph.total_seconds)} -> {rate:,.1f} tokens/s per replica")
         out.append(_expected_line(ph, t))
+    return out
 
-    # 4. KV throughput
+
+def _kv_throughput_lines(p: Plan) -> list[str]:
+    """4. KV throughput: bytes of cache per second of prefill, by context."""
+    cfg = p.config
+    out: list[str] = []
     out += ["", f"4. KV throughput [{FORMULAS['kv_throughput']}; one copy of the cache: MLA {cfg.kv_dtype} + "
             "KDA state + conv tails; prefill time = roofline + link, batch 1]"]
     rows = [[f"{r['context']:,}", _gb(r["cache_bytes"]), fmt_seconds(r["prefill_seconds"]),
              f"{r['bytes_per_s'] / GB:,.3f}"] for r in p.kv_throughput]
     out += _table(["context", "cache GB", "prefill", "GB/s"], rows)
+    return out
 
-    # 5. MLA modes
-    if p.mla:
-        m = p.mla
-        out += ["", f"5. MLA MHA vs MQA (absorbed) per layer and GPU ({m['heads_per_gpu']} heads): "
-                f"[{FORMULAS['mla_mha_pair_flops']}] = {m['pair_flops']['mha']}, "
-                f"[{FORMULAS['mla_mqa_pair_flops']}] = {m['pair_flops']['mqa']} "
-                f"(ratio {m['pair_flops']['mqa'] / m['pair_flops']['mha']:.2f}); MHA adds "
-                f"[{FORMULAS['mla_mha_expand_flops']}], MQA adds [{FORMULAS['mla_mqa_absorb_flops']}]"]
-        rows = []
-        for r in m["per_layer"]:
-            rows.append([r["case"], f"{r['new_tokens']:,}", f"{r['cached_tokens']:,}",
-                         fmt_si(r["mha"]["flops"]), fmt_seconds(r["mha"]["seconds"]),
-                         fmt_si(r["mqa"]["flops"]), fmt_seconds(r["mqa"]["seconds"]), r["best"]])
-        out += _table(["case", "new", "cached", "MHA FLOPs", "MHA time", "MQA FLOPs", "MQA time", "faster"], rows)
-        out.append("  crossover (fewest new tokens for which MHA is at least as fast): "
-                   + ", ".join(f"after {int(s):,} cached: {'never' if v is None else f'{v:,}'}"
-                               for s, v in m["crossover_new_tokens"].items())
-                   + "  [mla_mode_costs: roofline of both modes]")
 
-    # 6. MoE communication
-    if p.moe_comm:
-        mc = p.moe_comm
-        out += ["", f"6. MoE communication / compute [{FORMULAS['moe_comm_compute_ratio']}] with F = "
-                f"{fmt_si(mc['F'], 'FLOP/s')} (expert GEMM peak), B = {fmt_si(mc['B'], 'B/s')} (link), "
-                f"m = {mc['m']}, E = {mc['E']} ({mc['note']}); the expert width "
-                f"({mc['latent_dim'] or f.hidden}{', latent' if mc['latent_dim'] else ''}) cancels"]
-        for r in mc["rows"]:
-            out.append(f"  {r['case']}: P = {r['P']:.3f} B/element -> T_comm/T_comp = {r['ratio']:.2f}"
-                       + ("  (communication-bound at peak compute)" if r["ratio"] > 1 else ""))
+def _mla_lines(p: Plan) -> list[str]:
+    """5. MLA MHA vs MQA (absorbed) per layer and GPU; none without MLA layers."""
+    if not p.mla:
+        return []
+    out: list[str] = []
+    m = p.mla
+    out += ["", f"5. MLA MHA vs MQA (absorbed) per layer and GPU ({m['heads_per_gpu']} heads): "
+            f"[{FORMULAS['mla_mha_pair_flops']}] = {m['pair_flops']['mha']}, "
+            f"[{FORMULAS['mla_mqa_pair_flops']}] = {m['pair_flops']['mqa']} "
+            f"(ratio {m['pair_flops']['mqa'] / m['pair_flops']['mha']:.2f}); MHA adds "
+            f"[{FORMULAS['mla_mha_expand_flops']}], MQA adds [{FORMULAS['mla_mqa_absorb_flops']}]"]
+    rows = []
+    for r in m["per_layer"]:
+        rows.append([r["case"], f"{r['new_tokens']:,}", f"{r['cached_tokens']:,}",
+                     fmt_si(r["mha"]["flops"]), fmt_seconds(r["mha"]["seconds"]),
+                     fmt_si(r["mqa"]["flops"]), fmt_seconds(r["mqa"]["seconds"]), r["best"]])
+    out += _table(["case", "new", "cached", "MHA FLOPs", "MHA time", "MQA FLOPs", "MQA time", "faster"], rows)
+    out.append("  crossover (fewest new tokens for which MHA is at least as fast): "
+               + ", ".join(f"after {int(s):,} cached: {'never' if v is None else f'{v:,}'}"
+                           for s, v in m["crossover_new_tokens"].items())
+               + "  [mla_mode_costs: roofline of both modes]")
+    return out
 
-    # 7. AttnRes PP
-    if p.attnres_pp:
-        ar = p.attnres_pp
-        out += ["", f"7. AttnRes pipeline-parallel communication, P = {ar['P']} stages x V = {ar['V']} virtual "
-                f"stages (C = {ar['chunks']} chunks), {ar['blocks']} block representations (b_0 = embedding), "
-                f"N_p = {ar['Np']:.3f} per chunk, {f.hidden} x {a:g} B each",
-                f"  naive:  {ar['naive_blocks_per_token']:.2f} blocks/token = "
-                f"{fmt_si(ar['naive_bytes_per_token'], 'B')}/token, {_gb(ar['naive_bytes_per_chunk'])} GB per "
-                f"{cfg.prefill_chunk:,}-token micro-batch  [{FORMULAS['attnres_pp_naive']}]",
-                f"  cached: {ar['cached_blocks_per_token']:.2f} blocks/token = "
-                f"{fmt_si(ar['cached_bytes_per_token'], 'B')}/token, {_gb(ar['cached_bytes_per_chunk'])} GB  "
-                f"[{FORMULAS['attnres_pp_cached']}]; {ar['reduction']:.2f}x less, peak per transition "
-                f"{ar['peak_transition_blocks']['naive']:.2f} -> {ar['peak_transition_blocks']['cached']:.2f} blocks"]
 
-    # 8. measured
-    if p.measured:
-        out += ["", "8. Measured points (bench JSON) against the roofline"]
-        rows = [[r["name"], f"{r['intensity']:,.1f}", fmt_si(r["flops_per_s"], "FLOP/s"),
-                 fmt_si(r["bytes_per_s"], "B/s"), fmt_si(r["roofline_flops_per_s"], "FLOP/s"),
-                 f"{r['fraction_of_roofline']:.1%}"]
-                for r in measured_rows(p.measured, t, max(peaks.values()))]
-        out += _table(["name", "FLOP/B", "achieved", "bandwidth", "roofline", "of roofline"], rows)
+def _moe_comm_lines(p: Plan) -> list[str]:
+    """6. MoE communication against compute; none without MoE layers."""
+    if not p.moe_comm:
+        return []
+    f = p.facts
+    out: list[str] = []
+    mc = p.moe_comm
+    out += ["", f"6. MoE communication / compute [{FORMULAS['moe_comm_compute_ratio']}] with F = "
+            f"{fmt_si(mc['F'], 'FLOP/s')} (expert GEMM peak), B = {fmt_si(mc['B'], 'B/s')} (link), "
+            f"m = {mc['m']}, E = {mc['E']} ({mc['note']}); the expert width "
+            f"({mc['latent_dim'] or f.hidden}{', latent' if mc['latent_dim'] else ''}) cancels"]
+    for r in mc["rows"]:
+        out.append(f"  {r['case']}: P = {r['P']:.3f} B/element -> T_comm/T_comp = {r['ratio']:.2f}"
+                   + ("  (communication-bound at peak compute)" if r["ratio"] > 1 else ""))
+    return out
 
-    if p.cost_model.unmodeled:
-        out += ["", "  ops without a cost rule of their own, priced as memory-bound (activations in/out once, "
-                "1 FLOP per result element): "
-                + ", ".join(f"{k} x {v}" for k, v in sorted(p.cost_model.unmodeled.items()))
-                + f"; rules exist for {', '.join(cost_rules())}"]
-    out += ["", "Assumptions"] + [f"  - {s}" for s in p.assumptions()]
-    if p.plot_path:
-        out += ["", f"plot: {p.plot_path}"]
+
+def _attnres_pp_lines(p: Plan) -> list[str]:
+    """7. AttnRes pipeline-parallel communication; none without AttnRes."""
+    if not p.attnres_pp:
+        return []
+    cfg, f = p.config, p.facts
+    a = f.act_bytes
+    out: list[str] = []
+    ar = p.attnres_pp
+    out += ["", f"7. AttnRes pipeline-parallel communication, P = {ar['P']} stages x V = {ar['V']} virtual "
+            f"stages (C = {ar['chunks']} chunks), {ar['blocks']} block representations (b_0 = embedding), "
+            f"N_p = {ar['Np']:.3f} per chunk, {f.hidden} x {a:g} B each",
+            f"  naive:  {ar['naive_blocks_per_token']:.2f} blocks/token = "
+            f"{fmt_si(ar['naive_bytes_per_token'], 'B')}/token, {_gb(ar['naive_bytes_per_chunk'])} GB per "
+            f"{cfg.prefill_chunk:,}-token micro-batch  [{FORMULAS['attnres_pp_naive']}]",
+            f"  cached: {ar['cached_blocks_per_token']:.2f} blocks/token = "
+            f"{fmt_si(ar['cached_bytes_per_token'], 'B')}/token, {_gb(ar['cached_bytes_per_chunk'])} GB  "
+            f"[{FORMULAS['attnres_pp_cached']}]; {ar['reduction']:.2f}x less, peak per transition "
+            f"{ar['peak_transition_blocks']['naive']:.2f} -> {ar['peak_transition_blocks']['cached']:.2f} blocks"]
+    return out
+
+
+def _measured_lines(p: Plan) -> list[str]:
+    """8. Measured bench points against the roofline; none without them."""
+    if not p.measured:
+        return []
+    t, peaks = p.target, p.cost_model.peaks
+    out: list[str] = []
+    out += ["", "8. Measured points (bench JSON) against the roofline"]
+    rows = [[r["name"], f"{r['intensity']:,.1f}", fmt_si(r["flops_per_s"], "FLOP/s"),
+             fmt_si(r["bytes_per_s"], "B/s"), fmt_si(r["roofline_flops_per_s"], "FLOP/s"),
+             f"{r['fraction_of_roofline']:.1%}"]
+            for r in measured_rows(p.measured, t, max(peaks.values()))]
+    out += _table(["name", "FLOP/B", "achieved", "bandwidth", "roofline", "of roofline"], rows)
     return out
 
 

@@ -17,11 +17,10 @@ f32 whose bits lie in the row's first 4 bytes. (One packed result because the ex
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .core import TensorType
-from .ops import AttrSpec, OpDef, Role, TypeCheck, activation, expect, register_op, require
+from .opdef import AttrSpec, OpDef, Role, TypeCheck, activation, expect, require
 
 STATS = 8          # elements of a phase-1 row before o: the lse (f32 bits) and padding to 16 bytes
 
@@ -29,12 +28,6 @@ STATS = 8          # elements of a phase-1 row before o: the lse (f32 bits) and 
 def _n(attrs: Mapping[str, Any], key: str) -> int:
     n = attrs.get(key, 0)
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
-
-
-@dataclass(frozen=True)
-class WeightTransformOpDef(OpDef):
-    """An op over weights only: evaluated once when weights load (codegen marks it impl="extern")."""
-    weight_transform: bool = True
 
 
 # -- attn_res_fold_queries ---------------------------------------------------------------------------------------
@@ -56,8 +49,9 @@ def _infer_fold(attrs, ins):
     return (TensorType("f32", (q, d)),)
 
 
-register_op(WeightTransformOpDef("attn_res_fold_queries", _fold_roles, {"num_queries": AttrSpec("int")}, _infer_fold,
-                  doc="weight transform: row j = proj_weight_j * norm_weight_j in f32 (w . RMSNorm(v) = q . v/rms)"))
+ATTN_RES_FOLD_QUERIES = OpDef(
+    "attn_res_fold_queries", _fold_roles, {"num_queries": AttrSpec("int")}, _infer_fold, weight_transform=True,
+    doc="weight transform: row j = proj_weight_j * norm_weight_j in f32 (w . RMSNorm(v) = q . v/rms)")
 
 
 # -- attn_res_phase1 -----------------------------------------------------------------------------------------------
@@ -83,13 +77,13 @@ def _infer_phase1(attrs, ins):
     return (TensorType(first.dtype, (q,) + first.shape[:-1] + (STATS + d,)),)
 
 
-register_op(OpDef("attn_res_phase1", _phase1_roles, {
+ATTN_RES_PHASE1 = OpDef("attn_res_phase1", _phase1_roles, {
     "num_sources": AttrSpec("int", doc="N completed blocks b_0..b_{N-1}"),
     "num_queries": AttrSpec("int", doc="Q: the mixes of the block group, in program order"),
     "eps": AttrSpec("float", doc="rms(v) = sqrt(mean(v^2) + eps)"),
     "bytes": AttrSpec("int", required=False, doc="HBM bytes per token moved (annotation)"),
 }, _infer_phase1, _check_phase1,
-    doc="per query j: [lse_j, o_j] over the completed blocks, o = sum softmax(q_j . v_i / rms(v_i)) v_i"))
+    doc="per query j: [lse_j, o_j] over the completed blocks, o = sum softmax(q_j . v_i / rms(v_i)) v_i")
 
 
 # -- attn_res_phase2 -----------------------------------------------------------------------------------------------
@@ -138,7 +132,7 @@ def _infer_phase2(attrs, ins):
     return (out,)
 
 
-register_op(OpDef("attn_res_phase2", _phase2_roles, {
+ATTN_RES_PHASE2 = OpDef("attn_res_phase2", _phase2_roles, {
     "query": AttrSpec("int", doc="row of the phase-1 result and of the queries"),
     "mode": AttrSpec("str", choices=MODES, doc="none: no partial sum (the mix of a block's first sublayer); "
                                                "source: the partial is an input; update: partial = partial + update"),
@@ -149,7 +143,7 @@ register_op(OpDef("attn_res_phase2", _phase2_roles, {
     "bytes_naive": AttrSpec("int", required=False, doc="HBM bytes per token of the naive mix (+ add, norm)"),
     "bytes_split": AttrSpec("int", required=False, doc="HBM bytes per token of this op plus its share of phase 1"),
 }, _infer_phase2, _check_phase2,
-    doc="h = online-softmax merge of phase 1 with the partial sum, fused with the update and the next RMSNorm"))
+    doc="h = online-softmax merge of phase 1 with the partial sum, fused with the update and the next RMSNorm")
 
 
 # -- attn_res_take -------------------------------------------------------------------------------------------------
@@ -161,5 +155,7 @@ def _infer_take(attrs, ins):
     return (TensorType(x.dtype, x.shape[1:]),)
 
 
-register_op(OpDef("attn_res_take", lambda attrs: (Role("x"),), {"index": AttrSpec("int")}, _infer_take,
-                  doc="x[index] along the leading dim (a view)"))
+ATTN_RES_TAKE = OpDef("attn_res_take", lambda attrs: (Role("x"),), {"index": AttrSpec("int")}, _infer_take,
+                      doc="x[index] along the leading dim (a view)")
+
+OP_DEFS = (ATTN_RES_FOLD_QUERIES, ATTN_RES_PHASE1, ATTN_RES_PHASE2, ATTN_RES_TAKE)

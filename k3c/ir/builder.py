@@ -8,7 +8,8 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import IRError
 from .core import Module, Op, TensorType, normalize_attrs
-from .ops import TypeCheck, get_op_def
+from .opdef import TypeCheck
+from .ops import bind_inputs, get_op_def
 
 
 class Builder:
@@ -58,7 +59,8 @@ class Builder:
         try:
             if opdef.check is not None:
                 opdef.check(attrs)
-            types = tuple(opdef.infer(attrs, {r.name: self.types[v] for r, v in zip(roles, inputs)}))
+            ins = {role: self.types[v] for role, v in bind_inputs(opname, attrs, inputs).items()}
+            types = tuple(opdef.infer(attrs, ins))
         except TypeCheck as e:
             raise IRError(str(e), op=what, loc=loc or None) from None
         return Op(results, opname, inputs, attrs, types, loc)

@@ -5,13 +5,13 @@ Attribute values are int, float, str, bool, None or flat tuples of those. Equali
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Mapping, Union
 
 from ..errors import IRError
+from .printer import print_module, print_op
 
 Scalar = Union[int, float, str, bool, None]
 AttrValue = Union[Scalar, tuple]
@@ -32,6 +32,9 @@ DTYPE_BITS = {
 }
 FLOAT_DTYPES = frozenset({"f64", "f32", "bf16", "f16", "fp8e4m3", "fp8e5m2", "fp4e2m1"})
 INT_DTYPES = frozenset({"i64", "i32", "i16", "i8", "u8"})
+# How users, configs and checkpoints spell the float types a model runs in -> the IR's name for it.
+DTYPE_SPELLINGS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "f16", "f16": "f16", "float16": "f16", "half": "f16",
+                   "fp32": "f32", "f32": "f32", "float32": "f32", "float": "f32"}
 
 _MISSING = object()
 
@@ -119,15 +122,6 @@ def _scalar_key(v: Any) -> Any:
 def attrs_key(attrs: tuple[tuple[str, AttrValue], ...]) -> tuple:
     return tuple((k, tuple(_scalar_key(x) for x in v) if isinstance(v, tuple) else _scalar_key(v))
                  for k, v in attrs)
-
-
-def format_float(v: float) -> str:
-    """Shortest text that reads back to the same float (repr), with inf/nan spelled as IR keywords."""
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return repr(v)
 
 
 # ---- ops -------------------------------------------------------------------------------------------------
@@ -236,8 +230,6 @@ class Op:
         return hash(self.key())
 
     def __str__(self) -> str:
-        from .printer import print_op
-
         return print_op(self)
 
 
@@ -335,6 +327,4 @@ class Module:
         return hash(self.key())
 
     def __str__(self) -> str:
-        from .printer import print_module
-
         return print_module(self)

@@ -13,7 +13,7 @@ Sequence parallel (residual stream and AttnRes blocks split by tokens over TP, d
 from __future__ import annotations
 
 from .core import TensorType
-from .ops import AttrSpec, OpDef, TypeCheck, fixed_roles, register_op, require
+from .opdef import AttrSpec, OpDef, TypeCheck, fixed_roles, require
 
 GROUPS = ("tp", "ep")
 COLLECTIVE_ATTRS = {
@@ -31,8 +31,8 @@ def _infer_all_reduce(attrs, ins):
     return (ins["x"],)
 
 
-register_op(OpDef("all_reduce", fixed_roles("x"), COLLECTIVE_ATTRS, _infer_all_reduce, _check_size,
-                  doc="sum of x over the ranks of `group` (same type out)"))
+ALL_REDUCE = OpDef("all_reduce", fixed_roles("x"), COLLECTIVE_ATTRS, _infer_all_reduce, _check_size,
+                   doc="sum of x over the ranks of `group` (same type out)")
 
 
 def _infer_all_gather(attrs, ins):
@@ -46,9 +46,9 @@ def _infer_all_gather(attrs, ins):
     return (TensorType(x.dtype, tuple(shape)),)
 
 
-register_op(OpDef("all_gather", fixed_roles("x"), {**COLLECTIVE_ATTRS, "dim": AttrSpec("int", doc="concat dim")},
-                  _infer_all_gather, _check_size,
-                  doc="x of every rank of `group`, concatenated along `dim` in rank order"))
+ALL_GATHER = OpDef("all_gather", fixed_roles("x"), {**COLLECTIVE_ATTRS, "dim": AttrSpec("int", doc="concat dim")},
+                   _infer_all_gather, _check_size,
+                   doc="x of every rank of `group`, concatenated along `dim` in rank order")
 
 
 # ---- sequence parallel (TP group): the residual stream and AttnRes blocks hold T / size tokens per rank ----------
@@ -74,10 +74,12 @@ def _infer_seq_gather(attrs, ins):
     return (_with_dim(ins["x"], attrs["dim"], attrs["full"]),)
 
 
-register_op(OpDef("seq_scatter", fixed_roles("x"), _SEQ_ATTRS, _infer_seq_scatter, _check_size,
-                  doc="this rank's block of tokens of a replicated x (a local slice, no communication)"))
-register_op(OpDef("reduce_scatter", fixed_roles("x"), _SEQ_ATTRS, _infer_seq_scatter, _check_size,
-                  doc="sum over the group of x, each rank keeping its block of tokens"))
-register_op(OpDef("seq_gather", fixed_roles("x"), {**_SEQ_ATTRS, "full": AttrSpec("str", doc="the whole dim")},
-                  _infer_seq_gather, _check_size,
-                  doc="every rank's block of tokens, concatenated in rank order (all-gather along the token dim)"))
+SEQ_SCATTER = OpDef("seq_scatter", fixed_roles("x"), _SEQ_ATTRS, _infer_seq_scatter, _check_size,
+                    doc="this rank's block of tokens of a replicated x (a local slice, no communication)")
+REDUCE_SCATTER = OpDef("reduce_scatter", fixed_roles("x"), _SEQ_ATTRS, _infer_seq_scatter, _check_size,
+                       doc="sum over the group of x, each rank keeping its block of tokens")
+SEQ_GATHER = OpDef("seq_gather", fixed_roles("x"), {**_SEQ_ATTRS, "full": AttrSpec("str", doc="the whole dim")},
+                   _infer_seq_gather, _check_size,
+                   doc="every rank's block of tokens, concatenated in rank order (all-gather along the token dim)")
+
+OP_DEFS = (ALL_REDUCE, ALL_GATHER, SEQ_SCATTER, REDUCE_SCATTER, SEQ_GATHER)

@@ -10,7 +10,7 @@ import networkx as nx
 from .core import Module
 from .graph import to_networkx
 
-__all__ = ["to_dot", "to_networkx"]
+__all__ = ["to_dot"]
 
 _SHAPES = {"param": "note", "input": "invhouse"}
 _LAYER_COLORS = {"kda": "lightblue", "mla": "lightsalmon", "moe": "palegreen", "mlp": "palegreen",

@@ -1,7 +1,7 @@
 """Generic fused ops the `fuse-residual-norm` pass introduces."""
 from __future__ import annotations
 
-from .ops import AttrSpec, OpDef, activation, expect, fixed_roles, register_op, same_type
+from .opdef import AttrSpec, OpDef, activation, expect, fixed_roles, same_type
 
 
 def _infer_rmsnorm_residual(attrs, ins):
@@ -11,7 +11,9 @@ def _infer_rmsnorm_residual(attrs, ins):
     return (s, s)
 
 
-register_op(OpDef("rmsnorm_residual", fixed_roles("x", "residual", params=("weight",)), {"eps": AttrSpec("float")},
-                  _infer_rmsnorm_residual, num_results=2,
-                  doc="s = x + residual; (s, s / sqrt(mean(s^2) + eps) * weight): the residual add fused into the "
-                      "norm that reads it"))
+RMSNORM_RESIDUAL = OpDef("rmsnorm_residual", fixed_roles("x", "residual", params=("weight",)),
+                         {"eps": AttrSpec("float")}, _infer_rmsnorm_residual, num_results=2,
+                         doc="s = x + residual; (s, s / sqrt(mean(s^2) + eps) * weight): the residual add fused "
+                             "into the norm that reads it")
+
+OP_DEFS = (RMSNORM_RESIDUAL,)

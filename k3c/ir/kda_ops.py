@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from .core import TensorType
-from .ops import AttrSpec, OpDef, TypeCheck, activation, expect, fixed_roles, register_op, require
+from .opdef import AttrSpec, OpDef, TypeCheck, activation, check_positive, expect, fixed_roles, require
 
 
 def _infer_proj(attrs, ins):
@@ -21,9 +21,9 @@ def _infer_proj(attrs, ins):
     return (TensorType(x.dtype, x.shape[:-1] + (w.shape[0],)),)
 
 
-register_op(OpDef("kda_proj", fixed_roles("x", params=("weight",)), {
+KDA_PROJ = OpDef("kda_proj", fixed_roles("x", params=("weight",)), {
     "proj": AttrSpec("str", doc="which projection (q, k, v, f_a, f_b, b, g, g_a, g_b, o)"),
-}, _infer_proj, doc="dense projection x @ W^T of a KDA layer (extern GEMM)"))
+}, _infer_proj, doc="dense projection x @ W^T of a KDA layer (extern GEMM)")
 
 ATTN_PARAMS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log", "dt_bias")
 
@@ -31,9 +31,7 @@ ATTN_PARAMS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log",
 def _check_attn(attrs):
     if not isinstance(attrs.get("layer"), int):
         raise TypeCheck("kda_attn needs the 'layer' attribute (its state lives in that layer's cache entry)")
-    for n in ("num_heads", "head_dim", "conv_kernel", "chunk", "block_v"):
-        if attrs.get(n) is not None and attrs[n] < 1:
-            raise TypeCheck(f"attribute '{n}' must be >= 1, got {attrs[n]}")
+    check_positive(attrs, "num_heads", "head_dim", "conv_kernel", "chunk", "block_v")
     if attrs.get("gate") == "safe" and not attrs.get("gate_lower_bound", -1.0) < 0:
         raise TypeCheck("the safe gate needs gate_lower_bound < 0")
 
@@ -54,7 +52,7 @@ def _infer_attn(attrs, ins):
     return (TensorType("f32", q.shape[:-1] + (h, k)),)
 
 
-register_op(OpDef("kda_attn", fixed_roles("q", "k", "v", "f", "b", params=ATTN_PARAMS), {
+KDA_ATTN = OpDef("kda_attn", fixed_roles("q", "k", "v", "f", "b", params=ATTN_PARAMS), {
     "num_heads": AttrSpec("int"),
     "head_dim": AttrSpec("int"),
     "conv_kernel": AttrSpec("int"),
@@ -65,7 +63,7 @@ register_op(OpDef("kda_attn", fixed_roles("q", "k", "v", "f", "b", params=ATTN_P
     "block_v": AttrSpec("int", doc="V columns per prefill program"),
     "dot": AttrSpec("str", choices=("ieee", "tf32", "bf16"), doc="matmul precision of the prefill kernel"),
 }, _infer_attn, _check_attn, pure=False,
-    doc="KDA core (stateful: reads and writes the layer's KDAState): prep + chunked prefill / fused decode"))
+    doc="KDA core (stateful: reads and writes the layer's KDAState): prep + chunked prefill / fused decode")
 
 
 def _infer_out(attrs, ins):
@@ -78,10 +76,10 @@ def _infer_out(attrs, ins):
     return (g,)
 
 
-register_op(OpDef("kda_out", fixed_roles("o", "gate", params=("o_norm.weight",)), {
+KDA_OUT = OpDef("kda_out", fixed_roles("o", "gate", params=("o_norm.weight",)), {
     "num_heads": AttrSpec("int"),
     "head_dim": AttrSpec("int"),
     "norm_eps": AttrSpec("float"),
-}, _infer_out, doc="per-head RMSNorm(o) x sigmoid(gate), flattened to [..., H*D] in the gate's dtype"))
+}, _infer_out, doc="per-head RMSNorm(o) x sigmoid(gate), flattened to [..., H*D] in the gate's dtype")
 
-__all__ = ["ATTN_PARAMS"]
+OP_DEFS = (KDA_PROJ, KDA_ATTN, KDA_OUT)

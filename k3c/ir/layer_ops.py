@@ -8,20 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .ops import (MX_ATTRS, AttrSpec, OpDef, Role, TypeCheck, activation, expect, is_mxfp4, linear_weight, packed_roles,
-                  register_op, require)
+from .mxfp4_weights import MX_ATTRS, is_mxfp4, linear_weight, packed_roles
+from .opdef import AttrSpec, OpDef, Role, TypeCheck, activation, check_positive, expect, require
 
 ACTIVATIONS = ("situ", "swiglu")
 
 
-def _positive(attrs: Mapping[str, Any], *names: str) -> None:
-    for n in names:
-        v = attrs.get(n)
-        if v is not None and v < 1:
-            raise TypeCheck(f"attribute '{n}' must be >= 1, got {v}")
-
-
-def _check_activation(attrs: Mapping[str, Any]) -> None:
+def check_activation(attrs: Mapping[str, Any]) -> None:
     betas = [k for k in ("situ_beta_gate", "situ_beta_up") if k in attrs]
     if attrs.get("activation") == "situ" and len(betas) != 2:
         raise TypeCheck("activation 'situ' needs attributes situ_beta_gate and situ_beta_up")
@@ -46,7 +39,7 @@ def kda_roles(attrs: Mapping[str, Any]) -> tuple[Role, ...]:
 
 
 def _check_kda(attrs):
-    _positive(attrs, "num_heads", "head_dim", "conv_kernel")
+    check_positive(attrs, "num_heads", "head_dim", "conv_kernel")
     if attrs.get("gate") == "safe" and not attrs.get("gate_lower_bound", -1.0) < 0:
         raise TypeCheck("the safe gate needs gate_lower_bound < 0")
 
@@ -75,7 +68,7 @@ def _infer_kda(attrs, ins):
     return (x,)
 
 
-register_op(OpDef("kda", kda_roles, {
+KDA = OpDef("kda", kda_roles, {
     "layer": AttrSpec("int"),
     "num_heads": AttrSpec("int"),
     "head_dim": AttrSpec("int"),
@@ -85,7 +78,7 @@ register_op(OpDef("kda", kda_roles, {
     "output_gate": AttrSpec("str", choices=("low_rank", "full_rank")),
     "norm_eps": AttrSpec("float", doc="per-head output RMSNorm eps"),
     "l2norm_eps": AttrSpec("float", doc="q/k L2 norm eps, inside the sqrt"),
-}, _infer_kda, _check_kda, doc="Kimi Delta Attention sublayer, prefill (K3.md section 2)"))
+}, _infer_kda, _check_kda, doc="Kimi Delta Attention sublayer, prefill (K3.md section 2)")
 
 
 # ---- MLA -------------------------------------------------------------------------------------------------
@@ -98,7 +91,7 @@ def mla_roles(attrs: Mapping[str, Any]) -> tuple[Role, ...]:
 
 
 def _check_mla(attrs):
-    _positive(attrs, "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+    check_positive(attrs, "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
     if attrs.get("qk_rope_head_dim", 0) < 0:
         raise TypeCheck("attribute 'qk_rope_head_dim' must be >= 0")
 
@@ -142,8 +135,8 @@ MLA_ATTRS = {   # shared with the kernel-level mla_absorbed op (mla_ops.py)
     "lora_norm_eps": AttrSpec("float", doc="eps of the q_a / kv_a RMSNorms"),
     "causal": AttrSpec("bool"),
 }
-register_op(OpDef("mla", mla_roles, MLA_ATTRS, _infer_mla, _check_mla,
-                  doc="gated multi-head latent attention sublayer, prefill / MHA form (K3.md section 3)"))
+MLA = OpDef("mla", mla_roles, MLA_ATTRS, _infer_mla, _check_mla,
+            doc="gated multi-head latent attention sublayer, prefill / MHA form (K3.md section 3)")
 
 
 # ---- dense MLP -------------------------------------------------------------------------------------------
@@ -166,9 +159,9 @@ def _infer_mlp(attrs, ins):
     return (x,)
 
 
-register_op(OpDef("mlp", _mlp_roles, {"layer": AttrSpec("int"), **ACT_ATTRS, **MX_ATTRS}, _infer_mlp,
-                  _check_activation, doc="dense gated MLP: down(act(gate x, up x)); weight_format mxfp4: all three "
-                                         "weights MXFP4"))
+MLP = OpDef("mlp", _mlp_roles, {"layer": AttrSpec("int"), **ACT_ATTRS, **MX_ATTRS}, _infer_mlp,
+            check_activation, doc="dense gated MLP: down(act(gate x, up x)); weight_format mxfp4: all three "
+                                  "weights MXFP4")
 
 
 # ---- MoE -------------------------------------------------------------------------------------------------
@@ -203,8 +196,8 @@ def _mxfp4_linears(attrs) -> tuple:
 
 
 def _check_moe(attrs):
-    _positive(attrs, "num_experts", "top_k", "latent_dim")
-    _check_activation(attrs)
+    check_positive(attrs, "num_experts", "top_k", "latent_dim")
+    check_activation(attrs)
     if attrs.get("num_shared_experts", 0) < 0:
         raise TypeCheck("attribute 'num_shared_experts' must be >= 0")
     if attrs.get("top_k", 0) > attrs.get("num_experts", 0):
@@ -223,6 +216,11 @@ def _check_moe(attrs):
         raise TypeCheck("mxfp4_linears names shared-expert weights but num_shared_experts is 0")
     if any(r.startswith("routed_expert_") for r in lin) and attrs.get("latent_dim") is None:
         raise TypeCheck("mxfp4_linears names latent projections but latent_dim is none")
+    check_expert_parallel(attrs)
+
+
+def check_expert_parallel(attrs: Mapping[str, Any]) -> None:
+    """ep_rank in [0, ep_size) and num_experts divisible by ep_size (absent: rank 0 of 1)."""
     ep_rank, ep_size = attrs.get("ep_rank", 0), attrs.get("ep_size", 1)
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise TypeCheck(f"ep_rank {ep_rank} must be in [0, ep_size {ep_size})")
@@ -279,7 +277,7 @@ def _expect_mxfp4_experts(ins, e: int, z) -> None:
         expect(ins[f"experts.{w}.weight_scale"], f"experts.{w}.weight_scale", (e, rows, blocks), u8)
 
 
-register_op(OpDef("moe", moe_roles, {
+MOE = OpDef("moe", moe_roles, {
     "layer": AttrSpec("int"),
     "num_experts": AttrSpec("int"),
     "top_k": AttrSpec("int"),
@@ -300,7 +298,7 @@ register_op(OpDef("moe", moe_roles, {
                               doc="dense linears (roles of MOE_DENSE_LINEARS) held MXFP4 packed + scales"),
     "act_format": MX_ATTRS["act_format"],
     **ACT_ATTRS,
-}, _infer_moe, _check_moe, doc="(latent) mixture of experts with shared experts (K3.md section 5)"))
+}, _infer_moe, _check_moe, doc="(latent) mixture of experts with shared experts (K3.md section 5)")
 
 
 # ---- Block AttnRes mix -----------------------------------------------------------------------------------
@@ -333,11 +331,13 @@ def _infer_attn_res(attrs, ins):
     return (x,)
 
 
-register_op(OpDef("attn_res_mix", attn_res_roles, {
+ATTN_RES_MIX = OpDef("attn_res_mix", attn_res_roles, {
     "num_sources": AttrSpec("int"),
     "block": AttrSpec("int", doc="n: sources[:n] are the completed blocks b_0..b_{n-1}; a further one is the "
                                  "partial sum of block n"),
     "sublayer": AttrSpec("str", choices=("attn", "mlp", "out")),
     "eps": AttrSpec("float", doc="rms(v) = sqrt(mean(v^2) + eps); scores in f32"),
 }, _infer_attn_res, _check_attn_res,
-    doc="h = sum_i softmax_i((w * norm_gain) . v_i / rms(v_i)) v_i over the sources (K3.md section 4)"))
+    doc="h = sum_i softmax_i((w * norm_gain) . v_i / rms(v_i)) v_i over the sources (K3.md section 4)")
+
+OP_DEFS = (KDA, MLA, MLP, MOE, ATTN_RES_MIX)

@@ -24,32 +24,18 @@ from __future__ import annotations
 from typing import Any
 
 from .core import TensorType
-from .layer_ops import ACT_ATTRS, _check_activation
-from .ops import (MX_ATTRS, AttrSpec, OpDef, Role, TypeCheck, activation, expect, is_mxfp4, linear_weight, packed_roles,
-                  register_op, require)
+from .layer_ops import ACT_ATTRS, check_activation, check_expert_parallel
+from .mxfp4_weights import MX_ATTRS, is_mxfp4, linear_weight, packed_roles
+from .opdef import AttrSpec, OpDef, Role, TypeCheck, activation, check_positive, expect, require
 
 U8 = frozenset({"u8"})
 OFFSET_ROWS = 5         # expert row offsets + tile offsets for the 4 BLOCK_M buckets (k3c.codegen.kernels.moe)
 MX = ("auto", "none", "upcast", "e4m3", "e2m1")
 
 
-def _pos(attrs, *names):
-    for n in names:
-        v = attrs.get(n)
-        if v is not None and v < 1:
-            raise TypeCheck(f"attribute '{n}' must be >= 1, got {v}")
-
-
-def _ep(attrs) -> tuple[int, int]:
-    return attrs.get("ep_rank", 0), attrs.get("ep_size", 1)
-
-
-def _check_ep(attrs):
-    r, s = _ep(attrs)
-    if s < 1 or not 0 <= r < s:
-        raise TypeCheck(f"ep_rank {r} must be in [0, ep_size {s})")
-    if attrs.get("num_experts", 0) % s:
-        raise TypeCheck(f"num_experts {attrs.get('num_experts')} is not divisible by ep_size {s}")
+def _local_experts(attrs) -> int:
+    """E_local: the experts this rank holds (num_experts / ep_size)."""
+    return attrs["num_experts"] // attrs.get("ep_size", 1)
 
 
 EP_ATTRS = {
@@ -80,12 +66,12 @@ def _infer_linear(attrs, ins):
     return (out,)
 
 
-register_op(OpDef("moe_linear", _linear_roles, {
+MOE_LINEAR = OpDef("moe_linear", _linear_roles, {
     "proj": AttrSpec("str", choices=("router", "latent_down", "latent_up")),
     "out_f32": AttrSpec("bool", required=False, doc="fp32 result (the router logits)"),
     "residual": AttrSpec("bool", required=False, doc="+ residual in the epilogue"),
     **MX_ATTRS,
-}, _infer_linear, _check_linear, doc="dense GEMM of a MoE layer: x W^T (+ residual), generated GEMM kernel"))
+}, _infer_linear, _check_linear, doc="dense GEMM of a MoE layer: x W^T (+ residual), generated GEMM kernel")
 
 
 # ---- moe_route ----------------------------------------------------------------------------------------------------
@@ -95,10 +81,10 @@ def _route_roles(attrs):
 
 
 def _check_route(attrs):
-    _pos(attrs, "num_experts", "top_k")
+    check_positive(attrs, "num_experts", "top_k")
     if attrs.get("top_k", 0) > attrs.get("num_experts", 0):
         raise TypeCheck(f"top_k {attrs.get('top_k')} exceeds num_experts {attrs.get('num_experts')}")
-    _check_ep(attrs)
+    check_expert_parallel(attrs)
 
 
 def _infer_route(attrs, ins):
@@ -108,7 +94,7 @@ def _infer_route(attrs, ins):
     if attrs["router_bias"]:
         expect(ins["gate.e_score_correction_bias"], "gate.e_score_correction_bias", (e,))
     lead = lg.shape[:-1] + (k,)
-    el = e // _ep(attrs)[1]
+    el = _local_experts(attrs)
     return (TensorType("f32", lead), TensorType("i32", lead), TensorType("i32", (OFFSET_ROWS, el + 1)),
             TensorType("i32", lead))
 
@@ -122,8 +108,8 @@ ROUTE_ATTRS = {
     "routed_scaling_factor": AttrSpec("float"),
     **EP_ATTRS,
 }
-register_op(OpDef("moe_route", _route_roles, ROUTE_ATTRS, _infer_route, _check_route, num_results=4,
-                  doc="routing: top-k weights and ids, expert offsets, stable slot permutation"))
+MOE_ROUTE = OpDef("moe_route", _route_roles, ROUTE_ATTRS, _infer_route, _check_route, num_results=4,
+                  doc="routing: top-k weights and ids, expert offsets, stable slot permutation")
 
 
 # ---- grouped expert GEMMs -----------------------------------------------------------------------------------------
@@ -134,8 +120,8 @@ def expert_roles(names: tuple[str, ...], fmt: str) -> tuple[Role, ...]:
 
 
 def _check_grouped(attrs):
-    _pos(attrs, "num_experts", "top_k")
-    _check_ep(attrs)
+    check_positive(attrs, "num_experts", "top_k")
+    check_expert_parallel(attrs)
     fmt, mx = attrs.get("expert_format", "bf16"), attrs.get("mx", "none")
     if (fmt == "mxfp4") == (mx == "none"):
         raise TypeCheck(f"mx '{mx}' does not fit expert_format '{fmt}'")
@@ -162,7 +148,7 @@ def _gate_up_roles(attrs):
 
 def _infer_gate_up(attrs, ins):
     z, zd = activation(ins, "z")
-    fmt, el, k = attrs.get("expert_format", "bf16"), attrs["num_experts"] // _ep(attrs)[1], attrs["top_k"]
+    fmt, el, k = attrs.get("expert_format", "bf16"), _local_experts(attrs), attrs["top_k"]
     m, _ = _expert_shape(ins, "w1", fmt, el, None, zd)
     _expert_shape(ins, "w3", fmt, el, m, zd)
     expect(ins["expert_off"], "expert_off", (OFFSET_ROWS, el + 1), frozenset({"i32"}))
@@ -180,9 +166,13 @@ GROUPED_ATTRS = {
                            doc="the spec's activation format (native MX GEMMs quantize to it); absent = bf16"),
     **EP_ATTRS,
 }
-register_op(OpDef("moe_gate_up", _gate_up_roles, {**GROUPED_ATTRS, **ACT_ATTRS}, _infer_gate_up,
-                  lambda a: (_check_grouped(a), _check_activation(a)) and None,
-                  doc="grouped gate/up GEMM of the routed experts with the GLU epilogue (permuted rows)"))
+def _check_gate_up(attrs):
+    _check_grouped(attrs)
+    check_activation(attrs)
+
+
+MOE_GATE_UP = OpDef("moe_gate_up", _gate_up_roles, {**GROUPED_ATTRS, **ACT_ATTRS}, _infer_gate_up, _check_gate_up,
+                    doc="grouped gate/up GEMM of the routed experts with the GLU epilogue (permuted rows)")
 
 
 def _down_roles(attrs):
@@ -191,7 +181,7 @@ def _down_roles(attrs):
 
 def _infer_down(attrs, ins):
     h = ins["h"]
-    fmt, el, k = attrs.get("expert_format", "bf16"), attrs["num_experts"] // _ep(attrs)[1], attrs["top_k"]
+    fmt, el, k = attrs.get("expert_format", "bf16"), _local_experts(attrs), attrs["top_k"]
     require(h.rank >= 2 and h.shape[-2] == k, f"h: expected [..., {k}, M], got {h}")
     zd, _ = _expert_shape(ins, "w2", fmt, el, None, h.shape[-1])
     expect(ins["expert_off"], "expert_off", (OFFSET_ROWS, el + 1), frozenset({"i32"}))
@@ -199,8 +189,8 @@ def _infer_down(attrs, ins):
     return (TensorType(h.dtype, h.shape[:-1] + (zd,)),)
 
 
-register_op(OpDef("moe_down", _down_roles, GROUPED_ATTRS, _infer_down, _check_grouped,
-                  doc="grouped down GEMM of the routed experts; rows back in slot order"))
+MOE_DOWN = OpDef("moe_down", _down_roles, GROUPED_ATTRS, _infer_down, _check_grouped,
+                 doc="grouped down GEMM of the routed experts; rows back in slot order")
 
 
 # ---- combine ------------------------------------------------------------------------------------------------------
@@ -220,12 +210,17 @@ def _infer_combine(attrs, ins):
     return (out,)
 
 
-register_op(OpDef("moe_combine", _combine_roles, {
+def _check_combine(attrs):
+    check_positive(attrs, "num_experts", "top_k")
+    check_expert_parallel(attrs)
+
+
+MOE_COMBINE = OpDef("moe_combine", _combine_roles, {
     "num_experts": AttrSpec("int"),
     "top_k": AttrSpec("int"),
     "residual": AttrSpec("bool", required=False, doc="+ residual (the shared experts)"),
     **EP_ATTRS,
-}, _infer_combine, lambda a: (_pos(a, "num_experts", "top_k"), _check_ep(a)) and None,
-    doc="weighted sum of each token's k expert outputs (this rank's experts only under expert parallelism)"))
+}, _infer_combine, _check_combine,
+    doc="weighted sum of each token's k expert outputs (this rank's experts only under expert parallelism)")
 
-__all__ = ["expert_roles", "MX"]
+OP_DEFS = (MOE_LINEAR, MOE_ROUTE, MOE_GATE_UP, MOE_DOWN, MOE_COMBINE)

@@ -1,4 +1,6 @@
 """IR text printer: one line per op, MLIR-like. See docs/ir.md for the grammar; parser.py reads it back exactly.
+It reads the fields of core.py's Op and Module (and their attribute values) without importing core.py, whose
+`str()` of an op or a module is this text.
 
     module @k3-tiny attributes {hidden_size = 64} {
       %w3 = param() {name = "norm.weight"} : bf16[64] loc("examples/k3-tiny.yaml:7")
@@ -8,9 +10,8 @@
 """
 from __future__ import annotations
 
-from typing import Iterable
-
-from .core import AttrValue, Module, Op, format_float
+import math
+from typing import Any, Iterable
 
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
@@ -30,7 +31,16 @@ def quote(s: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def format_scalar(v: AttrValue) -> str:
+def format_float(v: float) -> str:
+    """Shortest text that reads back to the same float (repr), with inf/nan spelled as IR keywords."""
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return repr(v)
+
+
+def format_scalar(v: Any) -> str:
     if v is None:
         return "none"
     if v is True:
@@ -44,17 +54,18 @@ def format_scalar(v: AttrValue) -> str:
     return quote(v)
 
 
-def format_value(v: AttrValue) -> str:
+def format_value(v: Any) -> str:
     if isinstance(v, tuple):
         return "[" + ", ".join(format_scalar(x) for x in v) + "]"
     return format_scalar(v)
 
 
-def format_attrs(attrs: Iterable[tuple[str, AttrValue]]) -> str:
+def format_attrs(attrs: Iterable[tuple[str, Any]]) -> str:
     return "{" + ", ".join(f"{k} = {format_value(v)}" for k, v in attrs) + "}"
 
 
-def print_op(op: Op) -> str:
+def print_op(op) -> str:
+    """One op (a k3c.ir.core.Op) as one line."""
     parts = []
     if op.results:
         parts.append(", ".join("%" + r for r in op.results) + " = ")
@@ -68,8 +79,9 @@ def print_op(op: Op) -> str:
     return "".join(parts)
 
 
-def print_module(module: Module, *, header: Iterable[str] = ()) -> str:
-    """The module as text; `header` lines are written first as `# ` comments (the parser skips them)."""
+def print_module(module, *, header: Iterable[str] = ()) -> str:
+    """The module (a k3c.ir.core.Module) as text; `header` lines are written first as `# ` comments (the parser
+    skips them)."""
     lines = [f"# {line}".rstrip() for h in header for line in (str(h).splitlines() or [""])]
     attrs = f" attributes {format_attrs(module.attrs)}" if module.attrs else ""
     lines.append(f"module @{module.name}{attrs} {{")

@@ -13,7 +13,8 @@ from typing import Iterator
 
 from ..errors import IRError
 from .core import DTYPE_BITS, Module, Op
-from .ops import TypeCheck, get_op_def, registered_ops
+from .opdef import TypeCheck
+from .ops import bind, get_op_def, registered_ops
 
 WEIGHT_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")
 
@@ -129,7 +130,7 @@ def _check_op(op: Op, defined: dict[str, Op], later: dict[str, Op]) -> IRError |
     # types against the inference rule
     if opdef.infer is None:
         return None
-    ins = {role.name: _type_in(defined[v], v) for role, v in zip(roles, op.inputs)}
+    ins = {role: _type_in(defined[v], v) for role, v in bind(op).items()}
     try:
         inferred = tuple(opdef.infer(attrs, ins))
     except TypeCheck as e:

@@ -3,18 +3,15 @@
     from k3c.passes import run_pipeline
     module, records = run_pipeline(module, "default", dump_dir="dumps/")
 
-Every module in this package other than registry and pipeline is imported here, so a new pass file registers
-itself without touching this list.
+PASS_MODULES lists the pass modules (importing one registers its pass); a new pass file is added there.
 """
-import importlib
-import pkgutil
+from . import attnres_split, codegen, cse, dce, fuse_residual_norm, kda_chunk, mla_absorb, moe_lower, mxfp4, shard
+from .pipeline import (PIPELINES, PassRecord, available, lower, register_pipeline, resolve_passes, run_pass,
+                       run_pipeline)
+from .registry import PassContext, PassInfo, get_pass, register_invariant, register_pass, registered_passes
 
-from .pipeline import PIPELINES, PassRecord, available, register_pipeline, resolve_passes, run_pass, run_pipeline
-from .registry import (PassContext, PassInfo, get_pass, register_invariant, register_pass, registered_passes)
+PASS_MODULES = (attnres_split, codegen, cse, dce, fuse_residual_norm, kda_chunk, mla_absorb, moe_lower, mxfp4, shard)
 
-for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _mod not in ("registry", "pipeline"):
-        importlib.import_module(f"{__name__}.{_mod}")
-
-__all__ = ["PIPELINES", "PassContext", "PassInfo", "PassRecord", "available", "get_pass", "register_invariant",
-           "register_pass", "register_pipeline", "registered_passes", "resolve_passes", "run_pass", "run_pipeline"]
+__all__ = ["PASS_MODULES", "PIPELINES", "PassContext", "PassInfo", "PassRecord", "available", "get_pass", "lower",
+           "register_invariant", "register_pass", "register_pipeline", "registered_passes", "resolve_passes",
+           "run_pass", "run_pipeline"]

@@ -37,94 +37,125 @@ def _elem_bytes(dtype: str) -> int:
 @register_pass("attnres-split", ensures=("no-dead-ops",))
 def attnres_split(module: Module, ctx: PassContext) -> Module:
     """Block AttnRes as per-block phase-1 ops + per-sublayer phase-2 ops (merge, update, next RMSNorm)."""
-    from ..runtime import kernel_impls as _runtime_kernels  # noqa: F401  (registers the new ops' executor impls)
-
-    ops = module.ops
-    mixes = [i for i, op in enumerate(ops) if op.op == "attn_res_mix"]
-    if not mixes:
+    if not any(op.op == "attn_res_mix" for op in module.ops):
         return module
-    pos = {r: i for i, op in enumerate(ops) for r in op.results}
-    users: dict[str, list[int]] = {}
-    for i, op in enumerate(ops):
-        for v in op.inputs:
-            users.setdefault(v, []).append(i)
-    outputs = set(module.outputs)
+    plan = _SplitPlan(module)
+    out = _Rebuild(module, ctx, plan).run()
+    naive_total = sum(o.attr("bytes_naive") for o in out.ops if o.op == "attn_res_phase2")
+    split_total = sum(o.attr("bytes_split") for o in out.ops if o.op == "attn_res_phase2")
+    return out.replace(attrs=tuple(sorted({**module.attr_dict, "attnres_bytes_per_token":
+                                           (naive_total, split_total)}.items())))
 
-    # -- plan ---------------------------------------------------------------------------------------------------
-    groups: dict[tuple, list[int]] = {}
-    for i in mixes:
-        op = ops[i]
-        groups.setdefault(tuple(op.inputs[:op.attr("block")]), []).append(i)
-    group_of = {i: key for key, members in groups.items() for i in members}
-    first_of = {members[0]: key for key, members in groups.items()}
 
-    fused_add: dict[int, int] = {}       # mix index -> add index
-    fused_norm: dict[int, int] = {}      # mix index -> rmsnorm index
-    dropped: set[int] = set()
-    for i in mixes:
+class _SplitPlan:
+    """What the rewrite does, by op index: the block groups (mixes sharing their completed blocks) and the adds /
+    rmsnorms each mix absorbs."""
+
+    def __init__(self, module: Module):
+        ops = self.ops = module.ops
+        self.mixes = [i for i, op in enumerate(ops) if op.op == "attn_res_mix"]
+        self.pos = {r: i for i, op in enumerate(ops) for r in op.results}
+        self.users: dict[str, list[int]] = {}
+        for i, op in enumerate(ops):
+            for v in op.inputs:
+                self.users.setdefault(v, []).append(i)
+        self.outputs = set(module.outputs)
+        self.groups: dict[tuple, list[int]] = {}            # completed blocks -> the mixes reading them, in order
+        for i in self.mixes:
+            op = ops[i]
+            self.groups.setdefault(tuple(op.inputs[:op.attr("block")]), []).append(i)
+        self.group_of = {i: key for key, members in self.groups.items() for i in members}
+        self.first_of = {members[0]: key for key, members in self.groups.items()}
+        self.fused_add: dict[int, int] = {}       # mix index -> add index
+        self.fused_norm: dict[int, int] = {}      # mix index -> rmsnorm index
+        self.dropped: set[int] = set()
+        for i in self.mixes:
+            self._plan_fusions(i)
+
+    def _plan_fusions(self, i: int) -> None:
+        """The add making mix i's partial (used nowhere before the mix) and the rmsnorm that is the mix's only user."""
+        ops, users, outputs = self.ops, self.users, self.outputs
         op = ops[i]
         if op.attr("num_sources") == op.attr("block") + 1:
             p = op.inputs[op.attr("block")]
-            j = pos.get(p)
-            if (j is not None and ops[j].op == "add" and p not in outputs and j not in dropped
+            j = self.pos.get(p)
+            if (j is not None and ops[j].op == "add" and p not in outputs and j not in self.dropped
                     and all(u >= i for u in users.get(p, ())) and users[p].count(i) == 1):
-                fused_add[i] = j
-                dropped.add(j)
+                self.fused_add[i] = j
+                self.dropped.add(j)
         h = op.results[0]
         us = users.get(h, [])
         if len(us) == 1 and h not in outputs and ops[us[0]].op == "rmsnorm" and ops[us[0]].inputs[0] == h:
-            fused_norm[i] = us[0]
-            dropped.add(us[0])
+            self.fused_norm[i] = us[0]
+            self.dropped.add(us[0])
 
-    # -- rebuild --------------------------------------------------------------------------------------------------
-    b = Builder.like(module)
-    emitted: set[int] = set()
-    group_vals: dict[tuple, tuple[str, str, int]] = {}     # key -> (queries, phase1, phase-1 bytes per token)
 
-    def emit_param(v: str) -> None:
-        k = pos.get(v)
-        if k is not None and ops[k].op == "param" and k not in emitted:
-            emitted.add(k)
-            b.append(ops[k])
+class _Rebuild:
+    """The module with each group's fold + phase 1 at its first mix, and each mix as its phase-2 op."""
 
-    for i, op in enumerate(ctx.walk(ops)):
-        if i in emitted or i in dropped:
-            continue
-        if op.op != "attn_res_mix":
-            emitted.add(i)
-            b.append(op)
-            continue
-        key = group_of[i]
-        d = op.types[0].shape[-1]
-        e = _elem_bytes(op.types[0].dtype)
-        if i in first_of:
-            members = groups[key]
-            qin = []
-            for m in members:
-                for v in ops[m].inputs[-2:]:
-                    emit_param(v)
-                    qin.append(v)
-            qv = b.op("attn_res_fold_queries", qin, {"num_queries": len(members)}, op.loc, prefix="q")
-            n, nq = len(key), len(members)
-            p1_bytes = n * d * e + nq * (STATS + d) * e
-            attrs1 = {"num_sources": n, "num_queries": nq, "eps": op.attr("eps"), "bytes": p1_bytes}
-            if op.attr("layer", None) is not None:
-                attrs1["layer"] = op.attr("layer")
-            s1 = b.op("attn_res_phase1", list(key) + [qv], attrs1, op.loc, prefix="s")
-            group_vals[key] = (qv, s1, p1_bytes)
-            ctx.count("phase1")
-            ctx.count("folded_queries", nq)
-        qv, s1, p1_bytes = group_vals[key]
-        members = groups[key]
-        j = members.index(i)
-        attrs = {"query": j, "eps": op.attr("eps"), "sublayer": op.attr("sublayer")}
+    def __init__(self, module: Module, ctx: PassContext, plan: _SplitPlan):
+        self.module, self.ctx, self.plan, self.ops = module, ctx, plan, module.ops
+        self.b = Builder.like(module)
+        self.emitted: set[int] = set()
+        self.group_vals: dict[tuple, tuple[str, str, int]] = {}    # key -> (queries, phase1, phase-1 bytes/token)
+
+    def run(self) -> Module:
+        for i, op in enumerate(self.ctx.walk(self.ops)):
+            if i in self.emitted or i in self.plan.dropped:
+                continue
+            if op.op != "attn_res_mix":
+                self.emitted.add(i)
+                self.b.append(op)
+                continue
+            if i in self.plan.first_of:
+                self.phase1(op, self.plan.first_of[i])
+            self.phase2(i, op)
+            self.emitted.add(i)
+        return self.b.build(self.module.outputs)
+
+    def param(self, v: str) -> None:
+        """Hoist the param defining v (params have no inputs) if it is not emitted yet."""
+        k = self.plan.pos.get(v)
+        if k is not None and self.ops[k].op == "param" and k not in self.emitted:
+            self.emitted.add(k)
+            self.b.append(self.ops[k])
+
+    def phase1(self, op, key: tuple) -> None:
+        """The group's folded queries and its phase-1 op, at the group's first mix `op`."""
+        b, members = self.b, self.plan.groups[key]
+        d, e = op.types[0].shape[-1], _elem_bytes(op.types[0].dtype)
+        qin = []
+        for m in members:
+            for v in self.ops[m].inputs[-2:]:
+                self.param(v)
+                qin.append(v)
+        qv = b.op("attn_res_fold_queries", qin, {"num_queries": len(members)}, op.loc, prefix="q")
+        n, nq = len(key), len(members)
+        p1_bytes = n * d * e + nq * (STATS + d) * e
+        attrs1 = {"num_sources": n, "num_queries": nq, "eps": op.attr("eps"), "bytes": p1_bytes}
+        if op.attr("layer", None) is not None:
+            attrs1["layer"] = op.attr("layer")
+        s1 = b.op("attn_res_phase1", list(key) + [qv], attrs1, op.loc, prefix="s")
+        self.group_vals[key] = (qv, s1, p1_bytes)
+        self.ctx.count("phase1")
+        self.ctx.count("folded_queries", nq)
+
+    def phase2(self, i: int, op) -> None:
+        """Mix i as its phase-2 op, fused with its add (mode "update") and its rmsnorm (normed) where planned;
+        annotated with the naive and split bytes per token."""
+        plan, ops, b, ctx = self.plan, self.ops, self.b, self.ctx
+        key = plan.group_of[i]
+        d, e = op.types[0].shape[-1], _elem_bytes(op.types[0].dtype)
+        qv, s1, p1_bytes = self.group_vals[key]
+        members = plan.groups[key]
+        attrs = {"query": members.index(i), "eps": op.attr("eps"), "sublayer": op.attr("sublayer")}
         if op.attr("layer", None) is not None:
             attrs["layer"] = op.attr("layer")
         inputs = [s1, qv]
         naive = 2 * op.attr("num_sources") * d * e + d * e
         split = (STATS + d) * e + d * e + p1_bytes // len(members)
-        if i in fused_add:
-            add = ops[fused_add[i]]
+        if i in plan.fused_add:
+            add = ops[plan.fused_add[i]]
             attrs["mode"] = "update"
             inputs += list(add.inputs)
             naive += 3 * d * e
@@ -137,9 +168,9 @@ def attnres_split(module: Module, ctx: PassContext) -> Module:
         else:
             attrs["mode"] = "none"
         out_name, out_loc = op.results[0], op.loc
-        if i in fused_norm:
-            norm = ops[fused_norm[i]]
-            emit_param(norm.inputs[1])
+        if i in plan.fused_norm:
+            norm = ops[plan.fused_norm[i]]
+            self.param(norm.inputs[1])
             attrs.update(normed=True, norm_eps=norm.attr("eps"))
             inputs.append(norm.inputs[1])
             out_name = norm.results[0]
@@ -151,18 +182,12 @@ def attnres_split(module: Module, ctx: PassContext) -> Module:
         ctx.count("phase2")
         if attrs["mode"] == "update":
             r = b.op("attn_res_phase2", inputs, attrs, op.loc, prefix="r")
-            add = ops[fused_add[i]]
-            if users.get(add.results[0]) != [i] or add.results[0] in outputs:
+            add = ops[plan.fused_add[i]]
+            if plan.users.get(add.results[0]) != [i] or add.results[0] in plan.outputs:
                 b.append(b.make("attn_res_take", [r], {"index": 0}, add.loc, results=(add.results[0],)))
             b.append(b.make("attn_res_take", [r], {"index": 1}, out_loc, results=(out_name,)))
         else:
             b.append(b.make("attn_res_phase2", inputs, attrs, op.loc, results=(out_name,)))
-        emitted.add(i)
-    out = b.build(module.outputs)
-    naive_total = sum(o.attr("bytes_naive") for o in out.ops if o.op == "attn_res_phase2")
-    split_total = sum(o.attr("bytes_split") for o in out.ops if o.op == "attn_res_phase2")
-    return out.replace(attrs=tuple(sorted({**module.attr_dict, "attnres_bytes_per_token":
-                                           (naive_total, split_total)}.items())))
 
 
 def bytes_summary(module: Module) -> str:

@@ -5,7 +5,7 @@
 - "extern": dense work handed to torch / the vendor BLAS on purpose (lm_head GEMM with float weights; an MXFP4
   lm_head (the mxfp4 pass) is "kernel": the dense MXFP4 GEMM, elementwise adds left unfused,
   weight transforms evaluated once at load); the manifest lists them.
-- "extern:reference": layer ops that a later lowering pass has not turned into kernels yet run the eager
+- "extern:reference": ops that no lowering pass turned into kernels (a pipeline without it) run the eager
   reference, marked so nothing hides.
 Counts: `kernel`, `extern`, `extern:reference`, and `<impl>.<op>`.
 """
@@ -32,7 +32,7 @@ def impl_for(op) -> str | None:
     if op.op in EMITTERS:
         return "kernel"
     opdef = get_op_def(op.op)
-    if op.op in EXTERN_OPS or (opdef is not None and getattr(opdef, "weight_transform", False)):
+    if op.op in EXTERN_OPS or (opdef is not None and opdef.weight_transform):
         return "extern"
     return "extern:reference"
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from ..codegen.kernels.kda import kda_plan
 from ..ir.builder import Builder
 from ..ir.core import Module
-from ..ir.ops import get_op_def
+from ..ir.kda_ops import ATTN_PARAMS
+from ..ir.ops import bind_inputs
 from .dce import eliminate_dead
 from .registry import PassContext, register_pass
 
@@ -36,9 +37,7 @@ def kda_chunk(module: Module, ctx: PassContext) -> Module:
             b.append(op.replace(inputs=tuple(rename.get(v, v) for v in op.inputs)) if rename else op)
             continue
         a = op.attr_dict
-        ins = [rename.get(v, v) for v in op.inputs]
-        roles = [r.name for r in get_op_def("kda").roles(a)]
-        w = dict(zip(roles, ins))
+        w = bind_inputs("kda", a, [rename.get(v, v) for v in op.inputs])
         x = w["x"]
         layer = a["layer"]
         loc = op.loc
@@ -60,9 +59,7 @@ def kda_chunk(module: Module, ctx: PassContext) -> Module:
         attn_attrs = {**common, "num_heads": a["num_heads"], "head_dim": a["head_dim"],
                       "conv_kernel": a["conv_kernel"], "gate": a["gate"], "gate_lower_bound": a["gate_lower_bound"],
                       "l2norm_eps": a["l2norm_eps"], "chunk": plan.chunk, "block_v": plan.block_v, "dot": plan.dot}
-        o = b.op("kda_attn", [q, k, v, f, beta] + [w[p] for p in ("q_conv1d.weight", "k_conv1d.weight",
-                                                                 "v_conv1d.weight", "A_log", "dt_bias")],
-                 attn_attrs, loc, prefix="o")
+        o = b.op("kda_attn", [q, k, v, f, beta] + [w[p] for p in ATTN_PARAMS], attn_attrs, loc, prefix="o")
         y = b.op("kda_out", [o, gate, w["o_norm.weight"]],
                  {**common, "num_heads": a["num_heads"], "head_dim": a["head_dim"], "norm_eps": a["norm_eps"]},
                  loc, prefix="y")

@@ -8,14 +8,15 @@ cost model; K3.md section 3).
     %a  = mla_absorbed(x, q..., kv_a_proj_with_mqa.weight, kv_a_layernorm.weight, %uk, g_proj.weight, %uv,
                        o_proj.weight) {mode="auto", prefill_chunk=...}
 
-W_UV is never folded into o_proj here: K3's MLA is gated, and the verifier rejects that fold for gated MLA.
-Counts: `mla_layers`, `kvb_split`.
+W_UV stays apart from o_proj: in K3's gated MLA the output gate multiplies o = o_lat W_UV per head and channel
+between the two. Counts: `mla_layers`, `kvb_split`.
 """
 from __future__ import annotations
 
 from ..ir.builder import Builder
 from ..ir.core import Module
-from ..ir.ops import get_op_def
+from ..ir.mla_ops import absorbed_roles
+from ..ir.ops import bind
 from .registry import PassContext, register_pass
 
 # MHA mode expands K/V for this many context tokens at a time (8192 x 96 heads x 256 x bf16 = 400 MB at K3 shapes)
@@ -27,15 +28,13 @@ def mla_absorb(module: Module, ctx: PassContext) -> Module:
     """MLA layers -> W_kvb split (weight transform) + the absorbed/expanded sublayer over the paged latent cache."""
     if not any(op.op == "mla" for op in module.ops):
         return module
-    from ..runtime.kernel_impls import mla as _runtime  # noqa: F401  (registers the ops' runtime implementations)
-
     b = Builder.like(module)
     for op in ctx.walk(module.ops):
         if op.op != "mla":
             b.append(op)
             continue
         a = op.attr_dict
-        w = dict(zip((r.name for r in get_op_def("mla").roles(a)), op.inputs))
+        w = bind(op)
         common = {"layer": a["layer"], "num_heads": a["num_heads"], "qk_nope_head_dim": a["qk_nope_head_dim"],
                   "v_head_dim": a["v_head_dim"], "kv_lora_rank": a["kv_lora_rank"]}
         uk = b.op("mla_kvb_split", [w["kv_b_proj.weight"]], {**common, "part": "uk_t"}, op.loc, prefix="w")
@@ -43,8 +42,6 @@ def mla_absorb(module: Module, ctx: PassContext) -> Module:
         ctx.count("kvb_split", 2)
         attrs = {**a, "mode": "auto", "prefill_chunk": PREFILL_CHUNK}
         w.update({"w_uk_t": uk, "w_uv": uv})
-        from ..ir.mla_ops import absorbed_roles
-
         ins = [w[r.name] for r in absorbed_roles(attrs)]
         b.append(b.make("mla_absorbed", ins, attrs, op.loc, results=op.results))
         ctx.count("mla_layers")

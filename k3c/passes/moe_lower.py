@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from ..ir.builder import Builder
 from ..ir.core import Module
-from ..ir.ops import PACKED_PARTS, get_op_def, packed_name
+from ..ir.mxfp4_weights import PACKED_PARTS, packed_name
+from ..ir.ops import bind_inputs
 from .registry import PassContext, register_pass
 
 _ACT_KEYS = ("activation", "situ_beta_gate", "situ_beta_up")
@@ -39,9 +40,6 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
     """MoE layers -> routing + grouped expert GEMM kernels + combine (+ latent projections, shared experts)."""
     if not any(op.op == "moe" for op in module.ops):
         return module
-    from ..ir import dist_ops as _dist  # noqa: F401  (registers all_reduce)
-    from ..ir import moe_ops as _ops  # noqa: F401
-
     act_format = module.attr_dict.get("activation_format", "bf16")
     if act_format not in ("bf16", "mxfp8", "mxfp4"):
         act_format = "bf16"
@@ -52,8 +50,7 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
             b.append(op.replace(inputs=tuple(rename.get(v, v) for v in op.inputs)) if rename else op)
             continue
         a = op.attr_dict
-        ins = [rename.get(v, v) for v in op.inputs]
-        w = dict(zip((r.name for r in get_op_def("moe").roles(a)), ins))
+        w = bind_inputs("moe", a, [rename.get(v, v) for v in op.inputs])
         x, loc = w["x"], op.loc
         layer = {"layer": a["layer"]}
         ep_rank, ep_size = a.get("ep_rank", 0), a.get("ep_size", 1)

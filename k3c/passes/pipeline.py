@@ -1,4 +1,5 @@
-"""Named pipelines (data) and the pipeline runner: verify after every pass, numbered dumps, rewrite counts."""
+"""Named pipelines (data), the pipeline runner (verify after every pass, numbered dumps, rewrite counts), and
+`lower`: a spec to one rank's lowered module."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,13 +11,17 @@ from typing import Iterable, Sequence
 from ..codegen.targets import DEFAULT_TARGET, Target, get_target
 from ..config import debug, settings
 from ..errors import ArgumentError, IRError
+from ..frontend.spec import ModelSpec
+from ..frontend.to_ir import spec_to_module
 from ..ir.core import Module
 from ..ir.printer import print_module
 from ..ir.verifier import verify as verify_module
 from .registry import PassContext, check_invariant, get_pass, registered_passes
+from .shard import check_divisible, make_layout
 
 # Pipelines are plain lists of pass names; a pipeline name may appear inside another list and is expanded.
-# DESIGN order: lowering passes, fusion, codegen (impl marks), cleanup. The mxfp4 pass (issue 7) goes before codegen.
+# DESIGN order: lowering passes, fusion, codegen (impl marks), cleanup; mxfp4 precedes moe-lower and codegen, which
+# read the formats it sets.
 PIPELINES: dict[str, tuple[str, ...]] = {
     "default": ("kda-chunk", "fuse-residual-norm", "mla-absorb", "attnres-split", "mxfp4", "moe-lower", "codegen",
                 "dce", "cse"),
@@ -62,7 +67,10 @@ def resolve_passes(passes: str | Iterable[str]) -> list[str]:
             for p in PIPELINES[name]:
                 add(p, depth + 1)
         else:
-            get_pass(name)          # ArgumentError listing the valid names
+            try:
+                get_pass(name)
+            except ArgumentError as e:      # the valid pass names, and the pipelines a name may also be
+                raise ArgumentError(f"{e}; pipelines: {', '.join(sorted(PIPELINES))}") from None
             out.append(name)
 
     for p in passes:
@@ -192,6 +200,28 @@ def run_pass(module: Module, name: str, *, verify: bool = True,
     """One pass through the pipeline machinery (verification included)."""
     out, records = run_pipeline(module, [name], verify=verify, target=target)
     return out, records[0]
+
+
+def lower(spec: ModelSpec, target: Target | str | None = None, passes: str | Iterable[str] = "default", *,
+          tp: int = 1, ep: int | None = None, rank: int = 0, seq_parallel: bool = True,
+          dump_dir: str | os.PathLike | None = None,
+          stages: list | None = None) -> tuple[Module, list[PassRecord]]:
+    """The spec's IR (k3c.frontend.to_ir) through `passes` for `target`, as run_pipeline: (module, records).
+
+    tp / ep / rank: rank `rank`'s slice for tensor parallel tp x expert parallel ep (ep None = tp; the ranks are
+    max(tp, ep)): the module carries the layout as attrs, the split counts are checked before any pass runs, and
+    the `shard` pass runs first unless `passes` names it. seq_parallel: with tp > 1, the residual stream and
+    AttnRes blocks hold T/tp tokens per rank during prefill."""
+    layout = make_layout(tp, tp if ep is None else ep, rank)
+    module = spec_to_module(spec)
+    names = passes.split(",") if isinstance(passes, str) else list(passes)
+    if layout.world > 1:
+        module = module.replace(attrs={**module.attr_dict, "tp": layout.tp, "ep": layout.ep, "rank": layout.rank,
+                                       "seq_parallel": bool(seq_parallel)})
+        check_divisible(module, layout)           # bad --tp / --ep: a clear error before any pass runs
+        if "shard" not in resolve_passes(names):
+            names = ["shard"] + names
+    return run_pipeline(module, names, dump_dir=dump_dir, stages=stages, target=target)
 
 
 def available() -> dict[str, list[str]]:

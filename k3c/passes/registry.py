@@ -86,11 +86,9 @@ def registered_passes() -> dict[str, PassInfo]:
 
 
 def get_pass(name: str) -> PassInfo:
+    """The pass registered as `name`; ArgumentError listing the valid passes otherwise."""
     if name not in _PASSES:
-        from .pipeline import PIPELINES
-
-        raise ArgumentError(f"unknown pass '{name}'; valid passes: {', '.join(sorted(_PASSES))}; "
-                            f"pipelines: {', '.join(sorted(PIPELINES))}")
+        raise ArgumentError(f"unknown pass '{name}'; valid passes: {', '.join(sorted(_PASSES))}")
     return _PASSES[name]
 
 

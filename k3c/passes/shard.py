@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from ..errors import ArgumentError
 from ..ir.builder import Builder
-from ..ir.core import Module
-from ..ir.ops import get_op_def
+from ..ir.core import Module, Op
+from ..ir.ops import bind, get_op_def
 from .registry import PassContext, register_pass
 
 
@@ -89,7 +89,7 @@ def check_divisible(module: Module, layout: Layout) -> None:
         if op.op == "moe" and op.attr("num_experts") % ep:
             raise ArgumentError(f"--ep {ep}: num_experts {op.attr('num_experts')} ({where}) is not divisible by {ep}")
         if op.op in ("mlp", "moe") and tp > 1:
-            roles = dict(zip((r.name for r in get_op_def(op.op).roles(op.attr_dict)), op.inputs))
+            roles = bind(op)
             gate = roles.get("gate_proj.weight", roles.get("shared_experts.gate_proj.weight"))
             if gate is not None and module.type_of(gate).shape[0] % tp:
                 what = "dense MLP" if op.op == "mlp" else "shared-expert"
@@ -127,24 +127,29 @@ def shard(module: Module, ctx: PassContext) -> Module:
     if lay.world == 1:
         return module
     check_divisible(module, lay)
+    splits, vocab_split = _plan_splits(module, lay)
+    rank = _RankSlice(module, ctx, lay, splits, vocab_split)
+    for op in ctx.walk(module.ops):     # results keep their names: the collective takes the op's old name
+        rank.rewrite(op)
+    return rank.b.build(module.outputs)
+
+
+def _plan_splits(module: Module, lay: Layout) -> tuple[dict[str, tuple[str, int]], bool]:
+    """Which params this rank holds a slice of: param value -> (group, dim); and whether lm_head's vocab splits."""
     tp, ep = lay.tp, lay.ep
-    defs = {r: op for op in module.ops for r in op.results}
-    splits: dict[str, tuple[str, int]] = {}          # param value -> (group, dim)
+    splits: dict[str, tuple[str, int]] = {}
 
     def split(value: str, group: str, dim: int) -> None:
         if (group == "tp" and tp == 1) or (group == "ep" and ep == 1):
             return
         prev = splits.setdefault(value, (group, dim))
         if prev != (group, dim):
-            raise ArgumentError(f"weight '{defs[value].attr('name')}' would be split two ways ({prev} and "
+            raise ArgumentError(f"weight '{module.defs[value].attr('name')}' would be split two ways ({prev} and "
                                 f"{(group, dim)})")
-
-    def roles_of(op) -> dict[str, str]:
-        return dict(zip((r.name for r in get_op_def(op.op).roles(op.attr_dict)), op.inputs))
 
     vocab_split = False
     for op in module.ops:
-        w = roles_of(op) if get_op_def(op.op) is not None and op.op != "param" else {}
+        w = bind(op) if get_op_def(op.op) is not None and op.op != "param" else {}
         table = {"kda": _KDA, "mla": _MLA, "mlp": _MLP}.get(op.op)
         if table is not None:
             for role, dim in table.items():
@@ -161,100 +166,126 @@ def shard(module: Module, ctx: PassContext) -> Module:
             if module.type_of(wv).shape[0] % tp == 0:
                 split(wv, "tp", 0)
                 vocab_split = True
+    return splits, vocab_split
 
-    b = Builder.like(module)
-    # sequence parallel: the residual stream, AttnRes blocks and norms hold T/tp tokens per rank
-    sp = tp > 1 and module.attr_dict.get("seq_parallel", True) is not False
-    gathered: dict[str, str] = {}                  # local activation -> its seq_gather
 
-    def collective(kind: str, src: str, group: str, loc: str, name: str | None = None, **extra) -> str:
-        size = tp if group == "tp" else ep
-        ctx.count(f"{kind}.{group}")
-        return b.op(kind, [src], {"group": group, "size": size, **extra}, loc, name=name, prefix="tp")
+class _RankSlice:
+    """The rewrite of one module into rank `lay.rank`'s slice: split params, split layer ops and the collectives
+    that join their partial sums; under sequence parallel, the token scatter / gather around the layer ops."""
 
-    def full(x: str, loc: str) -> str:
+    def __init__(self, module: Module, ctx: PassContext, lay: Layout, splits: dict[str, tuple[str, int]],
+                 vocab_split: bool):
+        self.module, self.ctx, self.lay = module, ctx, lay
+        self.splits, self.vocab_split = splits, vocab_split
+        self.tp, self.ep = lay.tp, lay.ep
+        self.b = Builder.like(module)
+        # sequence parallel: the residual stream, AttnRes blocks and norms hold T/tp tokens per rank
+        self.sp = lay.tp > 1 and module.attr_dict.get("seq_parallel", True) is not False
+        self.gathered: dict[str, str] = {}          # local activation -> its seq_gather
+
+    # ---- building blocks ------------------------------------------------------------------------------------
+    def collective(self, kind: str, src: str, group: str, loc: str, name: str | None = None, **extra) -> str:
+        size = self.tp if group == "tp" else self.ep
+        self.ctx.count(f"{kind}.{group}")
+        return self.b.op(kind, [src], {"group": group, "size": size, **extra}, loc, name=name, prefix="tp")
+
+    def full(self, x: str, loc: str) -> str:
         """x with every token (a layer op's input)."""
-        if not sp:
+        if not self.sp:
             return x
-        if x not in gathered:
-            gathered[x] = collective("seq_gather", x, "tp", loc, dim=1, full=str(module.type_of(x).shape[1]))
-        return gathered[x]
+        if x not in self.gathered:
+            self.gathered[x] = self.collective("seq_gather", x, "tp", loc, dim=1,
+                                               full=str(self.module.type_of(x).shape[1]))
+        return self.gathered[x]
 
-    def combine(part: str, loc: str, name: str | None) -> str:
+    def combine(self, part: str, loc: str, name: str | None) -> str:
         """A TP partial sum -> the sum (all_reduce), or this rank's tokens of it (reduce_scatter)."""
-        return collective("reduce_scatter", part, "tp", loc, name, dim=1) if sp else \
-            collective("all_reduce", part, "tp", loc, name)
+        return self.collective("reduce_scatter", part, "tp", loc, name, dim=1) if self.sp else \
+            self.collective("all_reduce", part, "tp", loc, name)
 
-    def emit(opname: str, ins, attrs, loc, results) -> None:
-        b.append(b.make(opname, ins, attrs, loc, results=results))
+    def emit(self, opname: str, ins, attrs, loc, results) -> None:
+        self.b.append(self.b.make(opname, ins, attrs, loc, results=results))
 
-    for op in ctx.walk(module.ops):     # results keep their names: the collective takes the op's old name
-        if op.op == "param" and op.results[0] in splits:
-            group, dim = splits[op.results[0]]
-            size, r = (tp, lay.tp_rank) if group == "tp" else (ep, lay.ep_rank)
-            ty = op.types[0]
-            shape = list(ty.shape)
-            shape[dim] //= size
-            b.append(op.replace(types=(ty.with_shape(shape),)).with_attrs(shard=shard_attr(group, dim, r, size)))
-            ctx.count("params")
-            continue
-        a = op.attr_dict
-        res = op.results[0] if op.results else None
-        ins = list(op.inputs)
-        if op.op in ("kda", "mla") and tp > 1:
-            part = b.fresh("tp")
-            emit(op.op, [full(ins[0], op.loc)] + ins[1:], {**a, "num_heads": a["num_heads"] // tp,
-                                                           "shard": "tp:heads"}, op.loc, (part,))
-            combine(part, op.loc, res)
-            ctx.count(op.op)
+    # ---- per op -----------------------------------------------------------------------------------------------
+    def rewrite(self, op: Op) -> None:
+        tp, sp = self.tp, self.sp
+        if op.op == "param" and op.results[0] in self.splits:
+            self.param_slice(op)
+        elif op.op in ("kda", "mla") and tp > 1:
+            self.split_layer(op, {"num_heads": op.attr("num_heads") // tp, "shard": "tp:heads"})
         elif op.op == "mlp" and tp > 1:
-            part = b.fresh("tp")
-            emit("mlp", [full(ins[0], op.loc)] + ins[1:], {**a, "shard": "tp:columns"}, op.loc, (part,))
-            combine(part, op.loc, res)
-            ctx.count("mlp")
+            self.split_layer(op, {"shard": "tp:columns"})
         elif op.op == "moe":
-            w = roles_of(op)
-            x = w["x"]
-            # EP 1: every rank holds every expert, so under sequence parallel the routed experts run on this
-            # rank's own tokens (no gather, no scatter, 1/tp of the work); else on every token of the EP group
-            local = sp and ep == 1
-            w["x"] = x if local else full(x, op.loc)
-            attrs = {**a}
-            if ep > 1:
-                attrs.update(ep_rank=lay.ep_rank, ep_size=ep, shard="ep:experts")
-            shared = a["num_shared_experts"] > 0 and tp > 1
-            if shared:
-                attrs["num_shared_experts"] = 0
-            moe_ins = [w[r.name] for r in get_op_def("moe").roles(attrs)]
-            scatter = sp and not local
-            routed = res if not (shared or scatter) else b.fresh("ep")
-            emit("moe", moe_ins, attrs, op.loc, (routed,))
-            if scatter:     # the routed output is replicated over TP: keep this rank's tokens
-                routed = collective("seq_scatter", routed, "tp", op.loc, None if shared else res, dim=1)
-            if shared:
-                act = {k: a[k] for k in ("activation", "situ_beta_gate", "situ_beta_up") if k in a}
-                part = b.op("mlp", [full(x, op.loc)] + [w[r] for r in _SHARED],
-                            {"layer": a["layer"], **act, "shard": "tp:columns"}, op.loc, prefix="tp")
-                total = combine(part, op.loc, None)
-                # routed + shared, the reference's order
-                b.op("add", [routed, total], {"layer": a["layer"]}, op.loc, name=res)
-                ctx.count("shared_experts")
-            ctx.count("moe")
-        elif op.op == "lm_head" and (vocab_split or sp):
-            x = full(ins[0], op.loc)
-            if vocab_split:
-                part = b.fresh("tp")
-                emit("lm_head", [x] + ins[1:], {**a, "shard": "tp:vocab"}, op.loc, (part,))
-                collective("all_gather", part, "tp", op.loc, res, dim=-1)
-                ctx.count("lm_head")
-            else:
-                emit("lm_head", [x] + ins[1:], a, op.loc, (res,))
+            self.moe(op)
+        elif op.op == "lm_head" and (self.vocab_split or sp):
+            self.lm_head(op)
         elif op.op == "embedding" and sp:
-            emb = b.fresh("tp")
-            emit("embedding", ins, a, op.loc, (emb,))
-            collective("seq_scatter", emb, "tp", op.loc, res, dim=1)
+            emb = self.b.fresh("tp")
+            self.emit("embedding", op.inputs, op.attr_dict, op.loc, (emb,))
+            self.collective("seq_scatter", emb, "tp", op.loc, op.results[0], dim=1)
         elif sp and get_op_def(op.op) is not None and get_op_def(op.op).infer is not None and op.op != "param":
-            emit(op.op, ins, a, op.loc, op.results)     # per-token op on this rank's tokens: types re-inferred
+            # per-token op on this rank's tokens: types re-inferred
+            self.emit(op.op, op.inputs, op.attr_dict, op.loc, op.results)
         else:
-            b.append(op)
-    return b.build(module.outputs)
+            self.b.append(op)
+
+    def param_slice(self, op: Op) -> None:
+        group, dim = self.splits[op.results[0]]
+        size, r = (self.tp, self.lay.tp_rank) if group == "tp" else (self.ep, self.lay.ep_rank)
+        ty = op.types[0]
+        shape = list(ty.shape)
+        shape[dim] //= size
+        self.b.append(op.replace(types=(ty.with_shape(shape),)).with_attrs(shard=shard_attr(group, dim, r, size)))
+        self.ctx.count("params")
+
+    def split_layer(self, op: Op, changes: dict) -> None:
+        """A kda / mla / mlp op on this rank's heads or columns, its partial sum combined over TP."""
+        part = self.b.fresh("tp")
+        ins = list(op.inputs)
+        self.emit(op.op, [self.full(ins[0], op.loc)] + ins[1:], {**op.attr_dict, **changes}, op.loc, (part,))
+        self.combine(part, op.loc, op.results[0])
+        self.ctx.count(op.op)
+
+    def moe(self, op: Op) -> None:
+        """Routed experts over EP; the shared experts (tp > 1) as a column/row-split mlp added to the routed sum."""
+        a, loc, res = op.attr_dict, op.loc, op.results[0]
+        tp, ep, sp = self.tp, self.ep, self.sp
+        w = bind(op)
+        x = w["x"]
+        # EP 1: every rank holds every expert, so under sequence parallel the routed experts run on this
+        # rank's own tokens (no gather, no scatter, 1/tp of the work); else on every token of the EP group
+        local = sp and ep == 1
+        w["x"] = x if local else self.full(x, loc)
+        attrs = {**a}
+        if ep > 1:
+            attrs.update(ep_rank=self.lay.ep_rank, ep_size=ep, shard="ep:experts")
+        shared = a["num_shared_experts"] > 0 and tp > 1
+        if shared:
+            attrs["num_shared_experts"] = 0
+        moe_ins = [w[r.name] for r in get_op_def("moe").roles(attrs)]
+        scatter = sp and not local
+        routed = res if not (shared or scatter) else self.b.fresh("ep")
+        self.emit("moe", moe_ins, attrs, loc, (routed,))
+        if scatter:     # the routed output is replicated over TP: keep this rank's tokens
+            routed = self.collective("seq_scatter", routed, "tp", loc, None if shared else res, dim=1)
+        if shared:
+            act = {k: a[k] for k in ("activation", "situ_beta_gate", "situ_beta_up") if k in a}
+            part = self.b.op("mlp", [self.full(x, loc)] + [w[r] for r in _SHARED],
+                             {"layer": a["layer"], **act, "shard": "tp:columns"}, loc, prefix="tp")
+            total = self.combine(part, loc, None)
+            # routed + shared, the reference's order
+            self.b.op("add", [routed, total], {"layer": a["layer"]}, loc, name=res)
+            self.ctx.count("shared_experts")
+        self.ctx.count("moe")
+
+    def lm_head(self, op: Op) -> None:
+        """Under sequence parallel on every token; vocab-split rows gathered along the last dim."""
+        ins, a, res = list(op.inputs), op.attr_dict, op.results[0]
+        x = self.full(ins[0], op.loc)
+        if self.vocab_split:
+            part = self.b.fresh("tp")
+            self.emit("lm_head", [x] + ins[1:], {**a, "shard": "tp:vocab"}, op.loc, (part,))
+            self.collective("all_gather", part, "tp", op.loc, res, dim=-1)
+            self.ctx.count("lm_head")
+        else:
+            self.emit("lm_head", [x] + ins[1:], a, op.loc, (res,))

@@ -7,7 +7,7 @@ from k3c.errors import IRError, SpecError
 from k3c.frontend import dump_spec_yaml, parse_spec_text
 from k3c.frontend.to_ir import spec_to_module
 from k3c.ir import parse_module, print_module, verify
-from k3c.ir.ops import packed_name
+from k3c.ir.mxfp4_weights import packed_name
 from k3c.passes import run_pass
 
 from .conftest import ROOT

@@ -139,7 +139,7 @@ def test_dump_header_names_the_target(tiny, tmp_path):
 
 
 def test_run_compiles_for_the_device_target(monkeypatch):
-    from k3c.codegen import launch
+    from k3c.runtime import devices as launch
     from k3c.commands import run as runner
 
     asked: list[str] = []
