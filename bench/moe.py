@@ -4,8 +4,9 @@
                                                    # tokens {1, 16, 64, 512, 4096}
     python bench/moe.py --json out.json            # also write every row
     python bench/moe.py --sweep --json out.json    # also time every plan variant of every row (within --budget s)
-    python bench/moe.py --decode --json out.json   # decode rows (1, 16, 64 tokens): the previous default plans
-                                                   # ("old"), the new default and DECODE_COMPARE variants, bf16, copy
+    python bench/moe.py --decode --json out.json   # decode rows (1, 16, 64 tokens): the plans without the pair
+                                                   # decode ("old"), the default ("new") and DECODE_COMPARE
+                                                   # variants, bf16, copy
     python bench/moe.py --smoke                    # tiny shapes on the CPU (interpreter): checks the code path
     python bench/moe.py --sass                     # no GPU: the decode plans cross-compiled for sm_90, SASS of the
                                                    # K loop counted per weight (nvdisasm from triton's bundle)
@@ -19,7 +20,8 @@ baseline holds them dequantized to bf16):
         padded to the largest count, torch.bmm (gate+up), SiTU-GLU, torch.bmm (down), weighted index_add
 Both are timed as CUDA graph replays (triton.testing.do_bench_cudagraph, median). --sweep: every row also times
 the plan variants (DECODE_VARIANTS at <= 16 rows per expert, else PREFILL_VARIANTS: the upcast forms gemv / joined /
-split / postscale / dequant and their tiles; JSON rows with "variant" and the plans' tags), within --budget seconds of
+dequant and their tiles, and the forms k3c does not ship, bench/moe_forms.py: split / postscale / perm; JSON rows
+with "variant" and the plans' tags), within --budget seconds of
 variant timing shared by the rows, and prints the best per row; before an E's rows, --jobs worker processes compile
 all its rows' kernels into Triton's disk cache, so the main process only loads them.
 Weight bandwidth = the active
@@ -35,12 +37,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from k3c.codegen.kernels.moe import moe_gemm_plan  # noqa: E402
+import moe_forms as forms  # noqa: E402
 from k3c.runtime.launcher import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
-from k3c.codegen.launch import target_for  # noqa: E402
+from k3c.runtime.devices import target_for  # noqa: E402
 from k3c.frontend.spec import ActivationSpec  # noqa: E402
 from k3c.runtime.kernel_impls import moe as M  # noqa: E402
 from k3c.reference import glu_act  # noqa: E402
@@ -134,19 +137,22 @@ def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
     _, (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
     permuted = {}
 
-    def pw(t, plan):    # perm plans read the payload in the load-time perm layout (weight_prep.pairs_perm_words)
-        if plan is None or not getattr(plan, "perm", False):
+    def pw(t, plan):    # perm plans read the payload in the load-time perm layout (forms.pairs_perm_words)
+        if not (isinstance(plan, forms.FormPlan) and plan.form == "perm"):
             return t
         if id(t) not in permuted:
-            from k3c.runtime.weight_prep import pairs_perm_words
-            permuted[id(t)] = pairs_perm_words(t)
+            permuted[id(t)] = forms.pairs_perm_words(t)
         return permuted[id(t)]
+
+    def gemm(kind, a, ws, plan, **kw):
+        if isinstance(plan, forms.FormPlan):
+            return forms.grouped_gemm(kind, a, ws, off, perm, top_k=k, plan=plan, **kw)
+        return M.grouped_gemm(kind, a, ws, off, perm, top_k=k, mx=mx, plan=plan, **kw)
 
     def k3c_fn(pg=None, pd=None):
         def run():
-            h = M.grouped_gemm("gate_up", z, [pw(w1p, pg), w1s, pw(w3p, pg), w3s], off, perm, top_k=k, mx=mx,
-                               act=ACT, plan=pg)
-            y = M.grouped_gemm("down", h, [pw(w2p, pd), w2s], off, perm, top_k=k, mx=mx, plan=pd)
+            h = gemm("gate_up", z, [pw(w1p, pg), w1s, pw(w3p, pg), w3s], pg, act=ACT)
+            y = gemm("down", h, [pw(w2p, pd), w2s], pd)
             return M.combine(y, wt, ids, top_k=k, num_experts=e)
         return run
     return k3c_fn
@@ -217,37 +223,37 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
     return row
 
 
-# Plan variants per row: (name, moe_gemm_plan overrides for gate_up (BLOCK_N per weight), for down). "G" stands for
-# the GEMV row group of the row (min(4, rows per expert rounded up)); "rows" plans for that many rows per expert
-# instead of the row's (BLOCK_M). Decode rows (<= 64 tokens) and prefill rows.
+# Plan variants per row: (name, overrides for gate_up (BLOCK_N per weight), for down): moe_gemm_plan's, or with
+# "form" one of bench/moe_forms.py's FORMS. "G" stands for the GEMV row group of the row (min(4, rows per expert
+# rounded up)); "rows" plans for that many rows per expert instead of the row's (BLOCK_M). Decode rows (<= 64
+# tokens) and prefill rows.
 DECODE_VARIANTS = (
     ("gemv", dict(gemv="G"), dict(gemv="G")),
     ("gemv_bk512", dict(gemv="G", block_k=512), dict(gemv="G", block_k=512)),
     ("gemv_bn32", dict(gemv="G", block_n=32), dict(gemv="G", block_n=64)),
     ("gemv_bn8_w2", dict(gemv="G", block_n=8, num_warps=2), dict(gemv="G", block_n=16, num_warps=2)),
     ("gemv1", dict(gemv=1), dict(gemv=1)),
-    ("joined", dict(gemv=0, joined=True), dict(gemv=0, joined=True)),
-    ("joined_bk512_s2", dict(gemv=0, joined=True, block_k=512, num_stages=2),
-     dict(gemv=0, joined=True, block_k=512, num_stages=2)),
-    ("joined_bn16", dict(gemv=0, joined=True, block_n=16), dict(gemv=0, joined=True, block_n=32)),
-    ("split", dict(gemv=0, joined=False), dict(gemv=0, joined=False)),
-    ("postscale", dict(gemv=0, post_scale=True), dict(gemv=0, post_scale=True)),
+    ("joined", dict(gemv=0), dict(gemv=0)),
+    ("joined_bk512_s2", dict(gemv=0, block_k=512, num_stages=2), dict(gemv=0, block_k=512, num_stages=2)),
+    ("joined_bn16", dict(gemv=0, block_n=16), dict(gemv=0, block_n=32)),
+    ("split", dict(form="split"), dict(form="split")),
+    ("postscale", dict(form="postscale"), dict(form="postscale")),
 )
-# --decode: the plans before the pair decode ("old": moe_gemm_plan(pairs=False), i.e. gemv at 1 row per expert and
-# the fp16-decode joined tile above) against the new default (pair decode, one multiply; the row's main timing) and
+# --decode: the plans without the pair decode ("old": moe_gemm_plan(pairs=False), i.e. gemv at 1 row per expert and
+# the fp16-decode joined tile above) against the default (pair decode, one multiply; the row's main timing) and
 # alternatives of it; "old" first so that the budget never drops it
 DECODE_COMPARE = (
     ("old", dict(pairs=False), dict(pairs=False)),
-    ("pairs1_n64", dict(pairs=True, block_n=64), dict(pairs=True, block_n=128)),       # the default (11-29 on)
+    ("pairs1_n64", dict(pairs=True, block_n=64), dict(pairs=True, block_n=128)),       # the default's tiles
     # the load-time perm bit layout (11 integer ops per 8 weights instead of 17), default tiles and n32 tiles
-    ("pairs1_perm", dict(pairs=True, perm=True), dict(pairs=True, perm=True)),
-    ("pairs1_perm_n32", dict(pairs=True, perm=True, block_n=32), dict(pairs=True, perm=True, block_n=64)),
+    ("pairs1_perm", dict(form="perm", pairs=True), dict(form="perm", pairs=True)),
+    ("pairs1_perm_n32", dict(form="perm", pairs=True, block_n=32), dict(form="perm", pairs=True, block_n=64)),
     ("pairs_exact", dict(pairs=True, one_mul=False), dict(pairs=True, one_mul=False)),
-    ("pairs1_w1k64", dict(pairs=True, num_warps=1, block_k=64, num_stages=4),        # the first pair default
+    ("pairs1_w1k64", dict(pairs=True, num_warps=1, block_k=64, num_stages=4),
      dict(pairs=True, num_warps=1, block_k=64, num_stages=4)),
     ("pairs1_w2n64k64", dict(pairs=True, num_warps=2, block_n=64, block_k=64, num_stages=4),
      dict(pairs=True, num_warps=2, block_n=128, block_k=64, num_stages=4)),
-    ("pairs1_n32", dict(pairs=True, block_n=32), dict(pairs=True, block_n=64)),         # the default until 11-29
+    ("pairs1_n32", dict(pairs=True, block_n=32), dict(pairs=True, block_n=64)),
     ("pairs1_n128", dict(pairs=True, block_n=128), dict(pairs=True, block_n=256)),
     ("pairs1_n64k512", dict(pairs=True, block_k=512, num_stages=2), dict(pairs=True, block_k=512, num_stages=2)),
     ("pairs1_w8", dict(pairs=True, num_warps=8), dict(pairs=True, num_warps=8)),
@@ -257,10 +263,10 @@ PREFILL_VARIANTS = (
     ("dequant", dict(dequant=True), dict(dequant=True)),
     ("dequant_s4", dict(dequant=True, num_stages=4), dict(dequant=True, num_stages=4)),
     ("dequant_bn128", dict(dequant=True, block_n=128), dict(dequant=True, block_n=256)),
-    ("joined", dict(dequant=False, joined=True), dict(dequant=False, joined=True)),
-    ("joined_bk128", dict(dequant=False, joined=True, block_k=128), dict(dequant=False, joined=True, block_k=128)),
-    ("joined_bn128", dict(dequant=False, joined=True, block_n=128), dict(dequant=False, joined=True, block_n=256)),
-    ("joined_m64", dict(dequant=False, joined=True, rows=64), dict(dequant=False, joined=True, rows=64)),
+    ("joined", dict(dequant=False), dict(dequant=False)),
+    ("joined_bk128", dict(dequant=False, block_k=128), dict(dequant=False, block_k=128)),
+    ("joined_bn128", dict(dequant=False, block_n=128), dict(dequant=False, block_n=256)),
+    ("joined_m64", dict(dequant=False, rows=64), dict(dequant=False, rows=64)),
 )
 
 
@@ -271,12 +277,12 @@ def variants(args, dev, rows, specs):
     group = min(4, 1 << max(0, rows - 1).bit_length())
     out, seen = {}, set()
     for name, kg, kd in specs:
-        if mx != "upcast" and any(x in kg for x in ("gemv", "joined", "dequant", "post_scale", "pairs")):
+        if mx != "upcast" and any(x in kg for x in ("gemv", "dequant", "pairs", "form")):
             continue
         kg, kd = ({k: group if v == "G" else v for k, v in kw.items()} for kw in (kg, kd))
         try:
-            pg = moe_gemm_plan("gate_up", args.inter, args.latent, kg.pop("rows", rows), mx, "bf16", tgt, **kg)
-            pd = moe_gemm_plan("down", args.latent, args.inter, kd.pop("rows", rows), mx, "bf16", tgt, **kd)
+            pg = forms.bench_plan("gate_up", args.inter, args.latent, kg.pop("rows", rows), mx, "bf16", tgt, **kg)
+            pd = forms.bench_plan("down", args.latent, args.inter, kd.pop("rows", rows), mx, "bf16", tgt, **kd)
         except Exception:  # noqa: BLE001
             continue
         if (pg, pd) not in seen:
@@ -322,8 +328,8 @@ def precompile(pool, fns, deadline):
             seen.add(ks.digest)
             launches.append((ks, [("t", str(a.dtype).split(".")[-1]) if isinstance(a, torch.Tensor) else int(a)
                                   for a in args]))
-    real = M.run
-    M.run = record
+    real = M.launch, forms.launch
+    M.launch = forms.launch = record
     try:
         for fn in fns:
             try:
@@ -331,7 +337,7 @@ def precompile(pool, fns, deadline):
             except Exception:  # noqa: BLE001 - the timing loop reports it
                 pass
     finally:
-        M.run = real
+        M.launch, forms.launch = real
     t0 = time.time()
     futs = [pool.submit(_warm, ks, specs) for ks, specs in launches]
     from concurrent.futures import wait
@@ -342,7 +348,8 @@ def precompile(pool, fns, deadline):
 
 
 def decode_table(copy_bw):
-    """The --decode summary: per row bf16, the old default plans, the new default and the best variant."""
+    """The --decode summary: per row bf16, the plans without the pair decode ("old"), the default and the best
+    variant."""
     var = {(r["experts"], r["tokens"], r["variant"]): r["k3c_s"] for r in ROWS if "variant" in r}
     print("\n| E | tokens | active | bf16 us | old us | new us | new TB/s | % copy | new x bf16 | new x old | "
           "new err | best variant (us) |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -403,7 +410,6 @@ def sass_report(args):
     import triton
 
     from k3c.codegen.aot import compile_kernels, shutdown_workers
-    from k3c.codegen.kernels.moe import emit_moe_gemm
     from k3c.codegen.targets import get_target
 
     tgt = get_target("h200")
@@ -411,10 +417,10 @@ def sass_report(args):
     ks, meta = [], []
     for name, rows, kg, kd in SASS_PLANS:
         for kind, n, k, kw in (("gate_up", args.inter, args.latent, kg), ("down", args.latent, args.inter, kd)):
-            plan = moe_gemm_plan(kind, n, k, rows, "upcast", "bf16", tgt, **kw)
-            ks.append(emit_moe_gemm(kind, n, k, target=tgt, plan=plan, num_experts=args.experts[0],
-                                    top_k=args.top_k, mx="upcast", act=ACT if kind == "gate_up" else None,
-                                    interpret=False, name=f"sass{len(ks)}_{kind}"))
+            plan = forms.bench_plan(kind, n, k, rows, "upcast", "bf16", tgt, **kw)
+            ks.append(forms.emit_bench_gemm(kind, n, k, target=tgt, plan=plan, num_experts=args.experts[0],
+                                            top_k=args.top_k, mx="upcast", act=ACT if kind == "gate_up" else None,
+                                            interpret=False, name=f"sass{len(ks)}_{kind}"))
             meta.append((name, kind, plan))
     out = tempfile.mkdtemp(prefix="moe-sass-")
     cks = compile_kernels(ks, tgt, out, progress=False)
@@ -462,7 +468,8 @@ def main():
     ap.add_argument("--jobs", type=int, default=16, help="precompile processes for --sweep (0: compile in line)")
     ap.add_argument("--compile-wait", type=float, default=40.0, help="most seconds to wait for a precompile batch")
     ap.add_argument("--decode", action="store_true", help="decode rows (1, 16, 64 tokens unless --tokens): the "
-                    "old default plans, the new default and DECODE_COMPARE variants, a summary table at the end")
+                    "plans without the pair decode (old), the default (new) and DECODE_COMPARE variants, a summary "
+                    "table at the end")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--sass", action="store_true", help="no GPU: SASS instruction counts of the decode plans")
     ap.add_argument("--json", default=None)

@@ -54,7 +54,7 @@ def test_sm100_runs_block_scaled_tcgen05_mxf4(aot_dir):
 @pytest.mark.parametrize("rows, mma", [(1, "mma.sync"), (16, "mma.sync"), (512, "wgmma")])
 def test_sm90_upcasts_in_registers(aot_dir, rows, mma):
     """Default forms by rows: 1-16 the joined MMA form with the pair decode (bf16x2 multiplies), 512 dequant + bf16
-    wgmma. (The FMA GEMV form, the default at 1 row before: test_moe_kernels, bench --decode "old".)"""
+    wgmma. (The FMA GEMV form, the default without the pair decode: test_moe_kernels, bench --decode "old".)"""
     ck, ptx = compile_expert_gemm(aot_dir, "h200", "upcast", rows)
     assert "prmt.b32" in ptx and not re.search(r"tcgen05|mfma_scale", ptx)
     assert mma in ptx and ".bf16" in ptx
@@ -63,15 +63,16 @@ def test_sm90_upcasts_in_registers(aot_dir, rows, mma):
 
 def test_sm90_pair_decode_plans_at_k3_shapes(aot_dir):
     """The decode-row default on sm_90 (pair decode, one multiply; the exact two-multiply fallback; swap) at K3 expert
-    shapes: bf16x2 multiplies and mma.sync, no fp16 decode, no spills."""
+    shapes: bf16x2 multiplies and mma.sync, no fp16 decode, no spills. (The perm decode of bench/moe_forms.py:
+    test_bench_moe_forms.py.)"""
     t = get_target("h200")
     ks = []
     # swap at the 1-warp 64-K tile it was measured with (at 4 warps the swapped down tile may take wgmma instead)
-    for tag, kw in (("one", {}), ("exact", dict(one_mul=False)), ("perm", dict(perm=True)),
+    for tag, kw in (("one", {}), ("exact", dict(one_mul=False)),
                     ("swap", dict(swap=True, num_warps=1, block_k=64, num_stages=4))):
         for kind, n, k in (("gate_up", 3072, 3584), ("down", 3584, 3072)):
             plan = moe_gemm_plan(kind, n, k, 1, "upcast", "bf16", t, **kw)
-            assert plan.pairs and plan.one_mul == (tag != "exact") and plan.perm == (tag == "perm")
+            assert plan.pairs and plan.one_mul == (tag != "exact")
             ks.append(emit_moe_gemm(kind, n, k, target=t, plan=plan, num_experts=896, top_k=16, mx="upcast",
                                     act="swiglu" if kind == "gate_up" else None, interpret=False))
     cks = compile_kernels(ks, t, str(aot_dir / "h200_pairs"), progress=False)
@@ -79,7 +80,6 @@ def test_sm90_pair_decode_plans_at_k3_shapes(aot_dir):
         ptx = (aot_dir / "h200_pairs" / ck.files["ptx"]).read_text()
         assert not ck.resources.has_spills, (ck.name, ck.resources)
         assert "mul.rn.bf16x2" in ptx and "mma.sync" in ptx and "cvt.f32.f16" not in ptx, ck.name
-        assert ("shf.r.wrap.b32" in ptx) == ("jp1p" in ck.name), ck.name      # the perm decode (load-time layout)
 
 
 def test_gfx950_upcast_decode_plans_at_k3_shapes(aot_dir):

@@ -80,9 +80,8 @@ def test_grouped_experts_equal_reference(case, dtype, tol):
     assert rel(got, want) <= tol
 
 
-UPCAST_FORMS = {"split": dict(gemv=0, joined=False), "post_scale": dict(gemv=0, post_scale=True),
-                "joined": dict(gemv=0, joined=True), "gemv1": dict(gemv=1), "gemv2": dict(gemv=2),
-                "dequant": dict(dequant=True), "swap": dict(gemv=0, joined=True, swap=True)}
+UPCAST_FORMS = {"joined": dict(gemv=0), "gemv1": dict(gemv=1), "gemv2": dict(gemv=2), "dequant": dict(dequant=True),
+                "swap": dict(gemv=0, swap=True)}
 
 
 @pytest.mark.parametrize("form", list(UPCAST_FORMS))
@@ -100,9 +99,8 @@ def test_mxfp4_upcast_equals_reference_on_dequantized_weights(form, monkeypatch)
     cpu = get_target("cpu")
     pg = moe_gemm_plan("gate_up", m, z, 1, "upcast", "bf16", cpu, block_n=32, block_k=32, **UPCAST_FORMS[form])
     pd = moe_gemm_plan("down", z, m, 1, "upcast", "bf16", cpu, block_n=32, block_k=32, **UPCAST_FORMS[form])
-    assert (pg.dequant, pg.gemv, pg.joined, pg.post_scale, pg.swap) == (
-        form == "dequant", int(form[-1]) if "gemv" in form else 0, form in ("joined", "swap"), form == "post_scale",
-        form == "swap")
+    assert (pg.dequant, pg.gemv, pg.joined, pg.swap) == (
+        form == "dequant", int(form[-1]) if "gemv" in form else 0, form in ("joined", "swap"), form == "swap")
     h = M.grouped_gemm("gate_up", x, [*qs[0], *qs[1]], off, perm, top_k=k, mx="upcast", act=SITU, plan=pg)
     y = M.grouped_gemm("down", h, [*qs[2]], off, perm, top_k=k, mx="upcast", plan=pd)
     got = M.combine(y, wt, ids, top_k=k, num_experts=e)
@@ -121,13 +119,14 @@ def test_mxfp4_dense_forms(form):
 
 
 def test_upcast_default_forms_follow_the_rows():
-    """The runtime's default upcast form by rows per expert (the rules the bench's sweep is meant to retune)."""
+    """The runtime's default upcast form by rows per expert (the rules the bench's sweep is meant to retune): the
+    GEMV form up to GEMV_MAX_ROWS, the joined MMA form above, the dequant form from DEQUANT_MIN_ROWS."""
     h200 = get_target("h200")
 
     def plan(rows, mx="upcast"):    # pairs=False: the rules without the pair decode (test_pair_decode_default_plans)
         return moe_gemm_plan("gate_up", 3072, 3584, rows, mx, "bf16", h200, pairs=False)
     assert plan(1).gemv == 1 and plan(3).gemv == (4 if KM.GEMV_MAX_ROWS >= 3 else 0)
-    assert plan(KM.GEMV_MAX_ROWS + 1).gemv == 0 and plan(KM.GEMV_MAX_ROWS + 1).joined == KM.JOINED_DEFAULT
+    assert plan(KM.GEMV_MAX_ROWS + 1).gemv == 0 and plan(KM.GEMV_MAX_ROWS + 1).joined
     assert plan(KM.DEQUANT_MIN_ROWS).dequant and not plan(KM.DEQUANT_MIN_ROWS - 1).dequant
     assert not any(p.dequant or p.gemv or p.joined for p in (plan(1, "e4m3"), plan(4096, "e4m3"), plan(1, "none")))
 
@@ -167,7 +166,7 @@ def test_pair_decode_plans_equal_reference(case, form):
     qs = [mxfp4_quantize(w) for w in experts(e, m, z, torch.float32, g)]
     d1, d3, d2 = (mxfp4_dequantize(p, s, torch.bfloat16) for p, s in qs)
     cpu = get_target("cpu")
-    kw = dict(gemv=0, joined=True, block_n=32, block_k=32, swap=form.endswith("swap"))
+    kw = dict(gemv=0, block_n=32, block_k=32, swap=form.endswith("swap"))
     pg, pd = (dataclasses.replace(moe_gemm_plan(kind, a, b, 1, "upcast", "bf16", cpu, **kw), pairs=True, one_mul=True)
               for kind, a, b in (("gate_up", m, z), ("down", z, m)))
     assert pg.tag.startswith("pairs1") and pg.swap == form.endswith("swap")
@@ -189,8 +188,8 @@ def test_one_mul_scale_check():
 
 
 def test_pair_decode_default_plans():
-    """Decode rows on CUDA with bf16 activations default to the pair decode (one multiply); pairs=False, other
-    targets and fp16 activations keep the previous rules."""
+    """Decode rows on CUDA with bf16 activations default to the pair decode (one multiply); with pairs=False, on
+    other targets and with fp16 activations the rules of test_upcast_default_forms_follow_the_rows apply."""
     h200 = get_target("h200")
 
     def plan(rows, t=h200, dt="bf16", **kw):

@@ -46,7 +46,7 @@ def run_ops(ops, regs: dict) -> dict:
             r = (s[0] << src[1]) & M32
         elif op == "shr":
             r = s[0] >> src[1]
-        elif op == "shfw":      # shf.r.wrap.b32 d, a, a, n: rotate right
+        elif op == "shfw":      # shf.r.wrap.b32 d, a, a, n: rotate right (bench/moe_forms.py's perm decode)
             r = (s[0] >> src[1]) | ((s[0] << (32 - src[1])) & M32)
         elif op == "and":
             r = s[0] & s[1]
@@ -104,62 +104,3 @@ def test_pairs_asm_text_is_the_ops():
         assert text.count(";") == len(ops) + 1                      # the .reg line + one line per op
         assert "mul.rn.bf16x2" in text and "prmt.b32" in text
     assert "max.u16x2" in KM.E2M1_PAIRS_ASM and KM.E2M1_PAIRS1_ASM.count("mul.rn.bf16x2") == 4
-
-
-@pytest.mark.parametrize("ops, scales", [("E2M1_PAIRS_PERM_OPS", range(0, 128)), ("E2M1_PAIRS_PERM_OPS", range(128, 255)),
-                                         ("E2M1_PAIRS1_PERM_OPS", range(0, KM.PAIRS1_MAX_SCALE + 1))])
-def test_perm_pairs_decode_equals_dequantize_bitwise(ops, scales):
-    """The perm decode on words permuted by the load-time transform (k3c.runtime.weight_prep.pairs_perm_words):
-    every byte value at every position of a canonical word, random words, every scale it is used for."""
-    from k3c.runtime.weight_prep import pairs_perm_words
-
-    g = torch.Generator().manual_seed(1)
-    s = torch.tensor(list(scales), dtype=torch.int64)
-    base = torch.arange(256, dtype=torch.int64)
-    byts = torch.cat([torch.stack([(base + 37 * j) % 256 for j in range(4)], dim=1),
-                      torch.randint(0, 256, (256, 4), generator=g)])
-    stored = pairs_perm_words(byts.to(torch.uint8)).to(torch.int64)
-    words = (stored << torch.tensor([0, 8, 16, 24])).sum(1)
-    W, S = torch.meshgrid(words, s, indexing="ij")
-    out = run_ops(getattr(KM, ops), {"$4": W.reshape(-1), "$5": S.reshape(-1)})
-    got = torch.stack([out[f"${j}"] for j in range(4)], dim=1)
-    got = torch.stack([got & 0xFFFF, got >> 16], dim=2).reshape(-1, 8)
-    packed = byts[:, None, :].expand(-1, len(s), -1).reshape(-1, 4).to(torch.uint8)
-    want = mxfp4_dequantize(packed.repeat(1, 4), S.reshape(-1, 1).to(torch.uint8), torch.bfloat16)[:, :8]
-    want = want.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    assert torch.equal(got, want)
-
-
-def test_perm_layout_is_a_bit_permutation_of_each_word():
-    from k3c.runtime.weight_prep import pairs_perm_words
-
-    mp = KM.pairs_perm_bit_map()
-    assert sorted(mp) == list(range(32))
-    x = torch.randint(0, 256, (3, 5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    y = pairs_perm_words(x)
-    assert y.shape == x.shape and y.dtype == torch.uint8
-    wx = (x.reshape(3, 5, 16, 4).to(torch.int64) << torch.tensor([0, 8, 16, 24])).sum(-1)
-    wy = (y.reshape(3, 5, 16, 4).to(torch.int64) << torch.tensor([0, 8, 16, 24])).sum(-1)
-    for stored, canon in enumerate(mp):
-        assert torch.equal((wy >> stored) & 1, (wx >> canon) & 1)
-    one = torch.zeros(1, 4, dtype=torch.uint8)
-    one[0, 0] = 1
-    assert int(torch.count_nonzero(pairs_perm_words(one))) == 1     # one bit in, one bit out
-    text = KM.E2M1_PAIRS1_PERM_ASM
-    assert text.count(";") == len(KM.E2M1_PAIRS1_PERM_OPS) + 1 and text.count("prmt.b32") == 4
-    assert text.count("shf.r.wrap.b32") == 2 and text.count("mul.rn.bf16x2") == 4
-
-
-def test_perm_plan_needs_the_ptx_decode():
-    """A perm plan's weights are in the load-time layout, which only the PTX decode reads: elsewhere it is refused."""
-    from k3c.codegen.targets import get_target
-    from k3c.codegen.writer import CodegenError
-
-    t = get_target("h200")
-    plan = KM.moe_gemm_plan("down", 64, 64, 1, "upcast", "bf16", t, perm=True)
-    assert plan.perm and plan.tag.startswith("pairs1p")
-    assert "shf.r.wrap.b32" in KM.emit_moe_gemm("down", 64, 64, target=t, plan=plan, mx="upcast", interpret=False).source
-    with pytest.raises(CodegenError, match="perm"):
-        KM.emit_moe_gemm("down", 64, 64, target=t, plan=plan, mx="upcast", interpret=True)
-    assert not KM.moe_gemm_plan("down", 64, 64, 1, "upcast", "bf16", t).perm          # off by default
-

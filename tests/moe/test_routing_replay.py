@@ -1,5 +1,6 @@
 """Routing replay (k3c.runtime.routing_replay): a recorded run's expert choices, replayed in a perturbed run, are
-taken by all three routers (kernel, executor torch op, reference) with this run's own weights at those experts."""
+taken by all three routers (kernel, executor torch op, reference) with this run's own weights at those experts. The
+runtime's routers ask the active replay; the reference takes its `choose` as an argument (choose_experts)."""
 from __future__ import annotations
 
 import pytest
@@ -49,11 +50,11 @@ def test_reference_router_replays():
                   renormalize=False)
     x = torch.randn(n, d, generator=g)
     w = {"gate.weight": torch.randn(e, d, generator=g)}
-    with RoutingReplay.record() as rec:
-        _, idx, _ = ref.route(x, w, cfg)
+    rec = RoutingReplay.record()
+    _, idx, _ = ref.route(x, w, cfg, rec.choose)
     x2 = x + 0.5 * torch.randn(n, d, generator=g)
-    with RoutingReplay.replay(rec.routes) as rep:
-        p, idx2, scores = ref.route(x2, w, cfg)
+    rep = RoutingReplay.replay(rec.routes)
+    p, idx2, scores = ref.route(x2, w, cfg, rep.choose)
     assert torch.equal(idx2, idx) and rep.flips > 0
     assert torch.allclose(p, scores.gather(-1, idx) * cfg.routed_scaling_factor)
 

@@ -1,4 +1,4 @@
-"""MXFP4 dense linears end to end (issue 7: lm_head, the dense MLP, the MoE layer's shared experts and latent
+"""MXFP4 dense linears end to end (lm_head, the dense MLP, the MoE layer's shared experts and latent
 projections): the kernel implementations (dense MXFP4 x bf16 GEMM, Triton interpreter) against the torch reference
 on the same dequantized weights; a whole k3-tiny with all of them quantized, eager and through the kernels, against
 the reference model on the dequantized weights; `k3c quantize` / load round trips; the planner's bytes."""
@@ -10,6 +10,7 @@ import torch
 import k3c
 from k3c.cli import main
 from k3c.frontend import parse_spec_text
+from k3c.frontend.spec import ActivationSpec
 from k3c.frontend.quant_check import quantized_names
 from k3c.quant import mxfp4_dequantize, mxfp4_quantize
 from k3c.runtime.checkpoint import load_weights, save_k3_checkpoint
@@ -64,7 +65,7 @@ def _packed(n, k, seed):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("m", [1, 7, 40, 300])      # decode, MMA tiles, the dequant plan (bucket 512)
 def test_kernels_equal_reference_on_dequantized_weights(interp, dtype, tol, m):
-    from k3c.runtime.executor import IMPLS
+    from k3c.runtime.executor import TORCH_IMPLS
     from k3c.runtime.kernel_impls import KERNEL_IMPLS
 
     g = torch.Generator().manual_seed(m)
@@ -72,7 +73,7 @@ def test_kernels_equal_reference_on_dequantized_weights(interp, dtype, tol, m):
     x = torch.randn(2, m, d, generator=g).to(dtype)
     head = dict(zip(("lm_head.weight_packed", "lm_head.weight_scale"), _packed(v, d, 1)))
     a = {"tied": False, "weight_format": "mxfp4", "act_format": "bf16"}
-    got, ref = KERNEL_IMPLS["lm_head"](a, None, (x,), head), IMPLS["lm_head"](a, None, (x,), head)
+    got, ref = KERNEL_IMPLS["lm_head"](a, None, (x,), head), TORCH_IMPLS["lm_head"](a, None, (x,), head)
     assert got.dtype == dtype and got.shape == (2, m, v) and rel(got, ref) <= tol
     # the reference is the float op on the dequantized weight
     assert torch.equal(ref, torch.nn.functional.linear(x, mxfp4_dequantize(*head.values(), dtype)))
@@ -82,14 +83,14 @@ def test_kernels_equal_reference_on_dequantized_weights(interp, dtype, tol, m):
         mlp.update(zip((f"{role}.weight_packed", f"{role}.weight_scale"), _packed(*shape, 10 + i)))
     a = {"layer": 0, "activation": "situ", "situ_beta_gate": 4.0, "situ_beta_up": 25.0, "weight_format": "mxfp4",
          "act_format": "bf16"}
-    got, ref = KERNEL_IMPLS["mlp"](a, None, (x,), mlp), IMPLS["mlp"](a, None, (x,), mlp)
+    got, ref = KERNEL_IMPLS["mlp"](a, None, (x,), mlp), TORCH_IMPLS["mlp"](a, None, (x,), mlp)
     assert got.shape == x.shape and rel(got, ref) <= tol
 
     lin = dict(zip(("weight_packed", "weight_scale"), _packed(d, f, 20)))
     h = torch.randn(2, m, f, generator=g).to(dtype)
     res = torch.randn(2, m, d, generator=g).to(dtype)
     a = {"layer": 1, "proj": "latent_up", "residual": True, "weight_format": "mxfp4", "act_format": "bf16"}
-    got, ref = KERNEL_IMPLS["moe_linear"](a, None, (h, res), lin), IMPLS["moe_linear"](a, None, (h, res), lin)
+    got, ref = KERNEL_IMPLS["moe_linear"](a, None, (h, res), lin), TORCH_IMPLS["moe_linear"](a, None, (h, res), lin)
     assert got.shape == res.shape and rel(got, ref) <= tol
 
 
@@ -97,7 +98,7 @@ def test_kernels_equal_reference_on_dequantized_weights(interp, dtype, tol, m):
 def test_native_mode_matches_reference_with_quantized_activations(interp, monkeypatch, mode):
     """On targets with MX matrix units (mi355x, b200: forced here) the kernel runs tl.dot_scaled on activations
     quantized per 32; the torch implementation quantizes them the same way (k3c.quant) before the float GEMM."""
-    from k3c.runtime.executor import IMPLS
+    from k3c.runtime.executor import TORCH_IMPLS
     from k3c.runtime.kernel_impls import KERNEL_IMPLS
     from k3c.runtime.kernel_impls import mxfp4_linear as L
 
@@ -108,27 +109,28 @@ def test_native_mode_matches_reference_with_quantized_activations(interp, monkey
     for i, (role, shape) in enumerate((("gate_proj", (96, 64)), ("up_proj", (96, 64)), ("down_proj", (64, 96)))):
         mlp.update(zip((f"{role}.weight_packed", f"{role}.weight_scale"), _packed(*shape, 30 + i)))
     a = {"layer": 0, "activation": "swiglu", "weight_format": "mxfp4", "act_format": "mxfp8"}
-    got, ref = KERNEL_IMPLS["mlp"](a, None, (x,), mlp), IMPLS["mlp"](a, None, (x,), mlp)
+    got, ref = KERNEL_IMPLS["mlp"](a, None, (x,), mlp), TORCH_IMPLS["mlp"](a, None, (x,), mlp)
     assert rel(got, ref) <= 1e-2
     plain = L.ref.mlp(x, L.dequantized(mlp, ("gate_proj.weight", "up_proj.weight", "down_proj.weight"),
-                                       torch.bfloat16), L.act_from_attrs(a))
+                                       torch.bfloat16), ActivationSpec.from_attrs(a))
     assert rel(ref, plain) > 1e-3          # the activations really were quantized
 
 
 def test_float_weights_keep_their_paths(interp):
-    """Unquantized ops run what they ran before (the wrappers hand them on)."""
-    from k3c.runtime.executor import IMPLS
+    """Unquantized ops run their float paths (the MXFP4 family's entries hand them on)."""
+    from k3c.runtime.executor import TORCH_IMPLS
     from k3c.runtime.kernel_impls import KERNEL_IMPLS
     from k3c.runtime.kernel_impls import basic
     from k3c.runtime.kernel_impls import moe as kmoe
 
     x = torch.randn(3, 64)
     w = {"lm_head.weight": torch.randn(100, 64)}
-    assert torch.equal(IMPLS["lm_head"]({"tied": False}, None, (x,), w), x @ w["lm_head.weight"].T)
-    assert KERNEL_IMPLS["mlp"].__name__ == "kernel_mlp" and basic.kernel_mlp is not KERNEL_IMPLS["mlp"]
+    assert torch.equal(TORCH_IMPLS["lm_head"]({"tied": False}, None, (x,), w), x @ w["lm_head.weight"].T)
+    assert KERNEL_IMPLS["mlp"].__name__ == "launch_mlp" and basic.launch_mlp is not KERNEL_IMPLS["mlp"]
     wl = {"weight": torch.randn(32, 64)}
     a = {"proj": "latent_down"}
-    assert torch.equal(KERNEL_IMPLS["moe_linear"](a, None, (x,), wl), kmoe.kernel_moe_linear(a, None, (x,), wl))
+    assert torch.equal(KERNEL_IMPLS["moe_linear"](a, None, (x,), wl), kmoe.launch_moe_linear(a, None, (x,), wl))
+    assert torch.equal(TORCH_IMPLS["moe_linear"](a, None, (x,), wl), kmoe.torch_moe_linear(a, None, (x,), wl))
 
 
 # ---- the whole model ----------------------------------------------------------------------------------------------

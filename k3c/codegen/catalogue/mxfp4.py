@@ -1,15 +1,17 @@
-"""AOT emitters of the ops whose linear weights the `mxfp4` pass packed (weight_format "mxfp4": lm_head, mlp,
-moe_linear): the dense MXFP4 x bf16 GEMM (k3c.codegen.kernels.moe, kind "dense") per token bucket, the kernels
-k3c.runtime.kernel_impls.mxfp4_linear launches for the same shapes. Ops with float weights keep the emitters they had
-(lm_head: torch on purpose, no emitter; the codegen pass marks only an MXFP4 lm_head "kernel")."""
+"""AOT emitters of the ops whose linear weights the `mxfp4` pass may pack (weight_format "mxfp4": lm_head, mlp,
+moe_linear): per op one entry that picks, from the op's weight format, the dense MXFP4 x bf16 GEMM (k3c.codegen.
+kernels.moe, kind "dense") per token bucket, the kernels k3c.runtime.kernel_impls.mxfp4_linear launches for the same
+shapes, or the op's float emitter (basic.mlp, moe.moe_linear; a float lm_head has none: torch runs it on purpose,
+and the codegen pass marks only an MXFP4 lm_head "kernel"). The catalogue applies these entries over the float
+families' (k3c.codegen.catalogue: OVERRIDES)."""
 from __future__ import annotations
 
-from ...ir.ops import PACKED_PARTS, get_op_def, is_mxfp4, packed_name
+from ...ir.mxfp4_weights import PACKED_PARTS, is_mxfp4, packed_name
+from ...ir.ops import bind
+from ..buckets import M_BUCKETS, m_bucket
+from ..kernels.common import IR_DTYPES
 from ..kernels.moe import DEQUANT_BLOCKS, DEQUANT_WORKSPACE_BYTES, expert_gemm_classes, moe_gemm_plan, mx_mode
-from ..launch import M_BUCKETS, m_bucket
-from . import EMITTERS, register_emitter
-
-_DT = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}
+from . import basic, moe
 
 
 def dense_mx(target, act_format: str | None) -> str:
@@ -26,7 +28,7 @@ def dequant_fits(n: int, k: int) -> bool:
 
 
 def dense_plan(n: int, k: int, m: int, mx: str, dtype: str, target, one_mul: bool | None = None):
-    """The plan of the dense GEMM for M tokens: tiles by the token bucket (launch.m_bucket); no dequant plan for
+    """The plan of the dense GEMM for M tokens: tiles by the token bucket (buckets.m_bucket); no dequant plan for
     a weight that `dequant_fits` refuses."""
     return moe_gemm_plan("dense", n, k, m_bucket(m), mx, dtype, target, one_mul=one_mul,
                          dequant=None if dequant_fits(n, k) else False)
@@ -44,29 +46,31 @@ def dense_kernels(n: int, k: int, dtype: str, target, act_format: str | None, ir
                                w_dtype=dtype, out_dtype=dtype, ir_op=ir_op, loc=loc, interpret=False)
 
 
-def _op_kernels(op, module, target, roles):
-    x = module.types[op.inputs[0]]
-    ins = dict(zip((r.name for r in get_op_def(op.op).roles(op.attr_dict)), op.inputs))
+def _mx_kernels(op, module, target, roles):
+    """The dense MXFP4 GEMMs of the op's packed weight roles (each [n, k / 2] packed bytes)."""
+    ins = bind(op)
+    dt = IR_DTYPES[module.type_of(ins["x"]).dtype]
     out = []
     for role in roles:
-        p = module.types[ins[packed_name(role, PACKED_PARTS[0])]]
-        out += dense_kernels(p.shape[0], p.shape[1] * 2, _DT[x.dtype], target, op.attr("act_format", None), op.op)
+        p = module.type_of(ins[packed_name(role, PACKED_PARTS[0])])
+        out += dense_kernels(p.shape[0], p.shape[1] * 2, dt, target, op.attr("act_format", None), op.op)
     return out
 
 
-def _wrap(op_name: str, roles):
-    inner = EMITTERS.get(op_name)
-
-    def emit(op, module, target):
-        if is_mxfp4(op.attr_dict):
-            return _op_kernels(op, module, target, roles)
-        if inner is None:
-            return []
-        return inner(op, module, target)
-    return emit
+def lm_head(op, module, target):
+    return _mx_kernels(op, module, target, ("lm_head.weight",)) if is_mxfp4(op.attr_dict) else []
 
 
-for _name, _roles in (("lm_head", ("lm_head.weight",)),
-                      ("mlp", ("gate_proj.weight", "up_proj.weight", "down_proj.weight")),
-                      ("moe_linear", ("weight",))):
-    register_emitter(_name)(_wrap(_name, _roles))
+def mlp(op, module, target):
+    if is_mxfp4(op.attr_dict):
+        return _mx_kernels(op, module, target, ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    return basic.mlp(op, module, target)
+
+
+def moe_linear(op, module, target):
+    if is_mxfp4(op.attr_dict):
+        return _mx_kernels(op, module, target, ("weight",))
+    return moe.moe_linear(op, module, target)
+
+
+EMITTERS = {"lm_head": lm_head, "mlp": mlp, "moe_linear": moe_linear}

@@ -19,32 +19,31 @@ E, S) (every expert adds at most one partial tile, every tile holds a row; `tile
     gate_up  A rows gathered through perm (token = slot // k), out = act(A W1^T, A W3^T) in permuted order.
     down     A = the gate_up output (permuted order), out rows scattered back to slot order (row t * k + j).
     dense    plain C = A W^T (no routing): the MXFP4 x bf16 GEMM for other quantized linears (same template).
+The kernel is composed of parts (`GroupedGemm`: the checked shapes, dtypes and form): the tile's rows
+(emit_tile_rows), the K loop with the B operand of the weight format (emit_mma_mainloop with operand_form's pointers
+and K step; or the GEMV body), the epilogue (emit_mma_epilogue: GLU or plain, scattered or in place).
 Weight formats (`mx`):
     none     bf16 / fp32 weights [E, N, K], tl.dot.
     upcast   MXFP4 packed u8 [E, N, K/2] + E8M0 scales u8 [E, N, K/32] (k3c.quant layout: element 2i in the low
              nibble), for sm_90 and gfx942 (no MX matrix units). Per 32-block of K, the packed bytes are decoded in
              registers by bit placement to fp16 holding value x 2^-14 (exact; 1.75 integer ops per element with
              CUDA's prmt/lop3, 5 in plain Triton elsewhere), multiplied by the block's 2^(s - 113) in fp32 and
-             rounded to bf16 (exact: E2M1 values have 2 significant bits), and the low / high nibbles (even / odd
-             K) meet A's even / odd columns in two bf16 dots into the accumulator (no register shuffle interleaves
-             nibbles). Measured on an H200: a full-register decode folding the scale into the bit pattern (~16
-             integer ops per element) streamed 0.46 TB/s of packed weights at decode; scaling the fp32 partial
-             product per block instead (fp16 dots; plan option post_scale) 0.86-0.95 TB/s but serialised the
-             prefill MMAs. That two-dot "split" form is kept as a plan option; the forms the plan picks by rows
-             per expert (moe_gemm_plan; rules DEQUANT_MIN_ROWS, GEMV_MAX_ROWS, JOINED_DEFAULT):
-               gemv     (decode, <= 4 rows) a 16-row tile's real rows, 1-4 at a time, FMAs against the decoded
-                        K-contiguous tile (16-byte loads), each 32-block's partial sum scaled once; no MMA.
+             rounded to bf16 (exact: E2M1 values have 2 significant bits). The forms the plan picks by rows per
+             expert (moe_gemm_plan; rules DEQUANT_MIN_ROWS, GEMV_MAX_ROWS, PAIRS_MAX_ROWS; the measurements behind
+             them: docs/perf.md, "MoE plan measurements"):
+               gemv     (decode, <= GEMV_MAX_ROWS rows) a 16-row tile's real rows, 1-4 at a time, FMAs against the
+                        decoded K-contiguous tile (16-byte loads), each 32-block's partial sum scaled once; no MMA.
                joined   (MMA) the scaled nibbles interleaved back into a [BLOCK_N, BLOCK_K] tile (tl.join), one
                         dot per K step with contiguous activation loads (mma.sync at 16-32 rows, wgmma at 64+).
-               pairs    (decode, <= 16 rows, CUDA with bf16 activations; the default there) the joined form with
-                        the packed tile loaded as 32-bit words and each byte decoded in PTX straight to the bf16x2
-                        K pair the MMA operand holds, the block scale applied by bf16x2 multiplies (exact; one
-                        multiply where every scale of the weights is <= 128, else two): 4.0-4.3 SASS instructions
-                        per weight in the K loop against 6.8-7.6 for gemv / joined (docs/perf.md MoE); 4-warp
-                        16 x 64 tiles, 256-K steps. swap (option) makes the weight tile the MMA's A operand.
-               dequant  (prefill, >= 256 rows) emit_moe_dequant writes the experts' bf16 weights once per call
-                        (chunks of experts within DEQUANT_WORKSPACE_BYTES), then the bf16 grouped GEMM with
-                        expert_chunk runs those experts' tiles: the decode is not repeated per M tile.
+               pairs    (decode, <= PAIRS_MAX_ROWS rows, CUDA with bf16 activations; the default there) the joined
+                        form with the packed tile loaded as 32-bit words and each byte decoded in PTX straight to
+                        the bf16x2 K pair the MMA operand holds, the block scale applied by bf16x2 multiplies
+                        (exact; one multiply where every scale of the weights is <= 128, else two): fewer
+                        instructions per weight in the K loop than gemv / joined; 4-warp 16-row tiles, 256-K steps.
+                        swap (option) makes the weight tile the MMA's A operand.
+               dequant  (prefill, >= DEQUANT_MIN_ROWS rows) emit_moe_dequant writes the experts' bf16 weights once
+                        per call (chunks of experts within DEQUANT_WORKSPACE_BYTES), then the bf16 grouped GEMM
+                        with expert_chunk runs those experts' tiles: the decode is not repeated per M tile.
     e4m3     native (target.native_mxfp4): A is quantized per 32 columns to MXFP8 in registers (OCP floor rule, as
              k3c.quant.mxfp8_quantize: scale = floor(log2 amax) - 8, elements saturated to +-448, round to nearest
              even) and tl.dot_scaled(e4m3, e2m1) runs on v_mfma_scale_f32_*_f8f6f4 (gfx950) / tcgen05.mma
@@ -58,6 +57,7 @@ deterministic, needs no zeroed fp32 buffer, and rounds like the reference (Y in 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..kernel import KernelSource
@@ -96,38 +96,32 @@ class MoEGemmPlan:
     block_k: int          # K elements per step (unpacked)
     num_warps: int
     num_stages: int
-    post_scale: bool = False   # upcast: scale the fp32 partial product per 32-block instead of the decoded weights
-    joined: bool = False       # upcast: nibbles interleaved back into one [BLOCK_N, BLOCK_K] tile, one dot per step
+    joined: bool = False       # upcast: the MMA form, nibbles decoded, scaled and interleaved back into one
+                               # [BLOCK_N, BLOCK_K] tile per step (False for float and native MX plans)
     gemv: int = 0              # upcast, BLOCK_M 16: FMA GEMV over the tile's real rows, this many rows at a time
     dequant: bool = False      # upcast: dequantize the experts to a bf16 workspace once, then the bf16 GEMM (tiles)
     pairs: bool = False        # upcast joined form, CUDA, bf16: E2M1 decoded straight to scaled bf16x2 K pairs (PTX)
     swap: bool = False         # joined: the weight tile is the MMA's A operand (acc [BLOCK_N, BLOCK_M], transposed)
     one_mul: bool = False      # pairs: one bf16x2 multiply per pair, exact for scales <= PAIRS1_MAX_SCALE (the runtime
                                # checks the weights' scales and else runs the two-multiply decode)
-    perm: bool = False         # pairs: the packed words hold their bits in the load-time "perm" layout
-                               # (pairs_perm_bit_map; the caller passes weights through pairs_perm_words): 11 integer
-                               # ops per 8 weights instead of 17
 
     @property
     def tag(self) -> str:
         """Short name of the variant (bench tables)."""
         form = ("dequant" if self.dequant else f"gemv{self.gemv}" if self.gemv else
-                ("pairs" + ("1" if self.one_mul else "") + ("p" if self.perm else "") if self.pairs else "joined")
-                + ("T" if self.swap else "")
-                if self.joined else
-                "postscale" if self.post_scale else "split")
+                ("pairs" + ("1" if self.one_mul else "") if self.pairs else "joined") + ("T" if self.swap else "")
+                if self.joined else "mma")
         return f"{form}_m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
 
 
 # Default-plan rules of the upcast (sm_90 / gfx942) grouped GEMM, by expected rows per expert; the bench's --sweep
-# times the alternatives, so switching the default to the measured best is a change of one of these lines.
+# times the alternatives, so switching the default to the measured best is a change of one of these lines
+# (measurements: docs/perf.md, "MoE plan measurements").
 DEQUANT_MIN_ROWS = 256      # prefill: dequantize once to bf16 and run the bf16 grouped GEMM from this many rows up
-GEMV_MAX_ROWS = 1           # decode: the FMA GEMV form up to this many rows (H200: at 2 rows MMA is 1.6-2.6x faster)
-JOINED_DEFAULT = True       # the MMA form: one interleaved tile per step (False: two half-K dots per 32-block)
+GEMV_MAX_ROWS = 1           # decode: the FMA GEMV form up to this many rows (from 2 rows the MMA form is faster)
 PAIRS_MAX_ROWS = 16         # CUDA, bf16 activations: the joined form with the pair decode (E2M1 -> scaled bf16x2 in
                             # PTX, one multiply where the scales allow) up to this many rows per expert, in place of
-                            # gemv / the fp16 decode (sm_90 SASS: 4.0-4.3 instructions per weight in the K loop
-                            # against 6.8-7.6; docs/perf.md MoE)
+                            # gemv / the fp16 decode (fewer instructions per weight in the K loop)
 DEQUANT_WORKSPACE_BYTES = 2 << 30   # the bf16 workspace of one call (experts are processed in chunks that fit)
 
 
@@ -141,56 +135,56 @@ def _divisor_block(k: int, want: int, floor: int) -> int:
     return 0
 
 
+def _dequant_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Target, *, block_n: int | None,
+                  block_k: int | None, num_warps: int | None, num_stages: int | None) -> MoEGemmPlan:
+    """The dequant form: the bf16 grouped GEMM's plan over the dequantized workspace. 128 x 256 bf16 tiles (gate/up
+    2 x 128) where 2 stages of them (96 KiB) fit, spill-free on sm_90."""
+    wide = None if block_n or target.backend == "cpu" or target.shared_mem_bytes < 128 * 1024 else \
+        min(256 // (2 if kind == "gate_up" else 1), max(16, pow2_ceil(n)))
+    base = moe_gemm_plan(kind, n, k, rows, "none", dtype, target, block_n=block_n or wide, block_k=block_k,
+                         num_warps=num_warps, num_stages=num_stages)
+    return MoEGemmPlan(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, dequant=True)
+
+
 def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, target: Target, *,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, post_scale: bool = False, joined: bool | None = None,
-                  gemv: int | None = None, dequant: bool | None = None, pairs: bool | None = None,
-                  swap: bool | None = None, one_mul: bool | None = None, perm: bool | None = None) -> MoEGemmPlan:
+                  num_stages: int | None = None, gemv: int | None = None, dequant: bool | None = None,
+                  pairs: bool | None = None, swap: bool | None = None, one_mul: bool | None = None) -> MoEGemmPlan:
     """Tiles of the grouped expert GEMM. BLOCK_M = rows per expert rounded up to 16..128 (the tile-offset buckets).
     Decode (BLOCK_M 16-32; the weight stream dominates): narrow N tiles (32 columns, gate and up side by side for
-    gate_up) so that the active experts' weights spread over many programs, long K steps (256; 128 for the 32-row
-    upcast tile) to keep bytes in flight. Prefill (64-128 rows; tensor cores): 128-wide N tiles (64 x 2 for
-    gate_up), 64 K (bf16), 128 (native MX), 32 (upcast split form, 8 warps: spill-free on sm_90), 64 (joined).
-    MX weights need BLOCK_K | K (K is a multiple of 32); bf16 weights mask a ragged last K step. Stages fill the
-    shared-memory budget (2-3; one on the interpreter, which also takes whole 128-column N tiles: it pays per
-    program). Upcast forms (module doc; None = the rules DEQUANT_MIN_ROWS / PAIRS_MAX_ROWS / GEMV_MAX_ROWS /
-    JOINED_DEFAULT): pairs (CUDA, bf16: the joined form with the PTX pair decode, one_mul by default; swap puts the
-    weights in the MMA's A operand),
-    dequant (bf16 workspace + the bf16 tiles of this plan), gemv (FMA over the real rows of a 16-row tile), joined
-    or split MMA forms, post_scale (split form, partial products scaled per block). Overrides are for benchmarks."""
+    gate_up) so that the active experts' weights spread over many programs, long K steps (256) to keep bytes in
+    flight. Prefill (64-128 rows; tensor cores): 128-wide N tiles (64 x 2 for gate_up), 64 K (bf16), 128 (native
+    MX), 64 (upcast joined; 128 at 128 rows). MX weights need BLOCK_K | K (K is a multiple of 32); bf16 weights mask
+    a ragged last K step. Stages fill the shared-memory budget (2-3; one on the interpreter, which also takes whole
+    128-column N tiles: it pays per program). Upcast forms (module doc; None = the rules DEQUANT_MIN_ROWS /
+    PAIRS_MAX_ROWS / GEMV_MAX_ROWS): pairs (CUDA, bf16: the joined form with the PTX pair decode, one_mul by
+    default; swap puts the weights in the MMA's A operand), dequant (bf16 workspace + the bf16 tiles of this plan),
+    gemv (FMA over the real rows of a 16-row tile), else the joined MMA form. Overrides are for benchmarks."""
     up = mx == "upcast"
     if up and (dequant if dequant is not None else rows >= DEQUANT_MIN_ROWS):
-        # 128 x 256 bf16 tiles (gate/up 2 x 128) where 2 stages of them (96 KiB) fit: 1.23x over 128 x 128 in the
-        # H200 sweep (E=128, 4096 tokens), 255 / 208 registers on sm_90, no spills
-        wide = None if block_n or target.backend == "cpu" or target.shared_mem_bytes < 128 * 1024 else \
-            min(256 // (2 if kind == "gate_up" else 1), max(16, pow2_ceil(n)))
-        base = moe_gemm_plan(kind, n, k, rows, "none", dtype, target, block_n=block_n or wide, block_k=block_k,
+        return _dequant_plan(kind, n, k, rows, dtype, target, block_n=block_n, block_k=block_k,
                              num_warps=num_warps, num_stages=num_stages)
-        return MoEGemmPlan(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, dequant=True)
     bm = row_bucket(rows)
     n_b = 2 if kind == "gate_up" else 1
     eb = ELEM_BYTES[dtype]
-    # the pair decode (PTX, bf16 dots): by default at decode rows unless a form is asked for
-    can_pair = up and not post_scale and target.backend == "cuda" and dtype == "bf16"
-    use_pairs = can_pair and (pairs if pairs is not None else
-                              rows <= PAIRS_MAX_ROWS and not gemv and joined is not False)
+    # the pair decode (PTX, bf16 dots): by default at decode rows unless the GEMV form is asked for
+    can_pair = up and target.backend == "cuda" and dtype == "bf16"
+    use_pairs = can_pair and (pairs if pairs is not None else rows <= PAIRS_MAX_ROWS and not gemv)
     # GEMV rows per group: the expected rows (1, 2, 4), so a one-token expert does no masked FMAs
     use_gemv = (gemv if gemv is not None else min(4, pow2_ceil(rows)) if rows <= GEMV_MAX_ROWS else 0) \
-        if up and not post_scale and not use_pairs else 0
-    use_joined = up and not post_scale and not use_gemv and \
-        (use_pairs or (joined if joined is not None else JOINED_DEFAULT))
+        if up and not use_pairs else 0
+    use_joined = up and not use_gemv
     if use_gemv:    # one 16-row tile; its real rows stream the weight tile once (FMA, no MMA layouts)
         bm, bn, bk = 16, (32 if use_gemv == 1 else 64) // n_b, 256   # 8 warps for 2-4 rows: 16-byte loads
-    elif use_pairs and bm == 16:    # decode: 16 x 128 tiles, 256-K steps, 4 warps (H200 decode sweep + ncu: the
-        # loop is issue-bound; 128-wide tiles halve the per-program overhead, 1.09-1.16x over 16 x 64 tiles at 1-64
-        # tokens, which were 1.07-1.17x over 1-warp 64-K tiles). 64 wide for the exact two-multiply decode, swap and
-        # the dense linears: at 128 they spill on sm_90 (tests/moe/test_moe_aot.py, test_mxfp4_linear_aot.py)
+    elif use_pairs and bm == 16:    # decode: 128-wide tiles halve the per-program overhead of the issue-bound loop;
+        # 64 wide for the exact two-multiply decode, swap and the dense linears: at 128 they spill on sm_90
+        # (tests/moe/test_moe_aot.py, test_mxfp4_linear_aot.py)
         wide = kind != "dense" and not swap and (one_mul if one_mul is not None else True)
         bn, bk = (128 if wide else 64) // n_b, 256
-    elif bm <= 32:    # the split-form decode of a 32 x 256 step spills on sm_90: 128 there
-        bn, bk = 64 // n_b, 256 if bm == 16 or mx != "upcast" or use_joined else 128
-    elif up:  # split: one 32-block per step (the scaled partial products stay in registers); joined: 64
-        bn, bk = 128 // n_b, ((128 if bm >= 128 else 64) if use_joined else 32)   # H200: 128-K at 128 rows 1.28x
+    elif bm <= 32:
+        bn, bk = 64 // n_b, 256
+    elif up:  # the joined form's prefill tiles: 128-K steps at 128 rows, 64 at 64
+        bn, bk = 128 // n_b, 128 if bm >= 128 else 64
     else:
         bn, bk = 128 // n_b, 128 if mx != "none" else 128 // eb
     if target.backend == "cpu":     # the interpreter pays per program: whole rows of N in one tile
@@ -203,7 +197,7 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         bk = _divisor_block(k, max(32, want_k), 32)
     else:
         bk = max(16, min(want_k, pow2_ceil(k)))
-    # 8 warps for the upcast prefill tiles: at 4 the accumulators, partial products and decoded tiles spilled
+    # 8 warps for the upcast prefill tiles: at 4 the accumulators and decoded tiles spilled
     warps = num_warps or (4 if bm * bn <= 64 * 64 and not (bm >= 64 and up) else 8)
     if use_gemv and not num_warps:  # 2-4 row groups: 8 warps (at 4 the per-row partial sums spilled on sm_90)
         warps = 4 if use_gemv == 1 else 8
@@ -218,10 +212,8 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
         stage = bm * bk * eb + n_b * bn * w_bytes
         budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
         stages = max(2, min(3, budget // max(1, stage)))
-    return MoEGemmPlan(bm, bn, bk, warps, stages, post_scale and up, joined=use_joined, gemv=use_gemv,
-                       pairs=use_pairs, swap=use_joined and bool(swap),
-                       one_mul=use_pairs and (one_mul if one_mul is not None else True),
-                       perm=use_pairs and bool(perm))
+    return MoEGemmPlan(bm, bn, bk, warps, stages, joined=use_joined, gemv=use_gemv, pairs=use_pairs,
+                       swap=use_joined and bool(swap), one_mul=use_pairs and (one_mul if one_mul is not None else True))
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -423,8 +415,7 @@ E2M1_FP16_ASM = (
 # is a bf16 subnormal). One bf16x2 multiply by 2^126 makes it the exact E2M1 value, a second by the block's
 # 2^(s - 127) (bf16 bits max(s << 7, 0x40) in both halves: s = 0 is the subnormal 2^-127) rounds once, as the
 # reference's bf16 dequantization (E2M1 value in bf16 times the scale in bf16) does: 25 PTX ops per 8 weights plus
-# 5 per word for the scale; the one-multiply variant (2^(s - 1), s <= 128) 21 + 1 (sm_90 SASS of the K loop: 4.0-4.3
-# instructions per weight in all, against 6.8-7.0 for the fp16 decode + fp32 scale + bf16 repack of "joined").
+# 5 per word for the scale; the one-multiply variant (2^(s - 1), s <= 128) 21 + 1.
 # Operands: $0..$3 the bf16x2 pairs of bytes 0..3 (int32), $4 the packed word, $5 its block's E8M0 scale (int32).
 def _pairs_ops(one_mul: bool) -> list:
     """The op list of the pair decode: exact for every scale (two bf16x2 multiplies: 2^126, then 2^(s - 127)), or
@@ -453,59 +444,6 @@ PAIRS1_MAX_SCALE = 128      # the one-multiply decode is exact for E8M0 scales u
 E2M1_PAIRS_OPS = _pairs_ops(False)
 E2M1_PAIRS1_OPS = _pairs_ops(True)
 
-# The "perm" pair decode (plan option perm): the same bf16x2 pairs from words whose 32 bits were permuted once at
-# load time (pairs_perm_words; the canonical k3c.quant layout stays what the IR, the checkpoints and every other plan
-# read). A pair's bits sit at P = {6, 7, 8, 15, 22, 23, 24, 31} of its bf16x2 register (magnitude e1 e0 m at 8..6,
-# sign at 15, twice); with the word's bits placed for it, one prmt gathers the pair's bytes from two of four
-# registers (the word, rotated right by 1 and by 3, shifted left by 2) and one and keeps P: 3 + 2 x 4 = 11 integer
-# ops per 8 weights, against 17 (a prmt, a shift and two lop3 per pair, a shift per word) for the canonical order.
-# (Translates of P do not tile 32 bits, so one shift + one and per pair cannot cover a word; a search over shift /
-# rotate / prmt programs found none cheaper than this one.)
-PAIRS_PERM_MASK = 0x81C081C0
-_PERM_REGS = (("r1", "shfw", 1), ("r3", "shfw", 3), ("l2", "shl", 2))
-_PERM_PAIRS = (("$4", "r1", (0, 4, 1, 7)), ("$4", "r3", (2, 4, 3, 7)), ("r1", "l2", (4, 1, 5, 2)),
-               ("l2", "r3", (2, 5, 3, 6)))
-
-
-def _pairs_perm_ops(one_mul: bool) -> list:
-    """The op list of the perm pair decode (operands as E2M1_PAIRS_OPS; $4 a permuted word)."""
-    ops = [("mad", "m", "$5", 0x800080, 126 * 0x800080)] if one_mul else \
-        [("mov", "c", 0x7E807E80), ("mul", "m", "$5", 0x800080), ("mov", "lo", 0x00400040),
-         ("max16", "m", "m", "lo")]
-    ops += [(kind, r, "$4", n) for r, kind, n in _PERM_REGS]
-    for j, (x, y, sel) in enumerate(_PERM_PAIRS):
-        ops += [("prmt", f"q{j}", x, y, sel[0] | sel[1] << 4 | sel[2] << 8 | sel[3] << 12),
-                ("and", f"q{j}", f"q{j}", PAIRS_PERM_MASK)]
-        ops += [("mulbf", f"${j}", f"q{j}", "m")] if one_mul else \
-            [("mulbf", f"q{j}", f"q{j}", "c"), ("mulbf", f"${j}", f"q{j}", "m")]
-    return ops
-
-
-def pairs_perm_bit_map() -> tuple[int, ...]:
-    """stored bit -> canonical bit of the perm layout (a permutation of 0..31), derived from the op list itself: the
-    bits of pair j's register at P are traced back through the shifts and prmt to the stored word, and bit i of P
-    must hold canonical bit 8 j + (0, 1, 2, 3, 4, 5, 6, 7)[P.index(i)] (the low nibble's m, e0, e1, sign, then the
-    high nibble's), which is what the canonical decode places there."""
-    regs = {"$4": list(range(32))}
-    for r, kind, n in _PERM_REGS:
-        w = regs["$4"]
-        regs[r] = [w[(i + n) % 32] for i in range(32)] if kind == "shfw" else \
-            [w[i - n] if i >= n else None for i in range(32)]
-    pos = [i for i in range(32) if PAIRS_PERM_MASK >> i & 1]
-    stored_to_canon = [None] * 32
-    for j, (x, y, sel) in enumerate(_PERM_PAIRS):
-        src = regs[x] + regs[y]
-        q = [src[8 * sel[i // 8] + i % 8] for i in range(32)]
-        for t, i in enumerate(pos):
-            assert q[i] is not None and stored_to_canon[q[i]] is None, "perm decode: a bit used twice"
-            stored_to_canon[q[i]] = 8 * j + t
-    assert sorted(stored_to_canon) == list(range(32))
-    return tuple(stored_to_canon)
-
-
-E2M1_PAIRS_PERM_OPS = _pairs_perm_ops(False)
-E2M1_PAIRS1_PERM_OPS = _pairs_perm_ops(True)
-
 
 def _ptx_ops(ops) -> str:
     """PTX text of an op list (E2M1_PAIRS_OPS): b32 integer ops, prmt, u16x2 max, bf16x2 multiplies."""
@@ -513,9 +451,6 @@ def _ptx_ops(ops) -> str:
     out = ["{ .reg .b32 " + ", ".join(regs) + ";"]
     for op, d, *src in ops:
         args = ", ".join([d] + [hex(x) if isinstance(x, int) else x for x in src])
-        if op == "shfw":    # rotate right: funnel shift of the register with itself
-            out.append(f"shf.r.wrap.b32 {d}, {src[0]}, {src[0]}, {src[1]};")
-            continue
         out.append({"shl": "shl.b32", "shr": "shr.u32", "and": "and.b32", "or": "or.b32", "mov": "mov.b32",
                     "mul": "mul.lo.u32", "mad": "mad.lo.u32", "max16": "max.u16x2", "prmt": "prmt.b32",
                     "mulbf": "mul.rn.bf16x2"}[op] + f" {args};")
@@ -524,11 +459,9 @@ def _ptx_ops(ops) -> str:
 
 E2M1_PAIRS_ASM = _ptx_ops(E2M1_PAIRS_OPS)
 E2M1_PAIRS1_ASM = _ptx_ops(E2M1_PAIRS1_OPS)
-E2M1_PAIRS_PERM_ASM = _ptx_ops(E2M1_PAIRS_PERM_OPS)
-E2M1_PAIRS1_PERM_ASM = _ptx_ops(E2M1_PAIRS1_PERM_OPS)
 
 
-def _decode_lines(p: str, lo: str, hi: str, asm: bool) -> list[str]:
+def e2m1_fp16_lines(p: str, lo: str, hi: str, asm: bool) -> list[str]:
     """Lines decoding the u8 tile `p` into fp16 tiles `lo` (low nibbles) and `hi` (high nibbles), value x 2^-14."""
     if asm:
         return [f"{lo}, {hi} = tl.inline_asm_elementwise(\"{E2M1_FP16_ASM}\", \"=r,=r,=r,=r,r\", [{p}],"
@@ -566,6 +499,94 @@ def _emit_act_quant_helper(w: SourceWriter, fmt: str, bm: str, bk: str, interp: 
         w.line("return q, s.to(tl.uint8)")
 
 
+@dataclass(frozen=True)
+class GroupedGemm:
+    """One emit_moe_gemm kernel, checked (GroupedGemm.checked): shapes, dtypes, weight format, and the form its plan
+    takes on this target (the interpreter variant runs the portable decode where the plan asks for PTX)."""
+    kind: str
+    N: int
+    K: int
+    E: int
+    TK: int
+    dt: str                 # activations
+    wdt: str                # weights ("u8": MXFP4 packed bytes, with u8 E8M0 scales)
+    odt: str                # output
+    mx: str
+    plan: MoEGemmPlan
+    target: Target
+    interp: bool            # the interpreter variant
+    glu: object             # gate_up: the GLU of the epilogue (GluAct); else None
+    chunk: bool             # expert_chunk: only experts [E0, E1) run, over weight stacks holding just those
+    gemv: int               # upcast GEMV form: rows per group; else 0
+    joined: bool            # upcast joined MMA form
+    pairs_asm: str | None   # joined form, CUDA, bf16, compiled: the PTX of the bf16x2 pair decode; else None
+    swap: bool              # joined: the weight tile is the MMA's A operand
+    use_asm: bool           # upcast, CUDA, compiled: the prmt decode of the nibbles (else Triton integer ops)
+
+    @classmethod
+    def checked(cls, kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPlan, num_experts: int = 1,
+                top_k: int = 1, mx: str = "none", dtype: str = "bf16", w_dtype: str | None = None,
+                out_dtype: str | None = None, act: object = "swiglu", interpret: bool | None = None,
+                expert_chunk: bool = False) -> "GroupedGemm":
+        if kind not in KINDS:
+            raise CodegenError(f"moe gemm kind must be one of {KINDS}, got {kind!r}")
+        if mx not in MX_MODES:
+            raise CodegenError(f"mx mode must be one of {MX_MODES}, got {mx!r}")
+        N, K = check_dim(n, "N"), check_dim(k, "K")
+        E, TK = check_dim(num_experts, "num_experts"), check_dim(top_k, "top_k")
+        dt = check_float(dtype)
+        wdt = "u8" if mx != "none" else check_float(w_dtype or dt, "w_dtype")
+        odt = check_float(out_dtype or dt, "out_dtype")
+        interp = interpreted(target, interpret)
+        if mx in ("e4m3", "e2m1") and dt == "fp32":
+            raise CodegenError("native MX GEMMs take bf16/fp16 activations")
+        if kind != "dense" and plan.block_m not in ROW_BUCKETS:
+            raise CodegenError(f"grouped GEMM BLOCK_M must be one of {ROW_BUCKETS} (the routing's tile offsets)")
+        if mx != "none" and (K % plan.block_k or plan.block_k % 32):
+            raise CodegenError(f"MXFP4 GEMM: BLOCK_K {plan.block_k} must be a multiple of 32 dividing K {K}")
+        if plan.dequant and mx != "none":
+            raise CodegenError("a dequant plan runs the bf16 kernel (mx 'none') on the dequantized workspace")
+        gemv = plan.gemv if plan.gemv and mx == "upcast" else 0
+        joined = plan.joined and mx == "upcast" and not gemv
+        # the bf16x2 pair decode: PTX, bf16 dots (elsewhere the same plan runs the portable decode, same numerics)
+        pairs = joined and plan.pairs and target.backend == "cuda" and not interp and dt == "bf16"
+        if gemv and plan.block_m != 16:
+            raise CodegenError("the GEMV form takes 16-row tiles")
+        return cls(kind, N, K, E, TK, dt, wdt, odt, mx, plan, target, interp,
+                   glu=glu_act(act) if kind == "gate_up" else None, chunk=expert_chunk and kind != "dense",
+                   gemv=gemv, joined=joined,
+                   pairs_asm=(E2M1_PAIRS1_ASM if plan.one_mul else E2M1_PAIRS_ASM) if pairs else None,
+                   # (also in the interpreter, with the portable decode: the same epilogue runs)
+                   swap=joined and plan.swap,
+                   use_asm=mx == "upcast" and target.backend == "cuda" and not interp)
+
+    @property
+    def routed(self) -> bool:
+        return self.kind != "dense"
+
+    @property
+    def native(self) -> bool:
+        return self.mx in ("e4m3", "e2m1")
+
+    @property
+    def pairs(self) -> bool:
+        return self.pairs_asm is not None
+
+    @property
+    def wn(self) -> tuple[str, ...]:
+        """The weight operands' names: gate and up for gate_up, else one."""
+        return ("wg", "wu") if self.glu is not None else ("w",)
+
+    @property
+    def op_dt(self) -> str:
+        """Dot operands: bf16 on GPUs; the interpreter multiplies bf16 tiles as raw bits, so it gets fp32 copies."""
+        return "tl.float32" if (self.interp or self.dt == "fp32") else TL_DTYPE[self.dt]
+
+    @property
+    def dot_kw(self) -> str:
+        return ', input_precision="ieee"' if (self.interp or self.dt == "fp32") else ""
+
+
 def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPlan, num_experts: int = 1,
                   top_k: int = 1, mx: str = "none", dtype: str = "bf16", w_dtype: str | None = None,
                   out_dtype: str | None = None, act: object = "swiglu", name: str | None = None,
@@ -580,264 +601,259 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
     grid: routed (TILES, cdiv(N, BLOCK_N)) with TILES an upper bound of the M tiles (tile_slots()); dense
     (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). expert_chunk (routed): two more args E0, E1; only the tiles of experts
     [E0, E1) run and the weight stacks hold just those experts (the dequant path's bf16 workspace)."""
-    if kind not in KINDS:
-        raise CodegenError(f"moe gemm kind must be one of {KINDS}, got {kind!r}")
-    if mx not in MX_MODES:
-        raise CodegenError(f"mx mode must be one of {MX_MODES}, got {mx!r}")
-    N, K = check_dim(n, "N"), check_dim(k, "K")
-    E, TK = check_dim(num_experts, "num_experts"), check_dim(top_k, "top_k")
-    dt = check_float(dtype)
-    wdt = "u8" if mx != "none" else check_float(w_dtype or dt, "w_dtype")
-    odt = check_float(out_dtype or dt, "out_dtype")
-    interp = interpreted(target, interpret)
-    native = mx in ("e4m3", "e2m1")
-    if native and dt == "fp32":
-        raise CodegenError("native MX GEMMs take bf16/fp16 activations")
-    BM, BN, BK = plan.block_m, plan.block_n, plan.block_k
-    if kind != "dense" and BM not in ROW_BUCKETS:
-        raise CodegenError(f"grouped GEMM BLOCK_M must be one of {ROW_BUCKETS} (the routing's tile offsets)")
-    if mx != "none" and (K % BK or BK % 32):
-        raise CodegenError(f"MXFP4 GEMM: BLOCK_K {BK} must be a multiple of 32 dividing K {K}")
-    if plan.dequant and mx != "none":
-        raise CodegenError("a dequant plan runs the bf16 kernel (mx 'none') on the dequantized workspace")
-    gemv = plan.gemv and mx == "upcast"
-    joined = plan.joined and mx == "upcast" and not gemv
-    # the bf16x2 pair decode: PTX, bf16 dots (elsewhere the same plan runs the portable decode, same numerics)
-    pairs = joined and plan.pairs and mx == "upcast" and target.backend == "cuda" and not interp and dt == "bf16"
-    if plan.perm and not pairs:
-        raise CodegenError("a perm plan (packed words in the load-time perm layout) needs the PTX pair decode: "
-                           "CUDA, bf16 activations, not the interpreter")
-    swap = joined and plan.swap     # (also in the interpreter, with the portable decode: the same epilogue runs)
-    if gemv and BM != 16:
-        raise CodegenError("the GEMV form takes 16-row tiles")
-    routed = kind != "dense"
-    chunk = expert_chunk and routed
-    glu = glu_act(act) if kind == "gate_up" else None
-    even_k = K % BK == 0
-    even_n = N % BN == 0
-    # dot operands: bf16 on GPUs; the interpreter multiplies bf16 tiles as raw bits, so it gets fp32 copies
-    up = interp and dt != "fp32"
-    op_dt = "tl.float32" if (up or dt == "fp32") else TL_DTYPE[dt]
-    dot_kw = ', input_precision="ieee"' if (up or dt == "fp32") else ""
-    use_asm = mx == "upcast" and target.backend == "cuda" and not interp
-    pdt = "tl.float32" if (interp or dt == "fp32") else "tl.float16"       # post_scale dots: fp16 on GPUs
-    pkw = ', input_precision="ieee"' if pdt == "tl.float32" else ""
-
-    tags = ["k3c_moe", kind, f"n{N}", f"k{K}", name_part(dt), f"m{BM}"]
-    if routed:
-        tags.insert(3, f"e{E}")
-    if mx != "none":
-        tags.append(f"mx{mx}")
-    if plan.post_scale:
-        tags.append("ps")
-    if gemv or joined:
-        tags.append(f"gv{plan.gemv}" if gemv else ("jp" + ("1" if plan.one_mul else "") + ("p" if plan.perm else "")
-                                                   if pairs else "j")
-                    + ("t" if swap else ""))
-    if chunk:
-        tags.append("ch")
-    if glu is not None:
-        tags.insert(2, name_part(glu.tag()))
-    kname = ident(name if name is not None else "_".join(tags))
-    wn = ["wg", "wu"] if glu is not None else ["w"]
-    sig: dict[str, str] = {"a_ptr": f"*{dt}"}
-    for x in wn:
-        sig[f"{x}_ptr"] = f"*{wdt}"
-        if mx != "none":
-            sig[f"{x}s_ptr"] = "*u8"
-    if routed:
-        sig.update({"off_ptr": "*i32", "perm_ptr": "*i32"})
-    sig.update({"c_ptr": f"*{odt}", "TILES" if routed else "M": "i32"})
-    if chunk:
-        sig.update({"E0": "i32", "E1": "i32"})
-    cx = {"N": N, "K": K, "BLOCK_M": BM, "BLOCK_N": BN, "BLOCK_K": BK}
-    if routed:
-        cx.update({"E": E, "E_PAD": pow2_ceil(E), "TOP_K": TK})
-
+    g = GroupedGemm.checked(kind, n, k, target=target, plan=plan, num_experts=num_experts, top_k=top_k, mx=mx,
+                            dtype=dtype, w_dtype=w_dtype, out_dtype=out_dtype, act=act, interpret=interpret,
+                            expert_chunk=expert_chunk)
+    operand = None if g.gemv else operand_form(g)
+    kname = ident(name if name is not None else gemm_kernel_name(g))
     w = SourceWriter()
-    what = f"{kind}" + (f" {glu.kind}" + (f" beta_gate={glu.beta_gate!r} beta_up={glu.beta_up!r}"
-                                          if glu.kind == "situ" else "") if glu is not None else "")
-    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
-             notes=[f"moe gemm {what} N={N} K={K} E={E} top_k={TK} a:{dt} w:{wdt} mx={mx} out:{odt}",
-                    f"tiles {BM}x{BN}x{BK} num_warps={plan.num_warps} num_stages={plan.num_stages}"
-                    + (" post_scale" if plan.post_scale else "") + (" gemv" if gemv else "")
-                    + (" joined" if joined else "") + (" pairs" if pairs else "") + (" expert_chunk" if chunk else "")
-                    + (" [interpreter variant]" if interp else "")])
-    w.imports()
-    emit_math_helpers(w, **(glu_helpers(glu) if glu is not None else {}), rtne_bf16=interp and odt == "bf16")
-    if native:
-        _emit_act_quant_helper(w, mx, "BLOCK_M", "BLOCK_K", interp)
+    emit_gemm_preamble(w, g, kname, ir_op, loc, gemm_form_words(g))
+    sig, cx = gemm_kernel_args(g)
     with w.jit_function(kname, list(sig), list(cx)):
-        if routed:
-            w.line(f"t_off = off_ptr + {ROW_BUCKETS.index(BM) + 1} * (E + 1)  # tile offsets for this BLOCK_M")
-            w.lines([
-                "tile = tl.program_id(0) + tl.load(t_off + E0)",
-                "pid_n = tl.program_id(1)",
-                "if tile >= tl.load(t_off + E1):",
-                "    return",
-            ] if chunk else [
-                "tile = tl.program_id(0)",
-                "pid_n = tl.program_id(1)",
-                "if tile >= tl.load(t_off + E):",
-                "    return",
-            ])
-            w.lines([
-                "ex = tl.arange(0, E_PAD)",
-                "e_ok = ex < E",
-                "ends = tl.load(t_off + ex + 1, mask=e_ok, other=2147483647)",
-                "e = tl.sum((ends <= tile).to(tl.int32), axis=0)",
-                "row0 = tl.load(off_ptr + e) + (tile - tl.load(t_off + e)) * BLOCK_M",
-                "row_end = tl.load(off_ptr + e + 1)",
-                "offs_m = row0 + tl.arange(0, BLOCK_M)",
-                "m_ok = offs_m < row_end",
-                "e64 = (e - E0).to(tl.int64)  # the workspace holds experts E0.. only" if chunk else
-                "e64 = e.to(tl.int64)",
-            ])
-            if kind == "gate_up":
-                w.line("slot = tl.load(perm_ptr + offs_m, mask=m_ok, other=0)")
-                w.line("rows_a = (slot // TOP_K).to(tl.int64)")
-            else:
-                w.line("rows_a = tl.where(m_ok, offs_m, row0).to(tl.int64)")
+        emit_tile_rows(w, g)
+        if g.gemv:
+            _emit_gemv_body(w, g)
         else:
-            w.lines([
-                "pid_m = tl.program_id(0)",
-                "pid_n = tl.program_id(1)",
-                "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
-                "m_ok = offs_m < M",
-                "rows_a = (offs_m % M).to(tl.int64)",
-                "e64 = 0",
-            ])
-        w.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
-        w.line("n_ok = offs_n < N")
-        w.line("rows_w = (offs_n % N).to(tl.int64)" if not even_n else "rows_w = offs_n.to(tl.int64)")
-        if gemv:
-            _emit_gemv_body(w, kind, wn, glu, odt, interp, use_asm, plan.gemv)
+            emit_mma_mainloop(w, g, *operand)
+            emit_mma_epilogue(w, g)
+    return gemm_kernel_source(g, kname, w, sig, cx, ir_op, loc)
+
+
+# -- the parts emit_moe_gemm composes ---------------------------------------------------------------------------
+def gemm_kernel_name(g: GroupedGemm) -> str:
+    """The descriptive kernel name: kind, activation, shapes, dtype, BLOCK_M, weight format and form."""
+    tags = ["k3c_moe", g.kind, f"n{g.N}", f"k{g.K}", name_part(g.dt), f"m{g.plan.block_m}"]
+    if g.routed:
+        tags.insert(3, f"e{g.E}")
+    if g.mx != "none":
+        tags.append(f"mx{g.mx}")
+    if g.gemv or g.joined:
+        tags.append(f"gv{g.gemv}" if g.gemv else ("jp" + ("1" if g.plan.one_mul else "") if g.pairs else "j")
+                    + ("t" if g.swap else ""))
+    if g.chunk:
+        tags.append("ch")
+    if g.glu is not None:
+        tags.insert(2, name_part(g.glu.tag()))
+    return "_".join(tags)
+
+
+def gemm_form_words(g: GroupedGemm) -> str:
+    """The form's words in the header note."""
+    return ((" gemv" if g.gemv else "") + (" joined" if g.joined else "") + (" pairs" if g.pairs else "")
+            + (" expert_chunk" if g.chunk else ""))
+
+
+def gemm_kernel_args(g: GroupedGemm) -> tuple[dict[str, str], dict[str, int]]:
+    """(signature, constexprs) of the kernel (emit_moe_gemm's doc lists the args)."""
+    sig: dict[str, str] = {"a_ptr": f"*{g.dt}"}
+    for x in g.wn:
+        sig[f"{x}_ptr"] = f"*{g.wdt}"
+        if g.mx != "none":
+            sig[f"{x}s_ptr"] = "*u8"
+    if g.routed:
+        sig.update({"off_ptr": "*i32", "perm_ptr": "*i32"})
+    sig.update({"c_ptr": f"*{g.odt}", "TILES" if g.routed else "M": "i32"})
+    if g.chunk:
+        sig.update({"E0": "i32", "E1": "i32"})
+    p = g.plan
+    cx = {"N": g.N, "K": g.K, "BLOCK_M": p.block_m, "BLOCK_N": p.block_n, "BLOCK_K": p.block_k}
+    if g.routed:
+        cx.update({"E": g.E, "E_PAD": pow2_ceil(g.E), "TOP_K": g.TK})
+    return sig, cx
+
+
+def emit_gemm_preamble(w: SourceWriter, g: GroupedGemm, kname: str, ir_op: str, loc: str, forms: str) -> None:
+    """The header (notes: shapes, dtypes, tiles and the form words `forms`), the imports and the helpers (math of
+    the output cast and the GLU; the activation quantizer of the native MX forms)."""
+    glu, p = g.glu, g.plan
+    what = f"{g.kind}" + (f" {glu.kind}" + (f" beta_gate={glu.beta_gate!r} beta_up={glu.beta_up!r}"
+                                            if glu.kind == "situ" else "") if glu is not None else "")
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=g.target, emitter=__name__,
+             notes=[f"moe gemm {what} N={g.N} K={g.K} E={g.E} top_k={g.TK} a:{g.dt} w:{g.wdt} mx={g.mx} out:{g.odt}",
+                    f"tiles {p.block_m}x{p.block_n}x{p.block_k} num_warps={p.num_warps} num_stages={p.num_stages}"
+                    + forms + (" [interpreter variant]" if g.interp else "")])
+    w.imports()
+    emit_math_helpers(w, **(glu_helpers(glu) if glu is not None else {}), rtne_bf16=g.interp and g.odt == "bf16")
+    if g.native:
+        _emit_act_quant_helper(w, g.mx, "BLOCK_M", "BLOCK_K", g.interp)
+
+
+def emit_tile_rows(w: SourceWriter, g: GroupedGemm) -> None:
+    """The program's tile. Routed: its expert (from the routing's tile offsets for BLOCK_M; programs past the last
+    tile exit), rows offs_m / m_ok of the permuted order and A's rows rows_a (gathered through perm for gate_up),
+    e64 the expert's weight stack. Dense: plain row tiles. Then the N tile (offs_n, n_ok, the weight rows rows_w)."""
+    if g.routed:
+        w.line(f"t_off = off_ptr + {ROW_BUCKETS.index(g.plan.block_m) + 1} * (E + 1)  # tile offsets for this BLOCK_M")
+        w.lines([
+            "tile = tl.program_id(0) + tl.load(t_off + E0)",
+            "pid_n = tl.program_id(1)",
+            "if tile >= tl.load(t_off + E1):",
+            "    return",
+        ] if g.chunk else [
+            "tile = tl.program_id(0)",
+            "pid_n = tl.program_id(1)",
+            "if tile >= tl.load(t_off + E):",
+            "    return",
+        ])
+        w.lines([
+            "ex = tl.arange(0, E_PAD)",
+            "e_ok = ex < E",
+            "ends = tl.load(t_off + ex + 1, mask=e_ok, other=2147483647)",
+            "e = tl.sum((ends <= tile).to(tl.int32), axis=0)",
+            "row0 = tl.load(off_ptr + e) + (tile - tl.load(t_off + e)) * BLOCK_M",
+            "row_end = tl.load(off_ptr + e + 1)",
+            "offs_m = row0 + tl.arange(0, BLOCK_M)",
+            "m_ok = offs_m < row_end",
+            "e64 = (e - E0).to(tl.int64)  # the workspace holds experts E0.. only" if g.chunk else
+            "e64 = e.to(tl.int64)",
+        ])
+        if g.kind == "gate_up":
+            w.line("slot = tl.load(perm_ptr + offs_m, mask=m_ok, other=0)")
+            w.line("rows_a = (slot // TOP_K).to(tl.int64)")
         else:
-            if joined:
-                w.line("offs_k = tl.arange(0, BLOCK_K)")
-                w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
-                _emit_wtile_ptrs(w, wn)
-                if pairs:   # the packed tile as 32-bit words (K / 2 is a multiple of 16 bytes: aligned rows)
-                    w.line("offs_q = tl.arange(0, BLOCK_K // 8)")
-                    for x in wn:
-                        w.line(f"{x}_wptrs = {x}_ptr.to(tl.pointer_type(tl.int32)) + e64 * (N * (K // 8))"
-                               f" + rows_w[:, None] * (K // 8) + offs_q[None, :]")
-            elif mx == "upcast":
-                w.line("offs_h = tl.arange(0, 16)")
-                w.line("a_ptrs = a_ptr + rows_a[:, None] * K + 2 * offs_h[None, :]  # even K columns of a 32-block")
-                for x in wn:
-                    w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
-                    w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w * (K // 32)")
-            elif native:
-                w.line("offs_k = tl.arange(0, BLOCK_K)")
-                w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
-                w.line("offs_s = tl.arange(0, BLOCK_K // 32)")
-                w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
-                for x in wn:
-                    w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
-                    w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[:, None] * (K // 32)"
-                           f" + offs_s[None, :]")
-            else:
-                w.line("offs_k = tl.arange(0, BLOCK_K)")
-                w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
-                for x in wn:
-                    w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * K) + rows_w[None, :] * K + offs_k[:, None]")
-            for x in wn:
-                # pairs: the weight tile is the MMA's A operand (its decoded registers feed the MMA in place), the
-                # accumulator [BLOCK_N, BLOCK_M] is transposed back after the loop
-                w.line(f"acc_{x} = tl.zeros(({'BLOCK_N, BLOCK_M' if swap else 'BLOCK_M, BLOCK_N'}),"
-                       f" dtype=tl.float32)")
-            w.line(f"for kb in range(0, {num(-(-K // BK))}):")
-            with w.indent():
-                if joined:
-                    # nibbles decoded and scaled per 32-block, interleaved back into K order: one dot per step
-                    w.line(f"a = tl.load(a_ptrs).to({op_dt})")
-                    for x in wn:
-                        if pairs:
-                            _emit_wtile_pairs(w, x, f"wv_{x}", plan.one_mul, plan.perm)
-                        else:
-                            _emit_wtile_decode(w, x, f"wv_{x}", use_asm, op_dt)
-                        w.line(f"acc_{x} = tl.dot(wv_{x}, tl.trans(a), acc_{x}{dot_kw})" if swap else
-                               f"acc_{x} = tl.dot(a, tl.trans(wv_{x}), acc_{x}{dot_kw})")
-                    w.line("a_ptrs += BLOCK_K")
-                    _emit_wtile_advance(w, wn)
-                    for x in (wn if pairs else []):
-                        w.line(f"{x}_wptrs += BLOCK_K // 8")
-                elif mx == "upcast":
-                    # per 32-block (its E8M0 scale is per block and column): decoded values (x 2^-14, fp16) times
-                    # 2^(s - 113) in fp32 -> the exact bf16 weights, then the dots accumulate straight into acc; or
-                    # (plan.post_scale) fp16 dots of the decoded values and the fp32 partial product scaled per block
-                    w.line("for b in tl.static_range(BLOCK_K // 32):")
-                    with w.indent():
-                        a_dt = pdt if plan.post_scale else op_dt
-                        w.line(f"a_e = tl.load(a_ptrs + b * 32).to({a_dt})")
-                        w.line(f"a_o = tl.load(a_ptrs + b * 32 + 1).to({a_dt})")
-                        for x in wn:
-                            w.lines(_decode_lines(f"tl.load({x}_ptrs + b * 16)", "w_lo", "w_hi", use_asm)
-                                    if use_asm else
-                                    [f"p = tl.load({x}_ptrs + b * 16)"] + _decode_lines("p", "w_lo", "w_hi", False))
-                            w.line(f"sc = (((tl.load({x}s_ptrs + b).to(tl.int32) + 14) << 23)"
-                                   f".to(tl.float32, bitcast=True))[None, :]")
-                            if plan.post_scale:
-                                w.line(f"part = tl.dot(a_e, w_lo.to({pdt}){pkw})")
-                                w.line(f"part = tl.dot(a_o, w_hi.to({pdt}), part{pkw})")
-                                w.line(f"acc_{x} += part * sc")
-                            else:
-                                w.line(f"acc_{x} = tl.dot(a_e, (w_lo.to(tl.float32) * sc).to({op_dt}),"
-                                       f" acc_{x}{dot_kw})")
-                                w.line(f"acc_{x} = tl.dot(a_o, (w_hi.to(tl.float32) * sc).to({op_dt}),"
-                                       f" acc_{x}{dot_kw})")
-                    w.line("a_ptrs += BLOCK_K")
-                    for x in wn:
-                        w.line(f"{x}_ptrs += BLOCK_K // 2")
-                        w.line(f"{x}s_ptrs += BLOCK_K // 32")
-                elif native:
-                    w.line("aq, a_s = _k3c_quant_a(tl.load(a_ptrs).to(tl.float32), BLOCK_M, BLOCK_K)")
-                    for x in wn:
-                        w.line(f"acc_{x} = tl.dot_scaled(aq, a_s, \"{mx}\", tl.load({x}_ptrs), tl.load({x}s_ptrs),"
-                               f" \"e2m1\", acc_{x})")
-                    w.line("a_ptrs += BLOCK_K")
-                    for x in wn:
-                        w.line(f"{x}_ptrs += BLOCK_K // 2")
-                        w.line(f"{x}s_ptrs += BLOCK_K // 32")
-                else:
-                    if even_k:
-                        w.line("a = tl.load(a_ptrs)")
-                    else:
-                        w.line("k_ok = offs_k < K - kb * BLOCK_K")
-                        w.line("a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)")
-                    for x in wn:
-                        if even_k:
-                            w.line(f"{x} = tl.load({x}_ptrs)")
-                        else:
-                            w.line(f"{x} = tl.load({x}_ptrs, mask=k_ok[:, None], other=0.0)")
-                        if wdt != dt:   # as the reference's linear: W cast to A's dtype (rounded), then the product
-                            w.line(f"{x} = " + (to_dtype(f"{x}.to(tl.float32)", dt, interp) if dt != "fp32"
-                                                else f"{x}.to(tl.float32)"))
-                        w.line(f"acc_{x} = tl.dot(a.to({op_dt}), {x}.to({op_dt}), acc_{x}{dot_kw})")
-                    w.line("a_ptrs += BLOCK_K")
-                    for x in wn:
-                        w.line(f"{x}_ptrs += BLOCK_K")
-            for x in (wn if swap else []):
-                w.line(f"acc_{x} = tl.trans(acc_{x})")
-            w.line("c_mask = m_ok[:, None] & n_ok[None, :]")
-            if kind == "down":
-                w.line("rows_c = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)")
-            else:
-                w.line("rows_c = offs_m.to(tl.int64)")
-            w.line("c_offs = rows_c[:, None] * N + offs_n[None, :]")
-            if glu is not None:
-                w.lines(glu_lines(glu, "acc_wg", "acc_wu", "acc"))
-            else:
-                w.line("acc = acc_w")
-            w.line(f"tl.store(c_ptr + c_offs, {to_dtype('acc', odt, interp)}, mask=c_mask)")
-    grid = ("TILES", "cdiv(N, BLOCK_N)") if routed else ("cdiv(M, BLOCK_M)",
-                                                                                "cdiv(N, BLOCK_N)")
+            w.line("rows_a = tl.where(m_ok, offs_m, row0).to(tl.int64)")
+    else:
+        w.lines([
+            "pid_m = tl.program_id(0)",
+            "pid_n = tl.program_id(1)",
+            "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+            "m_ok = offs_m < M",
+            "rows_a = (offs_m % M).to(tl.int64)",
+            "e64 = 0",
+        ])
+    w.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+    w.line("n_ok = offs_n < N")
+    w.line("rows_w = (offs_n % N).to(tl.int64)" if g.N % g.plan.block_n else "rows_w = offs_n.to(tl.int64)")
+
+
+def emit_mma_mainloop(w: SourceWriter, g: GroupedGemm, pointers, step) -> None:
+    """The MMA forms' K loop: the operand pointers (`pointers(w, g)`), one fp32 accumulator per weight, then
+    `step(w, g)` once per BLOCK_K (it loads, decodes, multiplies and advances the pointers)."""
+    pointers(w, g)
+    for x in g.wn:
+        # swap: the weight tile is the MMA's A operand (its decoded registers feed the MMA in place), the
+        # accumulator [BLOCK_N, BLOCK_M] is transposed back after the loop
+        w.line(f"acc_{x} = tl.zeros(({'BLOCK_N, BLOCK_M' if g.swap else 'BLOCK_M, BLOCK_N'}), dtype=tl.float32)")
+    w.line(f"for kb in range(0, {num(-(-g.K // g.plan.block_k))}):")
+    with w.indent():
+        step(w, g)
+
+
+def emit_mma_epilogue(w: SourceWriter, g: GroupedGemm) -> None:
+    """The MMA forms' epilogue: the GLU of gate_up's two accumulators (else the one), stored in the output dtype
+    (down: rows scattered back to slot order through perm; else in place)."""
+    for x in (g.wn if g.swap else ()):
+        w.line(f"acc_{x} = tl.trans(acc_{x})")
+    w.line("c_mask = m_ok[:, None] & n_ok[None, :]")
+    if g.kind == "down":
+        w.line("rows_c = tl.load(perm_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)")
+    else:
+        w.line("rows_c = offs_m.to(tl.int64)")
+    w.line("c_offs = rows_c[:, None] * N + offs_n[None, :]")
+    if g.glu is not None:
+        w.lines(glu_lines(g.glu, "acc_wg", "acc_wu", "acc"))
+    else:
+        w.line("acc = acc_w")
+    w.line(f"tl.store(c_ptr + c_offs, {to_dtype('acc', g.odt, g.interp)}, mask=c_mask)")
+
+
+def gemm_kernel_source(g: GroupedGemm, kname: str, w: SourceWriter, sig: dict, cx: dict, ir_op: str,
+                       loc: str) -> KernelSource:
+    grid = ("TILES", "cdiv(N, BLOCK_N)") if g.routed else ("cdiv(M, BLOCK_M)", "cdiv(N, BLOCK_N)")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=grid,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages, ir_op=ir_op, loc=loc)
+                        num_warps=g.plan.num_warps, num_stages=g.plan.num_stages, ir_op=ir_op, loc=loc)
 
 
-def _emit_wtile_ptrs(w: SourceWriter, wn: list[str]) -> None:
+# -- the B operand per weight format: (pointers, K step) of emit_mma_mainloop -------------------------------------
+def operand_form(g: GroupedGemm):
+    """(pointers, K step) of the B operand for the kernel's weight format, for emit_mma_mainloop."""
+    if g.joined:
+        return _joined_pointers, _joined_step
+    if g.native:
+        return _native_pointers, _native_step
+    if g.mx == "none":
+        return _float_pointers, _float_step
+    raise CodegenError("an upcast GEMM plan takes the gemv, joined or dequant form (moe_gemm_plan)")
+
+
+def _float_pointers(w: SourceWriter, g: GroupedGemm) -> None:
+    w.line("offs_k = tl.arange(0, BLOCK_K)")
+    w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
+    for x in g.wn:
+        w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * K) + rows_w[None, :] * K + offs_k[:, None]")
+
+
+def _float_step(w: SourceWriter, g: GroupedGemm) -> None:
+    """bf16 / fp32 weights: tl.dot (a ragged last K step masked)."""
+    even_k = g.K % g.plan.block_k == 0
+    if even_k:
+        w.line("a = tl.load(a_ptrs)")
+    else:
+        w.line("k_ok = offs_k < K - kb * BLOCK_K")
+        w.line("a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)")
+    for x in g.wn:
+        if even_k:
+            w.line(f"{x} = tl.load({x}_ptrs)")
+        else:
+            w.line(f"{x} = tl.load({x}_ptrs, mask=k_ok[:, None], other=0.0)")
+        if g.wdt != g.dt:   # as the reference's linear: W cast to A's dtype (rounded), then the product
+            w.line(f"{x} = " + (to_dtype(f"{x}.to(tl.float32)", g.dt, g.interp) if g.dt != "fp32"
+                                else f"{x}.to(tl.float32)"))
+        w.line(f"acc_{x} = tl.dot(a.to({g.op_dt}), {x}.to({g.op_dt}), acc_{x}{g.dot_kw})")
+    w.line("a_ptrs += BLOCK_K")
+    for x in g.wn:
+        w.line(f"{x}_ptrs += BLOCK_K")
+
+
+def _native_pointers(w: SourceWriter, g: GroupedGemm) -> None:
+    w.line("offs_k = tl.arange(0, BLOCK_K)")
+    w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
+    w.line("offs_s = tl.arange(0, BLOCK_K // 32)")
+    w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
+    for x in g.wn:
+        w.line(f"{x}_ptrs = {x}_ptr + e64 * (N * (K // 2)) + rows_w[None, :] * (K // 2) + offs_h[:, None]")
+        w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[:, None] * (K // 32) + offs_s[None, :]")
+
+
+def _native_step(w: SourceWriter, g: GroupedGemm) -> None:
+    """MX matrix units: A quantized per 32 in registers, tl.dot_scaled with the packed weights and their scales."""
+    w.line("aq, a_s = _k3c_quant_a(tl.load(a_ptrs).to(tl.float32), BLOCK_M, BLOCK_K)")
+    for x in g.wn:
+        w.line(f"acc_{x} = tl.dot_scaled(aq, a_s, \"{g.mx}\", tl.load({x}_ptrs), tl.load({x}s_ptrs), \"e2m1\","
+               f" acc_{x})")
+    w.line("a_ptrs += BLOCK_K")
+    _emit_wtile_advance(w, g.wn)
+
+
+def _joined_pointers(w: SourceWriter, g: GroupedGemm) -> None:
+    w.line("offs_k = tl.arange(0, BLOCK_K)")
+    w.line("a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]")
+    _emit_wtile_ptrs(w, g.wn)
+    if g.pairs:   # the packed tile as 32-bit words (K / 2 is a multiple of 16 bytes: aligned rows)
+        w.line("offs_q = tl.arange(0, BLOCK_K // 8)")
+        for x in g.wn:
+            w.line(f"{x}_wptrs = {x}_ptr.to(tl.pointer_type(tl.int32)) + e64 * (N * (K // 8))"
+                   f" + rows_w[:, None] * (K // 8) + offs_q[None, :]")
+
+
+def _joined_step(w: SourceWriter, g: GroupedGemm) -> None:
+    """Upcast MMA: the nibbles decoded and scaled per 32-block, interleaved back into K order (the pair decode
+    yields them in K order), one dot per step."""
+    w.line(f"a = tl.load(a_ptrs).to({g.op_dt})")
+    for x in g.wn:
+        if g.pairs:
+            _emit_wtile_pairs(w, x, f"wv_{x}", g.pairs_asm)
+        else:
+            _emit_wtile_decode(w, x, f"wv_{x}", g.use_asm, g.op_dt)
+        w.line(f"acc_{x} = tl.dot(wv_{x}, tl.trans(a), acc_{x}{g.dot_kw})" if g.swap else
+               f"acc_{x} = tl.dot(a, tl.trans(wv_{x}), acc_{x}{g.dot_kw})")
+    w.line("a_ptrs += BLOCK_K")
+    _emit_wtile_advance(w, g.wn)
+    for x in (g.wn if g.pairs else ()):
+        w.line(f"{x}_wptrs += BLOCK_K // 8")
+
+
+def _emit_wtile_ptrs(w: SourceWriter, wn) -> None:
     """Pointers of the [BLOCK_N, BLOCK_K / 2] packed tile (K contiguous: 16-byte loads) and its scales."""
     w.line("offs_h = tl.arange(0, BLOCK_K // 2)")
     w.line("offs_s = tl.arange(0, BLOCK_K // 32)")
@@ -846,7 +862,7 @@ def _emit_wtile_ptrs(w: SourceWriter, wn: list[str]) -> None:
         w.line(f"{x}s_ptrs = {x}s_ptr + e64 * (N * (K // 32)) + rows_w[:, None] * (K // 32) + offs_s[None, :]")
 
 
-def _emit_wtile_advance(w: SourceWriter, wn: list[str]) -> None:
+def _emit_wtile_advance(w: SourceWriter, wn) -> None:
     for x in wn:
         w.line(f"{x}_ptrs += BLOCK_K // 2")
         w.line(f"{x}s_ptrs += BLOCK_K // 32")
@@ -855,21 +871,20 @@ def _emit_wtile_advance(w: SourceWriter, wn: list[str]) -> None:
 def _emit_wtile_decode(w: SourceWriter, x: str, out: str, use_asm: bool, out_dt: str) -> None:
     """`out` [BLOCK_N, BLOCK_K] = the weight tile: E2M1 values (fp16 x 2^-14) times 2^(s - 113) in fp32 (exact),
     in `out_dt`, low / high nibbles joined back into K order (element 2i is the low nibble)."""
-    w.lines(_decode_lines(f"tl.load({x}_ptrs)", "w_lo", "w_hi", True) if use_asm else
-            [f"p = tl.load({x}_ptrs)"] + _decode_lines("p", "w_lo", "w_hi", False))
+    w.lines(e2m1_fp16_lines(f"tl.load({x}_ptrs)", "w_lo", "w_hi", True) if use_asm else
+            [f"p = tl.load({x}_ptrs)"] + e2m1_fp16_lines("p", "w_lo", "w_hi", False))
     w.line(f"sc = (((tl.load({x}s_ptrs).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True))[:, :, None]")
     w.line("w_lo = tl.reshape(w_lo.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16)) * sc")
     w.line("w_hi = tl.reshape(w_hi.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16)) * sc")
     w.line(f"{out} = tl.reshape(tl.join(w_lo.to({out_dt}), w_hi.to({out_dt})), (BLOCK_N, BLOCK_K))")
 
 
-def _emit_wtile_pairs(w: SourceWriter, x: str, out: str, one_mul: bool, perm: bool = False) -> None:
-    """`out` bf16 [BLOCK_N, BLOCK_K] = the weight tile decoded by E2M1_PAIRS_ASM from 32-bit words of the packed
-    tile: each byte -> one bf16x2 (its K pair), the block scale applied in bf16 (exact; see E2M1_PAIRS_OPS)."""
+def _emit_wtile_pairs(w: SourceWriter, x: str, out: str, asm: str) -> None:
+    """`out` bf16 [BLOCK_N, BLOCK_K] = the weight tile decoded by the pair decode `asm` (E2M1_PAIRS(1)_ASM) from
+    32-bit words of the packed tile: each byte -> one bf16x2 (its K pair), the block scale applied in bf16 (exact;
+    see E2M1_PAIRS_OPS)."""
     w.line(f"s_{x} = tl.reshape(tl.broadcast_to(tl.load({x}s_ptrs).to(tl.int32)[:, :, None],"
            f" (BLOCK_N, BLOCK_K // 32, 4)), (BLOCK_N, BLOCK_K // 8))")
-    asm = (E2M1_PAIRS1_PERM_ASM if one_mul else E2M1_PAIRS_PERM_ASM) if perm else \
-        (E2M1_PAIRS1_ASM if one_mul else E2M1_PAIRS_ASM)
     w.line(f"o0, o1, o2, o3 = tl.inline_asm_elementwise(\"{asm}\", \"=r,=r,=r,=r,r,r\","
            f" [tl.load({x}_wptrs), s_{x}], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)")
     w.line(f"v_{x} = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (BLOCK_N, BLOCK_K // 2))  # byte order")
@@ -877,13 +892,14 @@ def _emit_wtile_pairs(w: SourceWriter, x: str, out: str, one_mul: bool, perm: bo
            f" (v_{x} >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)), (BLOCK_N, BLOCK_K))")
 
 
-def _emit_gemv_body(w: SourceWriter, kind: str, wn: list[str], glu, odt: str, interp: bool, use_asm: bool,
-                    group: int) -> None:
-    """The GEMV form of a 16-row tile: its real rows, `group` at a time, each group streaming the weight tile once;
+# -- the GEMV form (upcast, decode rows) ----------------------------------------------------------------------------
+def _emit_gemv_body(w: SourceWriter, g: GroupedGemm) -> None:
+    """The GEMV form of a 16-row tile: its real rows, g.gemv at a time, each group streaming the weight tile once;
     the decoded values meet each row's even / odd activations in fp32 FMAs, summed per 32-block and then scaled
     (no per-element scale multiply, no nibble interleave, no MMA operand layout: ~3.75 ops per weight and row
     group on CUDA; at 1-4 rows the FMAs cost less than the decode)."""
-    if kind == "dense":
+    group, wn = g.gemv, g.wn
+    if g.kind == "dense":
         w.line("row0 = pid_m * BLOCK_M")
         w.line("r_end = tl.minimum(M, row0 + BLOCK_M)")
     else:
@@ -891,15 +907,15 @@ def _emit_gemv_body(w: SourceWriter, kind: str, wn: list[str], glu, odt: str, in
     w.line("offs_k = tl.arange(0, BLOCK_K)")
     w.line(f"for r0 in range(row0, r_end, {group}):")
     with w.indent():
-        for g in range(group):
-            w.line(f"r{g} = r0 + {g}")
-            w.line(f"ok{g} = r{g} < r_end")
-            if kind == "gate_up":
-                w.line(f"ar{g} = (tl.load(perm_ptr + r{g}, mask=ok{g}, other=0) // TOP_K).to(tl.int64) * K")
+        for r in range(group):
+            w.line(f"r{r} = r0 + {r}")
+            w.line(f"ok{r} = r{r} < r_end")
+            if g.kind == "gate_up":
+                w.line(f"ar{r} = (tl.load(perm_ptr + r{r}, mask=ok{r}, other=0) // TOP_K).to(tl.int64) * K")
             else:
-                w.line(f"ar{g} = tl.where(ok{g}, r{g}, row0).to(tl.int64) * K")
+                w.line(f"ar{r} = tl.where(ok{r}, r{r}, row0).to(tl.int64) * K")
             for x in wn:
-                w.line(f"acc{g}_{x} = tl.zeros((BLOCK_N,), dtype=tl.float32)")
+                w.line(f"acc{r}_{x} = tl.zeros((BLOCK_N,), dtype=tl.float32)")
         _emit_wtile_ptrs(w, wn)
         # the next K step's packed tile and scales are loaded before this step's decode (register double buffer:
         # these loads feed no dot, so the pipeliner leaves them alone); the last step reloads its own tile
@@ -913,30 +929,36 @@ def _emit_gemv_body(w: SourceWriter, kind: str, wn: list[str], glu, odt: str, in
                 w.line(f"p_{x}_n = tl.load({x}_ptrs + nxt * (BLOCK_K // 2))")
                 w.line(f"s_{x}_n = tl.load({x}s_ptrs + nxt * (BLOCK_K // 32))")
             for x in wn:    # unscaled values (x 2^-14) in fp32; the scale multiplies each 32-block's partial sum
-                w.lines(_decode_lines(f"p_{x}", "w_lo", "w_hi", use_asm))
+                w.lines(e2m1_fp16_lines(f"p_{x}", "w_lo", "w_hi", g.use_asm))
                 w.line(f"lo_{x} = tl.reshape(w_lo.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16))")
                 w.line(f"hi_{x} = tl.reshape(w_hi.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 16))")
                 w.line(f"sc_{x} = ((s_{x}.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)")
                 w.line(f"p_{x} = p_{x}_n")
                 w.line(f"s_{x} = s_{x}_n")
-            for g in range(group):
-                w.line(f"a_e, a_o = tl.split(tl.reshape(tl.load(a_ptr + ar{g} + kb * BLOCK_K + offs_k)"
+            for r in range(group):
+                w.line(f"a_e, a_o = tl.split(tl.reshape(tl.load(a_ptr + ar{r} + kb * BLOCK_K + offs_k)"
                        f".to(tl.float32), (BLOCK_K // 32, 16, 2)))")
                 for x in wn:
                     w.line(f"part = tl.sum(lo_{x} * a_e[None, :, :] + hi_{x} * a_o[None, :, :], axis=2)")
-                    w.line(f"acc{g}_{x} += tl.sum(part * sc_{x}, axis=1)")
+                    w.line(f"acc{r}_{x} += tl.sum(part * sc_{x}, axis=1)")
             _emit_wtile_advance(w, wn)
-        for g in range(group):
-            if glu is not None:
-                w.lines(glu_lines(glu, f"acc{g}_wg", f"acc{g}_wu", f"out{g}"))
-            else:
-                w.line(f"out{g} = acc{g}_w")
-            if kind == "down":
-                w.line(f"rc{g} = tl.load(perm_ptr + r{g}, mask=ok{g}, other=0).to(tl.int64)")
-            else:
-                w.line(f"rc{g} = r{g}.to(tl.int64)")
-            w.line(f"tl.store(c_ptr + rc{g} * N + offs_n, {to_dtype(f'out{g}', odt, interp)},"
-                   f" mask=n_ok & (offs_n * 0 + r{g} < r_end))")
+        _emit_gemv_store(w, g)
+
+
+def _emit_gemv_store(w: SourceWriter, g: GroupedGemm) -> None:
+    """Each row group's epilogue: the GLU of its gate / up sums (else the sum), stored row by row (down: scattered
+    back to slot order through perm)."""
+    for r in range(g.gemv):
+        if g.glu is not None:
+            w.lines(glu_lines(g.glu, f"acc{r}_wg", f"acc{r}_wu", f"out{r}"))
+        else:
+            w.line(f"out{r} = acc{r}_w")
+        if g.kind == "down":
+            w.line(f"rc{r} = tl.load(perm_ptr + r{r}, mask=ok{r}, other=0).to(tl.int64)")
+        else:
+            w.line(f"rc{r} = r{r}.to(tl.int64)")
+        w.line(f"tl.store(c_ptr + rc{r} * N + offs_n, {to_dtype(f'out{r}', g.odt, g.interp)},"
+               f" mask=n_ok & (offs_n * 0 + r{r} < r_end))")
 
 
 DEQUANT_BLOCKS = 256    # 32-element blocks per dequant program: 4 KiB of packed bytes in, 16 KiB of bf16 out
@@ -972,7 +994,7 @@ def emit_moe_dequant(n: int, k: int, *, target: Target, dtype: str = "bf16", ir_
             "p = tl.load(p_ptr + e64 * (N * (K // 2)) + blk[:, None] * 16 + tl.arange(0, 16)[None, :],"
             " mask=ok[:, None], other=0)",
         ])
-        w.lines(_decode_lines("p", "w_lo", "w_hi", use_asm))
+        w.lines(e2m1_fp16_lines("p", "w_lo", "w_hi", use_asm))
         w.lines([
             "sc = (((tl.load(s_ptr + e64 * (N * (K // 32)) + blk, mask=ok, other=0).to(tl.int32) + 14) << 23)"
             ".to(tl.float32, bitcast=True))[:, None]",
@@ -1065,10 +1087,9 @@ def emit_moe_combine(z: int, top_k: int, *, target: Target, dtype: str = "bf16",
 
 __all__ = ["expert_plan", "expert_gemm_kernels", "expert_gemm_classes", "EXPERT_ROW_CLASSES",
            "emit_moe_topk", "emit_moe_rank", "emit_moe_offsets", "emit_moe_scatter", "tokens_per_program",
-           "emit_moe_gemm", "emit_moe_dequant", "DEQUANT_MIN_ROWS", "GEMV_MAX_ROWS", "JOINED_DEFAULT", "PAIRS_MAX_ROWS",
-           "PAIRS1_MAX_SCALE",
-           "DEQUANT_WORKSPACE_BYTES", "emit_moe_combine", "emit_moe_linear", "moe_gemm_plan", "MoEGemmPlan",
-           "tile_slots", "mx_mode", "row_bucket", "MX_MODES", "ROW_BUCKETS"]
+           "emit_moe_gemm", "GroupedGemm", "emit_moe_dequant", "DEQUANT_MIN_ROWS", "GEMV_MAX_ROWS", "PAIRS_MAX_ROWS",
+           "PAIRS1_MAX_SCALE", "DEQUANT_WORKSPACE_BYTES", "emit_moe_combine", "emit_moe_linear", "moe_gemm_plan",
+           "MoEGemmPlan", "tile_slots", "mx_mode", "row_bucket", "MX_MODES", "ROW_BUCKETS"]
 
 
 # -- the one choice of the expert GEMM kernels (runtime and AOT) ----------------------------------------------------
@@ -1084,7 +1105,7 @@ def expert_plan(kind: str, n: int, k: int, rows: int, *, target: Target, mx: str
         if plan.one_mul and not one_mul_fits:
             plan = moe_gemm_plan(kind, n, k, rows, mx, dtype, target, one_mul=False)
     elif plan.one_mul and not one_mul_fits:
-        plan = _replace(plan, one_mul=False)
+        plan = dataclasses.replace(plan, one_mul=False)
     return plan
 
 
@@ -1130,8 +1151,3 @@ def expert_gemm_classes(kind: str, n: int, k: int, *, target: Target, mx: str, d
                 out.setdefault(ks.key, ks)
     return list(out.values())
 
-
-def _replace(plan: MoEGemmPlan, **changes) -> MoEGemmPlan:
-    import dataclasses
-
-    return dataclasses.replace(plan, **changes)

@@ -1,6 +1,8 @@
 """MoE runtime: launch wrappers of the generated MoE kernels (k3c.codegen.kernels.moe), the kernel implementations of
-the moe-lower pass's ops (impl="kernel") and their torch implementations (any other impl; the per-op check's
-reference).
+the moe-lower pass's ops (KERNEL_IMPLS, impl="kernel") and their torch implementations (TORCH_IMPLS: any other impl;
+the per-op check's reference). moe_linear with MXFP4 weights: kernel_impls.mxfp4_linear, whose entries pick these
+float ones or the MXFP4 GEMM. An active routing replay (k3c.runtime.routing_replay) chooses the experts of both
+router paths.
 
 Wrappers (tensors on any device; CPU runs through the Triton interpreter):
     route(logits [N, E] f32, bias, ...)                 -> (weights f32 [N, k], ids i32 [N, k], off i32 [EL + 1],
@@ -16,20 +18,19 @@ import weakref
 
 import torch
 
-from ...codegen.catalogue.basic import act_from_attrs
+from ...codegen.buckets import m_bucket
 from ...codegen.kernels import moe as _kmoe
 from ...codegen.kernels.moe import (ROW_BUCKETS, emit_moe_combine, emit_moe_linear, emit_moe_offsets, emit_moe_rank,
                                     emit_moe_scatter, emit_moe_topk, expert_gemm_kernels, expert_plan, moe_gemm_plan,
                                     mx_mode, row_bucket, tile_slots)
-from ...codegen.launch import m_bucket, target_for, tt_dtype
 from ...codegen.writer import CodegenError
+from ...frontend.spec import ActivationSpec
 from ...quant import mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_quantize
 from ... import reference as ref
-from .. import routing_replay
-from ..executor import register_impl
-from ..launcher import launch
 from ...reference.norms import acc
-from . import register_kernel_impl
+from .. import routing_replay
+from ..devices import interpreted, target_for, tt_dtype
+from ..launcher import launch
 
 _emit_topk = functools.lru_cache(maxsize=64)(emit_moe_topk)
 _emit_rank = functools.lru_cache(maxsize=64)(emit_moe_rank)
@@ -40,10 +41,6 @@ _expert_plan = functools.lru_cache(maxsize=256)(expert_plan)
 _emit_combine = functools.lru_cache(maxsize=64)(emit_moe_combine)
 _emit_linear = functools.lru_cache(maxsize=256)(emit_moe_linear)
 _plan = functools.lru_cache(maxsize=256)(moe_gemm_plan)
-
-
-def _interp(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
 
 
 # ---- routing ---------------------------------------------------------------------------------------------------
@@ -73,7 +70,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router
     if routing_replay.active() is not None:        # a replayed choice: this run's weights and presence for it
         ids = routing_replay.replayed_ids(ids)
         s = torch.sigmoid(lg) if router_activation == "sigmoid" else torch.softmax(lg, dim=-1)
-        w = routing_replay.routed_weights(s, ids, renormalize, scaling)
+        w = ref.routed_weights(s, ids, renormalize, scaling)
         local = ids.long() - e0
         mine = (local >= 0) & (local < el)
         pres = torch.zeros(N, el, dtype=torch.int32, device=dev).scatter_add_(1, local.clamp(0, el - 1),
@@ -123,7 +120,7 @@ def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtyp
     return _expert_kernels(kind, n, k, plan=chosen, target=tgt, mx=mx, dtype=dt,
                            w_dtype=None if mx != "none" else tt_dtype(w_dtype), out_dtype=tt_dtype(out_dtype),
                            act=act, num_experts=num_experts, top_k=top_k, ir_op=ir_op, loc=loc,
-                           interpret=_interp(a))
+                           interpret=interpreted(a))
 
 
 def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots):
@@ -143,7 +140,7 @@ def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots):
             launch(dq, p, s, rows_off, w, e0, e1)
         if not routed:
             launch(ks, a, *ws, *tail)
-        elif _interp(a):
+        elif interpreted(a):
             t_off = off[1 + ROW_BUCKETS.index(bm)]
             launch(ks, a, *ws, off, *tail, int(t_off[e1] - t_off[e0]), e0, e1)
         else:
@@ -171,7 +168,7 @@ def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: t
                      slots=S)
         return out
     bm = ks.constexprs["BLOCK_M"]
-    if _interp(a):      # the interpreter pays for every program, also those that exit: count the tiles exactly
+    if interpreted(a):      # the interpreter pays for every program, also those that exit: count the tiles exactly
         tiles = int(off[1 + ROW_BUCKETS.index(bm), -1])
     else:               # no host sync on a GPU: an upper bound, the programs past the last tile exit
         tiles = tile_slots(S, el, bm)
@@ -210,7 +207,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual:
     el = num_experts // ep_size
     ks = _emit_combine(Z, top_k, target=tgt, dtype=tt_dtype(y.dtype), residual=residual is not None,
                        e_local=el if ep_size > 1 else None, e0=ep_rank * el, ir_op=ir_op, loc=loc,
-                       interpret=_interp(y))
+                       interpret=interpreted(y))
     out = torch.empty(N, Z, dtype=y.dtype, device=y.device)
     extra = [ids.reshape(N, top_k).contiguous()] if ep_size > 1 else []
     if residual is not None:
@@ -241,21 +238,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     M = x2.shape[0]
     odt = out_dtype or x.dtype
     ks = _emit_linear(N, K, target=tgt, m_hint=m_bucket(M), dtype=tt_dtype(x.dtype), w_dtype=tt_dtype(w.dtype),
-                      out_dtype=tt_dtype(odt), residual=residual is not None, interpret=_interp(x))
+                      out_dtype=tt_dtype(odt), residual=residual is not None, interpret=interpreted(x))
     out = torch.empty(M, N, dtype=odt, device=x.device)
     extra = [residual.reshape(M, N).contiguous()] if residual is not None else []
     launch(ks, x2, w.contiguous(), *extra, out, M)
     return out.view(*x.shape[:-1], N)
 
 
-@register_kernel_impl("moe_linear")
-def kernel_moe_linear(a, cache, data, w):
+def launch_moe_linear(a, cache, data, w):
     res = data[1] if a.get("residual") else None
     return linear(data[0], w["weight"], res, torch.float32 if a.get("out_f32") else None)
 
 
-@register_kernel_impl("moe_route")
-def kernel_moe_route(a, cache, data, w):
+def launch_moe_route(a, cache, data, w):
     lg = data[0]
     lead = lg.shape[:-1]
     k = a["top_k"]
@@ -266,26 +261,23 @@ def kernel_moe_route(a, cache, data, w):
     return wt.view(*lead, k), ids.view(*lead, k), off, perm.view(*lead, k)
 
 
-@register_kernel_impl("moe_gate_up")
-def kernel_moe_gate_up(a, cache, data, w):
+def launch_moe_gate_up(a, cache, data, w):
     z, off, perm = data
     k = a["top_k"]
     z2 = z.reshape(-1, z.shape[-1])
     h = grouped_gemm("gate_up", z2, _experts(a, w, ("w1", "w3")), off, perm.reshape(-1), top_k=k, mx=_mx(a, z),
-                     act=act_from_attrs(a), ir_op="moe_gate_up")
+                     act=ActivationSpec.from_attrs(a), ir_op="moe_gate_up")
     return h.view(*z.shape[:-1], k, h.shape[-1])
 
 
-@register_kernel_impl("moe_down")
-def kernel_moe_down(a, cache, data, w):
+def launch_moe_down(a, cache, data, w):
     h, off, perm = data
     y = grouped_gemm("down", h.reshape(-1, h.shape[-1]), _experts(a, w, ("w2",)), off, perm.reshape(-1),
                      top_k=a["top_k"], mx=_mx(a, h), ir_op="moe_down")
     return y.view(*h.shape[:-1], y.shape[-1])
 
 
-@register_kernel_impl("moe_combine")
-def kernel_moe_combine(a, cache, data, w):
+def launch_moe_combine(a, cache, data, w):
     y, wt, ids = data[:3]
     res = data[3] if a.get("residual") else None
     u = combine(y, wt, ids, res, top_k=a["top_k"], num_experts=a["num_experts"], ep_rank=a.get("ep_rank", 0),
@@ -300,7 +292,7 @@ def _dequant(a, w, name, dtype):
     return w[f"experts.{name}"]
 
 
-def _act_quant(x: torch.Tensor, mx: str) -> torch.Tensor:
+def act_quantized(x: torch.Tensor, mx: str) -> torch.Tensor:
     """What the native MX kernels feed the matrix units: activations quantized per 32 (OCP floor rule)."""
     if mx == "e4m3":
         return mxfp8_dequantize(*mxfp8_quantize(x), x.dtype)
@@ -321,7 +313,7 @@ def torch_route(logits, bias, *, top_k, router_activation, renormalize, scaling,
     s = torch.sigmoid(lg) if router_activation == "sigmoid" else torch.softmax(lg, dim=-1)
     choice = s + bias.float() if bias is not None else s
     idx = routing_replay.replayed_ids(torch.topk(choice, top_k, dim=-1).indices)
-    p = routing_replay.routed_weights(s, idx, renormalize, scaling)
+    p = ref.routed_weights(s, idx, renormalize, scaling)
     el, e0 = E // ep_size, ep_rank * (E // ep_size)
     flat = idx.reshape(-1) - e0
     local = (flat >= 0) & (flat < el)
@@ -359,9 +351,9 @@ def torch_moe_gate_up(a, cache, data, w):
     w1, w3 = _dequant(a, w, "w1", z.dtype), _dequant(a, w, "w3", z.dtype)
     flat = perm.reshape(-1).long()
     h = torch.zeros(flat.numel(), w1.shape[1], dtype=z.dtype, device=z.device)
-    act = act_from_attrs(a)
+    act = ActivationSpec.from_attrs(a)
     for e, lo, hi in _segments(off):
-        zs = _act_quant(z2[flat[lo:hi] // k], _mx(a, z))
+        zs = act_quantized(z2[flat[lo:hi] // k], _mx(a, z))
         h[lo:hi] = ref.glu_act(ref.linear(zs, w1[e]), ref.linear(zs, w3[e]), act)
     return h.view(*z.shape[:-1], k, w1.shape[1])
 
@@ -373,7 +365,7 @@ def torch_moe_down(a, cache, data, w):
     flat = perm.reshape(-1).long()
     y = torch.zeros(h2.shape[0], w2.shape[1], dtype=h.dtype, device=h.device)
     for e, lo, hi in _segments(off):
-        y[flat[lo:hi]] = ref.linear(_act_quant(h2[lo:hi], _mx(a, h)), w2[e])
+        y[flat[lo:hi]] = ref.linear(act_quantized(h2[lo:hi], _mx(a, h)), w2[e])
     return y.view(*h.shape[:-1], w2.shape[1])
 
 
@@ -388,10 +380,10 @@ def torch_moe_combine(a, cache, data, w):
     return u.to(y.dtype)
 
 
-for _name, _fn in (("moe_linear", torch_moe_linear), ("moe_route", torch_moe_route),
-                   ("moe_gate_up", torch_moe_gate_up), ("moe_down", torch_moe_down),
-                   ("moe_combine", torch_moe_combine)):
-    register_impl(_name, _fn)
+KERNEL_IMPLS = {"moe_linear": launch_moe_linear, "moe_route": launch_moe_route, "moe_gate_up": launch_moe_gate_up,
+                "moe_down": launch_moe_down, "moe_combine": launch_moe_combine}
+TORCH_IMPLS = {"moe_linear": torch_moe_linear, "moe_route": torch_moe_route, "moe_gate_up": torch_moe_gate_up,
+               "moe_down": torch_moe_down, "moe_combine": torch_moe_combine}
 
 __all__ = ["linear", "route", "grouped_gemm", "mx_linear", "combine", "torch_route", "row_bucket",
-           "scales_fit_one_mul"]
+           "scales_fit_one_mul", "act_quantized", "KERNEL_IMPLS", "TORCH_IMPLS"]

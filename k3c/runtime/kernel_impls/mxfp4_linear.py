@@ -1,9 +1,12 @@
-"""MXFP4 dense linears (the `mxfp4` pass's weight_format "mxfp4" on lm_head, mlp and moe_linear): their kernel
-implementations through the dense MXFP4 x bf16 GEMM (k3c.codegen.kernels.moe, kind "dense": upcast in registers on
-sm_90 / gfx942, tl.dot_scaled where the target has MX matrix units and the spec's activations are MX), and their
-torch implementations (the eager reference: dequantize, then the float op).
+"""MXFP4 dense linears (the `mxfp4` pass's weight_format "mxfp4" on lm_head, mlp and moe_linear): per op one entry
+that picks, from the op's weight format, the dense MXFP4 x bf16 GEMM (k3c.codegen.kernels.moe, kind "dense": upcast
+in registers on sm_90 / gfx942, tl.dot_scaled where the target has MX matrix units and the spec's activations are
+MX) or the op's float path (basic.launch_mlp, moe.launch_moe_linear, moe.torch_moe_linear). The composed tables
+(k3c.runtime.kernel_impls: OVERRIDES) hold these entries in place of the float families' ones.
 
-Ops with float weights run exactly as before: each wrapper hands them to the implementation it replaces.
+The torch forms of MXFP4 weights are the eager reference: dequantize, then the float op (activations quantized per
+32 first where the kernel runs the MX matrix units). The layer ops' torch path (lm_head, mlp, moe) is the
+executor's, which takes its MXFP4 forms from here (torch_lm_head, torch_mlp, dequantized).
 
     mx_dense(x [..., K], packed u8 [N, K/2], scale u8 [N, K/32], act_format) -> x W^T   (one launch, or dequant +
                      bf16 GEMM at prefill buckets; the bucket of M picks the plan, as the AOT emitters do:
@@ -15,16 +18,15 @@ import functools
 
 import torch
 
-from ...codegen.catalogue.basic import act_from_attrs
+from ...codegen.buckets import m_bucket
 from ...codegen.catalogue.mxfp4 import dense_mx, dense_plan
-from ...codegen.launch import m_bucket, target_for, tt_dtype
-from ...ir.ops import PACKED_PARTS, is_mxfp4, packed_name
+from ...errors import IRError
+from ...frontend.spec import ActivationSpec
+from ...ir.mxfp4_weights import PACKED_PARTS, is_mxfp4, packed_name
 from ...quant import mxfp4_dequantize
 from ... import reference as ref
-from ..executor import IMPLS, register_impl
-from . import KERNEL_IMPLS, register_kernel_impl
-from . import moe as _moe
-
+from ..devices import target_for, tt_dtype
+from . import basic, moe
 
 _dense_plan = functools.lru_cache(maxsize=256)(dense_plan)     # (m is already a bucket: few entries)
 
@@ -37,7 +39,7 @@ def mx_dense(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, act_for
     n, k = packed.shape[0], packed.shape[1] * 2
     m = x.numel() // max(1, x.shape[-1])
     plan = _dense_plan(n, k, m_bucket(m), mx, tt_dtype(x.dtype), tgt)
-    return _moe.mx_linear(x, packed, scale, mx=mx, plan=plan, ir_op=ir_op)
+    return moe.mx_linear(x, packed, scale, mx=mx, plan=plan, ir_op=ir_op)
 
 
 def _pair(w: dict, role: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,17 +55,17 @@ def dequantized(w: dict, roles, dtype: torch.dtype) -> dict:
     return out
 
 
-# ---- torch implementations (eager reference): dequantize, then the float op -----------------------------------
 def _mode(x: torch.Tensor, act_format: str | None) -> str:
     """The MX mode the kernel runs for `x` (as mx_dense decides)."""
     mx = dense_mx(target_for(x.device), act_format)
     return "upcast" if x.dtype == torch.float32 else mx
 
 
+# ---- torch forms of MXFP4 weights (eager reference): dequantize, then the float op ------------------------------
 def _aq(x: torch.Tensor, a) -> torch.Tensor:
     """What the GEMM multiplies: x itself (upcast, bf16 activations), or on a target with MX matrix units x
     quantized per 32 to the spec's activation format, as the native kernel does in registers."""
-    return _moe._act_quant(x, _mode(x, a.get("act_format")))
+    return moe.act_quantized(x, _mode(x, a.get("act_format")))
 
 
 def _dq(w: dict, role: str, dtype: torch.dtype) -> torch.Tensor:
@@ -71,86 +73,50 @@ def _dq(w: dict, role: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def torch_lm_head(a, data, w):
+    """An MXFP4 lm_head (the executor's lm_head takes it for weight_format "mxfp4")."""
     x = data[0]
     return ref.linear(_aq(x, a), _dq(w, "lm_head.weight", x.dtype))
 
 
 def torch_mlp(a, data, w):
+    """An MXFP4 dense MLP (the executor's mlp takes it for weight_format "mxfp4")."""
     x = data[0]
     xq = _aq(x, a)
     h = ref.glu_act(ref.linear(xq, _dq(w, "gate_proj.weight", x.dtype)),
-                    ref.linear(xq, _dq(w, "up_proj.weight", x.dtype)), act_from_attrs(a))
+                    ref.linear(xq, _dq(w, "up_proj.weight", x.dtype)), ActivationSpec.from_attrs(a))
     return ref.linear(_aq(h, a), _dq(w, "down_proj.weight", x.dtype))
 
 
-def torch_moe_linear(a, data, w):
+def torch_moe_linear(a, cache, data, w):
+    if not is_mxfp4(a):
+        return moe.torch_moe_linear(a, cache, data, w)
     x = data[0]
     y = ref.linear(_aq(x, a), _dq(w, "weight", x.dtype))
     return y + data[1] if a.get("residual") else y
 
 
-def _reference(op_name: str, mx_impl):
-    inner = IMPLS[op_name]
-
-    def impl(a, cache, data, w):
-        if is_mxfp4(a):
-            return mx_impl(a, data, w)
-        return inner(a, cache, data, w)
-    impl.__name__ = f"k3c_{op_name}"
-    impl.__qualname__ = impl.__name__
-    impl.__wrapped__ = inner
-    return impl
-
-
-def _moe_reference():
-    """The layer-level moe op (graphs without moe-lower): its packed dense linears dequantized, then the reference
-    MoE (float activations: the layer reference)."""
-    inner = IMPLS["moe"]
-
-    def k3c_moe(a, cache, data, w):
-        roles = tuple(a.get("mxfp4_linears", ()) or ())
-        if roles:
-            w = dequantized(w, roles, data[0].dtype)
-            a = {k: v for k, v in a.items() if k != "mxfp4_linears"}
-        return inner(a, cache, data, w)
-    k3c_moe.__wrapped__ = inner
-    return k3c_moe
-
-
-for _name, _fn in (("lm_head", torch_lm_head), ("mlp", torch_mlp), ("moe_linear", torch_moe_linear)):
-    register_impl(_name, _reference(_name, _fn))
-register_impl("moe", _moe_reference())
-
-
 # ---- kernel implementations ------------------------------------------------------------------------------------
-def _kernel(op_name: str, mx_impl):
-    inner = KERNEL_IMPLS.get(op_name)
-
-    def impl(a, cache, data, w):
-        if is_mxfp4(a):
-            return mx_impl(a, data, w)
-        if inner is None:       # lm_head: torch on purpose for float weights (the codegen pass marks it extern)
-            return IMPLS[op_name](a, cache, data, w)
-        return inner(a, cache, data, w)
-    impl.__name__ = f"kernel_{op_name}"
-    return impl
-
-
-def _lm_head(a, data, w):
+def launch_lm_head(a, cache, data, w):
+    if not is_mxfp4(a):     # torch runs a float lm_head on purpose: the codegen pass marks it extern, not kernel
+        raise IRError("lm_head with float weights has no kernel implementation (it runs as impl=extern)")
     return mx_dense(data[0], *_pair(w, "lm_head.weight"), a.get("act_format"), "lm_head")
 
 
-def _mlp(a, data, w):
+def launch_mlp(a, cache, data, w):
+    if not is_mxfp4(a):
+        return basic.launch_mlp(a, cache, data, w)
     x, af = data[0], a.get("act_format")
     g = mx_dense(x, *_pair(w, "gate_proj.weight"), af, "mlp")
     u = mx_dense(x, *_pair(w, "up_proj.weight"), af, "mlp")
-    return mx_dense(ref.glu_act(g, u, act_from_attrs(a)), *_pair(w, "down_proj.weight"), af, "mlp")
+    return mx_dense(ref.glu_act(g, u, ActivationSpec.from_attrs(a)), *_pair(w, "down_proj.weight"), af, "mlp")
 
 
-def _moe_linear(a, data, w):
+def launch_moe_linear(a, cache, data, w):
+    if not is_mxfp4(a):
+        return moe.launch_moe_linear(a, cache, data, w)
     y = mx_dense(data[0], *_pair(w, "weight"), a.get("act_format"), "moe_linear")
     return y + data[1] if a.get("residual") else y
 
 
-for _name, _fn in (("lm_head", _lm_head), ("mlp", _mlp), ("moe_linear", _moe_linear)):
-    register_kernel_impl(_name)(_kernel(_name, _fn))
+KERNEL_IMPLS = {"lm_head": launch_lm_head, "mlp": launch_mlp, "moe_linear": launch_moe_linear}
+TORCH_IMPLS = {"moe_linear": torch_moe_linear}
