@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -64,7 +65,30 @@ def main():
     if args.smoke:
         args.d, args.tokens, args.blocks, args.layers_per_block = 64, 40, 3, 2
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    d, T, NB, S = args.d, args.tokens, args.blocks, args.layers_per_block
+    x = make_inputs(args.d, args.tokens, args.blocks, args.layers_per_block, dev)
+    info = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
+    print(f"# AttnRes bench on {info}; torch {torch.__version__}; d={x.d} tokens={x.T} blocks={x.NB} x {x.S} layers, "
+          f"bf16")
+    check(x)
+    plan1, plan2 = {}, {}
+    if dev.type == "cuda" and not args.no_sweep:
+        plan1 = sweep_phase1(x, dev)
+        plan2 = sweep_phase2(x, dev, plan1)
+    records, rows = [], []
+
+    def rec(name, seconds, nbytes, shape):
+        records.append({"name": name, "flops": 0, "bytes": int(nbytes), "seconds": seconds})
+        rows.append((name, shape, seconds, nbytes))
+    t = time_ops(x, dev, plan1, plan2, rec)
+    report(x, t, rows, rec, plan1, plan2)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+def make_inputs(d, T, NB, S, dev):
+    """NB completed blocks [T, d], the Q = 2 S pseudo-queries of a group (folded), a partial sum, an update and a
+    norm gain: bf16, seeded."""
     Q = 2 * S
     dt = torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -74,98 +98,102 @@ def main():
     norm = [(1 + 0.1 * torch.randn(d, generator=g)).to(dt).to(dev) for _ in range(Q)]
     queries = ka.fold_queries(list(zip(proj, norm)))
     p_old, y, gain = rnd(T, d), rnd(T, d), (1 + 0.1 * torch.randn(d, generator=g)).to(dt).to(dev)
-    e = 2
-    info = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
-    print(f"# AttnRes bench on {info}; torch {torch.__version__}; d={d} tokens={T} blocks={NB} x {S} layers, bf16")
+    return types.SimpleNamespace(d=d, T=T, NB=NB, S=S, Q=Q, dt=dt, e=2, blocks=blocks, proj=proj, norm=norm,
+                                 queries=queries, p_old=p_old, y=y, gain=gain, row_bytes=T * d * 2)
 
-    # -- correctness on the benchmark shapes (one group, last query) --------------------------------------------
-    s1 = ka.phase1(blocks[:3], queries, EPS)
-    r = ka.phase2(s1, queries, Q - 1, EPS, partial=p_old, update=y, weight=gain, norm_eps=EPS)
-    want = rms_norm(attn_res_mix(blocks[:3] + [p_old + y], proj[-1], norm[-1], EPS), gain, EPS)
+
+def check(x):
+    """Correctness on the benchmark shapes (one group, last query) against the naive mix."""
+    s1 = ka.phase1(x.blocks[:3], x.queries, EPS)
+    r = ka.phase2(s1, x.queries, x.Q - 1, EPS, partial=x.p_old, update=x.y, weight=x.gain, norm_eps=EPS)
+    want = rms_norm(attn_res_mix(x.blocks[:3] + [x.p_old + x.y], x.proj[-1], x.norm[-1], EPS), x.gain, EPS)
     err = ((r[1].float() - want.float()).norm() / want.float().norm()).item()
     print(f"# check vs naive (N=3, bf16): rel err {err:.2e}")
 
-    # -- sweep of the phase-1 tile plan at N = NB (the largest group) ------------------------------------------
-    plan1: dict = {}
-    if dev.type == "cuda" and not args.no_sweep:
-        best = None
-        cands = [dict(block_m=bm, scores_warps=sw) for bm, sw in [(64, 4), (16, 4), (32, 4), (64, 8)]]
-        for c in cands:
-            try:
-                t = bench(lambda: ka.phase1(blocks, queries, EPS, **c), dev, 40)
-            except Exception as ex:  # noqa: BLE001 (a config that does not compile is skipped)
-                print(f"# phase1 {c}: failed ({type(ex).__name__})")
-                continue
-            print(f"# phase1 N={NB} {c}: {t * 1e3:.3f} ms")
-            if best is None or t < best[0]:
-                best = (t, c)
-        for bd, nw in [(512, 4), (256, 4), (1024, 8), (512, 8)]:
-            c = dict(best[1], block_d=bd, num_warps=nw)
-            try:
-                t = bench(lambda: ka.phase1(blocks, queries, EPS, **c), dev, 40)
-            except Exception as ex:  # noqa: BLE001
-                print(f"# phase1 {c}: failed ({type(ex).__name__})")
-                continue
-            print(f"# phase1 N={NB} {c}: {t * 1e3:.3f} ms")
-            if t < best[0]:
-                best = (t, c)
-        plan1 = best[1] if best else {}
-        print(f"# phase1 plan used: {plan1 or 'default'}")
-    plan2: dict = {}
-    if dev.type == "cuda" and not args.no_sweep:
-        s1 = ka.phase1(blocks[:2], queries, EPS, **plan1)
-        best = None
-        for nw in (4, 8):  # noqa: B007
-            t = bench(lambda: ka.phase2(s1, queries, 3, EPS, partial=p_old, update=y, weight=gain, norm_eps=EPS,
-                                        num_warps=nw), dev, 40)
-            print(f"# phase2 update warps={nw}: {t * 1e3:.3f} ms")
-            if best is None or t < best[0]:
-                best = (t, dict(num_warps=nw))
-        plan2 = best[1]
 
-    # -- timings ------------------------------------------------------------------------------------------------
-    records, rows = [], []
+def sweep_phase1(x, dev):
+    """The phase-1 tile plan at N = NB (the largest group): scores tiles first, then the output kernel's."""
+    best = None
+    cands = [dict(block_m=bm, scores_warps=sw) for bm, sw in [(64, 4), (16, 4), (32, 4), (64, 8)]]
+    for c in cands:
+        try:
+            t = bench(lambda: ka.phase1(x.blocks, x.queries, EPS, **c), dev, 40)
+        except Exception as ex:  # noqa: BLE001 (a config that does not compile is skipped)
+            print(f"# phase1 {c}: failed ({type(ex).__name__})")
+            continue
+        print(f"# phase1 N={x.NB} {c}: {t * 1e3:.3f} ms")
+        if best is None or t < best[0]:
+            best = (t, c)
+    for bd, nw in [(512, 4), (256, 4), (1024, 8), (512, 8)]:
+        c = dict(best[1], block_d=bd, num_warps=nw)
+        try:
+            t = bench(lambda: ka.phase1(x.blocks, x.queries, EPS, **c), dev, 40)
+        except Exception as ex:  # noqa: BLE001
+            print(f"# phase1 {c}: failed ({type(ex).__name__})")
+            continue
+        print(f"# phase1 N={x.NB} {c}: {t * 1e3:.3f} ms")
+        if t < best[0]:
+            best = (t, c)
+    plan1 = best[1] if best else {}
+    print(f"# phase1 plan used: {plan1 or 'default'}")
+    return plan1
 
-    def rec(name, seconds, nbytes, shape):
-        records.append({"name": name, "flops": 0, "bytes": int(nbytes), "seconds": seconds})
-        rows.append((name, shape, seconds, nbytes))
 
-    row_bytes = T * d * e
-    t_p1 = {}
+def sweep_phase2(x, dev, plan1):
+    """The warps of the phase-2 update kernel."""
+    s1 = ka.phase1(x.blocks[:2], x.queries, EPS, **plan1)
+    best = None
+    for nw in (4, 8):  # noqa: B007
+        t = bench(lambda: ka.phase2(s1, x.queries, 3, EPS, partial=x.p_old, update=x.y, weight=x.gain, norm_eps=EPS,
+                                    num_warps=nw), dev, 40)
+        print(f"# phase2 update warps={nw}: {t * 1e3:.3f} ms")
+        if best is None or t < best[0]:
+            best = (t, dict(num_warps=nw))
+    return best[1]
+
+
+def time_ops(x, dev, plan1, plan2, rec):
+    """Every op timed alone (rec(name, seconds, bytes, shape) per row); returns the times the summary needs."""
+    T, d, e, Q, NB, row_bytes = x.T, x.d, x.e, x.Q, x.NB, x.row_bytes
+    t = {"p1": {}, "naive": {}}
     for n in range(1, NB + 1):
-        t_p1[n] = bench(lambda: ka.phase1(blocks[:n], queries, EPS, **plan1), dev)
-        rec(f"attnres_phase1_n{n}", t_p1[n], n * row_bytes + Q * T * (STATS + d) * e, f"N={n} Q={Q} [{T},{d}]")
-    s1 = ka.phase1(blocks[:2], queries, EPS, **plan1)
-    out2 = torch.empty(2, T, d, dtype=dt, device=dev)
-    t_up = bench(lambda: ka.phase2(s1, queries, 3, EPS, partial=p_old, update=y, weight=gain, norm_eps=EPS,
-                                   out=out2, **plan2), dev)
-    rec("attnres_phase2_update_norm", t_up, 5 * row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
-    t_src = bench(lambda: ka.phase2(s1, queries, 1, EPS, partial=p_old, weight=gain, norm_eps=EPS, **plan2), dev)
-    rec("attnres_phase2_source_norm", t_src, 2 * row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
-    t_none = bench(lambda: ka.phase2(s1, queries, 0, EPS, weight=gain, norm_eps=EPS, **plan2), dev)
-    rec("attnres_phase2_none_norm", t_none, row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
-    t_plain = bench(lambda: L.rmsnorm(y, gain, EPS, residual=p_old), dev)
-    rec("residual_rmsnorm_triton", t_plain, 4 * row_bytes, f"[{T},{d}]")
+        t["p1"][n] = bench(lambda: ka.phase1(x.blocks[:n], x.queries, EPS, **plan1), dev)
+        rec(f"attnres_phase1_n{n}", t["p1"][n], n * row_bytes + Q * T * (STATS + d) * e, f"N={n} Q={Q} [{T},{d}]")
+    s1 = ka.phase1(x.blocks[:2], x.queries, EPS, **plan1)
+    out2 = torch.empty(2, T, d, dtype=x.dt, device=dev)
+    t["up"] = bench(lambda: ka.phase2(s1, x.queries, 3, EPS, partial=x.p_old, update=x.y, weight=x.gain,
+                                      norm_eps=EPS, out=out2, **plan2), dev)
+    rec("attnres_phase2_update_norm", t["up"], 5 * row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
+    t["src"] = bench(lambda: ka.phase2(s1, x.queries, 1, EPS, partial=x.p_old, weight=x.gain, norm_eps=EPS,
+                                       **plan2), dev)
+    rec("attnres_phase2_source_norm", t["src"], 2 * row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
+    t["none"] = bench(lambda: ka.phase2(s1, x.queries, 0, EPS, weight=x.gain, norm_eps=EPS, **plan2), dev)
+    rec("attnres_phase2_none_norm", t["none"], row_bytes + T * (STATS + d) * e, f"[{T},{d}]")
+    t["plain"] = bench(lambda: L.rmsnorm(x.y, x.gain, EPS, residual=x.p_old), dev)
+    rec("residual_rmsnorm_triton", t["plain"], 4 * row_bytes, f"[{T},{d}]")
 
     def torch_plain():
-        r = p_old + y
-        return rms_norm(r, gain, EPS), r
-    t_torch = bench(torch_plain, dev)
-    rec("residual_rmsnorm_torch_eager", t_torch, 4 * row_bytes, f"[{T},{d}]")
-    t_naive = {}
+        r = x.p_old + x.y
+        return rms_norm(r, x.gain, EPS), r
+    t["torch"] = bench(torch_plain, dev)
+    rec("residual_rmsnorm_torch_eager", t["torch"], 4 * row_bytes, f"[{T},{d}]")
     for n in range(1, NB + 1):
         def naive(n=n):
-            p = p_old + y
-            return rms_norm(attn_res_mix(blocks[:n] + [p], proj[0], norm[0], EPS), gain, EPS), p
-        t_naive[n] = bench(naive, dev, 30)
-        rec(f"attnres_naive_torch_n{n}", t_naive[n], (2 * (n + 1) + 6) * row_bytes, f"N={n}+1 [{T},{d}]")
+            p = x.p_old + x.y
+            return rms_norm(attn_res_mix(x.blocks[:n] + [p], x.proj[0], x.norm[0], EPS), x.gain, EPS), p
+        t["naive"][n] = bench(naive, dev, 30)
+        rec(f"attnres_naive_torch_n{n}", t["naive"][n], (2 * (n + 1) + 6) * row_bytes, f"N={n}+1 [{T},{d}]")
+    return t
 
-    # -- per layer -----------------------------------------------------------------------------------------------
-    per_group_p2 = t_none + t_src + (Q - 2) * t_up
-    split_layer = (sum(t_p1.values()) + NB * per_group_p2) / (NB * S)
-    plain_layer = 2 * t_plain
-    naive_layer = 2 * statistics.mean(t_naive.values())
-    torch_layer = 2 * t_torch
+
+def report(x, t, rows, rec, plan1, plan2):
+    """Per decoder layer (see the module doc), then the table of every row and the targets."""
+    T, d, e, Q, NB, S, row_bytes = x.T, x.d, x.e, x.Q, x.NB, x.S, x.row_bytes
+    per_group_p2 = t["none"] + t["src"] + (Q - 2) * t["up"]
+    split_layer = (sum(t["p1"].values()) + NB * per_group_p2) / (NB * S)
+    plain_layer = 2 * t["plain"]
+    naive_layer = 2 * statistics.mean(t["naive"].values())
+    torch_layer = 2 * t["torch"]
     split_bytes = (sum(n * row_bytes + Q * T * (STATS + d) * e for n in range(1, NB + 1))
                    + NB * (row_bytes * (2 + 3 + 5 * (Q - 2)) + Q * T * (STATS + d) * e)) / (NB * S)
     plain_bytes = 2 * 4 * row_bytes
@@ -178,7 +206,7 @@ def main():
     print("| what | shape | ms | TB/s (model bytes) | ratio to plain residual+RMSNorm (Triton) |")
     print("|---|---|---|---|---|")
     for name, shape, sec, nb in rows:
-        ratio = sec / (t_plain if "per_layer" not in name else plain_layer)
+        ratio = sec / (t["plain"] if "per_layer" not in name else plain_layer)
         print(f"| {name} | {shape} | {sec * 1e3:.3f} | {nb / sec / 1e12:.2f} | {ratio:.2f}x |")
     print()
     print(f"per layer: split {split_layer * 1e3:.3f} ms | plain residual+RMSNorm (Triton) {plain_layer * 1e3:.3f} ms "
@@ -186,9 +214,6 @@ def main():
     print(f"split / plain = {split_layer / plain_layer:.2f}x (target <= 1.25x); naive / split = "
           f"{naive_layer / split_layer:.1f}x (target >= 5x); byte floor split/plain = {split_bytes / plain_bytes:.2f}x")
     print(f"plans: phase1 {plan1 or 'default'}, phase2 {plan2 or 'default'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 # fla caches autotune results on disk, keyed without T: the precompile workers (T = 64) would otherwise pick fla's
-# configs for every shape (seen 2026-11-29: fla chunk_kda 3.59 ms at B=1 T=8192 H=96 against 2.62 ms in a clean run)
+# configs for every shape (fla's prefill then runs about 1.4x slower than in a clean run)
 os.environ.setdefault("FLA_CACHE_RESULTS", "0")
 
 import torch  # noqa: E402
@@ -88,7 +88,7 @@ def rel(a, b):
 
 
 # ---- plans swept (the defaults of k3c.codegen.kernels.kda.kda_plan are among them) -------------------------------
-# 2026-11-29 run: BT=16 BV=32 4 warps best at H=96 (2.51 ms), stages=2 best at B=4 H=12; BT=32 and BV=16 slower
+# the sweep's results per shape: docs/perf.md (KDA)
 PREFILL_VARIANTS = [dict(chunk=16, block_v=32, chunk_warps=4), dict(chunk=16, block_v=128, chunk_warps=8),
                     dict(chunk=16, block_v=32, chunk_warps=4, chunk_stages=2), dict(chunk=16, block_v=64, chunk_warps=8),
                     dict(chunk=16, block_v=64, chunk_warps=4), dict(chunk=16, block_v=32, chunk_warps=8),
@@ -167,7 +167,7 @@ def prefill(b, t, h, variants):
     var = best[1]
     try:                                   # the best plan's two kernels timed alone
         from k3c.codegen.kernels.kda import inter_dtype
-        from k3c.codegen.launch import target_for
+        from k3c.runtime.devices import target_for
         from k3c.runtime.launcher import launch
         from k3c.runtime.kernel_impls.kda import _emit_inter, _emit_intra, _plan
         pl = _plan(D, q.dtype, q.device, **var)
@@ -256,29 +256,14 @@ def decode(b, h):
     shape = f"B={b} H={h}"
     nbytes = b * h * 8 * D * D
     flops = b * h * 7 * D * D
-    xq, xk, xv, xf, xb, xg, a_log, dt_bias, nw, conv_w, tails, state = decode_inputs(b, h)
+    inputs = decode_inputs(b, h)
+    xq, xk, xv, xf, xb, xg, a_log, dt_bias, nw, conv_w, tails, state = inputs
     other = torch.empty_like(state)
     t_copy = bench(lambda: other.copy_(state))
     record("decode", shape, "torch copy of the state", t_copy, 0, nbytes, note="copy bandwidth reference")
-    o_ref, y_ref, s_ref = decode_ref(xq, xk, xv, xf, xb, xg, a_log, dt_bias, nw, conv_w, tails, state, b, h)
+    o_ref, y_ref, s_ref = decode_ref(*inputs, b, h)
     fla_state = state.clone()
-    fq, fk, fv, ff = (x.view(b, 1, h, D) for x in (xq, xk, xv, xf))
-    fb = xb.view(b, 1, h)
-
-    def run_fla_rec():
-        from fla.ops.kda import fused_recurrent_kda
-        return fused_recurrent_kda(fq, fk, fv, ff, fb, A_log=a_log, dt_bias=dt_bias, initial_state=fla_state,
-                                   output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                   use_beta_sigmoid_in_kernel=True, lower_bound=LB)
-    t_rec = None
-    try:
-        with torch.inference_mode():
-            run_fla_rec()
-            t_rec = bench(run_fla_rec)
-        record("decode", shape, "fla fused_recurrent_kda", t_rec, flops, nbytes,
-               note=f"{t_copy / t_rec:.0%} of copy BW")
-    except Exception as e:
-        print(f"fla fused_recurrent_kda failed: {type(e).__name__}: {e}", flush=True)
+    t_rec = fla_recurrence(inputs, fla_state, b, h, shape, flops, nbytes, t_copy)
     common = dict(num_heads=h, head_dim=D, gate="safe", gate_lower_bound=LB, l2norm_eps=1e-6, norm_eps=1e-5)
 
     def check(name, out, want, s_new):
@@ -287,56 +272,81 @@ def decode(b, h):
         if not ok:
             print(f"{name}: WRONG rel err out {eo:.1e} state {es:.1e}", flush=True)
         return ok, f"rel err vs torch ref out {eo:.1e} state {es:.1e}"
-    best_rec = None
-    for var in DECODE_REC_VARIANTS:       # the recurrence (conv + norms + gates + step), o out in fp32
-        name = "k3c decode step " + tag(var)
-        try:
-            o, _, s_new = kda_decode(xq, xk, xv, xf, xb, None, conv_w, a_log, dt_bias, None, tails, state,
-                                     fuse_out=False, **var, **common)
-            ok, err = check(name, o, o_ref, s_new)
-            if not ok:
-                continue
-            fn = lambda: kda_decode(xq, xk, xv, xf, xb, None, conv_w, a_log, dt_bias, None, tails, state,  # noqa
-                                    fuse_out=False, **var, **common)
-            sec = bench(fn)
-            record("decode", shape, name, sec, flops, nbytes, t_rec, f"{t_copy / sec:.0%} of copy BW; {err}")
-            if best_rec is None or sec < best_rec[0]:
-                best_rec = (sec, var)
-        except Exception as e:
-            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
-    best_layer = None
-    for var in DECODE_LAYER_VARIANTS:      # the whole layer in one kernel (RMSNorm x gate fused)
-        name = "k3c fused layer " + tag(var)
-        try:
-            y, _, s_new = kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, nw, tails, state,
-                                     **var, **common)
-            ok, err = check(name, y, y_ref, s_new)
-            if not ok:
-                continue
-            fn = lambda: kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, nw, tails, state,  # noqa
-                                    **var, **common)
-            sec = bench(fn)
-            record("decode", shape, name, sec, flops, nbytes, t_rec, f"{t_copy / sec:.0%} of copy BW; {err}")
-            if best_layer is None or sec < best_layer[0]:
-                best_layer = (sec, name)
-        except Exception as e:
-            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+
+    def step(var):          # the recurrence (conv + norms + gates + step), o out in fp32
+        return kda_decode(xq, xk, xv, xf, xb, None, conv_w, a_log, dt_bias, None, tails, state, fuse_out=False,
+                          **var, **common)
+
+    def layer(var):         # the whole layer in one kernel (RMSNorm x gate fused)
+        return kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, nw, tails, state, **var, **common)
+
+    timing = (shape, flops, nbytes, t_rec, t_copy)
+    best_rec = decode_sweep("k3c decode step ", DECODE_REC_VARIANTS, step, o_ref, check, *timing)
+    best_layer = decode_sweep("k3c fused layer ", DECODE_LAYER_VARIANTS, layer, y_ref, check, *timing)
     if best_rec is not None:               # the IR path: decode step + kda_out (two launches)
-        var = best_rec[1]
+        var = best_rec[2]
+        name = f"k3c step ({tag(var)}) + kda_out"
 
         def two():
-            o, _, _ = kda_decode(xq, xk, xv, xf, xb, None, conv_w, a_log, dt_bias, None, tails, state,
-                                 fuse_out=False, **var, **common)
+            o, _, _ = step(var)
             return kda_out(o.view(b, h, D), xg, nw, 1e-5)
         try:
             sec = bench(two)
             ok, err = check("step+out", two(), y_ref, s_ref)
-            record("decode", shape, f"k3c step ({tag(var)}) + kda_out", sec, flops, nbytes, t_rec, err)
+            record("decode", shape, name, sec, flops, nbytes, t_rec, err)
             if best_layer is None or sec < best_layer[0]:
-                best_layer = (sec, f"k3c step ({tag(var)}) + kda_out")
+                best_layer = (sec, name, var)
         except Exception as e:
             print(f"k3c step+out failed: {type(e).__name__}: {e}", flush=True)
-    # fla's layer path: conv updates + recurrence + gated RMSNorm
+    fla_layer(inputs, fla_state, b, h, shape, flops, nbytes, best_layer)
+
+
+def decode_sweep(label, variants, run, want, check, shape, flops, nbytes, t_rec, t_copy):
+    """Time run(var) for every variant whose output passes `check`; the fastest as (seconds, name, var) or None."""
+    best = None
+    for var in variants:
+        name = label + tag(var)
+        try:
+            out, _, s_new = run(var)
+            ok, err = check(name, out, want, s_new)
+            if not ok:
+                continue
+            sec = bench(lambda: run(var))  # noqa: B023 - timed before the next iteration
+            record("decode", shape, name, sec, flops, nbytes, t_rec, f"{t_copy / sec:.0%} of copy BW; {err}")
+            if best is None or sec < best[0]:
+                best = (sec, name, var)
+        except Exception as e:
+            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+    return best
+
+
+def fla_recurrence(inputs, fla_state, b, h, shape, flops, nbytes, t_copy):
+    """fla's fused_recurrent_kda on the same step (gate, L2 norm and beta in kernel): its time, or None."""
+    xq, xk, xv, xf, xb, _, a_log, dt_bias, *_ = inputs
+    fq, fk, fv, ff = (x.view(b, 1, h, D) for x in (xq, xk, xv, xf))
+    fb = xb.view(b, 1, h)
+
+    def run_fla_rec():
+        from fla.ops.kda import fused_recurrent_kda
+        return fused_recurrent_kda(fq, fk, fv, ff, fb, A_log=a_log, dt_bias=dt_bias, initial_state=fla_state,
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                   use_beta_sigmoid_in_kernel=True, lower_bound=LB)
+    try:
+        with torch.inference_mode():
+            run_fla_rec()
+            t_rec = bench(run_fla_rec)
+        record("decode", shape, "fla fused_recurrent_kda", t_rec, flops, nbytes,
+               note=f"{t_copy / t_rec:.0%} of copy BW")
+        return t_rec
+    except Exception as e:
+        print(f"fla fused_recurrent_kda failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
+def fla_layer(inputs, fla_state, b, h, shape, flops, nbytes, best_layer):
+    """fla's layer path (conv updates + recurrence + gated RMSNorm), and the best k3c layer against it."""
+    xq, xk, xv, xf, xb, xg, a_log, dt_bias, nw, conv_w, _, _ = inputs
+    ff, fb = xf.view(b, 1, h, D), xb.view(b, 1, h)
     try:
         from fla.modules.causal_conv1d.ops import causal_conv1d_update
         from fla.ops.kda import fused_recurrent_kda

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -34,8 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from k3c.analysis.cost import mla_mode_costs  # noqa: E402
-from k3c.codegen.kernels.mla import DecodePlan, decode_candidates, decode_plan  # noqa: E402
-from k3c.codegen.launch import target_for  # noqa: E402
+from k3c.codegen.kernels.mla import DecodePlan, decode_plan  # noqa: E402
+from k3c.runtime.devices import target_for  # noqa: E402
 from k3c.runtime.kernel_impls import mla as rt  # noqa: E402
 
 L_, R_, P_, V_ = 512, 64, 128, 128
@@ -125,10 +124,10 @@ def decode_point(B, T, H, dev, sgl, plans, peers=True):
     res = {"plans": {}}
     for plan in plans:
         try:
-            res["plans"][plan.tag] = timeit(
+            res["plans"][plan_tag(plan)] = timeit(
                 lambda: rt.mqa_decode(q, store, lens, scale, L_, num_heads=H, plan=plan, max_len=T), dev)
         except Exception as e:  # out of resources etc.
-            print(f"#   plan {plan.tag} failed: {type(e).__name__}: {str(e)[:120]}")
+            print(f"#   plan {plan_tag(plan)} failed: {type(e).__name__}: {str(e)[:120]}")
     if not peers:
         return res
     cache = store.pool.view(B, T, L_ + R_)
@@ -237,9 +236,28 @@ def fmt_append(rows):
               f"{c.mha_seconds * 1e3:.1f}/{c.mqa_seconds * 1e3:.1f} | {'yes' if fast == best else 'NO'} | {err:.1e} |")
 
 
+def plan_tag(p: DecodePlan) -> str:
+    """A decode plan's label in the tables and JSON records."""
+    return (f"h{p.block_h} w{p.num_warps} s{p.num_stages}" + (f" n{p.block_n}" if p.block_n else "")
+            + (" kq" if p.keys_major else "") + (" lazy" if p.lazy else ""))
+
+
+def decode_candidates(rows: int, kv_lora_rank: int, target) -> list[DecodePlan]:
+    """The default and the other spill-free plans (sm_90 AOT report, triton 3.9) the sweep times per shape."""
+    default = decode_plan(rows, kv_lora_rank, target)
+    if target.arch != "sm_90":
+        return [default]
+    if rows > 16:
+        cand = [DecodePlan(32, 8, 2), DecodePlan(64, 8, 2, 32, True), DecodePlan(32, 8, 2, lazy=True),
+                DecodePlan(32, 4, 2, 16), DecodePlan(16, 4, 3)]
+    else:
+        cand = [DecodePlan(16, 4, 3), DecodePlan(16, 4, 2, 32), DecodePlan(16, 8, 2)]
+    return [default] + [c for c in cand if c != default]
+
+
 # spill on sm_90 (AOT report): timed for reference only, never a default or "best spill-free"
 SPILLING_PLANS = [DecodePlan(32, 4, 2), DecodePlan(64, 8, 2)]
-SPILLING = {p.tag for p in SPILLING_PLANS}
+SPILLING = {plan_tag(p) for p in SPILLING_PLANS}
 
 
 def main():
@@ -274,9 +292,9 @@ def main():
         T = -(-T // tgt.mla_page_size) * tgt.mla_page_size
         default = decode_plan(H, L_, tgt)
         res = decode_point(B, T, H, dev, sgl, [default])
-        drows.append((B, T, H, res, default.tag))
-        print(f"# decode B={B} T={T} H={H} ({default.tag}): " + ", ".join(
-            f"{k} {v * 1e3:.3f} ms" for k, v in [("k3c", res["plans"].get(default.tag, float("nan")))]
+        drows.append((B, T, H, res, plan_tag(default)))
+        print(f"# decode B={B} T={T} H={H} ({plan_tag(default)}): " + ", ".join(
+            f"{k} {v * 1e3:.3f} ms" for k, v in [("k3c", res["plans"].get(plan_tag(default), float("nan")))]
             + [(k, res[k]) for k in ("torch", "sglang") if isinstance(res.get(k), float)])
             + f"; {time.time() - t0:.1f} s", flush=True)
     # 2. append-prefill, both modes, and the cost model's pick
@@ -293,9 +311,9 @@ def main():
             if time.time() - t_start > args.budget:
                 print("# sweep stopped: budget spent", flush=True)
                 break
-            cands = [c for c in decode_candidates(H, L_, tgt) if c.tag not in res["plans"]]
+            cands = [c for c in decode_candidates(H, L_, tgt) if plan_tag(c) not in res["plans"]]
             if H > 32 and B >= 32:
-                cands += [p for p in SPILLING_PLANS if p.tag not in res["plans"]]
+                cands += [p for p in SPILLING_PLANS if plan_tag(p) not in res["plans"]]
             res["plans"].update(decode_point(B, T, H, dev, None, cands, peers=False)["plans"])
     for B, T, H, res, dtag in drows:
         flops = 2.0 * B * H * T * (2 * (L_ + R_) + 2 * L_)

@@ -170,83 +170,114 @@ def compile_kernels(kernels: list[KernelSource], target: Target | str, out_dir: 
     keys = [cache_key(k.compile_digest, target, options) for k in kernels]
 
     bar = _progress_bar(len(kernels), f"k3c aot {target.name}", progress)
-    misses = []
-    for i, (kernel, key) in enumerate(zip(kernels, keys)):
-        entry = store.fetch(key, out_dir) if store else None
-        if entry is not None:
-            results[i] = _from_entry(entry, kernel, target, key, hit=True)
-            bar.update(1)
-        else:
-            misses.append(i)
-
-    failures: list[tuple[KernelSource, str]] = []
-    if misses:
-        jobs_info = []
-        for i in misses:
-            kernel = kernels[i]
-            staging = store.new_staging_dir() if store else tempfile.mkdtemp(prefix="k3c-aot-")
-            source_rel = f"kernels/{kernel.name}.py"
-            os.makedirs(os.path.join(staging, "kernels"), exist_ok=True)
-            with open(os.path.join(staging, source_rel), "w", encoding="utf-8") as f:
-                f.write(kernel.compile_source)         # comments blanked: the binary is the code's alone
-            jobs_info.append((i, staging, _job(kernel, target, staging, source_rel, options)))
-        futures = {}
-        restore_signals = _exit_on_signals()
-        try:
-            executor = _executor(jobs)
-            with _worker_environment():
-                futures = {executor.submit(_compile_worker, job): (i, staging) for i, staging, job in jobs_info}
-            for future in as_completed(futures):
-                i, staging = futures[future]
-                kernel = kernels[i]
-                try:
-                    res = future.result()
-                except BrokenProcessPool:
-                    res = {"ok": False, "error": "the compiler worker process died (crash or out of memory) "
-                                                 "while compiling this kernel or one beside it"}
-                except Exception as exc:  # noqa: BLE001 - reported per kernel below
-                    res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                if not res.get("ok"):
-                    shutil.rmtree(staging, ignore_errors=True)
-                    source_path = os.path.join(out_dir, "kernels", f"{kernel.name}.py")
-                    with open(source_path, "w") as f:                  # keep the failing source to look at
-                        f.write(kernel.source)
-                    failures.append((kernel, res.get("error", "unknown error") + f"\nsource: {source_path}"))
-                else:
-                    entry = _entry_from_result(kernel, target, res)
-                    _copy_tree_files(staging, out_dir, entry["files"])     # the artifact never waits on the cache
-                    if store:
-                        try:
-                            store.publish(keys[i], staging, entry)
-                        except OSError as exc:      # a cache dir that turned unwritable or hostile: not cached
-                            _warn_once(store.root, f"k3c: warning: cannot store kernels in the compile cache "
-                                                   f"{store.root} ({exc.strerror or exc}); they are not cached")
-                    shutil.rmtree(staging, ignore_errors=True)              # gone already once published
-                    results[i] = _from_entry(entry, kernel, target, keys[i], hit=False)
+    try:
+        misses = []
+        for i, (kernel, key) in enumerate(zip(kernels, keys)):
+            entry = store.fetch(key, out_dir) if store else None
+            if entry is not None:
+                results[i] = _from_entry(entry, kernel, target, key, hit=True)
                 bar.update(1)
-        finally:
-            bar.close()
-            if any(not f.done() for f in futures) or len(futures) < len(jobs_info):
-                shutdown_workers(wait=False, kill=True)         # interrupted: no compile is left running
-            for _i, staging, _job_ in jobs_info:                # published ones were renamed away already
-                shutil.rmtree(staging, ignore_errors=True)
-            restore_signals()
-    else:
+            else:
+                misses.append(i)
+        failures = []
+        if misses:
+            failures = _compile_misses(kernels, misses, keys, results, target, out_dir, store, options, jobs, bar)
+    finally:
         bar.close()
     if failures:
         raise _compile_error(failures, target)
     out = [r for r in results if r is not None]
-    for kernel in kernels:      # the source as emitted (its header names the spec location); compiled blanked
+    _write_artifact_files(kernels, out, out_dir, target, keep_asm)
+    return out
+
+
+def _compile_misses(kernels: list[KernelSource], misses: list[int], keys: list[str],
+                    results: list[CompiledKernel | None], target: Target, out_dir: str, store, options: dict,
+                    jobs: int | None, bar) -> list[tuple[KernelSource, str]]:
+    """Compile kernels[i] for every i in `misses` in the worker pool: each result is copied into out_dir,
+    published into the cache and set in results[i]; returns the (kernel, error) pairs of those that failed. No
+    worker and no staging directory outlives the call, whatever ends it."""
+    jobs_info = [(i, *_stage(kernels[i], target, store, options)) for i in misses]
+    failures: list[tuple[KernelSource, str]] = []
+    futures = {}
+    restore_signals = _exit_on_signals()
+    try:
+        executor = _executor(jobs)
+        with _worker_environment():
+            futures = {executor.submit(_compile_worker, job): (i, staging) for i, staging, job in jobs_info}
+        for future in as_completed(futures):
+            i, staging = futures[future]
+            kernel = kernels[i]
+            res = _worker_result(future)
+            if not res.get("ok"):
+                shutil.rmtree(staging, ignore_errors=True)
+                source_path = os.path.join(out_dir, "kernels", f"{kernel.name}.py")
+                with open(source_path, "w") as f:                  # keep the failing source to look at
+                    f.write(kernel.source)
+                failures.append((kernel, res.get("error", "unknown error") + f"\nsource: {source_path}"))
+            else:
+                results[i] = _publish(kernel, target, res, staging, out_dir, store, keys[i])
+            bar.update(1)
+    finally:
+        if any(not f.done() for f in futures) or len(futures) < len(jobs_info):
+            shutdown_workers(wait=False, kill=True)         # interrupted: no compile is left running
+        for _i, staging, _job_ in jobs_info:                # published ones were renamed away already
+            shutil.rmtree(staging, ignore_errors=True)
+        restore_signals()
+    return failures
+
+
+def _stage(kernel: KernelSource, target: Target, store, options: dict) -> tuple[str, dict]:
+    """A staging directory holding the kernel's compile source, and the worker job that compiles it there."""
+    staging = store.new_staging_dir() if store else tempfile.mkdtemp(prefix="k3c-aot-")
+    source_rel = f"kernels/{kernel.name}.py"
+    os.makedirs(os.path.join(staging, "kernels"), exist_ok=True)
+    with open(os.path.join(staging, source_rel), "w", encoding="utf-8") as f:
+        f.write(kernel.compile_source)         # comments blanked: the binary is the code's alone
+    return staging, _job(kernel, target, staging, source_rel, options)
+
+
+def _worker_result(future) -> dict:
+    """A worker's result dict; a dead worker or an exception becomes {"ok": False, "error": ...}."""
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        return {"ok": False, "error": "the compiler worker process died (crash or out of memory) "
+                                      "while compiling this kernel or one beside it"}
+    except Exception as exc:  # noqa: BLE001 - reported per kernel by the caller
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _publish(kernel: KernelSource, target: Target, res: dict, staging: str, out_dir: str, store,
+             key: str) -> CompiledKernel:
+    """A compiled kernel's files copied from its staging directory into out_dir, then the directory published
+    into the cache (or removed when it cannot be)."""
+    entry = _entry_from_result(kernel, target, res)
+    _copy_tree_files(staging, out_dir, entry["files"])     # the artifact never waits on the cache
+    if store:
+        try:
+            store.publish(key, staging, entry)
+        except OSError as exc:      # a cache dir that turned unwritable or hostile: not cached
+            _warn_once(store.root, f"k3c: warning: cannot store kernels in the compile cache "
+                                   f"{store.root} ({exc.strerror or exc}); they are not cached")
+    shutil.rmtree(staging, ignore_errors=True)              # gone already once published
+    return _from_entry(entry, kernel, target, key, hit=False)
+
+
+def _write_artifact_files(kernels: list[KernelSource], compiled: list[CompiledKernel], out_dir: str,
+                          target: Target, keep_asm: bool) -> None:
+    """The kernels' sources as emitted (their headers name the spec locations; the compiled ones had comments
+    blanked), the assembly and ttgir left out unless keep_asm, and each kernel's file digests."""
+    for kernel in kernels:
         with open(os.path.join(out_dir, "kernels", f"{kernel.name}.py"), "w", encoding="utf-8") as f:
             f.write(kernel.source)
-    for ck in out:
+    for ck in compiled:
         if not keep_asm:        # compiled and cached with its assembly; the artifact leaves it out
             for kind in (BINARY_KINDS[target.backend][1], "ttgir"):
                 rel = ck.files.pop(kind, None)
                 if rel is not None:
                     os.unlink(os.path.join(out_dir, rel))
         ck.sha256 = {rel: file_sha256(os.path.join(out_dir, rel)) for rel in sorted(set(ck.files.values()))}
-    return out
 
 
 def file_sha256(path: str) -> str:

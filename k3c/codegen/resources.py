@@ -55,10 +55,6 @@ class KernelResources:
     def has_spills(self) -> bool:
         return self.scratch_bytes > 0 or self.spill_count > 0
 
-    @property
-    def matrix_op_total(self) -> int:
-        return sum(self.matrix_ops.values())
-
     def regs_text(self) -> str:
         if self.backend == "hip":
             text = f"{self.vgpr} V / {self.sgpr} S"

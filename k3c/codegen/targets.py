@@ -26,8 +26,7 @@ class Target:
     kda_chunk: int = 64
     mla_page_size: int = 64
     collective_latency_s: float = 10e-6   # one small collective (decode all-reduce, replayed from a CUDA graph):
-                                          # H200 9 us measured on 2 GPUs (bench/collectives-h200x2.json); the
-                                          # other targets assume 10 us (not measured)
+                                          # measured where a row sets it (docs/perf.md), assumed elsewhere
     plan_fraction: tuple[tuple[str, float, float], ...] = ()
     # (phase, low, high): the share of `k3c plan`'s roofline tokens/s that k3c's measured end-to-end runs reach on
     # this target (bench/plan_check.py over the checked-in JSONs); empty where nothing was measured
@@ -53,7 +52,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("mi355x", "hip", "gfx950", 64, 160 * KiB, True, 2.5e15, 5.0e15, 10.0e15, 8.0e12, 288 * GiB, 537.6e9),
     Target("mi300x", "hip", "gfx942", 64, 64 * KiB, False, 1.307e15, 2.615e15, 2.615e15, 5.3e12, 192 * GiB, 448e9),
     Target("h100", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 3.35e12, 80 * GiB, 450e9),
-    # h200: 4.8 TB/s and 141 GB are the spec sheet's; a device copy measures 4.2-4.3 TB/s (docs/perf.md)
+    # h200: HBM bandwidth and size are the spec sheet's (what a device copy reaches: docs/perf.md)
     Target("h200", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 4.8e12, 141 * GiB, 450e9,
            collective_latency_s=9e-6,
            plan_fraction=(("prefill", 0.44, 0.63), ("decode", 0.48, 0.62))),   # bench/plan-check-h200.json

@@ -20,7 +20,7 @@ def prepare_interpreter() -> None:
         if not interpreter_ready():
             raise K3cError("triton was imported in this process without TRITON_INTERPRET=1, so its built-in "
                            "@jit helpers cannot run in the interpreter; set TRITON_INTERPRET=1 before anything "
-                           "imports triton (or import k3c.codegen.launch first) to run kernels on a CPU")
+                           "imports triton (or import k3c.runtime.devices first) to run kernels on a CPU")
         return
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 from ..codegen.kernels.kda import kda_plan
 from ..ir.builder import Builder
+from ..codegen.kernels.common import IR_DTYPES
 from ..ir.core import Module
 from ..ir.kda_ops import ATTN_PARAMS
 from ..ir.ops import bind_inputs
 from .dce import eliminate_dead
 from .registry import PassContext, register_pass
-
-_DTYPES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
-
 
 @register_pass("kda-chunk", ensures=("no-dead-ops",))
 def kda_chunk(module: Module, ctx: PassContext) -> Module:

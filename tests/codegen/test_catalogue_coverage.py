@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import k3c
-from k3c.codegen.launch import bind_device_target, unbind_device_target
+from k3c.runtime.devices import bind_device_target, unbind_device_target
 from k3c.runtime import launcher
 
 GPU_TARGETS = ("h100", "h200", "b200", "mi300x", "mi355x")

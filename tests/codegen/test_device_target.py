@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3c.codegen import launch
+from k3c.runtime import devices as launch
 from k3c.codegen.targets import TARGETS, get_target, target_for_properties
 from k3c.codegen.writer import CodegenError
 from k3c.errors import ArgumentError

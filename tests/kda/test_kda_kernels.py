@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from k3c.codegen.kernels.kda import emit_kda_chunk, emit_kda_inter, emit_kda_intra, kda_plan
+from k3c.codegen.kernels.kda import emit_kda_inter, emit_kda_intra, kda_plan
 from k3c.codegen.targets import get_target
 from k3c.codegen.writer import CodegenError
 from k3c.frontend.spec import KDASpec
@@ -48,13 +48,13 @@ def test_chunk_long_sequence_and_no_initial_state(gate, t):
     assert rel_err(o, o_r[0]) <= 1e-5 and rel_err(s, s_r) <= 1e-5
 
 
-@pytest.mark.parametrize("split, chunk", [(True, 16), (True, 32), (False, 16)])
-def test_chunk_variable_lengths_in_one_batch(split, chunk):
-    """Two-kernel prefill (per-chunk slots of packed sequences) at both chunk steps, and the single chunk kernel."""
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_chunk_variable_lengths_in_one_batch(chunk):
+    """Two-kernel prefill (per-chunk slots of packed sequences) at both chunk steps."""
     lengths = [1, 63, 17, 70, 2]
     h, d = 2, 64
     q, k, v, g, beta, s0 = scan_inputs(sum(lengths), h, d, "safe", seed=5, n_seq=len(lengths))
-    o, s = kda_chunk(q, k, v, g, beta, cu_seqlens(lengths, "cpu"), s0, split=split, chunk=chunk)
+    o, s = kda_chunk(q, k, v, g, beta, cu_seqlens(lengths, "cpu"), s0, chunk=chunk)
     refs = per_seq(lambda q_, k_, v_, g_, b_, i: kda_recurrent(q_, k_, v_, g_, b_, initial_state=s0[i:i + 1]),
                    lengths, q, k, v, g, beta)
     assert rel_err(o, torch.cat([r[0][0] for r in refs])) <= 1e-5
@@ -189,19 +189,14 @@ def test_output_norm_gate(dtype):
 def test_plan_comes_from_the_target():
     p_amd = kda_plan(128, "bf16", get_target("mi355x"))
     p_nv = kda_plan(128, "bf16", get_target("h200"))
-    assert p_amd.chunk == p_nv.chunk == 16 and p_nv.split and p_amd.split
+    assert p_amd.chunk == p_nv.chunk == 16
     assert p_amd.block_v == p_nv.block_v == 32 and kda_plan(64, "bf16", get_target("h200")).block_v == 32
     assert p_nv.chunk_warps == 4 and p_nv.decode_warps == 4 and p_amd.decode_warps == 2     # 128 threads each
-    assert kda_plan(128, "bf16", get_target("h200"), split=False).chunk_warps == 8
     assert kda_plan(128, "fp32", get_target("h200")).dot == "ieee" and p_nv.dot == "bf16"
     with pytest.raises(CodegenError):
         kda_plan(96, "bf16", get_target("h200"))          # not a power of two
     with pytest.raises(CodegenError):
         kda_plan(128, "bf16", get_target("h200"), chunk=64)
-    ks = emit_kda_chunk(96, 128, target=get_target("h200"), qk_dtype="bf16", v_dtype="bf16",
-                        plan=kda_plan(128, "bf16", get_target("h200"), split=False))
-    assert ks.name.startswith("k3c_kda_chunk_fwd_h96_d128_bt16_bv64_w8") and ks.grid == ("D // BV", "N * H")
-    assert "IR op: kda_chunk" in ks.source and "[interpreter variant]" not in ks.source
     ki = emit_kda_intra(96, 128, target=get_target("h200"), plan=p_nv)
     kx = emit_kda_inter(96, 128, target=get_target("h200"), plan=p_nv)
     assert ki.grid == ("cdiv(T_MAX, BT)", "N * H") and kx.grid == ("D // BV", "N * H")

@@ -78,7 +78,7 @@ def test_emitters_cover_kernel_ops(tiny):
 def graph_runner(module, weights, n_layers, kernels: bool, monkeypatch):
     if kernels:     # the KDA kernels; the projections stay torch here (the GEMM kernel has its own tests)
         for name in ("kda_attn", "kda_out"):
-            monkeypatch.setitem(executor.IMPLS, name, KERNEL_IMPLS[name])
+            monkeypatch.setitem(executor.TORCH_IMPLS, name, KERNEL_IMPLS[name])
     gm = build_graph_module(module, weights)
 
     def run(steps):

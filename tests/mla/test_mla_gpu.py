@@ -27,7 +27,7 @@ def test_gpu_sublayer_modes_equal_reference(dtype):
     for mode in ("mqa", "mha"):
         lc = LayerCaches(1)
         for x, y_ref in zip(xs, want):
-            y = rt.kernel_mla_absorbed({**attrs, "mode": mode, "prefill_chunk": 64}, lc, (x,), wa)
+            y = rt.launch_mla_absorbed({**attrs, "mode": mode, "prefill_chunk": 64}, lc, (x,), wa)
             assert rel(y, y_ref) <= TOL[dtype], (mode, x.shape)
 
 

@@ -74,7 +74,7 @@ def test_decode_head_tiles_and_empty_splits(block_n):
 
 @pytest.mark.parametrize("plan", [rt.DecodePlan(32, 4, 2, 16), rt.DecodePlan(64, 8, 2, 32, True),
                                   rt.DecodePlan(16, 4, 2, 16, True, lazy=True)],
-                         ids=lambda p: p.tag.replace(" ", "_"))
+                         ids=["h32_w4_s2_n16", "h64_w8_s2_n32_kq", "h16_w4_s2_n16_kq_lazy"])
 @pytest.mark.parametrize("tq", [1, 3])
 def test_decode_sm90_plans(plan, tq):
     """The sm_90 plans (16-32 keys a step, scores as K q^T, lazy rescaling): full pages take the unmasked loop, the last page and
@@ -159,8 +159,8 @@ def test_sublayer_modes_equal_reference(dtype):
     for x in xs:
         y, cache = ref.mla_layer(x, w, cfg, cache)
         want.append(y)
-    for impl in (rt.kernel_mla_absorbed, rt.reference_mla_absorbed):
-        for mode in ("mqa", "mha", "auto") if impl is rt.kernel_mla_absorbed else ("mqa", "mha"):
+    for impl in (rt.launch_mla_absorbed, rt.torch_mla_absorbed):
+        for mode in ("mqa", "mha", "auto") if impl is rt.launch_mla_absorbed else ("mqa", "mha"):
             a = {**attrs, "mode": mode}
             lc = LayerCaches(1)
             lc.layers[0] = rt.PagedLatentCache(rt.new_store(B, 1, 40, 8, dtype, "cpu"), (0, 0))
@@ -174,10 +174,10 @@ def test_snapshot_copy_on_write():
     cfg, w, wa, attrs, gen = layer_setup(torch.float32, seed=5)
     x0, xa, xb = (torch.randn(1, t, 48, generator=gen) for t in (9, 1, 1))
     lc = LayerCaches(1)
-    rt.kernel_mla_absorbed(attrs, lc, (x0,), wa)
+    rt.launch_mla_absorbed(attrs, lc, (x0,), wa)
     snap = lc.copy()
-    ya = rt.kernel_mla_absorbed(attrs, lc, (xa,), wa)
-    yb = rt.kernel_mla_absorbed(attrs, snap, (xb,), wa)
+    ya = rt.launch_mla_absorbed(attrs, lc, (xa,), wa)
+    yb = rt.launch_mla_absorbed(attrs, snap, (xb,), wa)
     _, c0 = ref.mla_layer(x0, w, cfg)
     assert rel(ya, ref.mla_layer(xa, w, cfg, c0)[0]) <= 1e-5
     assert rel(yb, ref.mla_layer(xb, w, cfg, c0)[0]) <= 1e-5

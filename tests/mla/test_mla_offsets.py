@@ -13,13 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from k3c.codegen.kernels.mla import paged_offset
 from k3c.frontend.spec import MLASpec
 from k3c import reference as ref
 from k3c.runtime.kernel_impls import mla as rt
 
 PS, L, R = 16, 32, 8
 W = L + R
+
+
+def paged_offset(page_id: int, slot: int, col: int, page_size: int, width: int) -> int:
+    """Element offset of (page, slot, column) in a pool [num_pages, page_size, width]: the kernels' int64 formula."""
+    return page_id * (page_size * width) + slot * width + col
 
 
 def test_offset_formula_matches_torch_indexing():

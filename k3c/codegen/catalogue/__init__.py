@@ -1,26 +1,45 @@
 """IR op -> the KernelSources that implement it on a target, for ahead-of-time compilation.
 
-Each module registers `fn(op, module, target) -> list[KernelSource]` for the IR ops it lowers; the `codegen` pass
-marks exactly the ops with a registered emitter `impl = "kernel"`. The KernelSources must be the ones the runtime
-launches for the same shapes (both call the same `emit_*` functions), so the artifact holds the code that runs.
+Each family module here exports `EMITTERS = {op_name: fn(op, module, target) -> list[KernelSource]}` for the IR ops
+it lowers; EMITTERS below is their union, and the `codegen` pass marks exactly the ops it names `impl = "kernel"`.
+The KernelSources must be the ones the runtime launches for the same shapes (both call the same `emit_*`
+functions), so the artifact holds the code that runs.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Callable
 
 from ..kernel import KernelSource
+from . import attnres, basic, kda, mla, moe, mxfp4
 
-EMITTERS: dict[str, Callable] = {}
+FAMILIES = (basic, kda, mla, attnres, moe)
+"""The families that own their ops: no op name may appear in two of them."""
+
+OVERRIDES = (mxfp4,)
+"""Families whose entries take precedence over a base family's entry of the same op name. An op whose linear
+weights the `mxfp4` pass may pack (lm_head, mlp, moe_linear) has two emitters: the float one in its own family
+(basic.mlp, moe.moe_linear; lm_head has none, torch runs a float lm_head) and one in mxfp4.py that picks, from the
+op's weight_format, the MXFP4 kernels or that float emitter (imported from its family by name). The composed table
+must hold the one that picks, so the overrides are applied after the base families. No op name may appear in two
+override families either."""
 
 
-def register_emitter(op_name: str):
-    def deco(fn: Callable) -> Callable:
-        EMITTERS[op_name] = fn
-        return fn
-    return deco
+def compose(families, overrides) -> dict[str, Callable]:
+    """The union of the families' EMITTERS tables, then the overrides' entries over it; ValueError for an op name
+    defined twice among `families` or twice among `overrides`."""
+    table: dict[str, Callable] = {}
+    for group in (families, overrides):
+        owner: dict[str, str] = {}
+        for family in group:
+            for name, fn in family.EMITTERS.items():
+                if name in owner:
+                    raise ValueError(f"emitter for op {name!r} defined by both {owner[name]} and {family.__name__}")
+                owner[name] = family.__name__
+                table[name] = fn
+    return table
 
+
+EMITTERS: dict[str, Callable] = compose(FAMILIES, OVERRIDES)
 
 RUN_DTYPES = ("bf16", "f32")     # activation dtypes a session can run (the IR is bf16; fp32 weights run fp32)
 
@@ -66,6 +85,3 @@ def emit_kernels(module, target) -> list[KernelSource]:
             seen.setdefault(ks.key, ks)
     return list(seen.values())
 
-
-for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    importlib.import_module(f"{__name__}.{_mod}")

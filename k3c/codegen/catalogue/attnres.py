@@ -5,20 +5,17 @@ from __future__ import annotations
 
 from ...ir.attnres_ops import STATS
 from ..kernels.attnres import emit_attnres_phase1, emit_attnres_phase1_split, emit_attnres_phase2
-from . import register_emitter
-
-_DT = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}
+from ..kernels.common import IR_DTYPES
 
 
 def _dt(t, op) -> str:
     from ...errors import IRError
 
-    if t.dtype not in _DT:
+    if t.dtype not in IR_DTYPES:
         raise IRError(f"no AttnRes kernel for dtype {t.dtype}", op=op.describe(), loc=op.loc)
-    return _DT[t.dtype]
+    return IR_DTYPES[t.dtype]
 
 
-@register_emitter("attn_res_phase1")
 def emit_phase1(op, module, target):
     t = op.types[0]
     d = t.shape[-1] - STATS
@@ -27,7 +24,6 @@ def emit_phase1(op, module, target):
     return list(emit_attnres_phase1(*args, **kw)) + list(emit_attnres_phase1_split(*args, **kw))
 
 
-@register_emitter("attn_res_phase2")
 def emit_phase2(op, module, target):
     t = module.types[op.inputs[0]]
     d = t.shape[-1] - STATS
@@ -38,7 +34,9 @@ def emit_phase2(op, module, target):
                                 weight_dtype=wdt, loc=op.loc)]
 
 
-@register_emitter("attn_res_take")
 def emit_take(op, module, target):
     """A view of the phase-2 result: no kernel to launch."""
     return []
+
+
+EMITTERS = {"attn_res_phase1": emit_phase1, "attn_res_phase2": emit_phase2, "attn_res_take": emit_take}

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from ..kernel import KernelSource
+from ..kernels.common import IR_DTYPES
 from ..kernels.gemm import emit_gemm
-from ..kernels.kda import (DECODE_NORM_EPS, emit_kda_chunk, emit_kda_decode, emit_kda_inter, emit_kda_intra,
-                           emit_kda_out, emit_kda_prep, kda_plan, run_dot)
-from . import register_emitter
-
-_DT = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
+from ..kernels.kda import (DECODE_NORM_EPS, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
+                           emit_kda_prep, kda_plan, run_dot)
 
 
 def _dtype(module, value: str) -> str:
-    return _DT.get(module.types[value].dtype, "bf16")
+    return IR_DTYPES.get(module.types[value].dtype, "bf16")
 
 
-@register_emitter("kda_attn")
 def emit_attn(op, module, target) -> list[KernelSource]:
-    """prep + the two prefill kernels (intra-chunk, state passing; initial state in) or the single chunk kernel, and
-    the fused decode step (o out, kda_out follows)."""
+    """prep + the two prefill kernels (intra-chunk, state passing; initial state in) and the fused decode step (o
+    out, kda_out follows)."""
     a = op.attr_dict
     dt = _dtype(module, op.inputs[0])
     h, d = a["num_heads"], a["head_dim"]
@@ -28,30 +25,26 @@ def emit_attn(op, module, target) -> list[KernelSource]:
     qkv = "bf16" if dot == "bf16" else "fp32"           # the prep's q / k / v rows
     common = dict(gate=a["gate"], gate_lower_bound=a["gate_lower_bound"], l2norm_eps=a["l2norm_eps"], target=target,
                   dtype=dt, ir_op="kda_attn", loc=loc)
-    if plan.split:
-        chunk = [emit_kda_intra(h, d, target=target, qk_dtype=qkv, v_dtype=qkv, plan=plan, ir_op="kda_attn",
-                                loc=loc),
-                 emit_kda_inter(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc)]
-    else:
-        chunk = [emit_kda_chunk(h, d, target=target, qk_dtype=qkv, v_dtype=qkv, plan=plan, ir_op="kda_attn",
-                                loc=loc)]
-    return [emit_kda_prep(h, d, a["conv_kernel"], qkv_dtype=qkv, **common), *chunk,
+    return [emit_kda_prep(h, d, a["conv_kernel"], qkv_dtype=qkv, **common),
+            emit_kda_intra(h, d, target=target, qk_dtype=qkv, v_dtype=qkv, plan=plan, ir_op="kda_attn", loc=loc),
+            emit_kda_inter(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc),
             emit_kda_decode(h, d, a["conv_kernel"], norm_eps=DECODE_NORM_EPS, fuse_out=False, **common)]
 
 
-@register_emitter("kda_out")
 def emit_out(op, module, target) -> list[KernelSource]:
     a = op.attr_dict
     return [emit_kda_out(a["num_heads"], a["head_dim"], norm_eps=a["norm_eps"], target=target,
                          dtype=_dtype(module, op.inputs[1]), ir_op="kda_out", loc=op.loc or "")]
 
 
-@register_emitter("kda_proj")
 def emit_proj(op, module, target) -> list[KernelSource]:
-    """The generated GEMM (k3c.codegen.launch.gemm with ir_op="kda_proj"), one per token-count bucket."""
-    from ..launch import M_BUCKETS
+    """The generated GEMM (k3c.runtime.kernel_impls.basic.gemm with ir_op="kda_proj"), one per token-count bucket."""
+    from ..buckets import M_BUCKETS
 
     w = module.types[op.inputs[1]]
-    dt, wdt = _dtype(module, op.inputs[0]), _DT.get(w.dtype, "bf16")
+    dt, wdt = _dtype(module, op.inputs[0]), IR_DTYPES.get(w.dtype, "bf16")
     return [emit_gemm(w.shape[0], w.shape[1], target=target, m_hint=m, dtype=dt, w_dtype=wdt, out_dtype=dt,
                       ir_op="kda_proj", interpret=False) for m in M_BUCKETS]
+
+
+EMITTERS = {"kda_attn": emit_attn, "kda_out": emit_out, "kda_proj": emit_proj}

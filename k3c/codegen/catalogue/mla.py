@@ -1,37 +1,33 @@
 """Emitter of `mla_absorbed`: every kernel the runtime (k3c.runtime.kernel_impls.mla) can launch for it, by the plan
 rules it calls with the shapes at hand, each enumerated over its whole domain (codegen.kernels.mla.plan_classes):
-the latent write (the one-kernel form per token class; the split-K pair for B*T <= LATENT_SPLIT_MAX_ROWS: partials
+the latent write (the one-kernel form; the split-K pair for B*T <= LATENT_SPLIT_MAX_ROWS: partials
 per row class, and the per-row reduce), the MQA split-KV decode per row class (query tokens x heads), its LSE merges
 (every block the SM count can pick), the MHA prefill step per query-tile class (first chunk and continuation) and
 its key-split merge."""
 from __future__ import annotations
 
-from ..kernels.common import ELEM_BYTES
+from ...ir.ops import bind
+from ..kernels.common import ELEM_BYTES, IR_DTYPES
 from ..kernels.mla import (LATENT_SPLIT_MAX_ROWS, TOKEN_CLASSES, decode_merge_blocks, decode_plan, emit_mla_decode,
                            emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write, emit_mla_merge,
                            emit_mla_prefill, plan_classes, prefill_plan)
-from ..kernels.mla_latent import latent_split_plan, latent_write_plan
-from . import register_emitter
-
-DTYPES = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}
+from ..kernels.mla_latent import latent_split_plan
 
 
-@register_emitter("mla_absorbed")
 def mla_absorbed(op, module, target):
     a = op.attr_dict
     x = module.type_of(op.inputs[0])
-    dt = DTYPES[x.dtype]
+    dt = IR_DTYPES[x.dtype]
     p, r, v, lat = (a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"],
                        a["kv_lora_rank"])
     d = x.shape[-1]
-    wdkv = module.type_of(op.inputs[[rl.name for rl in _roles(a)].index("kv_a_proj_with_mqa.weight")])
+    wdkv = module.type_of(bind(op)["kv_a_proj_with_mqa.weight"])
     scale = float((p + r) ** -0.5)
     ps = target.mla_page_size
     kw = {"target": target, "ir_op": op.op, "loc": op.loc, "interpret": False}
-    eps, wdt = float(a["lora_norm_eps"]), DTYPES[wdkv.dtype]
+    eps, wdt = float(a["lora_norm_eps"]), IR_DTYPES[wdkv.dtype]
     eb = max(ELEM_BYTES[dt], ELEM_BYTES[wdt])
-    out = [emit_mla_latent_write(d, lat, r, eps, ps, dtype=dt, w_dtype=wdt, t_hint=t, **kw)
-           for t in plan_classes(lambda t: latent_write_plan(t, d, lat + r, eb, target), TOKEN_CLASSES)]
+    out = [emit_mla_latent_write(d, lat, r, eps, ps, dtype=dt, w_dtype=wdt, **kw)]
     out += [emit_mla_latent_partial(d, lat + r, dtype=dt, w_dtype=wdt, rows_hint=m, **kw)
             for m in plan_classes(lambda m: latent_split_plan(m, d, eb, target),
                                   range(1, LATENT_SPLIT_MAX_ROWS + 1))]
@@ -44,13 +40,9 @@ def mla_absorbed(op, module, target):
                                    lazy=plan.lazy, **kw))
     out += [emit_mla_merge(lat, out_dtype=dt, block_d=bd, write_lse=False, **kw) for bd in decode_merge_blocks(lat)]
     out.append(emit_mla_merge(v, out_dtype="fp32", **kw))
-    if not a.get("fold_uv_into_o_proj"):
-        out += [emit_mla_prefill(p, r, v, scale, dtype=dt, has_prev=h, tq_hint=tq, **kw)
-                for tq in plan_classes(lambda tq: prefill_plan(tq, target), TOKEN_CLASSES) for h in (False, True)]
+    out += [emit_mla_prefill(p, r, v, scale, dtype=dt, has_prev=h, tq_hint=tq, **kw)
+            for tq in plan_classes(lambda tq: prefill_plan(tq, target), TOKEN_CLASSES) for h in (False, True)]
     return out
 
 
-def _roles(a):
-    from ...ir.mla_ops import absorbed_roles
-
-    return absorbed_roles(a)
+EMITTERS = {"mla_absorbed": mla_absorbed}

@@ -69,6 +69,13 @@ def _phase1_checks(hidden, num_sources, num_queries, eps, dtype):
     return D, N, Q
 
 
+def _source_args(n: int, dtype: str) -> tuple[list[str], dict[str, str]]:
+    """The phase-1 kernels' first args: one pointer per completed block (src0_ptr..src{n-1}_ptr), and the
+    signature they start."""
+    srcs = [f"src{i}_ptr" for i in range(n)]
+    return srcs, {s: f"*{dtype}" for s in srcs}
+
+
 def emit_attnres_phase1_scores(hidden: int, num_sources: int, num_queries: int, eps: float, *, target: Target,
                                dtype: str = "bf16", block_m: int | None = None, num_warps: int | None = None,
                                loc: str = "", interpret: bool | None = None) -> KernelSource:
@@ -80,8 +87,7 @@ def emit_attnres_phase1_scores(hidden: int, num_sources: int, num_queries: int, 
     interp = interpreted(target, interpret)
     bm, bk, _, qp, warps = phase1_plan(D, Q, e, target, block_m, None, num_warps)
     kname = ident(f"k3c_attnres_phase1_scores_fwd_d{D}_n{N}_q{Q}_{name_part(dtype)}_m{bm}_w{warps}")
-    srcs = [f"src{i}_ptr" for i in range(N)]
-    sig = {s: f"*{dtype}" for s in srcs}
+    srcs, sig = _source_args(N, dtype)
     sig.update({"q_ptr": "*fp32", "a_ptr": "*fp32", "lse_ptr": "*fp32", "M": "i32"})
     constexprs = {"D": D, "Q": Q, "QP": qp, "BLOCK_M": bm, "BLOCK_K": bk}
     rowf = (STATS + D) * e // 4
@@ -171,8 +177,7 @@ def emit_attnres_phase1_out(hidden: int, num_sources: int, num_queries: int, *, 
     interp = interpreted(target, interpret)
     _, _, bd, qp, warps = phase1_plan(D, Q, e, target, None, block_d, num_warps)
     kname = ident(f"k3c_attnres_phase1_out_fwd_d{D}_n{N}_q{Q}_{name_part(dtype)}_b{bd}_w{warps}")
-    srcs = [f"src{i}_ptr" for i in range(N)]
-    sig = {s: f"*{dtype}" for s in srcs}
+    srcs, sig = _source_args(N, dtype)
     sig.update({"a_ptr": "*fp32", "out_ptr": f"*{dtype}", "M": "i32"})
     constexprs = {"D": D, "Q": Q, "QP": qp, "BLOCK_D": bd}
     row = STATS + D
@@ -247,8 +252,7 @@ def emit_attnres_phase1_split_scores(hidden: int, num_sources: int, num_queries:
     _plan_checks(bm, ds, bk)
     warps = num_warps or 4
     kname = ident(f"k3c_attnres_phase1_split_scores_fwd_d{D}_n{N}_q{Q}_{name_part(dtype)}_m{bm}_s{ds}_w{warps}")
-    srcs = [f"src{i}_ptr" for i in range(N)]
-    sig = {s: f"*{dtype}" for s in srcs}
+    srcs, sig = _source_args(N, dtype)
     sig.update({"q_ptr": "*fp32", "wd_ptr": "*fp32", "ws_ptr": "*fp32", "M": "i32"})
     constexprs = {"D": D, "Q": Q, "QP": qp, "NS": ns, "BLOCK_M": bm, "BLOCK_DS": ds, "BLOCK_K": bk}
     w = SourceWriter()
@@ -316,8 +320,7 @@ def emit_attnres_phase1_split_out(hidden: int, num_sources: int, num_queries: in
     _plan_checks(16, ds, bk)
     warps = num_warps or 4
     kname = ident(f"k3c_attnres_phase1_split_out_fwd_d{D}_n{N}_q{Q}_{name_part(dtype)}_s{ds}_b{bd}_w{warps}")
-    srcs = [f"src{i}_ptr" for i in range(N)]
-    sig = {s: f"*{dtype}" for s in srcs}
+    srcs, sig = _source_args(N, dtype)
     sig.update({"wd_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32", "M": "i32"})
     constexprs = {"D": D, "Q": Q, "QP": qp, "NS": ns, "SB": sb, "BLOCK_D": bd}
     row = STATS + D

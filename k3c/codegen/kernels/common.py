@@ -17,6 +17,7 @@ FLOAT_DTYPES = ("fp32", "bf16", "fp16")
 TL_DTYPE = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16", "i64": "tl.int64",
             "i32": "tl.int32"}
 ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "i64": 8, "i32": 4}
+IR_DTYPES = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}     # IR tensor dtype -> the kernels' dtype name
 
 
 def check_float(dtype: str, what: str = "dtype") -> str:
@@ -278,11 +279,7 @@ def gemm_plan(m_hint: int, n: int, k: int, elem_bytes: int, target: Target, n_b:
     256 for 32 and 64) so each program keeps many bytes in flight. BLOCK_N then narrows while fewer than
     GEMM_MIN_PROGRAMS programs would run. Then the shared-memory budget: stages x (BM*BK + nB*BN*BK) x bytes <= 7/8
     target.shared_mem_bytes, stages in [2, 4] (at most 3 for 128-row tiles); when even 2 stages do not fit, BN
-    shrinks (to 64), then BK (to 32), then BM (to 16).
-    Measured on an H200 (triton 3.6, bf16, N = K = 7168, CUDA graphs): M=4096 128x256x64 x3 0.61-0.63 ms (cuBLAS
-    0.60-0.61); M=1024 161 us (cuBLAS 163); M=16 16x64x256 28 us = 3.7 TB/s of weights (cuBLAS 31); M=64 64x64x128
-    29.5 us (27.6); M=256 64x128x64 50 us (41). Gate+up GLU (F=3584, SiTU): M=16 27.5 us (one merged cuBLAS GEMM of
-    both: 31 us), M=4096 0.70 ms (0.60 without its epilogue)."""
+    shrinks (to 64), then BK (to 32), then BM (to 16). These tiles against cuBLAS: docs/perf.md, "Plan rules"."""
     bm = clamp(pow2_ceil(max(1, m_hint)), 16, 128)
     if bm >= 128 and n_b == 1 and m_hint <= 256:
         bm, bn, bk = 64, 128, 128 // elem_bytes          # mid M: twice the programs of 128-row tiles

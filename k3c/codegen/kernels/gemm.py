@@ -24,10 +24,13 @@ from .common import (ELEM_BYTES, check_dim, check_float, emit_math_helpers, epi_
 FP32_PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3", "bf16x6")  # which exist depends on the backend
 
 
-def _check_precision(p: str) -> str:
-    if p not in FP32_PRECISIONS:
-        raise CodegenError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {p!r}")
-    return p
+def _io_dtypes(dtype: str, w_dtype: str | None, out_dtype: str | None, fp32_precision: str) -> tuple[str, str, str]:
+    """(A, W, C) dtypes, W and C defaulting to A's; with the fp32 dot precision checked."""
+    dt = check_float(dtype)
+    wdt, odt = check_float(w_dtype or dt, "w_dtype"), check_float(out_dtype or dt, "out_dtype")
+    if fp32_precision not in FP32_PRECISIONS:
+        raise CodegenError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {fp32_precision!r}")
+    return dt, wdt, odt
 
 
 def _emit(*, kname: str, N: int, K: int, m_hint: int, target: Target, dtype: str, w_dtype: str, out_dtype: str,
@@ -142,11 +145,8 @@ def emit_gemm(n: int, k: int, *, target: Target, m_hint: int = 128, dtype: str =
     'relu' | ('situ_gate', beta) | ('situ_up', beta). W of another dtype is cast to A's dtype per tile (as the
     reference's linear does). fp32_precision applies to fp32 A only ('ieee' = exact fp32 products)."""
     N, K = check_dim(n, "N"), check_dim(k, "K")
-    dt = check_float(dtype)
-    wdt = check_float(w_dtype or dt, "w_dtype")
-    odt = check_float(out_dtype or dt, "out_dtype")
+    dt, wdt, odt = _io_dtypes(dtype, w_dtype, out_dtype, fp32_precision)
     a = epi_act(act)
-    _check_precision(fp32_precision)
     tags = ["k3c_gemm", f"n{N}", f"k{K}", name_part(dt), f"m{int(m_hint)}"]
     tags += (["bias"] if bias else []) + ([name_part(a.tag())] if a.kind != "none" else []) + \
         (["res"] if residual else [])
@@ -166,11 +166,8 @@ def emit_gemm_glu(inter: int, k: int, act: object = "swiglu", *, target: Target,
     Kernel args: a_ptr, wg_ptr, wu_ptr, c_ptr, M; grid (cdiv(M, BLOCK_M) * cdiv(F, BLOCK_N),). A merged
     gate_up weight [2F, K] is passed as its two row halves (each contiguous)."""
     F, K = check_dim(inter, "intermediate size"), check_dim(k, "K")
-    dt = check_float(dtype)
-    wdt = check_float(w_dtype or dt, "w_dtype")
-    odt = check_float(out_dtype or dt, "out_dtype")
+    dt, wdt, odt = _io_dtypes(dtype, w_dtype, out_dtype, fp32_precision)
     g = glu_act(act)
-    _check_precision(fp32_precision)
     default = "_".join(["k3c_gemm_glu", name_part(g.tag()), f"f{F}", f"k{K}", name_part(dt), f"m{int(m_hint)}"])
     kname = ident(name if name is not None else default)
     return _emit(kname=kname, N=F, K=K, m_hint=int(m_hint), target=target, dtype=dt, w_dtype=wdt, out_dtype=odt,

@@ -8,12 +8,11 @@
     emit_kda_inter   prefill, sequential half: one program per (sequence, head, V block) walks the chunks with only
                      the state-dependent matmuls; fp32 state in registers, initial state in / final state out,
                      variable lengths (cu_seqlens).
-    emit_kda_chunk   both halves in one kernel (the earlier form; plan.split = False).
     emit_kda_decode  one token per sequence, everything fused: conv (tails updated), SiLU, L2 norm, gate, beta, the
                      delta-rule step on the fp32 state (in place allowed), per-head RMSNorm x sigmoid(output gate).
     emit_kda_out     per-head RMSNorm x sigmoid(output gate) for prefill.
 
-Numerics of the chunk kernel (the reference's kda_chunked is exact through pairwise differences + a triangular
+Numerics of the prefill kernels (the reference's kda_chunked is exact through pairwise differences + a triangular
 solve; a kernel cannot form [BT, BT, K] pairwise tensors cheaply):
   * Intra-chunk decays e^(Gamma_i - Gamma_j) are split at an anchor row m in the middle of the chunk:
     (k_i e^(Gamma_i - Gamma_m)) . (k_j e^(Gamma_m - Gamma_j)). Each factor spans at most half the chunk, so with the
@@ -53,14 +52,13 @@ def _check_pow2(value: int, what: str) -> int:
 class KDAPlan:
     """Block sizes of the KDA kernels for one target and head dim."""
     chunk: int            # BT: tokens per chunk step (sub-chunk of target.kda_chunk)
-    block_v: int          # BV: V columns per state-passing (or single chunk-kernel) program
-    chunk_warps: int      # warps of the state-passing (or single chunk-kernel) program
+    block_v: int          # BV: V columns per state-passing program
+    chunk_warps: int      # warps of the state-passing program
     prep_block_t: int     # tokens per prep program
     decode_warps: int     # warps of a decode program
     dot: str              # matmul precision of the chunk kernels' big products
     decode_block_v: int = 32   # V columns per decode slice (looped) or program (split)
     decode_split: bool = False  # decode: V slices over programs (True) or looped inside one program per head
-    split: bool = True    # prefill: intra-chunk kernel + state-passing kernel (False: the single chunk kernel)
     chunk_stages: int = 1  # software-pipelining stages of the state-passing loop
     intra_warps: int = 4  # warps of the intra-chunk kernel
 
@@ -73,13 +71,14 @@ def inter_dtype(dot: str) -> str:
 
 def run_dot(dtype: str, ir_dot: str) -> str:
     """The matmul precision a run uses: the IR's `dot` is chosen for the model's declared (bf16) activations; a run
-    in fp32 gets exact fp32 products (a bf16 dot there cost 0.3 relative error in k3-tiny's logits on the H200)."""
+    in fp32 gets exact fp32 products, which is what it is for (a bf16 dot there is far off the fp32 reference:
+    docs/perf.md, "Plan rules")."""
     return "ieee" if dtype == "fp32" else ir_dot
 
 
 def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = None, block_v: int | None = None,
-             dot: str | None = None, chunk_warps: int | None = None, split: bool | None = None,
-             chunk_stages: int | None = None, decode_block_v: int | None = None, decode_warps: int | None = None,
+             dot: str | None = None, chunk_warps: int | None = None, chunk_stages: int | None = None,
+             decode_block_v: int | None = None, decode_warps: int | None = None,
              decode_split: bool | None = None) -> KDAPlan:
     """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
     parallel, W, U, q e^Gamma, k e^(Gamma_C - Gamma), A_qk and e^Gamma_C; the state-passing kernel walks the chunks
@@ -95,8 +94,7 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     if not 16 <= bt <= 32:
         raise CodegenError(f"KDA chunk step must be 16 or 32 tokens, got {bt}")
     lanes = max(int(target.warp_size), 32)
-    split = True if split is None else bool(split)
-    bv = block_v if block_v is not None else min(D, 32 if split else 64)
+    bv = block_v if block_v is not None else min(D, 32)
     _check_pow2(bv, "block_v")
     if bv < 16 or bv > D:
         raise CodegenError(f"block_v must be in [16, head_dim], got {bv}")
@@ -104,10 +102,9 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
         dot = "ieee" if dtype == "fp32" else "bf16"
     if dot not in DOT_MODES:
         raise CodegenError(f"dot precision must be one of {DOT_MODES}, got {dot!r}")
-    # single chunk kernel: D = 128 needs 8 warps to stay clear of spills on sm_90 and gfx950; the state-passing
-    # kernel holds only the [D, BV] state and the step's operand tiles: 4 warps. The interpreter runs a program as
-    # numpy ops (warps are irrelevant: 1)
-    warps = chunk_warps if chunk_warps is not None else (4 if split else (8 if D >= 128 else 4))
+    # the state-passing kernel holds only the [D, BV] state and the step's operand tiles: 4 warps. The interpreter
+    # runs a program as numpy ops (warps are irrelevant: 1)
+    warps = chunk_warps if chunk_warps is not None else 4
     if target.backend == "cpu":
         warps = 1 if chunk_warps is None else warps
     stages = chunk_stages if chunk_stages is not None else 1
@@ -119,7 +116,17 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     # intra-chunk kernel: BT = 32 holds [32, D] tiles and [32, 32] products: 8 warps (4 spill on sm_90)
     iwarps = 1 if target.backend == "cpu" else (8 if bt * D >= 4096 else 4)
     return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
-                   bool(decode_split), split, stages, iwarps)
+                   bool(decode_split), stages, iwarps)
+
+
+# the prefill programs' (sequence, head) from grid dim 1 and the sequence's tokens [bos, bos + L) of the packed rows
+_SEQUENCE_HEAD = (
+    "nh = tl.program_id(1)",
+    "n = nh // H",
+    "h = nh % H",
+    "bos = tl.load(cu + n).to(tl.int64)",
+    "L = tl.load(cu + n + 1).to(tl.int64) - bos",
+)
 
 
 def _dot(a: str, b: str, mode: str, interp: bool) -> str:
@@ -191,11 +198,7 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
     with w.jit_function(kname, list(sig), list(const)):
         w.lines([
             "tb = tl.program_id(0)",
-            "nh = tl.program_id(1)",
-            "n = nh // H",
-            "h = nh % H",
-            "bos = tl.load(cu + n).to(tl.int64)",
-            "L = tl.load(cu + n + 1).to(tl.int64) - bos",
+            *_SEQUENCE_HEAD,
             "rt = tb * BT + tl.arange(0, BT).to(tl.int64)",
             "tm = rt < L",
             "rd = tl.arange(0, D)",
@@ -246,104 +249,6 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
         ])
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
                         grid=("cdiv(T_MAX, BT)", "N * H"), num_warps=max(4, min(8, BT * D // 256)), num_stages=1,
-                        ir_op=ir_op, loc=loc)
-
-
-# ---- chunk ----------------------------------------------------------------------------------------------------
-def emit_kda_chunk(num_heads: int, head_dim: int, *, target: Target, qk_dtype: str = "fp32", v_dtype: str = "fp32",
-                   g_dtype: str = "fp32", beta_dtype: str = "fp32", o_dtype: str = "fp32", scale: float | None = None,
-                   plan: KDAPlan | None = None, has_initial_state: bool = True, ir_op: str = "kda_chunk",
-                   loc: str = "", interpret: bool | None = None) -> KernelSource:
-    """Args: q, k [*, H, D] rows at token stride sq / sk (head stride D), v (sv), g (sg), beta (sb; head stride 1),
-    o [total, H, D] (o_dtype), s0 [N, H, D, D] fp32 (read when has_initial_state), sT [N, H, D, D] fp32 (written),
-    cu [N + 1] i32, N. Grid (D // BV, N * H). Strides are in elements; s0 may alias sT (each program reads its
-    slice before writing it)."""
-    H, D = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim")
-    for d in (qk_dtype, v_dtype, g_dtype, beta_dtype, o_dtype):
-        check_float(d)
-    p = plan or kda_plan(D, qk_dtype, target)
-    interp = interpreted(target, interpret)
-    scale = D ** -0.5 if scale is None else float(scale)
-    BT, BV = p.chunk, p.block_v
-    LOG = BT.bit_length() - 1
-    kname = ident(f"k3c_kda_chunk_fwd_h{H}_d{D}_bt{BT}_bv{BV}_w{p.chunk_warps}_{p.dot}_{name_part(qk_dtype)}"
-                  + ("" if has_initial_state else "_nos0"))
-    sig = {"q": f"*{qk_dtype}", "k": f"*{qk_dtype}", "v": f"*{v_dtype}", "g": f"*{g_dtype}",
-           "beta": f"*{beta_dtype}", "o": f"*{o_dtype}", "s0": "*fp32", "sT": "*fp32", "cu": "*i32",
-           "sq": "i32", "sk": "i32", "sv": "i32", "sg": "i32", "sb": "i32", "N": "i32"}
-    const = {"H": H, "D": D, "BT": BT, "BV": BV}
-    w = SourceWriter()
-    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
-             notes=[f"kda chunk H={H} D={D} BT={BT} BV={BV} dot={p.dot} warps={p.chunk_warps} q/k:{qk_dtype} "
-                    f"v:{v_dtype} g:{g_dtype} o:{o_dtype} scale={fnum(scale)}" + (" [interpreter variant]" if interp else "")])
-    w.imports()
-    emit_math_helpers(w, rtne_bf16=interp and o_dtype == "bf16")
-
-    def dot(a, b, mode=p.dot):
-        return _dot(a, b, mode, interp)
-
-    with w.jit_function(kname, list(sig), list(const)):
-        w.lines([
-            "pv = tl.program_id(0)",
-            "nh = tl.program_id(1)",
-            "n = nh // H",
-            "h = nh % H",
-            "bos = tl.load(cu + n).to(tl.int64)",
-            "L = tl.load(cu + n + 1).to(tl.int64) - bos",
-            "rt = tl.arange(0, BT)",
-            "rk = tl.arange(0, D)",
-            "rv = pv * BV + tl.arange(0, BV)",
-            "strict = rt[:, None] > rt[None, :]",
-            "incl = rt[:, None] >= rt[None, :]",
-            "eye = (rt[:, None] == rt[None, :]).to(tl.float32)",
-            "s_off = nh.to(tl.int64) * D * D + rk[:, None] * D + rv[None, :]",
-        ])
-        if has_initial_state:
-            w.line("S = tl.load(s0 + s_off)")
-        else:
-            w.line("S = tl.zeros([D, BV], dtype=tl.float32)")
-        w.line("for c0 in range(0, L, BT):")
-        with w.indent():
-            w.lines([
-                "tok = c0 + rt",
-                "tm = tok < L",
-                "row = bos + tok",
-                "m2 = tm[:, None]",
-                "qc = tl.load(q + row[:, None] * sq + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
-                "kc = tl.load(k + row[:, None] * sk + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
-                "gc = tl.load(g + row[:, None] * sg + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
-                "vc = tl.load(v + row[:, None] * sv + h * D + rv[None, :], mask=m2, other=0.0).to(tl.float32)",
-                "bc = tl.load(beta + row * sb + h, mask=tm, other=0.0).to(tl.float32)",
-                "G = tl.cumsum(gc, axis=0)                       # Gamma (masked rows: g = 0)",
-                f"Gm = tl.sum(tl.where(rt[:, None] == {BT // 2 - 1}, G, 0.0), axis=0)   # anchor row",
-                "Gl = tl.sum(gc, axis=0)                         # Gamma at the chunk's last row",
-                f"dm = tl.minimum(tl.maximum(G - Gm[None, :], {fnum(-EXP_CLAMP)}), {fnum(EXP_CLAMP)})",
-                "ka = kc * tl.exp(dm)",
-                "kb = kc * tl.exp(-dm)",
-                f"akk = {dot('ka', 'tl.trans(kb)')}",
-                f"aqk = {dot('qc * tl.exp(dm)', 'tl.trans(kb)')} * {fnum(scale)}",
-                "akk = tl.where(strict, akk * bc[:, None], 0.0)",
-                "aqk = tl.where(incl, aqk, 0.0)",
-                "# (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (A strictly lower triangular)",
-                "tinv = eye - akk",
-                "pw = akk",
-            ])
-            for _ in range(LOG - 1):
-                w.line(f"pw = {dot('pw', 'pw', 'ieee')}")
-                w.line(f"tinv = tinv + {dot('tinv', 'pw', 'ieee')}")
-            w.lines([
-                "eg = tl.exp(G)",
-                f"wm = {dot('tinv', 'kc * eg * bc[:, None]')}",
-                f"um = {dot('tinv', 'vc * bc[:, None]')}",
-                f"vn = um - {dot('wm', 'S')}",
-                f"oc = {dot('qc * eg', 'S')} * {fnum(scale)} + {dot('aqk', 'vn')}",
-                f"tl.store(o + row[:, None] * {H * D} + h * D + rv[None, :], {to_dtype('oc', o_dtype, interp)}, mask=m2)",
-                "kd = kc * tl.exp(Gl[None, :] - G)",
-                f"S = S * tl.exp(Gl)[:, None] + {dot('tl.trans(kd)', 'vn')}",
-            ])
-        w.line("tl.store(sT + s_off, S)")
-    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
-                        grid=("D // BV", "N * H"), num_warps=p.chunk_warps, num_stages=1,
                         ir_op=ir_op, loc=loc)
 
 
@@ -416,11 +321,7 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
     with w.jit_function(kname, list(sig), list(const)):
         w.lines([
             "c = tl.program_id(0)",
-            "nh = tl.program_id(1)",
-            "n = nh // H",
-            "h = nh % H",
-            "bos = tl.load(cu + n).to(tl.int64)",
-            "L = tl.load(cu + n + 1).to(tl.int64) - bos",
+            *_SEQUENCE_HEAD,
             "rt = tl.arange(0, BT)",
             "rk = tl.arange(0, D)",
             "strict = rt[:, None] > rt[None, :]",
@@ -444,8 +345,9 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
         st("qo", "o_off", f"qc * eg * {fnum(scale)}", "m2")
         st("ko", "o_off", "kc * tl.exp(Gl[None, :] - G)", "m2")
         st("ao", f"row[:, None] * {H * BT} + h * BT + rt[None, :]", "aqk", "m2")
-        w.line(f"slot = bos // BT + n + c")
-        w.line(f"tl.store(eo + (slot * H + h) * D + rk, tl.exp(Gl), mask=rk < tl.minimum(L - c0, 1) * D)   # only chunks inside the sequence")
+        w.line("slot = bos // BT + n + c")
+        w.line("tl.store(eo + (slot * H + h) * D + rk, tl.exp(Gl), mask=rk < tl.minimum(L - c0, 1) * D)"
+               "   # only chunks inside the sequence")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
                         grid=("cdiv(T_MAX, BT)", "N * H"), num_warps=p.intra_warps, num_stages=1,
                         ir_op=ir_op, loc=loc)
@@ -486,11 +388,7 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, o_dtype: st
     with w.jit_function(kname, list(sig), list(const)):
         w.lines([
             "pv = tl.program_id(0)",
-            "nh = tl.program_id(1)",
-            "n = nh // H",
-            "h = nh % H",
-            "bos = tl.load(cu + n).to(tl.int64)",
-            "L = tl.load(cu + n + 1).to(tl.int64) - bos",
+            *_SEQUENCE_HEAD,
             "rt = tl.arange(0, BT)",
             "rk = tl.arange(0, D)",
             "rv = pv * BV + tl.arange(0, BV)",
@@ -511,7 +409,7 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, o_dtype: st
                 f"kd = tl.load(ki + kof, mask=m2, other=0.0).to({op_dt})",
                 "uc = tl.load(ui + vof, mask=m2, other=0.0).to(tl.float32)",
                 f"aq = tl.load(ai + row[:, None] * {H * BT} + h * BT + rt[None, :], mask=m2, other=0.0).to({op_dt})",
-                f"eG = tl.load(ei + ((slot0 + c0 // BT) * H + h) * D + rk)",
+                "eG = tl.load(ei + ((slot0 + c0 // BT) * H + h) * D + rk)",
                 f"Sb = S.to({op_dt})",
                 f"vn = uc - {dot('wc', 'Sb')}",
                 f"vb = vn.to({op_dt})",
@@ -526,6 +424,75 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, o_dtype: st
 
 
 # ---- fused decode ---------------------------------------------------------------------------------------------
+class _DecodeConv:
+    """The decode step's causal short conv + SiLU of one token (emit), and the conv tails it shifts: their writes
+    are deferred to the end of the program (store_tails), after every read."""
+
+    def __init__(self, w: SourceWriter, hd: int, kw: int, dtype: str, interp: bool):
+        self.w, self.hd, self.kw, self.dtype, self.interp = w, hd, kw, dtype, interp
+        self.pending: list[tuple[str, str, str]] = []      # (tail out, offset, value)
+
+    def emit(self, x: str, wt: str, tin: str, tout: str, name: str, cols: str, tag: str) -> None:
+        w, HD, KW = self.w, self.hd, self.kw
+        w.line(f"col = h * D + {cols}")
+        w.line(f"xo = b * {HD} + col")
+        w.line(f"tb{tag} = xo * (KW - 1)")
+        w.line(f"c{tag} = tl.load({x} + xo)")
+        w.line(f"acc = c{tag}.to(tl.float32) * tl.load({wt} + col * KW + KW - 1).to(tl.float32)")
+        for j in range(KW - 1):
+            w.line(f"t{tag}_{j} = tl.load({tin} + tb{tag} + {j})")
+            w.line(f"acc += t{tag}_{j}.to(tl.float32) * tl.load({wt} + col * KW + {j}).to(tl.float32)")
+        for j in range(KW - 2):
+            self.pending.append((tout, f"tb{tag} + {j}", f"t{tag}_{j + 1}"))
+        self.pending.append((tout, f"tb{tag} + {KW - 2}", f"c{tag}"))
+        w.line(f"acc = {_round_like('acc', self.dtype, self.interp)}")
+        w.line(f"{name} = {_round_like('acc * _k3c_sigmoid(acc)', self.dtype, self.interp)}")
+
+    def store_tails(self, split: bool) -> None:
+        """The new tails, after a barrier: a replicated element (more threads than columns) is read by one thread
+        and written by another, so every read of the program must be done before any in-place write. In the split
+        layout only V-slice program 0 writes the q / k tails (every program reads them)."""
+        w = self.w
+        w.line("tl.debug_barrier()")
+        for tout, off, val in self.pending:
+            if split and not val.startswith(("tv", "cv")):
+                w.line("if tl.program_id(1) == 0:")
+                with w.indent():
+                    w.line(f"tl.store({tout} + {off}, {val})")
+            else:
+                w.line(f"tl.store({tout} + {off}, {val})")
+
+
+def _emit_decode_qk_gate(w: SourceWriter, conv: _DecodeConv, gate: str, lb: float, l2norm_eps: float,
+                         scale: float, HD: int) -> None:
+    """The decode step's per-head inputs: q, k (conv, SiLU, L2 norm; q scaled), the decay e^g and beta."""
+    # q / k over the whole K dim: read every tail before anything is written (in-place tails are safe)
+    for x, wt, tin, tout, name in (("xq", "wq", "tq_in", "tq_out", "qv"), ("xk", "wk", "tk_in", "tk_out", "kv")):
+        conv.emit(x, wt, tin, tout, name, "rk", name[0])
+        w.line(f"{name} = {name} / tl.sqrt(tl.sum({name} * {name}, axis=0) + {fnum(l2norm_eps)})")
+    w.line(f"qv = qv * {fnum(scale)}")
+    w.lines([
+        "colk = h * D + rk",
+        f"f = tl.load(xf + b * {HD} + colk).to(tl.float32) + tl.load(dt_bias + colk)",
+        "a = tl.exp(tl.load(a_log + h))",
+    ])
+    w.lines(_gate_lines(gate, lb, "f", "a", "gk"))
+    w.lines(["eg = tl.exp(gk)[:, None]",
+             "beta = _k3c_sigmoid(tl.load(xb + b * H + h).to(tl.float32))"])
+
+
+def _emit_decode_output(w: SourceWriter, NS: int, HD: int, norm_eps: float | None, ydt: str, interp: bool) -> None:
+    """Store the NS o slices of one head; with norm_eps, the per-head RMSNorm x sigmoid(output gate) first."""
+    w.line(f"yb = b * {HD} + h * D")
+    if norm_eps is not None:
+        w.line("ss = " + " + ".join(f"tl.sum(o{j} * o{j}, axis=0)" for j in range(NS)))
+        w.line(f"rinv = tl.rsqrt(ss / D + {fnum(norm_eps)})")
+        for j in range(NS):
+            w.line(f"o{j} = o{j} * rinv * tl.load(nw + rv{j}) * _k3c_sigmoid(tl.load(xg + yb + rv{j}).to(tl.float32))")
+    for j in range(NS):
+        w.line(f"tl.store(y + yb + rv{j}, {to_dtype(f'o{j}', ydt, interp)})")
+
+
 def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str, gate_lower_bound: float,
                     l2norm_eps: float, norm_eps: float, target: Target, dtype: str = "bf16",
                     scale: float | None = None, plan: KDAPlan | None = None, fuse_out: bool = True,
@@ -570,24 +537,7 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
                     f"output norm x gate fused: {fuse_out}" + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, sigmoid=True, rtne_bf16=interp and dtype == "bf16")
-
-    pending: list[tuple[str, str, str]] = []      # conv tail writes, issued after a barrier at the end
-
-    def conv(x, wt, tin, tout, name, cols, tag):
-        w.line(f"col = h * D + {cols}")
-        w.line(f"xo = b * {HD} + col")
-        w.line(f"tb{tag} = xo * (KW - 1)")
-        w.line(f"c{tag} = tl.load({x} + xo)")
-        w.line(f"acc = c{tag}.to(tl.float32) * tl.load({wt} + col * KW + KW - 1).to(tl.float32)")
-        for j in range(KW - 1):
-            w.line(f"t{tag}_{j} = tl.load({tin} + tb{tag} + {j})")
-            w.line(f"acc += t{tag}_{j}.to(tl.float32) * tl.load({wt} + col * KW + {j}).to(tl.float32)")
-        for j in range(KW - 2):
-            pending.append((tout, f"tb{tag} + {j}", f"t{tag}_{j + 1}"))
-        pending.append((tout, f"tb{tag} + {KW - 2}", f"c{tag}"))
-        w.line(f"acc = {_round_like('acc', dtype, interp)}")
-        w.line(f"{name} = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
-
+    conv = _DecodeConv(w, HD, KW, dtype, interp)
     with w.jit_function(kname, list(sig), list(const)):
         w.lines([
             "pid = tl.program_id(0)",
@@ -602,23 +552,11 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
             for j in range(NS):
                 w.line(f"rv{j} = {j * BV} + tl.arange(0, BV)")
         w.line("S0 = tl.load(s_in + s_base + rv0[None, :])       # first state slice in flight during the prep")
-        # q / k over the whole K dim: read every tail before anything is written (in-place tails are safe)
-        for x, wt, tin, tout, name in (("xq", "wq", "tq_in", "tq_out", "qv"), ("xk", "wk", "tk_in", "tk_out", "kv")):
-            conv(x, wt, tin, tout, name, "rk", name[0])
-            w.line(f"{name} = {name} / tl.sqrt(tl.sum({name} * {name}, axis=0) + {fnum(l2norm_eps)})")
-        w.line(f"qv = qv * {fnum(scale)}")
-        w.lines([
-            "colk = h * D + rk",
-            f"f = tl.load(xf + b * {HD} + colk).to(tl.float32) + tl.load(dt_bias + colk)",
-            "a = tl.exp(tl.load(a_log + h))",
-        ])
-        w.lines(_gate_lines(gate, gate_lower_bound, "f", "a", "gk"))
-        w.lines(["eg = tl.exp(gk)[:, None]",
-                 "beta = _k3c_sigmoid(tl.load(xb + b * H + h).to(tl.float32))"])
+        _emit_decode_qk_gate(w, conv, gate, gate_lower_bound, l2norm_eps, scale, HD)
         for j in range(NS):
             if j + 1 <= NS - 1:
                 w.line(f"S{j + 1} = tl.load(s_in + s_base + rv{j + 1}[None, :])   # next slice in flight")
-            conv("xv", "wv", "tv_in", "tv_out", "vv", f"rv{j}", f"v{j}")
+            conv.emit("xv", "wv", "tv_in", "tv_out", "vv", f"rv{j}", f"v{j}")
             w.lines([
                 f"S = S{j} * eg",
                 "u = beta * (vv - tl.sum(kv[:, None] * S, axis=0))",
@@ -626,24 +564,8 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
                 f"o{j} = tl.sum(qv[:, None] * S, axis=0)",
                 f"tl.store(s_out + s_base + rv{j}[None, :], S)",
             ])
-        w.line(f"yb = b * {HD} + h * D")
-        if fuse_out:
-            w.line("ss = " + " + ".join(f"tl.sum(o{j} * o{j}, axis=0)" for j in range(NS)))
-            w.line(f"rinv = tl.rsqrt(ss / D + {fnum(norm_eps)})")
-            for j in range(NS):
-                w.line(f"o{j} = o{j} * rinv * tl.load(nw + rv{j}) * _k3c_sigmoid(tl.load(xg + yb + rv{j}).to(tl.float32))")
-        for j in range(NS):
-            w.line(f"tl.store(y + yb + rv{j}, {to_dtype(f'o{j}', ydt, interp)})")
-        # tails last, after a barrier: a replicated element (more threads than columns) is read by one thread and
-        # written by another, so every read of the program must be done before any in-place write
-        w.line("tl.debug_barrier()")
-        for tout, off, val in pending:
-            if split and not val.startswith(("tv", "cv")):
-                w.line(f"if tl.program_id(1) == 0:")
-                with w.indent():
-                    w.line(f"tl.store({tout} + {off}, {val})")
-            else:
-                w.line(f"tl.store({tout} + {off}, {val})")
+        _emit_decode_output(w, NS, HD, norm_eps if fuse_out else None, ydt, interp)
+        conv.store_tails(split)
     grid = ("B * H", "D // BV") if split else ("B * H",)
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const, grid=grid,
                         num_warps=warps, num_stages=1, ir_op=ir_op, loc=loc)
@@ -686,5 +608,5 @@ def emit_kda_out(num_heads: int, head_dim: int, *, norm_eps: float, target: Targ
 
 
 __all__ = ["run_dot", "DECODE_NORM_EPS",
-           "KDAPlan", "kda_plan", "inter_dtype", "emit_kda_prep", "emit_kda_chunk", "emit_kda_intra", "emit_kda_inter",
+           "KDAPlan", "kda_plan", "inter_dtype", "emit_kda_prep", "emit_kda_intra", "emit_kda_inter",
            "emit_kda_decode", "emit_kda_out"]

@@ -4,7 +4,7 @@ MHA causal flash-attention step used (chunk by chunk) for prefill and append-pre
 Paged latent cache: a pool [num_pages, PS, L+R] (PS = Target.mla_page_size) and a block table i32 [B, max_pages];
 token at position `pos` of sequence b lives at pool[bt[b, pos // PS], pos % PS]. Every pool / row offset is formed
 in int64 (`page.to(tl.int64) * PAGE_STRIDE`): a pool past 2^31 elements (B=128 x 32K tokens x 576) is addressed
-correctly. `paged_offset` below is the same arithmetic in Python, which the tests check against torch indexing.
+correctly (tests/mla/test_mla_offsets.py runs the kernels on one).
 
 Kernels (the three latent-write ones live in mla_latent.py and are re-exported here):
   emit_mla_latent_write   kv = x W_dkv^T with RMSNorm(c) fused into the epilogue, stored into the pages; grid
@@ -25,17 +25,15 @@ All scores, softmax statistics and accumulators are fp32; bf16 operands feed tl.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..kernel import KernelSource
 from ..targets import Target
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
-from .common import TL_DTYPE, check_dim, check_float, clamp, emit_math_helpers, interpreted, \
-    pow2_ceil, to_dtype
-from .mla_common import LOG2E, _blk, _dot_parts, paged_offset
-from .mla_latent import (LATENT_SPLIT_MAX_ROWS, LatentSplitPlan, LatentWritePlan, emit_mla_latent_partial,
-                         emit_mla_latent_reduce, emit_mla_latent_write, latent_split_plan, latent_write_plan)
+from .common import check_dim, check_float, clamp, emit_math_helpers, interpreted, pow2_ceil, to_dtype
+from .mla_common import LOG2E, _blk, _check_scale, _dot_parts, _p_cast
+from .mla_latent import (LATENT_SPLIT_MAX_ROWS, emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write,
+                         latent_split_plan)
 
 
 # -- MQA decode (split-KV) ----------------------------------------------------------------------------------------
@@ -48,11 +46,6 @@ class DecodePlan:
     keys_major: bool = False        # scores as K q^T (q^T the MMA's B operand, from shared memory)
     lazy: bool = False              # rescale the accumulator only when a row's running max grows (exact)
 
-    @property
-    def tag(self) -> str:
-        return (f"h{self.block_h} w{self.num_warps} s{self.num_stages}" + (f" n{self.block_n}" if self.block_n else "")
-                + (" kq" if self.keys_major else "") + (" lazy" if self.lazy else ""))
-
 
 DECODE_MAX_ROWS = 32     # fp32 accumulator [BLOCK_H, L] <= [32, 512] in a plain tile: the largest without spills
 
@@ -63,12 +56,9 @@ def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | Non
     """The shipped decode plan by shape (rows = query tokens x heads of one sequence).
 
     sm_90 (H100 / H200), 512-wide latent: 16-row head tiles, 4 warps, whole pages, 2 stages, for every head count
-    (12 heads: one tile, each page loaded once; 96 heads: six tiles, the page re-reads mostly hit L2). Measured on
-    an H200 (docs/perf.md, bench/mla.py's sweep), the fastest spill-free plan at 8 of the 9 96-head shapes (B=1
-    T=4K, launch-bound: 0.075 vs 0.070 ms): 1.24-1.45x faster than 32 rows on 8 warps, 1.33-1.43x than 64 rows
-    on 8 warps with K q^T scores (wgmma for P V), 1.75-1.9x than 32 rows on 4 warps stepping 16 keys at a time, and
-    1.04-1.17x than the 64-row tile (which spills). Only 32 rows on 4 warps with whole pages is faster (1.2-1.3x),
-    and it spills 120 B per thread on sm_90, which no shipped kernel may. Otherwise: BLOCK_H = all rows when they
+    (12 heads: one tile, each page loaded once; 96 heads: six tiles, the page re-reads mostly hit L2): the fastest
+    spill-free plan of bench/mla.py's sweep (the figures: docs/perf.md, "Plan rules"); the only faster plan
+    spills on sm_90, which no shipped kernel may. Otherwise: BLOCK_H = all rows when they
     fit, else even head tiles of <= 32 rows; 64-lane targets feed the MFMA operands from registers, so they step
     through a page 16 or 32 keys at a time. Every shipped plan compiles without spills
     (tests/codegen/test_artifact_kernels.py)."""
@@ -89,17 +79,102 @@ def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | Non
     return DecodePlan(block_h, warps, stages, block_n)
 
 
-def decode_candidates(rows: int, kv_lora_rank: int, target: Target) -> list[DecodePlan]:
-    """The default and the other spill-free plans (sm_90 AOT report, triton 3.9) bench/mla.py times per shape."""
-    default = decode_plan(rows, kv_lora_rank, target)
-    if target.arch != "sm_90":
-        return [default]
-    if rows > 16:
-        cand = [DecodePlan(32, 8, 2), DecodePlan(64, 8, 2, 32, True), DecodePlan(32, 8, 2, lazy=True),
-                DecodePlan(32, 4, 2, 16), DecodePlan(16, 4, 3)]
+def _emit_decode_prologue(w: SourceWriter, keys_major: bool, *, full_l: bool, full_r: bool) -> None:
+    """The decode program's rows, its query tiles, its split's page range (full pages first) and the online
+    softmax state."""
+    w.line("pid_h = tl.program_id(0)")
+    w.line("split = tl.program_id(1)")
+    w.line("b = tl.program_id(2).to(tl.int64)")
+    w.line("seq_len = tl.load(lens_ptr + b)")
+    w.line("rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)")
+    w.line("row_ok = rows < ROWS")
+    w.line("offs_l = tl.arange(0, BLOCK_L)")
+    w.line("offs_r = tl.arange(0, BLOCK_R)")
+    w.line("offs_n = tl.arange(0, BLOCK_N)")
+    w.line("l_ok = offs_l < L")
+    w.line("r_ok = offs_r < R")
+    w.line("q_row = (b * ROWS + tl.where(row_ok, rows, 0).to(tl.int64)) * (L + R)")
+    qlm = "" if full_l else ", mask=l_ok[None, :], other=0.0"
+    qrm = "" if full_r else ", mask=r_ok[None, :], other=0.0"
+    w.line(f"ql = tl.load(q_ptr + q_row[:, None] + offs_l[None, :]{qlm})")
+    w.line(f"qr = tl.load(q_ptr + q_row[:, None] + L + offs_r[None, :]{qrm})")
+    if keys_major:
+        w.line("qlt = tl.trans(ql)  # scores as K q^T: the key tile is the MMA's A operand, q^T its B")
+        w.line("qrt = tl.trans(qr)")
+    w.line("n_pages = tl.cdiv(seq_len, PS)")
+    w.line("p_begin = split * pages_per_split")
+    w.line("p_end = tl.minimum(p_begin + pages_per_split, n_pages)")
+    w.line("m_i = tl.full((BLOCK_H,), float('-inf'), dtype=tl.float32)")
+    w.line("l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)")
+    w.line("acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)")
+    w.line("bt_row = bt_ptr + b * max_pages")
+    w.line("offs_kv = offs_n[:, None] * (L + R)  # i32 offsets inside one page step (the base is a scalar)")
+    w.comment("pages wholly visible to every row (keys <= seq_len - TQ) need no masks: unmasked loads feed the "
+              "MMA straight from shared memory; the rest (the last page, the causal band of a multi-token "
+              "query) is the masked tail loop")
+    w.line("p_full = tl.maximum(tl.minimum(p_end, (seq_len - TQ + 1) // PS), p_begin)")
+
+
+def _emit_decode_step(w: SourceWriter, *, masked: bool, keys_major: bool, lazy: bool, up: str, dot_kw: str,
+                      p_cast: str, scale: float, lmask: str, rmask: str) -> None:
+    """One step of the decode loop: BLOCK_N keys of a page (masked: the causal limit per row and the sequence end),
+    their scores for every row, and the online softmax update of (m_i, l_i, acc) in the log2 domain."""
+    w.line("p = it // (PS // BLOCK_N)")
+    w.line("sub = (it % (PS // BLOCK_N)) * BLOCK_N")
+    w.line("page = tl.load(bt_row + p).to(tl.int64)")
+    w.line("kv = pool_ptr + (page * (PS * (L + R)) + sub * (L + R))")
+    if masked:
+        w.line("qpos = seq_len - TQ + rows // NH  # each row's query position (causal limit)")
+        w.line("kpos = p * PS + sub + offs_n")
+        w.line("live = (kpos < seq_len)[:, None]  # slots past the end may hold anything (NaN): never read")
+        cm = " & ".join(x for x in ("live", lmask) if x)
+        rm = " & ".join(x for x in ("live", rmask) if x)
+        w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :], mask={cm}, other=0.0)  # keys = values")
+        w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :], mask={rm}, other=0.0)")
     else:
-        cand = [DecodePlan(16, 4, 3), DecodePlan(16, 4, 2, 32), DecodePlan(16, 8, 2)]
-    return [default] + [c for c in cand if c != default]
+        cm = f", mask={lmask}, other=0.0" if lmask else ""
+        rm = f", mask={rmask}, other=0.0" if rmask else ""
+        w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :]{cm})  # [BLOCK_N, L]: keys = values")
+        w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :]{rm})  # [BLOCK_N, R]")
+    if keys_major:
+        w.line(f"s = tl.trans(tl.dot(c{up}, qlt{up}{dot_kw}) + tl.dot(kr{up}, qrt{up}{dot_kw}))")
+    else:
+        w.line(f"s = tl.dot(ql{up}, tl.trans(c{up}){dot_kw})")
+        w.line(f"s = tl.dot(qr{up}, tl.trans(kr{up}), s{dot_kw})")
+    if masked:
+        w.line("ok = (kpos[None, :] <= qpos[:, None]) & (kpos < seq_len)[None, :]")
+        w.line(f"s = tl.where(ok, s * {fnum(scale * LOG2E)}, float('-inf'))  # log2 domain")
+        w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+        w.line("m_use = tl.where(m_new == float('-inf'), 0.0, m_new)")
+    elif lazy:
+        w.line(f"s = s * {fnum(scale * LOG2E)}  # log2 domain; every key visible: the row max is finite")
+        w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+        w.line("if tl.max(m_new - m_i, axis=0) > 0.0:  # rescale only when some row's max grew (exact)")
+        with w.indent():
+            w.line("alpha = tl.exp2(m_i - m_new)")
+            w.line("l_i = l_i * alpha")
+            w.line("acc = acc * alpha[:, None]")
+            w.line("m_i = m_new")
+        w.line("p = tl.exp2(s - m_i[:, None])")
+        w.line("l_i = l_i + tl.sum(p, axis=1)")
+        w.line(f"acc = tl.dot({p_cast}, c{up}, acc{dot_kw})")
+        return
+    else:
+        w.line(f"s = s * {fnum(scale * LOG2E)}  # log2 domain; every key visible: m_new is finite")
+        w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+        w.line("m_use = m_new")
+    w.line("alpha = tl.exp2(m_i - m_use)")
+    w.line("p = tl.exp2(s - m_use[:, None])")
+    w.line("l_i = l_i * alpha + tl.sum(p, axis=1)")
+    w.line(f"acc = tl.dot({p_cast}, c{up}, acc * alpha[:, None]{dot_kw})")
+    w.line("m_i = m_new")
+
+
+def _emit_normalise(w: SourceWriter) -> None:
+    """The flash loops' end: o = acc / l and its natural-log LSE (rows that saw no key: o = 0, lse = -inf)."""
+    w.line("has = l_i > 0.0")
+    w.line("o = acc / tl.where(has, l_i, 1.0)[:, None]")
+    w.line(f"lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * {fnum(1.0 / LOG2E)}, float('-inf'))")
 
 
 def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *, target: Target,
@@ -113,8 +188,7 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
     grid (cdiv(ROWS, BLOCK_H), S, B)."""
     L, R, PS = check_dim(kv_lora_rank, "kv_lora_rank"), check_dim(rope_dim, "rope"), check_dim(page_size, "page")
     dt = check_float(dtype)
-    if not (isinstance(scale, float) and scale > 0 and math.isfinite(scale)):
-        raise CodegenError(f"scale must be a finite positive float, got {scale!r}")
+    _check_scale(scale)
     interp = interpreted(target, interpret)
     up, dot_kw = _dot_parts(dt, interp)
     bh = check_dim(block_h, "block_h")
@@ -129,108 +203,24 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
     if (block_n or PS) < 16 and not interp:
         raise CodegenError(f"block_n {block_n or PS} < 16: the P @ V dot needs K >= 16 on GPUs")
     cx = {"L": L, "R": R, "PS": PS, "BLOCK_H": bh, "BLOCK_N": bn, "BLOCK_L": _blk(L), "BLOCK_R": _blk(R)}
-    p_cast = "p" if dt == "fp32" or interp else f"p.to({TL_DTYPE[dt]})"
+    p_cast = _p_cast(dt, interp)
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"mla MQA split-KV decode over pages: L={L} R={R} PS={PS} scale={fnum(scale)} {dt}",
                     f"BLOCK_H={bh} num_warps={num_warps} num_stages={num_stages}"
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
+    step = dict(keys_major=keys_major, lazy=lazy, up=up, dot_kw=dot_kw, p_cast=p_cast, scale=scale,
+                lmask="" if _blk(L) == L else "l_ok[None, :]", rmask="" if _blk(R) == R else "r_ok[None, :]")
     with w.jit_function(kname, list(sig), list(cx)):
-        w.line("pid_h = tl.program_id(0)")
-        w.line("split = tl.program_id(1)")
-        w.line("b = tl.program_id(2).to(tl.int64)")
-        w.line("seq_len = tl.load(lens_ptr + b)")
-        w.line("rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)")
-        w.line("row_ok = rows < ROWS")
-        w.line("offs_l = tl.arange(0, BLOCK_L)")
-        w.line("offs_r = tl.arange(0, BLOCK_R)")
-        w.line("offs_n = tl.arange(0, BLOCK_N)")
-        w.line("l_ok = offs_l < L")
-        w.line("r_ok = offs_r < R")
-        w.line("q_row = (b * ROWS + tl.where(row_ok, rows, 0).to(tl.int64)) * (L + R)")
-        qlm = ", mask=l_ok[None, :], other=0.0" if _blk(L) != L else ""
-        qrm = ", mask=r_ok[None, :], other=0.0" if _blk(R) != R else ""
-        w.line(f"ql = tl.load(q_ptr + q_row[:, None] + offs_l[None, :]{qlm})")
-        w.line(f"qr = tl.load(q_ptr + q_row[:, None] + L + offs_r[None, :]{qrm})")
-        if keys_major:
-            w.line("qlt = tl.trans(ql)  # scores as K q^T: the key tile is the MMA's A operand, q^T its B")
-            w.line("qrt = tl.trans(qr)")
-        w.line("n_pages = tl.cdiv(seq_len, PS)")
-        w.line("p_begin = split * pages_per_split")
-        w.line("p_end = tl.minimum(p_begin + pages_per_split, n_pages)")
-        w.line("m_i = tl.full((BLOCK_H,), float('-inf'), dtype=tl.float32)")
-        w.line("l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)")
-        w.line("acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)")
-        w.line("bt_row = bt_ptr + b * max_pages")
-        w.line("offs_kv = offs_n[:, None] * (L + R)  # i32 offsets inside one page step (the base is a scalar)")
-        w.comment("pages wholly visible to every row (keys <= seq_len - TQ) need no masks: unmasked loads feed the "
-                  "MMA straight from shared memory; the rest (the last page, the causal band of a multi-token "
-                  "query) is the masked tail loop")
-        w.line("p_full = tl.maximum(tl.minimum(p_end, (seq_len - TQ + 1) // PS), p_begin)")
-        lmask = "" if _blk(L) == L else "l_ok[None, :]"
-        rmask = "" if _blk(R) == R else "r_ok[None, :]"
-
-        def body(masked: bool) -> None:
-            w.line("p = it // (PS // BLOCK_N)")
-            w.line("sub = (it % (PS // BLOCK_N)) * BLOCK_N")
-            w.line("page = tl.load(bt_row + p).to(tl.int64)")
-            w.line("kv = pool_ptr + (page * (PS * (L + R)) + sub * (L + R))")
-            if masked:
-                w.line("qpos = seq_len - TQ + rows // NH  # each row's query position (causal limit)")
-                w.line("kpos = p * PS + sub + offs_n")
-                w.line("live = (kpos < seq_len)[:, None]  # slots past the end may hold anything (NaN): never read")
-                cm = " & ".join(x for x in ("live", lmask) if x)
-                rm = " & ".join(x for x in ("live", rmask) if x)
-                w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :], mask={cm}, other=0.0)  # keys = values")
-                w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :], mask={rm}, other=0.0)")
-            else:
-                cm = f", mask={lmask}, other=0.0" if lmask else ""
-                rm = f", mask={rmask}, other=0.0" if rmask else ""
-                w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :]{cm})  # [BLOCK_N, L]: keys = values")
-                w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :]{rm})  # [BLOCK_N, R]")
-            if keys_major:
-                w.line(f"s = tl.trans(tl.dot(c{up}, qlt{up}{dot_kw}) + tl.dot(kr{up}, qrt{up}{dot_kw}))")
-            else:
-                w.line(f"s = tl.dot(ql{up}, tl.trans(c{up}){dot_kw})")
-                w.line(f"s = tl.dot(qr{up}, tl.trans(kr{up}), s{dot_kw})")
-            if masked:
-                w.line("ok = (kpos[None, :] <= qpos[:, None]) & (kpos < seq_len)[None, :]")
-                w.line(f"s = tl.where(ok, s * {fnum(scale * LOG2E)}, float('-inf'))  # log2 domain")
-                w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
-                w.line("m_use = tl.where(m_new == float('-inf'), 0.0, m_new)")
-            elif lazy:
-                w.line(f"s = s * {fnum(scale * LOG2E)}  # log2 domain; every key visible: the row max is finite")
-                w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
-                w.line("if tl.max(m_new - m_i, axis=0) > 0.0:  # rescale only when some row's max grew (exact)")
-                with w.indent():
-                    w.line("alpha = tl.exp2(m_i - m_new)")
-                    w.line("l_i = l_i * alpha")
-                    w.line("acc = acc * alpha[:, None]")
-                    w.line("m_i = m_new")
-                w.line("p = tl.exp2(s - m_i[:, None])")
-                w.line("l_i = l_i + tl.sum(p, axis=1)")
-                w.line(f"acc = tl.dot({p_cast}, c{up}, acc{dot_kw})")
-                return
-            else:
-                w.line(f"s = s * {fnum(scale * LOG2E)}  # log2 domain; every key visible: m_new is finite")
-                w.line("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
-                w.line("m_use = m_new")
-            w.line("alpha = tl.exp2(m_i - m_use)")
-            w.line("p = tl.exp2(s - m_use[:, None])")
-            w.line("l_i = l_i * alpha + tl.sum(p, axis=1)")
-            w.line(f"acc = tl.dot({p_cast}, c{up}, acc * alpha[:, None]{dot_kw})")
-            w.line("m_i = m_new")
-
+        _emit_decode_prologue(w, keys_major, full_l=_blk(L) == L, full_r=_blk(R) == R)
         w.line("for it in range(p_begin * (PS // BLOCK_N), p_full * (PS // BLOCK_N)):  # unmasked pages")
         with w.indent():
-            body(False)
+            _emit_decode_step(w, masked=False, **step)
         w.line("for it in range(p_full * (PS // BLOCK_N), p_end * (PS // BLOCK_N)):  # masked tail")
         with w.indent():
-            body(True)
-        w.line("has = l_i > 0.0")
-        w.line("o = acc / tl.where(has, l_i, 1.0)[:, None]")
-        w.line(f"lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * {fnum(1.0 / LOG2E)}, float('-inf'))")
+            _emit_decode_step(w, masked=True, **step)
+        _emit_normalise(w)
         w.line("out_row = (split.to(tl.int64) * B + b) * ROWS + tl.where(row_ok, rows, 0).to(tl.int64)")
         w.line("tl.store(o_ptr + out_row[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None] & l_ok[None, :])")
         w.line("tl.store(lse_ptr + out_row, lse, mask=row_ok)")
@@ -340,8 +330,7 @@ def emit_mla_prefill(nope_dim: int, rope_dim: int, v_dim: int, scale: float, *, 
     [ks] of o_ptr [KS, B, TQ, N, V] / lse_ptr [KS, B, TQ, N], merged by emit_mla_merge; HAS_PREV needs KS = 1."""
     P, R, V = check_dim(nope_dim, "nope"), check_dim(rope_dim, "rope"), check_dim(v_dim, "v")
     dt = check_float(dtype)
-    if not (isinstance(scale, float) and scale > 0 and math.isfinite(scale)):
-        raise CodegenError(f"scale must be a finite positive float, got {scale!r}")
+    _check_scale(scale)
     interp = interpreted(target, interpret)
     up, dot_kw = _dot_parts(dt, interp)
     plan = prefill_plan(tq_hint, target) if not interp else PrefillPlan(16, 16, 4, 1)
@@ -352,7 +341,7 @@ def emit_mla_prefill(nope_dim: int, rope_dim: int, v_dim: int, scale: float, *, 
            "kpe_rstride": "i32", "B": "i32", "KS": "i32", "ks_len": "i32"}
     cx = {"P": P, "R": R, "V": V, "BLOCK_P": _blk(P), "BLOCK_R": _blk(R), "BLOCK_V": _blk(V),
           "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "HAS_PREV": bool(has_prev)}
-    p_cast = "p" if dt == "fp32" or interp else f"p.to({TL_DTYPE[dt]})"
+    p_cast = _p_cast(dt, interp)
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"mla MHA causal flash attention step: P={P} R={R} V={V} scale={fnum(scale)} {dt} "
@@ -410,9 +399,7 @@ def emit_mla_prefill(nope_dim: int, rope_dim: int, v_dim: int, scale: float, *, 
             w.line("v = tl.load(v_ptr + (kr_ * NH + h)[:, None] * V + offs_v[None, :], mask=v_ok[None, :], other=0.0)")
             w.line(f"acc = tl.dot({p_cast}, v{up}, acc * alpha[:, None]{dot_kw})")
             w.line("m_i = m_new")
-        w.line("has = l_i > 0.0")
-        w.line("o = acc / tl.where(has, l_i, 1.0)[:, None]")
-        w.line(f"lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * {fnum(1.0 / LOG2E)}, float('-inf'))")
+        _emit_normalise(w)
         w.line("orow = ks.to(tl.int64) * (B * TQ * NH) + row  # split ks writes partial ks (KS = 1: the output)")
         w.line("tl.store(o_ptr + orow[:, None] * V + offs_v[None, :], o, mask=m_ok[:, None] & v_ok[None, :])")
         w.line("tl.store(lse_ptr + orow, lse, mask=m_ok)")
@@ -422,9 +409,8 @@ def emit_mla_prefill(nope_dim: int, rope_dim: int, v_dim: int, scale: float, *, 
 
 
 __all__ = ["emit_mla_latent_write", "emit_mla_latent_partial", "emit_mla_latent_reduce", "latent_split_plan",
-           "LatentSplitPlan", "LatentWritePlan", "LATENT_SPLIT_MAX_ROWS", "emit_mla_decode", "emit_mla_merge", "emit_mla_prefill", "decode_plan",
-           "decode_candidates", "DecodePlan",
-           "latent_write_plan", "prefill_plan", "paged_offset"]
+           "LATENT_SPLIT_MAX_ROWS", "emit_mla_decode", "emit_mla_merge", "emit_mla_prefill", "decode_plan", "DecodePlan",
+           "prefill_plan"]
 
 
 # -- shape-dependent choices the runtime makes and the AOT catalogue enumerates ---------------------------------------

@@ -1,8 +1,11 @@
-"""Pieces shared by the MLA kernel emitters (mla.py, mla_latent.py): tile extents, the paged-pool offset formula
-and the dot operand / precision parts."""
+"""Pieces shared by the MLA kernel emitters (mla.py, mla_latent.py): tile extents, the dot operand / precision
+parts and the checks of baked-in floats."""
 from __future__ import annotations
 
-from .common import pow2_ceil
+import math
+
+from ..writer import CodegenError
+from .common import TL_DTYPE, pow2_ceil
 
 LOG2E = 1.4426950408889634
 
@@ -10,11 +13,6 @@ LOG2E = 1.4426950408889634
 def _blk(n: int) -> int:
     """A tile extent for a head dim: a power of two, at least 16 (tl.dot needs K >= 16 on GPUs; padding is masked)."""
     return max(16, pow2_ceil(n))
-
-
-def paged_offset(page_id: int, slot: int, col: int, page_size: int, width: int) -> int:
-    """Element offset of (page, slot, column) in a pool [num_pages, page_size, width]: the kernels' int64 formula."""
-    return page_id * (page_size * width) + slot * width + col
 
 
 def _dot_parts(dtype: str, interp: bool) -> tuple[str, str]:
@@ -25,3 +23,21 @@ def _dot_parts(dtype: str, interp: bool) -> tuple[str, str]:
     if interp:
         return ".to(tl.float32)", ', input_precision="ieee"'
     return "", ""
+
+
+def _p_cast(dtype: str, interp: bool) -> str:
+    """The softmax weights p as the P @ V dot's operand: `dtype` on GPUs (fp32 stays fp32), fp32 in the
+    interpreter (whose bf16 dot is not one)."""
+    return "p" if dtype == "fp32" or interp else f"p.to({TL_DTYPE[dtype]})"
+
+
+def _check_scale(scale: object) -> float:
+    if not (isinstance(scale, float) and scale > 0 and math.isfinite(scale)):
+        raise CodegenError(f"scale must be a finite positive float, got {scale!r}")
+    return scale
+
+
+def _check_eps(eps: object) -> float:
+    if not (isinstance(eps, float) and eps >= 0 and math.isfinite(eps)):
+        raise CodegenError(f"eps must be a finite float >= 0, got {eps!r}")
+    return eps

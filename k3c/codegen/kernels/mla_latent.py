@@ -2,15 +2,14 @@
 (prefill) and the split-K form for few rows (decode, short appends: partials, then a fixed-order reduce)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..kernel import KernelSource
 from ..targets import Target
-from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
+from ..writer import SourceWriter, fnum, ident, name_part
 from .common import ELEM_BYTES, TL_DTYPE, check_dim, check_float, clamp, emit_math_helpers, interpreted, \
     pow2_ceil, to_dtype
-from .mla_common import _blk, _dot_parts
+from .mla_common import _blk, _check_eps, _dot_parts
 
 
 # -- latent write ------------------------------------------------------------------------------------------------
@@ -22,10 +21,10 @@ class LatentWritePlan:
     num_stages: int
 
 
-def latent_write_plan(t_hint: int, hidden: int, width: int, elem_bytes: int, target: Target) -> LatentWritePlan:
+def latent_write_plan(hidden: int, width: int, elem_bytes: int, target: Target) -> LatentWritePlan:
     """BLOCK_M rows x the whole 576-wide row (RMSNorm needs all of c): BLOCK_M 16 (a 32-row accumulator
     [32, 512] spills on sm_90); BLOCK_K the largest of 64/32/16 whose two-stage pipeline fits 7/8 of shared
-    memory. t_hint is kept for the call sites (one plan for decode and prefill today)."""
+    memory. One plan for every token count: decode's few rows take the split-K form instead."""
     bm = 16
     wide = pow2_ceil(width)
     bk = min(64, pow2_ceil(hidden))
@@ -48,7 +47,7 @@ def _emit_latent_cols(w: SourceWriter) -> None:
 
 def emit_mla_latent_write(hidden: int, kv_lora_rank: int, rope_dim: int, eps: float, page_size: int, *,
                           target: Target, dtype: str = "bf16", w_dtype: str | None = None,
-                          cache_dtype: str | None = None, t_hint: int = 1, name: str | None = None,
+                          cache_dtype: str | None = None, name: str | None = None,
                           ir_op: str = "mla_absorbed", loc: str = "", interpret: bool | None = None) -> KernelSource:
     """Kernel args: x_ptr [B*T, D], w_ptr [L+R, D] (kv_a_proj_with_mqa), nw_ptr [L] (kv_a_layernorm),
     pool_ptr [pages, PS, L+R], bt_ptr i32 [B, max_pages], start_ptr i32 [B] (position of each sequence's first new
@@ -58,11 +57,10 @@ def emit_mla_latent_write(hidden: int, kv_lora_rank: int, rope_dim: int, eps: fl
     dt = check_float(dtype)
     wdt = check_float(w_dtype or dt, "w_dtype")
     cdt = check_float(cache_dtype or dt, "cache_dtype")
-    if not (isinstance(eps, float) and eps >= 0 and math.isfinite(eps)):
-        raise CodegenError(f"eps must be a finite float >= 0, got {eps!r}")
+    _check_eps(eps)
     W = L + R
     interp = interpreted(target, interpret)
-    plan = latent_write_plan(t_hint, D, W, max(ELEM_BYTES[dt], ELEM_BYTES[wdt]), target)
+    plan = latent_write_plan(D, W, max(ELEM_BYTES[dt], ELEM_BYTES[wdt]), target)
     up, dot_kw = _dot_parts(dt, interp)
     kname = ident(name or f"k3c_mla_latent_write_d{D}_l{L}_r{R}_p{PS}_{name_part(dt)}_m{plan.block_m}")
     sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{wdt}", "nw_ptr": f"*{wdt}", "pool_ptr": f"*{cdt}", "bt_ptr": "*i32",
@@ -138,10 +136,9 @@ def latent_split_plan(rows: int, hidden: int, elem_bytes: int, target: Target) -
     """Tiles of the split-K partial kernel: BLOCK_M 16 for <= 16 rows, else 64 (one row tile for decode up to
     B=64: the weight is read once; two kernels in all), BLOCK_N 64 (576 = 9 column tiles), BLOCK_K 128 for 2-byte
     operands (64 for fp32) shrunk until the pipeline fits 7/8 of shared memory, 8 warps; 3 stages on 32-lane
-    targets, 2 on 64-lane ones (a split is a few K steps: the stages put all of them in flight at once). AOT
-    (triton 3.9, D=7168 bf16): sm_90 m16 40 regs / 40 KiB, m64 60 regs / 96 KiB; gfx950 m16 76 VGPRs, m64 78;
-    no spills (4 warps with m64 x k128 spill on sm_90). The interpreter gets 16 x 16 x 16 tiles (several column
-    tiles and K splits at test shapes)."""
+    targets, 2 on 64-lane ones (a split is a few K steps: the stages put all of them in flight at once). No spills
+    on sm_90 or gfx950 (4 warps with m64 x k128 spill on sm_90; the AOT resource figures: docs/perf.md, "Plan
+    rules"). The interpreter gets 16 x 16 x 16 tiles (several column tiles and K splits at test shapes)."""
     if target.shared_mem_bytes <= 0:
         return LatentSplitPlan(16, 16, 16, 4, 1)
     bm = 16 if rows <= 16 else 64
@@ -231,8 +228,7 @@ def emit_mla_latent_reduce(kv_lora_rank: int, rope_dim: int, eps: float, page_si
         check_dim(page_size, "page")
     wdt = check_float(w_dtype, "w_dtype")
     cdt = check_float(cache_dtype, "cache_dtype")
-    if not (isinstance(eps, float) and eps >= 0 and math.isfinite(eps)):
-        raise CodegenError(f"eps must be a finite float >= 0, got {eps!r}")
+    _check_eps(eps)
     interp = interpreted(target, interpret)
     bl, br = _blk(L), _blk(R)
     bs = clamp(LATENT_REDUCE_TILE // bl, 2, 32)
