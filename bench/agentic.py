@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(model, w, graph, args, use_prefix: bool, n_turns: int) -> dict:
-    from k3c.codegen.launch import target_for
+    from k3c.runtime.devices import target_for
     from k3c.runtime.engine import Engine
     from k3c.runtime.prefix_cache import PrefixCache
 

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.world < 2 or any(s < 2 for s in args.sizes) or args.iters < 1:
         raise SystemExit("bench/collectives.py: --world >= 2, --sizes >= 2 bytes and --iters >= 1")
-    from k3c.runtime.distributed import run_ranks
+    from k3c.commands.ranks import run_ranks
 
     rows = run_ranks(_rank, args.world, 1, (args.sizes, args.iters), device=args.device, timeout=900)[0]
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"

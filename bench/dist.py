@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _rank(rank: int, device: str, a: dict) -> dict:
     import k3c
-    from k3c.runtime.distributed import compile_target, init_sharded_weights, state
+    from k3c.commands.ranks import compile_target
+    from k3c.runtime.distributed import init_sharded_weights, state
 
     dtype = getattr(torch, a["dtype"])
     t0 = time.perf_counter()
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON file")
     args = ap.parse_args(argv)
 
-    from k3c.runtime.distributed import run_ranks
+    from k3c.commands.ranks import run_ranks
 
     if args.routing_replay and "WORLD_SIZE" in os.environ:
         raise SystemExit("bench/dist.py: --routing-replay spawns its layouts itself (the recording travels through a "

@@ -10,7 +10,7 @@ chunks of --ref-chunk tokens, since a single 8192-token MHA softmax at 96 heads 
 random, built once and handed to all three (decode time does not depend on the values), then --steps greedy decode
 steps are timed. Weights are random, generated on the device; routed experts are rounded to MXFP4 once: k3c runs the
 packed experts, the reference their exact bf16 values. Prints a table and writes JSON; ratios are torch.compile time
-over k3c time (the issue's targets: prefill >= 1.5x, decode >= 3x).
+over k3c time (targets: prefill >= 1.5x, decode >= 3x).
 
 Numerics probe (--check-len tokens, before the timed runs; --probe-only for it alone): k3c, the eager reference and
 the fp32 reference against a float64 "truth" on the same weights (WideReference), prefill and one decode step. On
@@ -361,7 +361,7 @@ def run(argv=None) -> dict:
     progress(f"weights: {result['weights_gib']:.1f} GiB in {result['phase_seconds']['weights']:.1f} s")
     save()
 
-    from k3c.codegen.launch import target_for
+    from k3c.runtime.devices import target_for
 
     ctx_max = max(prompt_len, cached + max(steps, peer_steps) + 4, args.check_len + 2)
     ps = target_for(args.device).mla_page_size

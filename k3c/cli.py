@@ -262,7 +262,7 @@ def cmd_run(args) -> int:
         if flag or args.warmup is not None:
             raise ArgumentError(f"k3c run: {flag or ('--warmup' if args.warmup else '--no-warmup')} is not "
                                 "supported with --tp/--ep yet (one process per rank)")
-        from .runtime.distributed import run_report_distributed
+        from .commands.ranks import run_report_distributed
 
         text = run_report_distributed(args.spec, tp=args.tp, ep=args.ep, weights=args.weights, batch=args.batch,
                                       prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,

@@ -236,7 +236,7 @@ def test_the_cli_checks_the_output_before_writing_dumps(tmp_path):
 # ---- quantize and the cache ----------------------------------------------------------------------------------------
 
 def test_quantize_output_policy(tmp_path):
-    from k3c.quant.checkpoint import save_quantized_checkpoint
+    from k3c.commands.quantize import save_quantized_checkpoint
 
     spec_path = tmp_path / "q.yaml"
     spec_path.write_text(open(TINY).read().split("precision:")[0] + "quantization:\n  format: mxfp4\n")

@@ -1,4 +1,5 @@
-"""`k3c quantize` and `k3c calibrate-router` (registered by k3c/cli.py; the work lives here and in checkpoint.py).
+"""`k3c quantize` and `k3c calibrate-router` (registered by k3c/cli.py). The packed checkpoint's layout and its
+reader are k3c/quant/checkpoint.py; quantize_weights / save_quantized_checkpoint here write it.
 
     k3c quantize SPEC WEIGHTS -o DIR [--rule floor|rceil] [--force]      (WEIGHTS: safetensors / HF dir)
     k3c quantize SPEC --random --seed N -o DIR                            (a random checkpoint)
@@ -11,12 +12,15 @@ the new `layers.{i}.block_sparse_moe.gate.e_score_correction_bias` (fp32) of eac
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import torch
 
 from ..errors import ArgumentError, WeightError
+from ..quant.checkpoint import MODEL_FILE, QUANT_JSON
+from ..quant.mx import BLOCK_SIZE, RULES
 
 SCORES_RE = re.compile(r"^layers\.(\d+)\.block_sparse_moe\.gate\.scores$")
 BIAS = "layers.{}.block_sparse_moe.gate.e_score_correction_bias"
@@ -47,17 +51,13 @@ def add_parsers(sub, positive, seed) -> None:
 def cmd_quantize(args) -> int:
     import k3c
 
-    from ..quant.checkpoint import save_quantized_checkpoint
-
     if args.random == bool(args.weights):
         raise ArgumentError("k3c quantize: give WEIGHTS or --random (one of them)")
     from ..outputs import QUANTIZED, check_output_dir
 
     check_output_dir(args.output, args.force, kind=QUANTIZED)         # before the weights are read
     spec = k3c.load_spec(args.spec)
-    if spec.quantization is None:
-        raise ArgumentError(f"spec '{spec.name}' has no quantization: section (add `quantization: {{format: mxfp4}}` "
-                            f"to pack its routed experts)")
+    _require_quantization(spec)
     if args.random:
         weights = k3c.init_weights(spec, seed=args.seed, dtype=torch.bfloat16)
     else:
@@ -70,6 +70,71 @@ def cmd_quantize(args) -> int:
     print(f"k3c: quantized {len(record['weights'])} weights of {spec.name} to MXFP4 ({record['rule']}) -> "
           f"{args.output}")
     return 0
+
+
+def _require_quantization(spec) -> None:
+    if spec.quantization is None:
+        raise ArgumentError(f"spec '{spec.name}' has no quantization: section (add `quantization: {{format: mxfp4}}` "
+                            f"to pack its routed experts)")
+
+
+def quantize_weights(spec, weights: dict[str, torch.Tensor], rule: str | None = None
+                     ) -> tuple[dict[str, torch.Tensor], list[str], str]:
+    """(tensors to write, quantized source names, rule) for `spec`'s quantization section. Weights already packed
+    (`P.weight_packed`, from a packed checkpoint) are kept as they are."""
+    from ..frontend.quant_check import quantized_names
+    from ..frontend.weight_names import weight_table
+    from ..ir.mxfp4_weights import packed_name
+    from ..runtime.weight_prep import quantize_stack
+
+    _require_quantization(spec)
+    rule = rule or spec.quantization.rule
+    if rule not in RULES:
+        raise ArgumentError(f"--rule must be one of {', '.join(RULES)}, got {rule!r}")
+    chosen = quantized_names(spec)
+    out: dict[str, torch.Tensor] = {}
+    for name in weight_table(spec):
+        pn, sn = packed_name(name, "weight_packed"), packed_name(name, "weight_scale")
+        if name in chosen and name not in weights and pn in weights:
+            out[pn], out[sn] = weights[pn], weights[sn]
+            continue
+        if name not in weights:
+            raise WeightError(f"weight '{name}' is missing")
+        t = weights[name]
+        if name in chosen:
+            out[pn], out[sn] = quantize_stack(name, t, rule)
+        else:
+            out[name] = t
+    return out, chosen, rule
+
+
+def save_quantized_checkpoint(spec, weights: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
+                              rule: str | None = None, force: bool = False) -> dict:
+    """Quantize per the spec and write DIR atomically; returns the quantization.json record."""
+    from safetensors.torch import save_file
+
+    from .. import __version__
+    from ..outputs import QUANTIZED, Staging, check_output_dir
+    from ..runtime.checkpoint import check_finite
+
+    out_dir = check_output_dir(out_dir, force, kind=QUANTIZED)        # before the (long) quantization
+    for name, t in weights.items():                                   # NaN experts are refused, not packed
+        check_finite(name, t, "weights")
+    tensors, chosen, rule = quantize_weights(spec, weights, rule)
+    record = {"format": "mxfp4", "rule": rule, "block": BLOCK_SIZE, "weights": chosen,
+              "k3c_version": __version__, "spec": spec.name}
+    with Staging(out_dir, overwrite=force, kind=QUANTIZED) as staging:
+        tmp = staging.dir
+        try:
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.path.join(tmp, MODEL_FILE),
+                      metadata={"format": "pt", "k3c_quantization": "mxfp4"})
+            with open(os.path.join(tmp, QUANT_JSON), "w", encoding="utf-8") as fh:
+                json.dump(record, fh, indent=2)
+                fh.write("\n")
+        except OSError as exc:
+            raise ArgumentError(f"cannot write {out_dir}: {exc.strerror}") from None
+        staging.commit()
+    return record
 
 
 def read_scores(spec, path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:

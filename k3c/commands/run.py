@@ -9,6 +9,7 @@ import sys
 import time
 
 from ..errors import ArgumentError
+from ..ir.core import DTYPE_SPELLINGS
 from ..limits import MAX_SEED
 
 
@@ -18,14 +19,14 @@ def _is_artifact(path: str) -> bool:
 
 
 def _load_model(spec_or_artifact: str, device: str = "cpu"):
-    """An artifact is loaded as it is; a spec is compiled for the device's target (cuda: launch.target_for, which
+    """An artifact is loaded as it is; a spec is compiled for the device's target (cuda: devices.target_for, which
     tells an H200 from an H100; anything else: cpu)."""
     from .. import api
 
     if _is_artifact(spec_or_artifact):
         return api.load(spec_or_artifact)
     if str(device).startswith("cuda"):
-        from ..codegen.launch import target_for
+        from ..runtime.devices import target_for
 
         target = target_for(device)
     else:
@@ -114,7 +115,8 @@ def check_run_fits(spec, device: str, **sizes) -> None:
                             f"{device} has {free / 2**30:,.2f} GiB free; use a smaller batch or shorter sequences")
 
 
-_RUN_DTYPES = {"float32": "f32", "bfloat16": "bf16"}      # --dtype -> the artifact's run dtype name
+# --dtype choices -> the artifact's run dtype name (the IR's, from its one spelling table)
+_RUN_DTYPES = {name: DTYPE_SPELLINGS[name] for name in ("float32", "bfloat16")}
 _DTYPE_NAMES = {v: k for k, v in _RUN_DTYPES.items()}
 
 
@@ -183,32 +185,12 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     import torch
     from tqdm import tqdm
 
-    from .. import load_weights
     from ..runtime import launcher
+    from ..runtime.devices import target_for, torch_dtype as to_torch_dtype
     from ..runtime.engine import Engine
-    from ..runtime.weight_prep import prepare_weights
-    from ..runtime.weights import init_weights           # takes device= (k3c.init_weights does not)
 
-    for name, v in (("--batch", batch), ("--prompt-len", prompt_len), ("--new-tokens", new_tokens),
-                    ("--prefill-chunk", prefill_chunk)):
-        if (v is not None or name != "--prefill-chunk") and (isinstance(v, bool) or not isinstance(v, int)
-                                                              or v < 1):
-            raise ArgumentError(f"{name} must be an integer >= 1, got {v!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ArgumentError(f"--seed must be an integer in [0, 2**63 - 1], got {seed!r}")
-    import re
-
-    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", device):
-        raise ArgumentError(f"--device must be cpu or cuda (cuda:N for one GPU), got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ArgumentError("--device cuda: no CUDA device is available here (use --device cpu)")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise ArgumentError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                            f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-    if kernel_policy not in launcher.POLICIES:
-        raise ArgumentError(f"kernel_policy must be one of {', '.join(launcher.POLICIES)}, got {kernel_policy!r}")
-    if kernel_policy != "artifact" and not use_kernels:
-        raise ArgumentError(f"kernel policy {kernel_policy!r} needs kernels (it cannot go with --no-kernels)")
+    _check_run_args(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, prefill_chunk=prefill_chunk, seed=seed,
+                    device=device, kernel_policy=kernel_policy, use_kernels=use_kernels)
     cuda = device.startswith("cuda")
     warmup = cuda if warmup is None else warmup
 
@@ -222,36 +204,18 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     model = _load_model(spec_or_artifact, device)
     t_model = time.perf_counter() - t
     spec = model.spec
-    if dtype is None:
-        dtype = _DTYPE_NAMES[model.run_dtypes[0]] if cuda else "float32"
-    if dtype not in _RUN_DTYPES:
-        raise ArgumentError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-    if cuda and use_kernels and kernel_policy in ("artifact", "strict") and \
-            _RUN_DTYPES[dtype] not in model.run_dtypes:
-        held = ", ".join(_DTYPE_NAMES[d] for d in model.run_dtypes)
-        raise ArgumentError(f"{spec_or_artifact}: the artifact holds kernels for {held} only; run with --dtype "
-                            f"{held.split(', ')[0]}, compile with --run-dtypes {dtype}, or pass --jit")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    dtype = _run_dtype(model, spec_or_artifact, dtype, cuda,
+                       binaries=cuda and use_kernels and kernel_policy in ("artifact", "strict"))
+    torch_dtype = to_torch_dtype(dtype, "--dtype")
     if prompt_len + new_tokens > spec.max_context:
         raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
                             f"max_context {spec.max_context}")
-    from ..codegen.launch import target_for
-
     check_run_fits(spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                    prefill_chunk=prefill_chunk, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
                    page_size=target_for(torch.device(device)).mla_page_size)
     t = time.perf_counter()
-    if weights:
-        w = load_weights(spec, weights, dtype=torch_dtype)          # host memory; the engine build moves them
-    else:
-        w = init_weights(spec, seed=seed, dtype=torch_dtype, device=device)   # drawn where they run
-    sync()
-    t_prep = time.perf_counter()
-    # what the graph reads, prepared now (float expert stacks packed to MXFP4, the float copies dropped) so that
-    # this is counted as weights, not engine build; the engine's own preparation then finds them ready
-    w = prepare_weights(model.module, w, spec)
-    sync()
-    t_weights, t_prep = time.perf_counter() - t, time.perf_counter() - t_prep
+    w, t_prep = _graph_weights(model, weights, seed, torch_dtype, device, sync)
+    t_weights = time.perf_counter() - t
     t = time.perf_counter()
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
                  use_kernels=use_kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
@@ -274,26 +238,12 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     before_timed = copy.deepcopy(launcher.stats()) if warmup else None
     run = _serve(eng, ids, new_tokens, sync, bar)
     bar.close()
-    total = copy.deepcopy(launcher.stats())
-
-    first = warm or run
-    n_decoded = run["stats"].get("decode_tokens", 0)
-    steps = run["stats"].get("decode_calls", 0)
-    finite = bool(torch.isfinite(run["last_logits"].float()).all())
-    modes = ", ".join(f"layer {layer} {mode} x{n}" for (layer, mode), n in sorted(run["modes"].items()))
+    kernels = _kernel_line(use_kernels, copy.deepcopy(launcher.stats()), before_timed)
     source = (f"artifact {spec_or_artifact} loaded, target {model.target.name}" if is_artifact else
               f"spec compiled for target {model.target.name}")
     where = (f"loaded from {weights} to host memory, moved to {device} in the engine build" if weights else
              f"random, seed {seed}, drawn on {device}") + f"; {t_prep:.2f} s of it preparing them for the graph"
-    passed = "timed pass, warm-up excluded" if warmup else "no warm-up: includes first-call costs"
-    if warmup:
-        warm_line = (f"  warm-up:         {warm['seconds']:.2f} s (untimed pass of the same requests: prefill "
-                     f"{batch} x {prompt_len}, {warm['stats'].get('decode_calls', 0)} decode steps; JIT, CUDA "
-                     f"graph capture; its TTFT {warm['ttft'] * 1e3:,.1f} ms)")
-    else:
-        warm_line = ("  warm-up:         skipped (--no-warmup, the default on a CPU): the rates below include "
-                     "first-call costs")
-    lines = [
+    head = [
         f"k3c run: {spec.name} ({spec.num_layers} layers: {spec.layer_kinds.count('kda')} KDA, "
         f"{spec.layer_kinds.count('mla')} MLA) on {device}, {dtype}, weights: {weights or f'random (seed {seed})'}",
         f"  executor:        {eng.describe()}",
@@ -302,15 +252,101 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
         f"  model:           {t_model:.2f} s ({source})",
         f"  engine build:    {t_engine:.2f} s (graph, kernels bound, MLA page pool; kernel policy "
         f"{kernel_policy})",
+    ]
+    return "\n".join(head + _pass_lines(eng, warm, run, batch, prompt_len, t_model + t_engine, kernels, device))
+
+
+def _check_run_args(*, batch, prompt_len, new_tokens, prefill_chunk, seed, device, kernel_policy,
+                    use_kernels) -> None:
+    """ArgumentError for a `k3c run` argument out of range, before anything is loaded."""
+    import re
+
+    import torch
+
+    from ..runtime import launcher
+
+    for name, v in (("--batch", batch), ("--prompt-len", prompt_len), ("--new-tokens", new_tokens),
+                    ("--prefill-chunk", prefill_chunk)):
+        if (v is not None or name != "--prefill-chunk") and (isinstance(v, bool) or not isinstance(v, int)
+                                                              or v < 1):
+            raise ArgumentError(f"{name} must be an integer >= 1, got {v!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ArgumentError(f"--seed must be an integer in [0, 2**63 - 1], got {seed!r}")
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", device):
+        raise ArgumentError(f"--device must be cpu or cuda (cuda:N for one GPU), got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ArgumentError("--device cuda: no CUDA device is available here (use --device cpu)")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ArgumentError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                            f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    if kernel_policy not in launcher.POLICIES:
+        raise ArgumentError(f"kernel_policy must be one of {', '.join(launcher.POLICIES)}, got {kernel_policy!r}")
+    if kernel_policy != "artifact" and not use_kernels:
+        raise ArgumentError(f"kernel policy {kernel_policy!r} needs kernels (it cannot go with --no-kernels)")
+
+
+def _run_dtype(model, spec_or_artifact: str, dtype: str | None, cuda: bool, *, binaries: bool) -> str:
+    """--dtype, checked; None = the artifact's first run dtype on a GPU, float32 on a CPU. `binaries`: the run
+    takes the artifact's kernels, so the dtype must be one the artifact holds."""
+    if dtype is None:
+        dtype = _DTYPE_NAMES[model.run_dtypes[0]] if cuda else "float32"
+    if dtype not in _RUN_DTYPES:
+        raise ArgumentError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if binaries and _RUN_DTYPES[dtype] not in model.run_dtypes:
+        held = ", ".join(_DTYPE_NAMES[d] for d in model.run_dtypes)
+        raise ArgumentError(f"{spec_or_artifact}: the artifact holds kernels for {held} only; run with --dtype "
+                            f"{held.split(', ')[0]}, compile with --run-dtypes {dtype}, or pass --jit")
+    return dtype
+
+
+def _graph_weights(model, weights: str | None, seed: int, dtype, device: str, sync) -> tuple[dict, float]:
+    """(what the graph reads, prepared; the seconds the preparation took): loaded to host memory (the engine build
+    moves them) or drawn where they run, then prepared now (float expert stacks packed to MXFP4, the float copies
+    dropped) so that this is counted as weights, not engine build; the engine's own preparation finds them ready."""
+    from .. import load_weights
+    from ..runtime.weight_prep import prepare_weights
+    from ..runtime.weights import init_weights           # takes device= (k3c.init_weights does not)
+
+    if weights:
+        w = load_weights(model.spec, weights, dtype=dtype)
+    else:
+        w = init_weights(model.spec, seed=seed, dtype=dtype, device=device)
+    sync()
+    t = time.perf_counter()
+    w = prepare_weights(model.module, w, model.spec)
+    sync()
+    return w, time.perf_counter() - t
+
+
+def _pass_lines(eng, warm: dict | None, run: dict, batch: int, prompt_len: int, build_s: float, kernels: str,
+                device: str) -> list[str]:
+    """The report's lines on the passes: the warm-up, TTFT and rates of the timed pass, kernels, memory, MLA."""
+    import torch
+
+    spec = eng.spec
+    first = warm or run
+    n_decoded = run["stats"].get("decode_tokens", 0)
+    steps = run["stats"].get("decode_calls", 0)
+    finite = bool(torch.isfinite(run["last_logits"].float()).all())
+    modes = ", ".join(f"layer {layer} {mode} x{n}" for (layer, mode), n in sorted(run["modes"].items()))
+    passed = "timed pass, warm-up excluded" if warm else "no warm-up: includes first-call costs"
+    if warm:
+        warm_line = (f"  warm-up:         {warm['seconds']:.2f} s (untimed pass of the same requests: prefill "
+                     f"{batch} x {prompt_len}, {warm['stats'].get('decode_calls', 0)} decode steps; JIT, CUDA "
+                     f"graph capture; its TTFT {warm['ttft'] * 1e3:,.1f} ms)")
+    else:
+        warm_line = ("  warm-up:         skipped (--no-warmup, the default on a CPU): the rates below include "
+                     "first-call costs")
+    return [
         warm_line,
-        f"  cold TTFT:       {(t_model + t_engine + first['ttft']) * 1e3:,.1f} ms (model + engine build + the first "
+        f"  cold TTFT:       {(build_s + first['ttft']) * 1e3:,.1f} ms (model + engine build + the first "
         f"pass's prefill; weights excluded)",
         f"  TTFT:            {run['ttft'] * 1e3:,.1f} ms ({passed})",
         f"  prefill:         {batch * prompt_len / run['ttft']:,.1f} tokens/s ({batch} x {prompt_len} tokens / TTFT; "
         f"{passed})",
         (f"  decode:          {n_decoded / run['decode_s']:,.1f} tokens/s ({n_decoded} tokens in {steps} steps after "
          f"the first token; {passed})" if n_decoded else "  decode:          (none: one new token is the prefill's)"),
-        _kernel_line(use_kernels, total, before_timed),
+        kernels,
         f"  peak memory:     {_peak_memory_bytes(device) / 2**20:,.1f} MiB",
         (f"  MLA cache:       {eng.pool.num_pages} pages of {eng.pool.page_size} tokens "
          f"({eng.pool.num_pages * eng.pool.page_bytes / 2**20:,.1f} MiB)" if "mla" in spec.layer_kinds
@@ -320,4 +356,3 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
         f"  logits finite:   {finite}",
         f"  tokens[0]:       {run['tokens'][0].tolist()}",
     ]
-    return "\n".join(lines)

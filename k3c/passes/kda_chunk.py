@@ -52,7 +52,7 @@ def kda_chunk(module: Module, ctx: PassContext) -> Module:
             gate = proj(x, "g_proj.weight", "g")
         else:
             gate = proj(proj(x, "g_a_proj.weight", "g_a"), "g_b_proj.weight", "g_b")
-        xdt = _DTYPES.get(b.types[x].dtype, "bf16")
+        xdt = IR_DTYPES.get(b.types[x].dtype, "bf16")
         plan = kda_plan(a["head_dim"], xdt, target)
         attn_attrs = {**common, "num_heads": a["num_heads"], "head_dim": a["head_dim"],
                       "conv_kernel": a["conv_kernel"], "gate": a["gate"], "gate_lower_bound": a["gate_lower_bound"],

@@ -22,7 +22,7 @@ from ..frontend.weight_names import model_weights
 from .attnres import attn_res_mix
 from .kda import KDAMode, KDAState, kda_layer
 from .mla import MLAMode, mla_layer
-from .moe import mlp, moe_layer
+from .moe import ChooseExperts, mlp, moe_layer
 from .norms import acc_dtype, linear, rms_norm
 
 LayerCache = KDAState | torch.Tensor
@@ -30,7 +30,7 @@ LayerCache = KDAState | torch.Tensor
 
 class InputError(ArgumentError, ValueError):
     """Bad input ids or cache for the reference model: an ArgumentError (a user error, exit 2 through the CLI),
-    and a ValueError as these checks raised before."""
+    and a ValueError (what Python callers catch for a bad argument value)."""
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,12 @@ def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
 class ReferenceModel:
     """Eager semantics of a spec. `weights`: every name of weight_names.model_weights(spec) (extra names are
     ignored). dtype: compute dtype (default: the embedding's); "fp32" weights stay fp32 (float64 in a float64 run).
-    kda_mode / chunk_size pick the KDA form (auto: recurrent for single tokens); mla_mode "mha" or "mqa"."""
+    kda_mode / chunk_size pick the KDA form (auto: recurrent for single tokens); mla_mode "mha" or "mqa".
+    choose_experts: given to every router call (moe.route), e.g. a routing replay's `choose`."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
-                 kda_mode: KDAMode = "auto", chunk_size: int = 64, mla_mode: MLAMode = "mha"):
+                 kda_mode: KDAMode = "auto", chunk_size: int = 64, mla_mode: MLAMode = "mha",
+                 choose_experts: ChooseExperts | None = None):
         infos = model_weights(spec)
         missing = [i.name for i in infos if i.name not in weights]
         if missing:
@@ -71,6 +73,7 @@ class ReferenceModel:
         self.w = {i.name: weights[i.name].to(acc_dtype(self.dtype) if i.dtype == "fp32" else self.dtype)
                   for i in infos}
         self.kda_mode, self.chunk_size, self.mla_mode = kda_mode, chunk_size, mla_mode
+        self.choose_experts = choose_experts
         self.attn_w = [strip_prefix(self.w, f"layers.{i}.self_attn.") for i in range(spec.num_layers)]
         self.ffn_w = [strip_prefix(self.w, f"layers.{i}.block_sparse_moe." if spec.is_moe_layer(i)
                                    else f"layers.{i}.mlp.") for i in range(spec.num_layers)]
@@ -90,7 +93,8 @@ class ReferenceModel:
         spec = self.spec
         xn = rms_norm(x, self.w[f"layers.{i}.post_attention_layernorm.weight"], spec.rms_norm_eps)
         if spec.is_moe_layer(i):
-            return moe_layer(xn, self.ffn_w[i], spec.mlp.moe, spec.mlp.activation, spec.rms_norm_eps)
+            return moe_layer(xn, self.ffn_w[i], spec.mlp.moe, spec.mlp.activation, spec.rms_norm_eps,
+                             self.choose_experts)
         return mlp(xn, self.ffn_w[i], spec.mlp.activation)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -22,15 +22,16 @@ import contextlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import WeightError
-from ..ir.ops import packed_name
+from ..ir.mxfp4_weights import packed_name
 from ..paths import regular_file
 from ..frontend.spec import ModelSpec
 from ..frontend.weight_names import WeightInfo, weight_table
+from .devices import torch_dtype
 
 __all__ = ["load_weights", "save_k3_checkpoint", "k3_checkpoint_names", "PICKLE_SUFFIXES"]
 
@@ -45,9 +46,6 @@ _IGNORED_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_m
                      "model.vision_tower.", "model.vision_model.", "model.mm_projector.",
                      "model.multi_modal_projector.", "language_model.vision_tower.")
 _PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape")
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
 
 def _weight_error(message: str) -> WeightError:
@@ -149,13 +147,10 @@ def _read_index(index: str) -> tuple[list[str], dict[str, str]]:
 
 
 def _to_dtype(dtype) -> torch.dtype | None:
+    """None or a torch dtype as given; a name (any case) through the dtype table (k3c.runtime.devices)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    from ..errors import ArgumentError
-
-    raise ArgumentError(f"unknown dtype {dtype!r}; use a torch dtype or one of {', '.join(sorted(_DTYPES))}")
+    return torch_dtype(dtype.lower() if isinstance(dtype, str) else dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,8 +282,6 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
     table marks fp32 (A_log, dt_bias, e_score_correction_bias) are always float32.
     strict: unexpected tensors are errors (True) or ignored (False); missing tensors are always errors.
     """
-    from safetensors import safe_open
-
     path = os.fspath(path)
     target = _to_dtype(dtype)
     files, weight_map = _resolve_files(path)
@@ -299,125 +292,22 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
         from ..quant.checkpoint import read_quantization_json
 
         record = read_quantization_json(path)
-    known = {**table, **packed_table}
-
     with contextlib.ExitStack() as stack:
-        handles = {}
-        where: dict[str, str] = {}
-        for f in files:
-            try:
-                h = stack.enter_context(safe_open(f, framework="pt"))
-            except Exception as exc:  # safetensors raises its own error types for a bad header
-                raise _weight_error(f"{f}: not a readable safetensors file ({exc})") from None
-            handles[f] = h
-            for k in h.keys():
-                if k in where:
-                    raise _weight_error(f"tensor '{k}' is stored twice: in {where[k]} and {f}")
-                where[k] = f
-        if weight_map is not None:
-            for k, f in weight_map.items():
-                if where.get(k) != f:
-                    raise _weight_error(f"{path}: the index maps '{k}' to {os.path.basename(f)}, but "
-                                      f"{'that file does not hold it' if k not in where else 'it is in ' + where[k]}")
-
-        def get(key: str) -> torch.Tensor:
-            return handles[where[key]].get_tensor(key)
-
-        # -- plan: canonical name -> sources -------------------------------------------------------------
-        direct: dict[str, _Src] = {}
-        experts: dict[str, dict[int, _Src]] = {}
-        fused: dict[str, _Src] = {}            # canonical name -> the fused source it is cut from
-        unexpected: list[tuple[str, str]] = []
-
-        owner: dict[str, _Src] = {}            # canonical name -> first source claiming it
-
-        def claim(canon: str, src: _Src) -> None:
-            prev = owner.setdefault(canon, src)
-            if prev is not src and not (prev.how == src.how == "expert"):
-                raise _weight_error(f"{path}: tensors '{prev.key}' and '{src.key}' both give k3c weight '{canon}'")
-
-        for key in sorted(where):
-            src = _normalize(spec, key)
-            if src is None:
-                continue
-            if src.how in ("direct", "expert"):
-                if src.canon == "lm_head.weight" and spec.tie_word_embeddings:
-                    continue                        # tied: the embedding is the head
-                if src.canon not in known or (src.how == "expert" and src.expert >= known[src.canon].shape[0]):
-                    suffix = f"[{src.expert}]" if src.how == "expert" else ""
-                    unexpected.append((key, src.canon + suffix))
-                    continue
-                claim(src.canon, src)
-                if src.how == "direct":
-                    direct[src.canon] = src
-                    continue
-                slot = experts.setdefault(src.canon, {})
-                if src.expert in slot:
-                    raise _weight_error(f"{path}: tensors '{slot[src.expert].key}' and '{key}' are both expert "
-                                      f"{src.expert} of '{src.canon}'")
-                slot[src.expert] = src
-            else:
-                parts = ("w1", "w3") if src.how == "gate_up" else ("q_conv1d.weight", "k_conv1d.weight",
-                                                                   "v_conv1d.weight")
-                names = [src.canon + part for part in parts]
-                if not all(n in table for n in names):
-                    unexpected.append((key, names[0]))
-                    continue
-                for n in names:
-                    claim(n, src)
-                    fused[n] = src
-
-        if unexpected and strict:
-            key, canon = unexpected[0]
-            more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-            raise _weight_error(f"{where[key]}: unexpected tensor '{key}' (k3c name '{canon}' is not a weight of "
-                              f"spec '{spec.name}'){more}")
-
-        # -- load ---------------------------------------------------------------------------------------------
+        stored = _open_stored(stack, files, weight_map, path)
+        sources = _plan_sources(spec, stored, table, {**table, **packed_table}, path)
+        if sources.unexpected and strict:
+            key, canon = sources.unexpected[0]
+            more = f" (and {len(sources.unexpected) - 1} more)" if len(sources.unexpected) > 1 else ""
+            raise _weight_error(f"{stored.where[key]}: unexpected tensor '{key}' (k3c name '{canon}' is not a weight "
+                              f"of spec '{spec.name}'){more}")
         out: dict[str, torch.Tensor] = {}
-        cache: dict[str, torch.Tensor] = {}
+        fused_cache: dict[str, torch.Tensor] = {}
         for name, info in table.items():
-            want = torch.float32 if info.dtype == "fp32" else target
-            if name in direct:
-                src = direct[name]
-                t = _fit(get(src.key), info, info.shape, src.key, where[src.key])
-            elif name in fused:
-                src = fused[name]
-                if src.key not in cache:
-                    cache[src.key] = get(src.key)
-                t = _cut(cache[src.key], info, src, where[src.key], spec)
-            elif info.kind in ("experts", "linear") and (packed_name(name, "weight_packed") in owner
-                                                         or packed_name(name, "weight_scale") in owner):
-                for part in ("weight_packed", "weight_scale"):
-                    pname = packed_name(name, part)
-                    if pname not in owner:
-                        other = owner[packed_name(name, "weight_packed" if part == "weight_scale" else "weight_scale")]
-                        raise _weight_error(f"{path}: '{other.key}' has no matching {part} tensor (k3c '{pname}')")
-                    out[pname] = _load_packed(pname, packed_table[pname], direct.get(pname), experts.get(pname),
-                                              get, where, path)
-                if name in direct or name in experts:
-                    raise _weight_error(f"{path}: '{name}' is given both as floats and MXFP4-packed")
+            if _given_packed(name, info, sources):
+                out.update(_load_packed_pair(name, packed_table, sources, stored, path))
                 continue
-            elif name in experts:
-                slot = experts[name]
-                n = info.shape[0]
-                missing = [e for e in range(n) if e not in slot]
-                if missing:
-                    prefix, _, proj = name.rpartition(".")
-                    raise _weight_error(f"{path}: missing tensor for expert {missing[0]} of '{name}' (k3c), e.g. "
-                                      f"'{K3_PREFIX}{prefix}.{missing[0]}.{proj}.weight'"
-                                      f"{f' ({len(missing)} experts missing)' if len(missing) > 1 else ''}; "
-                                      f"expected {n} experts of shape {_fmt(info.shape[1:])}")
-                t = None
-                for e in range(n):
-                    src = slot[e]
-                    part = _fit(get(src.key), info, info.shape[1:], src.key, where[src.key])
-                    if t is None:
-                        t = torch.empty(info.shape, dtype=want or part.dtype)
-                    t[e].copy_(part)
-            else:
-                raise _weight_error(f"{path}: missing tensor '{name}' (k3c name; K3 layout "
-                                  f"'{k3_checkpoint_names(spec)[name][0]}'), expected shape {_fmt(info.shape)}")
+            want = torch.float32 if info.dtype == "fp32" else target
+            t = _load_float(name, info, sources, stored, path, spec, want, fused_cache)
             if want is not None and t.dtype != want:
                 t = t.to(want)
             out[name] = check_finite(name, t.contiguous(), path)
@@ -428,10 +318,151 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
         return out
 
 
+@dataclass
+class _Stored:
+    """The tensors of a checkpoint's files: which file holds each name (each name stored once), open handles."""
+    handles: dict
+    where: dict[str, str]
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.handles[self.where[key]].get_tensor(key)
+
+
+def _open_stored(stack: contextlib.ExitStack, files: list[str], weight_map: dict[str, str] | None,
+                 path: str) -> _Stored:
+    """Every file opened on `stack`; a name stored twice, or an index that disagrees with the files, is refused."""
+    from safetensors import safe_open
+
+    handles, where = {}, {}
+    for f in files:
+        try:
+            h = stack.enter_context(safe_open(f, framework="pt"))
+        except Exception as exc:  # safetensors raises its own error types for a bad header
+            raise _weight_error(f"{f}: not a readable safetensors file ({exc})") from None
+        handles[f] = h
+        for k in h.keys():
+            if k in where:
+                raise _weight_error(f"tensor '{k}' is stored twice: in {where[k]} and {f}")
+            where[k] = f
+    if weight_map is not None:
+        for k, f in weight_map.items():
+            if where.get(k) != f:
+                raise _weight_error(f"{path}: the index maps '{k}' to {os.path.basename(f)}, but "
+                                  f"{'that file does not hold it' if k not in where else 'it is in ' + where[k]}")
+    return _Stored(handles, where)
+
+
+@dataclass
+class _Sources:
+    """Where each canonical weight comes from in one checkpoint (load_weights' plan, made before any tensor is read)."""
+    direct: dict[str, _Src] = field(default_factory=dict)
+    experts: dict[str, dict[int, _Src]] = field(default_factory=dict)     # per-expert tensors of a stack
+    fused: dict[str, _Src] = field(default_factory=dict)        # canonical name -> the fused source it is cut from
+    owner: dict[str, _Src] = field(default_factory=dict)        # canonical name -> first source claiming it
+    unexpected: list[tuple[str, str]] = field(default_factory=list)
+
+    def claim(self, canon: str, src: _Src, path: str) -> None:
+        prev = self.owner.setdefault(canon, src)
+        if prev is not src and not (prev.how == src.how == "expert"):
+            raise _weight_error(f"{path}: tensors '{prev.key}' and '{src.key}' both give k3c weight '{canon}'")
+
+
+def _plan_sources(spec: ModelSpec, stored: _Stored, table: dict[str, WeightInfo], known: dict[str, WeightInfo],
+                  path: str) -> _Sources:
+    """Each stored tensor's canonical destination (`known`: the float table and its packed names)."""
+    out = _Sources()
+    for key in sorted(stored.where):
+        src = _normalize(spec, key)
+        if src is None:
+            continue
+        if src.how in ("direct", "expert"):
+            if src.canon == "lm_head.weight" and spec.tie_word_embeddings:
+                continue                        # tied: the embedding is the head
+            if src.canon not in known or (src.how == "expert" and src.expert >= known[src.canon].shape[0]):
+                suffix = f"[{src.expert}]" if src.how == "expert" else ""
+                out.unexpected.append((key, src.canon + suffix))
+                continue
+            out.claim(src.canon, src, path)
+            if src.how == "direct":
+                out.direct[src.canon] = src
+                continue
+            slot = out.experts.setdefault(src.canon, {})
+            if src.expert in slot:
+                raise _weight_error(f"{path}: tensors '{slot[src.expert].key}' and '{key}' are both expert "
+                                  f"{src.expert} of '{src.canon}'")
+            slot[src.expert] = src
+        else:
+            parts = ("w1", "w3") if src.how == "gate_up" else ("q_conv1d.weight", "k_conv1d.weight",
+                                                               "v_conv1d.weight")
+            names = [src.canon + part for part in parts]
+            if not all(n in table for n in names):
+                out.unexpected.append((key, names[0]))
+                continue
+            for n in names:
+                out.claim(n, src, path)
+                out.fused[n] = src
+    return out
+
+
+def _given_packed(name: str, info: WeightInfo, sources: _Sources) -> bool:
+    """The checkpoint gives `name` as MXFP4 (either part; a float tensor of the same name is read instead)."""
+    return (name not in sources.direct and name not in sources.fused and info.kind in ("experts", "linear")
+            and any(packed_name(name, part) in sources.owner for part in ("weight_packed", "weight_scale")))
+
+
+def _load_packed_pair(name: str, packed_table: dict[str, WeightInfo], sources: _Sources, stored: _Stored,
+                      path: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for part in ("weight_packed", "weight_scale"):
+        pname = packed_name(name, part)
+        if pname not in sources.owner:
+            other = sources.owner[packed_name(name, "weight_packed" if part == "weight_scale" else "weight_scale")]
+            raise _weight_error(f"{path}: '{other.key}' has no matching {part} tensor (k3c '{pname}')")
+        out[pname] = _load_packed(pname, packed_table[pname], sources.direct.get(pname), sources.experts.get(pname),
+                                  stored.get, stored.where, path)
+    if name in sources.experts:
+        raise _weight_error(f"{path}: '{name}' is given both as floats and MXFP4-packed")
+    return out
+
+
+def _load_float(name: str, info: WeightInfo, sources: _Sources, stored: _Stored, path: str, spec: ModelSpec,
+                want: torch.dtype | None, fused_cache: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Canonical float weight `name` from its direct tensor, its fused source, or its per-expert tensors."""
+    where = stored.where
+    if name in sources.direct:
+        src = sources.direct[name]
+        return _fit(stored.get(src.key), info, info.shape, src.key, where[src.key])
+    if name in sources.fused:
+        src = sources.fused[name]
+        if src.key not in fused_cache:
+            fused_cache[src.key] = stored.get(src.key)
+        return _cut(fused_cache[src.key], info, src, where[src.key], spec)
+    if name not in sources.experts:
+        raise _weight_error(f"{path}: missing tensor '{name}' (k3c name; K3 layout "
+                          f"'{k3_checkpoint_names(spec)[name][0]}'), expected shape {_fmt(info.shape)}")
+    slot = sources.experts[name]
+    n = info.shape[0]
+    missing = [e for e in range(n) if e not in slot]
+    if missing:
+        prefix, _, proj = name.rpartition(".")
+        raise _weight_error(f"{path}: missing tensor for expert {missing[0]} of '{name}' (k3c), e.g. "
+                          f"'{K3_PREFIX}{prefix}.{missing[0]}.{proj}.weight'"
+                          f"{f' ({len(missing)} experts missing)' if len(missing) > 1 else ''}; "
+                          f"expected {n} experts of shape {_fmt(info.shape[1:])}")
+    t = None
+    for e in range(n):
+        src = slot[e]
+        part = _fit(stored.get(src.key), info, info.shape[1:], src.key, where[src.key])
+        if t is None:
+            t = torch.empty(info.shape, dtype=want or part.dtype)
+        t[e].copy_(part)
+    return t
+
+
 def packed_infos(table: dict[str, WeightInfo]) -> dict[str, WeightInfo]:
     """`P.weight_packed` u8 [E, out, in/2] and `P.weight_scale` u8 [E, out, in/32] for every expert stack P, and
     `X.weight_packed` u8 [out, in/2] / `X.weight_scale` u8 [out, in/32] for every linear `X.weight` (kind
-    "packed_linear"; k3c.ir.ops.packed_name)."""
+    "packed_linear"; k3c.ir.mxfp4_weights.packed_name)."""
     out = {}
     for name, info in table.items():
         if info.kind in ("experts", "linear") and info.shape[-1] % 32 == 0:
@@ -513,7 +544,7 @@ def save_k3_checkpoint(spec: ModelSpec, weights: dict[str, torch.Tensor], out_di
     model.safetensors.index.json. Returns the directory."""
     from safetensors.torch import save_file
 
-    from ..frontend.hf_config import spec_to_hf_config
+    from ..frontend.hf_export import spec_to_hf_config
 
     out_dir = os.fspath(out_dir)
     table = weight_table(spec)

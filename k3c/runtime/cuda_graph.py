@@ -10,7 +10,7 @@ replayed, so a step costs one graph launch instead of ~170 kernel launches and t
 What makes the step capturable (the executor's graph is unchanged; only the cache entries differ):
   - every input lives in a static buffer owned here: token ids [B, 1], per KDA layer the recurrent state and conv
     tails (KDAState), per MLA layer the page pool [pages, PS, L+R] and one block table i32 [B, max_pages], and the
-    lengths i32 [B] on the device (kernels/mla.py: DeviceLenLatentCache), shared by the MLA layers;
+    lengths i32 [B] on the device (kernel_impls/mla.py: DeviceLenLatentCache), shared by the MLA layers;
   - the MLA kernels read the lengths from that tensor and size their grid for the bucket's max length (no
     `torch.tensor(lens)` host copy, no grid that grows with the context); the mode is MQA;
   - the step's new KDA states (the kernels return new tensors) are copied back into the static state buffers and
@@ -44,12 +44,13 @@ from ..reference.kda import KDAState, kda_zero_state
 # ops whose decode path has a host sync or a data-dependent shape on every impl / on the torch impl
 _COLLECTIVES = ("all_reduce", "all_gather", "seq_scatter", "reduce_scatter", "seq_gather")
 _TORCH_SYNCS = {
-    "mla_absorbed": "MLA torch path (kernels/mla.py reference_mla_absorbed: torch.tensor(lens) host copy, "
+    "mla_absorbed": "MLA torch path (kernel_impls/mla.py torch_mla_absorbed: torch.tensor(lens) host copy, "
                     "gather of max(lens) rows: a shape that grows every step)",
-    "moe_route": "MoE torch routing (kernels/moe.py torch_route: boolean-mask indexing, a data-dependent shape)",
-    "moe_gate_up": "MoE torch grouped GEMM (kernels/moe.py _segments: off[0].tolist() host sync, a loop over "
+    "moe_route": "MoE torch routing (kernel_impls/moe.py torch_route: boolean-mask indexing, a data-dependent "
+                 "shape)",
+    "moe_gate_up": "MoE torch grouped GEMM (kernel_impls/moe.py _segments: off[0].tolist() host sync, a loop over "
                    "the experts that have tokens)",
-    "moe_down": "MoE torch grouped GEMM (kernels/moe.py _segments: off[0].tolist() host sync)",
+    "moe_down": "MoE torch grouped GEMM (kernel_impls/moe.py _segments: off[0].tolist() host sync)",
 }
 
 
@@ -207,7 +208,7 @@ class DecodeGraph:
                  dtype: torch.dtype | None = None, page_size: int | None = None,
                  buckets: Sequence[int] | None = None, backend=None, strict: bool = False,
                  pools: dict[int, torch.Tensor] | None = None):
-        from ..codegen.launch import target_for
+        from .devices import target_for
 
         if batch < 1 or capacity < 1:
             raise ArgumentError(f"batch and capacity must be positive, got {batch}, {capacity}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..analysis.cost import mla_mode_costs
-from ..codegen.launch import target_for
+from .devices import target_for
 from ..errors import ArgumentError
 from .block_pool import BlockPool, CacheFullError
 from .executor import LayerCaches
@@ -42,7 +42,7 @@ def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
         whole batch at the mean cached length (exact: the cost is affine in the cached length);
       - MHA of equal lengths is one batched call too; of mixed lengths it runs one sequence at a time (each expands
         K/V from its own rows and reads W_kvb again): the sum of the per-sequence costs, B x the mean's.
-    A mixed batch used to take the first sequence's choice."""
+    Every sequence counts: the first sequence's own choice can be the slower one for the batch."""
     b = len(cached)
     mean = sum(cached) / b
     both = mla_mode_costs(attrs, new, mean, target, batch=b)

@@ -3,8 +3,11 @@ read with get_attr, so `gm.code` reads like the IR and fx tooling works on it.
 
 The graph's signature is `forward(input_ids, cache)`: `cache` (LayerCaches) carries the per-layer KDA states and
 MLA latent caches across calls; stateful ops read the entry for their `layer` attr and store the new one.
-Op implementations are the eager reference for layer ops until the kernel issues register Triton launchers
-(`register_impl(op_name, fn)` replaces one).
+
+An op's implementation is `fn(attrs, cache, data inputs (tuple), params {role: tensor})`: for ops the `codegen`
+pass marks impl="kernel", kernel_impls.KERNEL_IMPLS (the generated kernels); for every other op TORCH_IMPLS, this
+module's LAYER_IMPLS (the layer ops and the shard pass's collectives, each a call into k3c.reference or
+k3c.runtime.distributed) with kernel_impls.TORCH_IMPLS (the kernel families' ops).
 """
 from __future__ import annotations
 
@@ -18,8 +21,11 @@ import torch.fx as fx
 from ..errors import IRError
 from ..frontend.spec import ActivationSpec, KDASpec, MLASpec, MoESpec
 from ..ir import Module
-from ..ir.ops import get_op_def
+from ..ir.mxfp4_weights import is_mxfp4
+from ..ir.ops import bind, get_op_def
 from .. import reference as ref
+from . import distributed, kernel_impls, routing_replay
+from .kernel_impls import mxfp4_linear
 
 
 class LayerCaches:
@@ -36,50 +42,43 @@ class LayerCaches:
         return out
 
 
-# ---- op implementations: fn(attrs, cache, data inputs (tuple), params {role: tensor}) ------------------------------------------------------------
-def _activation(a: dict) -> ActivationSpec:
-    if a["activation"] == "situ":
-        return ActivationSpec("situ", a["situ_beta_gate"], a["situ_beta_up"])
-    return ActivationSpec(a["activation"])
-
-
-def k3c_embedding(a, cache, data, w):
+# ---- the layer ops' torch path ---------------------------------------------------------------------------------
+def torch_embedding(a, cache, data, w):
     return w["embed_tokens.weight"][data[0]]
 
 
-def k3c_rmsnorm(a, cache, data, w):
+def torch_rmsnorm(a, cache, data, w):
     return ref.rms_norm(data[0], w["weight"], a["eps"])
 
 
-def k3c_add(a, cache, data, w):
+def torch_add(a, cache, data, w):
     return data[0] + data[1]
 
 
-def k3c_lm_head(a, cache, data, w):
+def torch_lm_head(a, cache, data, w):
+    """Float weights: the reference linear; MXFP4 (weight_format "mxfp4"): kernel_impls.mxfp4_linear's form."""
+    if is_mxfp4(a):
+        return mxfp4_linear.torch_lm_head(a, data, w)
     return ref.linear(data[0], w["embed_tokens.weight" if a["tied"] else "lm_head.weight"])
 
 
-def k3c_kda(a, cache, data, w):
-    x = data[0]
-    cfg = KDASpec(num_heads=a["num_heads"], head_dim=a["head_dim"], conv_kernel=a["conv_kernel"], gate=a["gate"],
-                  gate_lower_bound=a["gate_lower_bound"], output_gate=a["output_gate"])
-    y, state = ref.kda_layer(x, w, cfg, a["norm_eps"], cache.layers[a["layer"]])
+def torch_kda(a, cache, data, w):
+    y, state = ref.kda_layer(data[0], w, KDASpec.from_attrs(a), a["norm_eps"], cache.layers[a["layer"]])
     cache.layers[a["layer"]] = state
     return y
 
 
-def k3c_mla(a, cache, data, w):
-    x = data[0]
-    cfg = MLASpec(num_heads=a["num_heads"], kv_lora_rank=a["kv_lora_rank"], qk_nope_head_dim=a["qk_nope_head_dim"],
-                  qk_rope_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"], q_lora_rank=a["q_lora_rank"],
-                  rope=a["rope"], output_gate=a["output_gate"])
-    y, latent = ref.mla_layer(x, w, cfg, cache.layers[a["layer"]])
+def torch_mla(a, cache, data, w):
+    y, latent = ref.mla_layer(data[0], w, MLASpec.from_attrs(a), cache.layers[a["layer"]])
     cache.layers[a["layer"]] = latent
     return y
 
 
-def k3c_mlp(a, cache, data, w):
-    return ref.mlp(data[0], w, _activation(a))
+def torch_mlp(a, cache, data, w):
+    """Float weights: the reference MLP; MXFP4 (weight_format "mxfp4"): kernel_impls.mxfp4_linear's form."""
+    if is_mxfp4(a):
+        return mxfp4_linear.torch_mlp(a, data, w)
+    return ref.mlp(data[0], w, ActivationSpec.from_attrs(a))
 
 
 def _mxfp4_experts(w: dict) -> dict:
@@ -93,66 +92,72 @@ def _mxfp4_experts(w: dict) -> dict:
     return out
 
 
-def k3c_moe(a, cache, data, w):
+def torch_moe(a, cache, data, w):
+    """The layer-level moe op (graphs without moe-lower) through the reference MoE: MXFP4 dense linears
+    (`mxfp4_linears`) dequantized first, MXFP4 expert stacks dequantized lazily; an active routing replay chooses
+    the experts; with EP, this rank's experts and the routed combine all-reduced over the EP group."""
     x = data[0]
+    roles = tuple(a.get("mxfp4_linears", ()) or ())
+    if roles:
+        w = mxfp4_linear.dequantized(w, roles, x.dtype)
     if a.get("expert_format", "bf16") == "mxfp4":
         w = _mxfp4_experts(w)
-    cfg = MoESpec(num_experts=a["num_experts"], top_k=a["top_k"], expert_intermediate_size=w["experts.w1"].shape[1],
-                  num_shared_experts=a["num_shared_experts"], latent_dim=a["latent_dim"],
-                  latent_norm=a["latent_norm"], router_activation=a["router_activation"],
-                  router_bias=a["router_bias"], renormalize=a["renormalize"],
-                  routed_scaling_factor=a["routed_scaling_factor"])
-    if a.get("ep_size", 1) > 1:     # this rank's experts only; the routed combine is all-reduced over EP
-        from .distributed import moe_layer_ep
-
-        return moe_layer_ep(x, w, cfg, _activation(a), a["norm_eps"], a["ep_rank"], a["ep_size"])
-    return ref.moe_layer(x, w, cfg, _activation(a), a["norm_eps"])
+    cfg = MoESpec.from_attrs(a, w["experts.w1"].shape[1])
+    act, choose = ActivationSpec.from_attrs(a), routing_replay.active_choice()
+    ep_size = a.get("ep_size", 1)
+    if ep_size > 1:
+        return ref.moe_layer_ep(x, w, cfg, act, a["norm_eps"], a["ep_rank"],
+                                lambda u: distributed.all_reduce(u, "ep", ep_size), choose)
+    return ref.moe_layer(x, w, cfg, act, a["norm_eps"], choose)
 
 
-def k3c_rmsnorm_residual(a, cache, data, w):
+def torch_rmsnorm_residual(a, cache, data, w):
     s = data[0] + data[1]
     return s, ref.rms_norm(s, w["weight"], a["eps"])
 
 
-def k3c_attn_res_mix(a, cache, data, w):
+def torch_attn_res_mix(a, cache, data, w):
     return ref.attn_res_mix(list(data), w["proj_weight"], w["norm_weight"], a["eps"])
 
 
-IMPLS: dict[str, Callable] = {
-    "embedding": k3c_embedding, "rmsnorm": k3c_rmsnorm, "add": k3c_add, "lm_head": k3c_lm_head, "kda": k3c_kda,
-    "mla": k3c_mla, "mlp": k3c_mlp, "moe": k3c_moe, "attn_res_mix": k3c_attn_res_mix,
-    "rmsnorm_residual": k3c_rmsnorm_residual,
+# the shard pass's collectives (torch.distributed; identity without process groups)
+def torch_all_reduce(a, cache, data, w):
+    return distributed.all_reduce(data[0], a["group"], a["size"])
+
+
+def torch_all_gather(a, cache, data, w):
+    return distributed.all_gather(data[0], a["group"], a["size"], a["dim"])
+
+
+def torch_seq_scatter(a, cache, data, w):
+    return distributed.seq_scatter(data[0], a["group"], a["size"], a["dim"])
+
+
+def torch_reduce_scatter(a, cache, data, w):
+    return distributed.reduce_scatter(data[0], a["group"], a["size"], a["dim"])
+
+
+def torch_seq_gather(a, cache, data, w):
+    return distributed.seq_gather(data[0], a["group"], a["size"], a["dim"])
+
+
+LAYER_IMPLS: dict[str, Callable] = {
+    "embedding": torch_embedding, "rmsnorm": torch_rmsnorm, "add": torch_add, "lm_head": torch_lm_head,
+    "kda": torch_kda, "mla": torch_mla, "mlp": torch_mlp, "moe": torch_moe, "attn_res_mix": torch_attn_res_mix,
+    "rmsnorm_residual": torch_rmsnorm_residual,
+    "all_reduce": torch_all_reduce, "all_gather": torch_all_gather, "seq_scatter": torch_seq_scatter,
+    "reduce_scatter": torch_reduce_scatter, "seq_gather": torch_seq_gather,
 }
 
 
-def k3c_all_reduce(a, cache, data, w):
-    from .distributed import all_reduce
-
-    return all_reduce(data[0], a["group"], a["size"])
-
-
-def k3c_all_gather(a, cache, data, w):
-    from .distributed import all_gather
-
-    return all_gather(data[0], a["group"], a["size"], a["dim"])
+def _torch_impls() -> dict[str, Callable]:
+    clash = sorted(LAYER_IMPLS.keys() & kernel_impls.TORCH_IMPLS.keys())
+    if clash:
+        raise ValueError(f"ops with a torch implementation both in the executor and in kernel_impls: {clash}")
+    return {**LAYER_IMPLS, **kernel_impls.TORCH_IMPLS}
 
 
-def _seq_impl(name: str) -> Callable:
-    def impl(a, cache, data, w):
-        from . import distributed
-
-        return getattr(distributed, name)(data[0], a["group"], a["size"], a["dim"])
-    impl.__name__ = f"k3c_{name}"
-    return impl
-
-
-IMPLS.update({"all_reduce": k3c_all_reduce, "all_gather": k3c_all_gather,     # torch.distributed (shard pass)
-              **{n: _seq_impl(n) for n in ("seq_scatter", "reduce_scatter", "seq_gather")}})
-
-
-def register_impl(op_name: str, fn: Callable) -> None:
-    """Make `fn(attrs, cache, data, params)` the implementation of `op_name` in graphs built from now on."""
-    IMPLS[op_name] = fn
+TORCH_IMPLS: dict[str, Callable] = _torch_impls()
 
 
 # ---- graph construction ---------------------------------------------------------------------------------------
@@ -163,17 +168,23 @@ def _buffer_name(weight: str) -> str:
 def _implementation(op, use_kernels: bool) -> Callable:
     """impl="kernel" ops launch generated kernels (when `use_kernels`); everything else runs through torch."""
     if use_kernels and op.attr("impl", None) == "kernel":
-        from .kernel_impls import KERNEL_IMPLS
-
-        fn = KERNEL_IMPLS.get(op.op)
+        fn = kernel_impls.KERNEL_IMPLS.get(op.op)
         if fn is None:
-            raise IRError("marked impl=kernel but no kernel implementation is registered", op=op.describe(),
+            raise IRError("marked impl=kernel but kernel_impls has no kernel implementation of it", op=op.describe(),
                           loc=op.loc)
         return fn
-    fn = IMPLS.get(op.op)
+    fn = TORCH_IMPLS.get(op.op)
     if fn is None:
         raise IRError("no runtime implementation for this op", op=op.describe(), loc=op.loc)
     return fn
+
+
+def _inputs(op, value_of: Callable) -> tuple[tuple, dict]:
+    """`op`'s inputs as an implementation takes them: (data values in role order, {param role: value})."""
+    params = {r.name for r in get_op_def(op.op).roles(op.attr_dict) if r.param}
+    bound = bind(op)
+    return (tuple(value_of(v) for r, v in bound.items() if r not in params),
+            {r: value_of(v) for r, v in bound.items() if r in params})
 
 
 def _is_weight_transform(op) -> bool:
@@ -185,8 +196,6 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
     """An fx GraphModule computing `module` with `weights` (canonical names) as buffers. With `use_kernels`,
     ops the codegen pass marked impl="kernel" launch their generated Triton kernels (the interpreter on a CPU).
     `wrap(op, fn) -> fn'` may replace each op's implementation (k3c.runtime.opcheck uses it)."""
-    from . import kernel_impls  # noqa: F401  (registers every family's kernel and reference implementations)
-
     root = torch.nn.Module()
     graph = fx.Graph()
     values: dict[str, fx.Node] = {}
@@ -212,9 +221,7 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
         impl = _implementation(op, use_kernels)
         if _is_weight_transform(op) and all(v in folded for v in op.inputs):
             # evaluated once here, when the weights load, and held as buffers: no per-call cost
-            roles = get_op_def(op.op).roles(a)
-            fdata = tuple(folded[v] for r, v in zip(roles, op.inputs) if not r.param)
-            fparams = {r.name: folded[v] for r, v in zip(roles, op.inputs) if r.param}
+            fdata, fparams = _inputs(op, folded.__getitem__)
             with torch.no_grad():
                 out = impl(a, None, fdata, fparams)
             outs = out if len(op.results) > 1 else (out,)
@@ -226,15 +233,9 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
             continue
         if wrap is not None:
             impl = wrap(op, impl)
-        roles = get_op_def(op.op).roles(a)
-        data, params = [], {}
-        for role, value in zip(roles, op.inputs):
-            if role.param:
-                params[role.name] = values[value]
-            else:
-                data.append(values[value])
+        data, params = _inputs(op, values.__getitem__)
         names = [re.sub(r"[^0-9A-Za-z_]", "_", r) for r in op.results]     # fx names follow the IR
-        node = graph.create_node("call_function", impl, (a, cache, tuple(data), params),
+        node = graph.create_node("call_function", impl, (a, cache, data, params),
                                  name=names[0] if len(names) == 1 else "_".join(names))
         if len(op.results) == 1:
             values[op.results[0]] = node
@@ -242,4 +243,4 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
             for i, (result, name) in enumerate(zip(op.results, names)):
                 values[result] = graph.create_node("call_function", operator.getitem, (node, i), name=name + "_")
     graph.output(tuple(values[o] for o in module.outputs) if len(module.outputs) > 1 else values[module.outputs[0]])
-    return fx.GraphModule(root, graph, class_name=f"K3cGraph")
+    return fx.GraphModule(root, graph, class_name="K3cGraph")

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..codegen.kernel import KernelSource
-from ..codegen.launch import TORCH_TO_TT
+from .devices import TORCH_TO_TT
 from ..codegen.targets import Target
 from ..codegen.writer import CodegenError, ident, name_part
 from ..config import debug, settings

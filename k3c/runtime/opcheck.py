@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .executor import IMPLS, LayerCaches, build_graph_module
+from .executor import TORCH_IMPLS, LayerCaches, build_graph_module
 
 
 @dataclass
@@ -55,8 +55,6 @@ def check_ops(compiled, weights: dict[str, torch.Tensor], input_ids: torch.Tenso
     """Run prefill on input_ids[:, :-decode_steps] and the remaining tokens as decodes, comparing every kernel op
     with its torch implementation fed the same inputs. On a GPU the kernels come from the model's artifact
     (session.bind_kernels with `kernel_policy`)."""
-    from . import kernel_impls  # noqa: F401  (registers the reference implementations of kernel-level ops)
-
     if device == "cpu":
         from ..codegen.triton_mode import prepare_interpreter
 
@@ -69,9 +67,9 @@ def check_ops(compiled, weights: dict[str, torch.Tensor], input_ids: torch.Tenso
     errors: list[OpError] = []
 
     def wrap(op, fn):
-        if op.attr("impl", None) != "kernel" or op.op not in IMPLS:
+        if op.attr("impl", None) != "kernel" or op.op not in TORCH_IMPLS:
             return fn
-        ref = IMPLS[op.op]
+        ref = TORCH_IMPLS[op.op]
 
         def checked(a, cache, data, params):
             ref_out = ref(a, cache.copy(), data, params)

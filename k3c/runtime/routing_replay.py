@@ -14,6 +14,9 @@ replayed experts, so only the discrete choice is frozen.
     with rep:  run_sharded()                         # router calls take the recorded ids, in call order
     rep.flips, rep.decisions                          # tokens whose own choice differed from the recorded one
 
+The runtime's routers (the executor's torch ops, the kernel path) ask the active replay themselves; the reference
+(k3c.reference, pure) takes it as an argument: `ReferenceModel(..., choose_experts=rep.choose)`.
+
 Router calls are matched by order, so both runs must make the same calls in the same order (same layers, same
 batch and token counts): a call whose shape differs from the recorded one is an error, not a silent mismatch. The
 one exception: a sequence-parallel rank whose routed experts see only its block of the tokens (the `shard` pass
@@ -23,6 +26,8 @@ Ids stay on the device while recording and replaying (no host synchronisation); 
 from __future__ import annotations
 
 import torch
+
+from ..reference.moe import routed_weights
 
 _ACTIVE: "RoutingReplay | None" = None
 
@@ -131,12 +136,9 @@ def replayed_ids(ids: torch.Tensor) -> torch.Tensor:
     return ids if _ACTIVE is None else _ACTIVE.choose(ids)
 
 
-def routed_weights(scores: torch.Tensor, ids: torch.Tensor, renormalize: bool, scaling: float) -> torch.Tensor:
-    """fp32 weights [N, k] for experts `ids` from scores [N, E] (the bias never enters): the routers' own rule."""
-    p = scores.float().gather(-1, ids.long())
-    if renormalize:
-        p = p / (p.sum(-1, keepdim=True) + 1e-20)
-    return p * scaling
+def active_choice():
+    """The active replay's `choose` (what the reference routers take as `choose_experts`), or None."""
+    return None if _ACTIVE is None else _ACTIVE.choose
 
 
-__all__ = ["RoutingReplay", "load_routes", "active", "replayed_ids", "routed_weights"]
+__all__ = ["RoutingReplay", "load_routes", "active", "active_choice", "replayed_ids", "routed_weights"]

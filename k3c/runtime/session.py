@@ -35,7 +35,7 @@ def bind_kernels(compiled, device: torch.device, policy: str = "artifact") -> st
     with a warning), "strict" (such a launch raises), "allow-jit" (an artifact for another target: JIT-compile the
     kernels for this device instead), "jit" (ignore the binaries: JIT everything). A model with no artifact yet
     gets one compiled into the cache (CompiledModel.ensure_artifact). Returns a one-line description."""
-    from ..codegen.launch import bind_device_target, device_target, unbind_device_target
+    from .devices import bind_device_target, device_target, unbind_device_target
     from . import launcher
 
     if policy not in launcher.POLICIES:

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import WeightError
 from ..ir import Module
-from ..ir.ops import packed_name
+from ..ir.mxfp4_weights import packed_name
 
 _FLOAT_DTYPES = ("f32", "bf16", "f16", "f64")
 
@@ -26,7 +26,7 @@ def prepare_weights(module: Module, weights: dict[str, torch.Tensor], spec=None)
     Raises WeightError for a missing weight or a wrong shape or dtype.
 
     MXFP4 (params with attr quant="mxfp4", named `P.weight_packed` / `P.weight_scale` (`lm_head.weight_packed` for
-    a linear `lm_head.weight`: k3c.ir.ops.packed_name), source P): packed tensors
+    a linear `lm_head.weight`: k3c.ir.mxfp4_weights.packed_name), source P): packed tensors
     given under those names (a packed checkpoint) are used as they are; otherwise a float `P` is quantized here, once,
     with the param's scale rule. The other way round, a graph reading a float `P` given only packed tensors (a K3
     checkpoint compiled without quantization) gets it dequantized."""
@@ -102,27 +102,3 @@ def _dequantized(name: str, weights: dict) -> torch.Tensor:
         return mxfp4_dequantize(packed, scales, dtype)
     except ValueError as exc:
         raise WeightError(f"weight '{name}': {exc}") from None
-
-
-def pairs_perm_words(packed: torch.Tensor) -> torch.Tensor:
-    """MXFP4 payload bytes [..., K/2] (canonical k3c.quant order) -> the same shape with each aligned 4-byte word's
-    32 bits permuted into the layout the "perm" pair decode reads (k3c.codegen.kernels.moe.pairs_perm_bit_map; plan
-    option perm): a load-time transform of the weights such a kernel is given, never of the checkpoint or the IR's
-    tensors. Each word holds 8 weights of one 32-block, so scales and blocks are unchanged."""
-    from ..codegen.kernels.moe import pairs_perm_bit_map
-
-    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
-        raise WeightError(f"perm layout: packed MXFP4 bytes with a last dim divisible by 4 expected, got "
-                          f"{packed.dtype} {tuple(packed.shape)}")
-    canon_to_stored = [0] * 32
-    for stored, canon in enumerate(pairs_perm_bit_map()):
-        canon_to_stored[canon] = stored
-    v = torch.arange(256, dtype=torch.int64)
-    out = torch.zeros(packed.shape[:-1] + (packed.shape[-1] // 4,), dtype=torch.int64, device=packed.device)
-    b = packed.reshape(packed.shape[:-1] + (packed.shape[-1] // 4, 4)).to(torch.int64)
-    for k in range(4):      # byte k of the canonical word: a 256-entry table of its bits' stored places
-        lut = sum(((v >> t) & 1) << canon_to_stored[8 * k + t] for t in range(8)).to(packed.device)
-        out |= lut[b[..., k]]
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=packed.device)
-    return ((out[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(packed.shape)
-

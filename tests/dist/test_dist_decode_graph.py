@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import k3c
+from k3c.commands.ranks import run_ranks
 from k3c.runtime import cuda_graph
 from k3c.runtime.cuda_graph import DecodeGraph, EagerBackend
-from k3c.runtime.distributed import run_ranks, shard_weights
+from k3c.runtime.distributed import shard_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "examples", "k3-tiny.yaml")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import k3c
+from k3c.commands.ranks import run_ranks
 from k3c.runtime.cuda_graph import DecodeGraph
-from k3c.runtime.distributed import run_ranks, shard_weights
+from k3c.runtime.distributed import shard_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 

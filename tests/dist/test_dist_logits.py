@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import k3c
-from k3c.runtime.distributed import init_groups, run_ranks, shard_weights, state
+from k3c.commands.ranks import run_ranks
+from k3c.runtime.distributed import init_groups, shard_weights, state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "examples", "k3-tiny.yaml")

@@ -600,7 +600,7 @@ def _device_target():
     from k3c.codegen.targets import get_target
 
     try:
-        from k3c.codegen.launch import target_for
+        from k3c.runtime.devices import target_for
 
         return target_for(torch.device("cuda", torch.cuda.current_device()))
     except Exception:  # noqa: BLE001 - the GPU box is an H200
@@ -615,11 +615,9 @@ def _compile(ks, out_dir, **kw):
 
 
 def _jit():
-    """The JIT launcher module (k3c.runtime.launcher; k3c.codegen.launch before it moved)."""
-    try:
-        from k3c.runtime import launcher
-    except ImportError:
-        from k3c.codegen import launch as launcher
+    """The JIT launcher module."""
+    from k3c.runtime import launcher
+
     return launcher
 
 

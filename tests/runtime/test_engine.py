@@ -131,7 +131,7 @@ def test_out_of_pages_raises_before_any_state_changes(tiny, one_thread):
 
 def test_mode_exposed_per_call(tiny, one_thread):
     from k3c.analysis.cost import mla_mode_costs
-    from k3c.codegen.launch import target_for
+    from k3c.runtime.devices import target_for
 
     spec, model, w = tiny
     eng = engine(tiny, max_context=256, page_size=16)
@@ -185,7 +185,7 @@ def test_mixed_batch_mode_from_all_sequences(tiny, one_thread):
     """A call of sequences with different cached lengths takes its MLA mode from the cost model over all of them
     (batch_mla_mode), not from the first sequence: the same mode in either order, the same logits as the reference."""
     from k3c.analysis.cost import mla_mode_costs
-    from k3c.codegen.launch import target_for
+    from k3c.runtime.devices import target_for
     from k3c.runtime.engine import batch_mla_mode
     from k3c.runtime.session import load_graph
 

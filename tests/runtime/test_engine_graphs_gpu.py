@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import k3c
-from k3c.codegen.launch import target_for
+from k3c.runtime.devices import target_for
 from k3c.runtime.engine import Engine
 from test_engine_graphs import drive  # tests/runtime is on sys.path under pytest (no __init__.py)
 

@@ -1,5 +1,5 @@
 """Runtime of the two-phase Block AttnRes ops (k3c/ir/attnres_ops.py): the generated Triton kernels
-(k3c/codegen/kernels/attnres.py) and the eager reference form of every op (registered with the executor).
+(k3c/codegen/kernels/attnres.py) and the eager reference form of every op (its torch implementation).
 
     queries = fold_queries([(proj_0, norm_0), ...])                  # f32 [Q, D]
     s1 = phase1([b_0, ..., b_{N-1}], queries, eps)                   # [Q, *lead, STATS + D] packed (lse, o)
@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ...codegen.kernels.attnres import SPLIT_MAX_M, emit_attnres_phase1, emit_attnres_phase1_split, emit_attnres_phase2
-from ...codegen.launch import target_for, tt_dtype
-from ..launcher import launch
+from ...codegen.kernels.attnres import (SPLIT_MAX_M, emit_attnres_phase1, emit_attnres_phase1_split,
+                                        emit_attnres_phase2)
 from ...ir.attnres_ops import STATS
 from ...reference.attnres import attn_res_logits, attn_res_query
 from ...reference.norms import acc, rms_norm
-from . import register_kernel_impl
+from ..devices import interpreted, target_for, tt_dtype
+from ..launcher import launch
 
 # -- packed phase-1 rows --------------------------------------------------------------------------------------------
 
@@ -96,33 +96,23 @@ def _data_parts(a: dict, data: tuple) -> dict:
     return {"s1": s1, "queries": queries, **kw}
 
 
-def k3c_attn_res_fold_queries(a, cache, data, w):
+def torch_attn_res_fold_queries(a, cache, data, w):
     return fold_queries([(data[2 * j], data[2 * j + 1]) for j in range(a["num_queries"])])
 
 
-def k3c_attn_res_phase1(a, cache, data, w):
+def torch_attn_res_phase1(a, cache, data, w):
     return phase1_reference(list(data[:-1]), data[-1], a["eps"])
 
 
-def k3c_attn_res_phase2(a, cache, data, w):
+def torch_attn_res_phase2(a, cache, data, w):
     kw = _data_parts(a, data)
     return phase2_reference(kw.pop("s1"), kw.pop("queries"), a["query"], a["eps"], weight=w.get("weight"),
                             norm_eps=a.get("norm_eps"), **kw)
 
 
-def k3c_attn_res_take(a, cache, data, w):
+def torch_attn_res_take(a, cache, data, w):
     return data[0][a["index"]]
 
-
-def _register_reference() -> None:
-    from ..executor import register_impl
-
-    for name, fn in (("attn_res_fold_queries", k3c_attn_res_fold_queries), ("attn_res_phase1", k3c_attn_res_phase1),
-                     ("attn_res_phase2", k3c_attn_res_phase2), ("attn_res_take", k3c_attn_res_take)):
-        register_impl(name, fn)
-
-
-_register_reference()
 
 # -- kernels ----------------------------------------------------------------------------------------------------------
 _emit1 = functools.lru_cache(maxsize=256)(emit_attnres_phase1)
@@ -150,7 +140,7 @@ def phase1(sources: Sequence[torch.Tensor], queries: torch.Tensor, eps: float, *
     M = rows[0].shape[0]
     out = torch.empty((Q, M, STATS + D), dtype=x0.dtype, device=x0.device)
     tgt = target or target_for(x0.device)
-    interp = x0.device.type == "cpu"
+    interp = interpreted(x0)
     block_ds = plan.pop("block_ds", None)
     if split if split is not None else M <= SPLIT_MAX_M:
         k_part, k_fin = _emit1s(D, len(sources), Q, float(eps), target=tgt, dtype=tt_dtype(x0.dtype), loc=loc,
@@ -183,7 +173,7 @@ def phase2(s1: torch.Tensor, queries: torch.Tensor, query: int, eps: float, *, p
     ks = _emit2(D, float(eps), mode=mode, normed=weight is not None,
                 norm_eps=float(norm_eps) if weight is not None else None, target=tgt, dtype=tt_dtype(dt),
                 weight_dtype=tt_dtype(weight.dtype) if weight is not None else None, loc=loc,
-                interpret=s1.device.type == "cpu", **plan)
+                interpret=interpreted(s1), **plan)
     shape = ((2,) if mode == "update" else ()) + (M, D)
     if out is None:
         out = torch.empty(shape, dtype=dt, device=s1.device)
@@ -198,20 +188,20 @@ def phase2(s1: torch.Tensor, queries: torch.Tensor, query: int, eps: float, *, p
     return out.view(((2,) if mode == "update" else ()) + tuple(lead) + (D,))
 
 
-@register_kernel_impl("attn_res_phase1")
-def kernel_attn_res_phase1(a, cache, data, w):
+def launch_attn_res_phase1(a, cache, data, w):
     return phase1(list(data[:-1]), data[-1], a["eps"])
 
 
-@register_kernel_impl("attn_res_phase2")
-def kernel_attn_res_phase2(a, cache, data, w):
+def launch_attn_res_phase2(a, cache, data, w):
     kw = _data_parts(a, data)
     return phase2(kw.pop("s1"), kw.pop("queries"), a["query"], a["eps"], weight=w.get("weight"),
                   norm_eps=a.get("norm_eps"), **kw)
 
 
-# ops without a kernel of their own run the same way on every path
-register_kernel_impl("attn_res_fold_queries")(k3c_attn_res_fold_queries)
-register_kernel_impl("attn_res_take")(k3c_attn_res_take)
+# fold_queries and take have no kernel of their own: they run the same way on every path
+KERNEL_IMPLS = {"attn_res_phase1": launch_attn_res_phase1, "attn_res_phase2": launch_attn_res_phase2,
+                "attn_res_fold_queries": torch_attn_res_fold_queries, "attn_res_take": torch_attn_res_take}
+TORCH_IMPLS = {"attn_res_fold_queries": torch_attn_res_fold_queries, "attn_res_phase1": torch_attn_res_phase1,
+               "attn_res_phase2": torch_attn_res_phase2, "attn_res_take": torch_attn_res_take}
 
 __all__ = ["fold_queries", "phase1", "phase2", "phase1_reference", "phase2_reference", "pack", "lse_view"]

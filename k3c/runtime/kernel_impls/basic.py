@@ -1,14 +1,13 @@
 """The generic ops' torch-facing kernel wrappers and their kernel implementations (AOT side:
-k3c/codegen/catalogue/basic.py).
+k3c/codegen/catalogue/basic.py). The layer ops' torch path is the executor's (k3c/runtime/executor.py), so this
+family has no TORCH_IMPLS entries.
 
 Wrappers (each builds and memoises the KernelSource specialised on the actual shapes and dtypes, then launches it
 through k3c.runtime.launcher):
     rmsnorm(x, weight, eps, residual=None) -> (out, new_residual or None)
     gemm(a, w, bias=None, act=None, residual=None) -> act(a @ w.T + bias) + residual
     gemm_glu(a, w_gate, w_up, act) -> act(a @ w_gate.T, a @ w_up.T)
-    glu(g, u=None, act="swiglu") -> act(g, u)    (u None: g is [..., 2F], gate first)
     embedding(ids, table) -> table[ids]
-    softmax(x, scale=1.0) -> softmax(scale * x, -1)
 """
 from __future__ import annotations
 
@@ -16,15 +15,15 @@ import functools
 
 import torch
 
-from ...codegen.catalogue.basic import act_from_attrs
+from ...codegen.buckets import m_bucket
 from ...codegen.kernel import KernelSource
-from ...codegen.kernels import emit_embedding, emit_gemm, emit_gemm_glu, emit_glu, emit_rmsnorm, emit_softmax
+from ...codegen.kernels import emit_embedding, emit_gemm, emit_gemm_glu, emit_rmsnorm
 from ...codegen.kernels.common import epi_act, glu_act
-from ...codegen.launch import m_bucket, target_for, tt_dtype
 from ...codegen.targets import Target, get_target
 from ...codegen.writer import CodegenError
+from ...frontend.spec import ActivationSpec
+from ..devices import interpreted, target_for, tt_dtype
 from ..launcher import launch
-from . import register_kernel_impl
 
 
 def _resolve(target: Target | str | None, t: torch.Tensor) -> Target:
@@ -38,10 +37,8 @@ def _resolve(target: Target | str | None, t: torch.Tensor) -> Target:
 # -- memoised emitters ---------------------------------------------------------------------------------------------
 _emit_rmsnorm = functools.lru_cache(maxsize=256)(emit_rmsnorm)
 _emit_embedding = functools.lru_cache(maxsize=256)(emit_embedding)
-_emit_glu = functools.lru_cache(maxsize=256)(emit_glu)
 _emit_gemm = functools.lru_cache(maxsize=512)(emit_gemm)
 _emit_gemm_glu = functools.lru_cache(maxsize=256)(emit_gemm_glu)
-_emit_softmax = functools.lru_cache(maxsize=256)(emit_softmax)
 
 
 # Per-call fast path: (family, id(target), shapes, dtypes, options) -> KernelSource, in front of the lru-cached
@@ -67,11 +64,6 @@ def _hashable(act: object) -> object:
         return act
     except TypeError:
         return repr(act)
-
-
-def _interp(t: torch.Tensor) -> bool:
-    """A CPU tensor runs through the interpreter: emit the interpreter variant whatever the target."""
-    return t.device.type == "cpu"
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +94,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: 
         _check_last(weight, D, "rmsnorm weight")
         weight = weight.reshape(D).contiguous()
     ws = [weight] if weight is not None else []
-    interp = _interp(x)
+    interp = interpreted(x)
     if residual is None:
         out = torch.empty_like(x2)
         ks = _memo(("rmsnorm", id(tgt), D, eps, x.dtype, _dt(weight), max_block, ir_op, loc, interp), tgt,
@@ -157,7 +149,7 @@ def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act
         residual = _rows(residual)
         extra.append(residual)
     out = torch.empty(M, N, dtype=odt, device=a.device)
-    interp, mb = _interp(a), m_bucket(M)
+    interp, mb = interpreted(a), m_bucket(M)
     ks = _memo(("gemm", id(tgt), N, K, mb, a.dtype, w.dtype, odt, _dt(bias), _dt(residual), _hashable(act),
                 fp32_precision, ir_op, loc, interp), tgt,
                lambda: _emit_gemm(N, K, target=tgt, m_hint=mb, dtype=tt_dtype(a.dtype), w_dtype=tt_dtype(w.dtype),
@@ -182,7 +174,7 @@ def gemm_glu(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: obj
     M = a2.shape[0]
     odt = out_dtype or a.dtype
     out = torch.empty(M, F, dtype=odt, device=a.device)
-    interp, mb = _interp(a), m_bucket(M)
+    interp, mb = interpreted(a), m_bucket(M)
     ks = _memo(("gemm_glu", id(tgt), F, K, mb, a.dtype, w_gate.dtype, odt, _hashable(act), fp32_precision, ir_op,
                 loc, interp), tgt,
                lambda: _emit_gemm_glu(F, K, glu_act(act), target=tgt, m_hint=mb, dtype=tt_dtype(a.dtype),
@@ -190,34 +182,6 @@ def gemm_glu(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: obj
                                       fp32_precision=fp32_precision, ir_op=ir_op, loc=loc, interpret=interp))
     launch(ks, a2, w_gate.contiguous(), w_up.contiguous(), out, M)
     return out.view(*a.shape[:-1], F)
-
-
-def glu(g: torch.Tensor, u: torch.Tensor | None = None, act: object = "swiglu", *,
-        target: Target | str | None = None, ir_op: str = "glu", loc: str = "") -> torch.Tensor:
-    """act(g, u) elementwise, fp32 inside, in g's dtype. With u None, g is [..., 2F] (gate first, then up)."""
-    tgt = _resolve(target, g)
-    merged = u is None
-    if merged:
-        if g.shape[-1] % 2:
-            raise CodegenError(f"glu on a merged input needs an even last dim, got {g.shape[-1]}")
-        F = g.shape[-1] // 2
-        ins = [_rows(g)]
-        shape = (*g.shape[:-1], F)
-    else:
-        if u.shape != g.shape or u.dtype != g.dtype:
-            raise CodegenError(f"glu gate and up must match: {tuple(g.shape)} {g.dtype} vs {tuple(u.shape)} "
-                               f"{u.dtype}")
-        F = g.shape[-1]
-        ins = [_rows(g), _rows(u)]
-        shape = tuple(g.shape)
-    M = ins[0].shape[0]
-    out = torch.empty(M, F, dtype=g.dtype, device=g.device)
-    interp = _interp(g)
-    ks = _memo(("glu", id(tgt), F, g.dtype, merged, _hashable(act), ir_op, loc, interp), tgt,
-               lambda: _emit_glu(F, glu_act(act), target=tgt, dtype=tt_dtype(g.dtype), merged=merged, ir_op=ir_op,
-                                 loc=loc, interpret=interp))
-    launch(ks, *ins, out, M)
-    return out.view(shape)
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor, *, target: Target | str | None = None,
@@ -239,43 +203,25 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, *, target: Target | str | 
     return out.view(*ids.shape, D)
 
 
-def softmax(x: torch.Tensor, scale: float = 1.0, *, target: Target | str | None = None,
-            out_dtype: torch.dtype | None = None, max_block: int | None = None, ir_op: str = "softmax",
-            loc: str = "") -> torch.Tensor:
-    """softmax(scale * x) over the last dim, fp32 inside, in out_dtype (default x's dtype)."""
-    tgt = _resolve(target, x)
-    D = x.shape[-1]
-    x2 = _rows(x)
-    M = x2.shape[0]
-    odt = out_dtype or x.dtype
-    out = torch.empty(M, D, dtype=odt, device=x.device)
-    interp = _interp(x)
-    ks = _memo(("softmax", id(tgt), D, scale, x.dtype, odt, max_block, ir_op, loc, interp), tgt,
-               lambda: _emit_softmax(D, target=tgt, scale=float(scale), dtype=tt_dtype(x.dtype),
-                                     out_dtype=tt_dtype(odt), max_block=max_block, ir_op=ir_op, loc=loc,
-                                     interpret=interp))
-    launch(ks, x2, out, M)
-    return out.view(x.shape)
-
-
-
-@register_kernel_impl("embedding")
-def kernel_embedding(a, cache, data, w):
+# -- kernel implementations: fn(attrs, cache, data, params) ----------------------------------------------------------
+def launch_embedding(a, cache, data, w):
     return embedding(data[0], w["embed_tokens.weight"])
 
 
-@register_kernel_impl("rmsnorm")
-def kernel_rmsnorm(a, cache, data, w):
+def launch_rmsnorm(a, cache, data, w):
     return rmsnorm(data[0], w["weight"], a["eps"])[0]
 
 
-@register_kernel_impl("rmsnorm_residual")
-def kernel_rmsnorm_residual(a, cache, data, w):
+def launch_rmsnorm_residual(a, cache, data, w):
     out, summed = rmsnorm(data[0], w["weight"], a["eps"], residual=data[1])
     return summed, out
 
 
-@register_kernel_impl("mlp")
-def kernel_mlp(a, cache, data, w):
-    h = gemm_glu(data[0], w["gate_proj.weight"], w["up_proj.weight"], act_from_attrs(a))
+def launch_mlp(a, cache, data, w):
+    h = gemm_glu(data[0], w["gate_proj.weight"], w["up_proj.weight"], ActivationSpec.from_attrs(a))
     return gemm(h, w["down_proj.weight"])
+
+
+KERNEL_IMPLS = {"embedding": launch_embedding, "rmsnorm": launch_rmsnorm,
+                "rmsnorm_residual": launch_rmsnorm_residual, "mlp": launch_mlp}
+TORCH_IMPLS: dict = {}

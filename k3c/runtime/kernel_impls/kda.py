@@ -1,5 +1,5 @@
 """KDA runtime: launch wrappers of the generated KDA kernels (k3c.codegen.kernels.kda), the kernel implementations
-of the kda-chunk pass's ops (impl="kernel") and their eager reference implementations (any other impl).
+of the kda-chunk pass's ops (impl="kernel") and their torch implementations (any other impl: the reference).
 
 Wrappers (tensors on any device; CPU runs through the Triton interpreter):
     kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, ...) -> ((qkv [total, 3HD], g|beta fp32
@@ -15,28 +15,22 @@ import functools
 
 import torch
 
-from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_chunk, emit_kda_decode, emit_kda_inter,
-                                    emit_kda_intra, emit_kda_out, emit_kda_prep, inter_dtype, kda_plan, run_dot)
-from ...codegen.launch import target_for, tt_dtype
+from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
+                                    emit_kda_prep, inter_dtype, kda_plan, run_dot)
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
 from ... import reference as ref
-from ..executor import register_impl
 from ...reference.kda import KDAState
 from ...reference.norms import acc
+from ..devices import interpreted, target_for, torch_dtype, tt_dtype
 from ..launcher import launch
-from . import register_kernel_impl
+from .basic import gemm
 
 _emit_prep = functools.lru_cache(maxsize=128)(emit_kda_prep)
-_emit_chunk = functools.lru_cache(maxsize=128)(emit_kda_chunk)
 _emit_intra = functools.lru_cache(maxsize=128)(emit_kda_intra)
 _emit_inter = functools.lru_cache(maxsize=128)(emit_kda_inter)
 _emit_decode = functools.lru_cache(maxsize=128)(emit_kda_decode)
 _emit_out = functools.lru_cache(maxsize=128)(emit_kda_out)
-
-
-def _interp(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
 
 
 def _c(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -72,7 +66,7 @@ def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads
     tgt = target_for(xq.device)
     ks = _emit_prep(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
                     target=tgt, dtype=tt_dtype(dt), qkv_dtype=tt_dtype(qkv_dtype), ir_op=ir_op, loc=loc,
-                    interpret=_interp(xq))
+                    interpret=interpreted(xq))
     if tails is None:
         z = torch.zeros(N, H * D, kw - 1, dtype=dt, device=xq.device)
         tails = (z, z, z)
@@ -98,13 +92,12 @@ def unpack(packed, num_heads: int, head_dim: int):
 
 def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None, out_dtype=torch.float32,
               chunk: int | None = None, block_v: int | None = None, dot: str | None = None,
-              chunk_warps: int | None = None, split: bool | None = None, chunk_stages: int | None = None,
-              max_len: int | None = None, final_state: torch.Tensor | None = None, ir_op: str = "kda_attn",
-              loc: str = ""):
+              chunk_warps: int | None = None, chunk_stages: int | None = None, max_len: int | None = None,
+              final_state: torch.Tensor | None = None, ir_op: str = "kda_attn", loc: str = ""):
     """q, k, g [total, H, D], v [total, H, D], beta [total, H] (token rows may be strided views with head stride D
     / 1), cu int32 [N + 1], initial_state [N, H, D, D] fp32 or None. Returns (o [total, H, D], final state).
-    Two kernels by default (intra-chunk + state passing; split=False: the single chunk kernel). max_len: the longest
-    sequence (the intra kernel's grid; computed from cu, a device sync, when not given)."""
+    Two kernels: intra-chunk, then state passing. max_len: the longest sequence (the intra kernel's grid; computed
+    from cu, a device sync, when not given)."""
     total, H, D = q.shape
     N = cu.numel() - 1
     for name, t, hs in (("q", q, D), ("k", k, D), ("v", v, D), ("g", g, D)):
@@ -113,27 +106,20 @@ def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None =
                                f"{tuple(t.shape)} strides {t.stride()}")
     if beta.shape != (total, H) or beta.stride(1) != 1:
         raise CodegenError(f"kda_chunk: beta must be [total, H] with unit head stride, got {tuple(beta.shape)}")
-    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps, split=split, chunk_stages=chunk_stages)
+    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps, chunk_stages=chunk_stages)
     tgt = target_for(q.device)
     has_s0 = initial_state is not None
-    interp = _interp(q)
+    interp = interpreted(q)
     o = torch.empty(total, H, D, dtype=out_dtype, device=q.device)
     sT = final_state if final_state is not None else torch.empty(N, H, D, D, dtype=torch.float32, device=q.device)
     s0 = _c(initial_state, torch.float32) if has_s0 else sT
     if k.dtype != q.dtype:
         k = k.to(q.dtype)
     cu = _c(cu, torch.int32)
-    if not plan.split:
-        ks = _emit_chunk(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), v_dtype=tt_dtype(v.dtype),
-                         g_dtype=tt_dtype(g.dtype), beta_dtype=tt_dtype(beta.dtype), o_dtype=tt_dtype(out_dtype),
-                         scale=scale, plan=plan, has_initial_state=has_s0, ir_op=ir_op, loc=loc, interpret=interp)
-        launch(ks, q, k, v, g, beta, o, s0, sT, cu, q.stride(0), k.stride(0), v.stride(0), g.stride(0),
-               beta.stride(0), N)
-        return o, sT
     if max_len is None:
         max_len = int((cu[1:] - cu[:-1]).max().item()) if N > 0 else 0
     BT = plan.chunk
-    idt = {"bf16": torch.bfloat16, "fp32": torch.float32}[inter_dtype(plan.dot)]
+    idt = torch_dtype(inter_dtype(plan.dot))
     ki = _emit_intra(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), v_dtype=tt_dtype(v.dtype),
                      g_dtype=tt_dtype(g.dtype), beta_dtype=tt_dtype(beta.dtype), scale=scale, plan=plan,
                      ir_op=ir_op, loc=loc, interpret=interp)
@@ -166,7 +152,7 @@ def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, 
                  decode_split=decode_split)
     ks = _emit_decode(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
                       norm_eps=float(norm_eps), target=tgt, dtype=tt_dtype(dt), plan=plan, fuse_out=fuse_out,
-                      ir_op=ir_op, loc=loc, interpret=_interp(xq))
+                      ir_op=ir_op, loc=loc, interpret=interpreted(xq))
     tails = tuple(_c(t, dt) for t in tails)
     split = not fuse_out and plan.decode_split and plan.decode_block_v < D
     if inplace:
@@ -196,7 +182,7 @@ def kda_out(o, gate, o_norm_w, eps: float, *, ir_op: str = "kda_out", loc: str =
     """o [M, H, D], gate [M, H*D] -> [M, H*D] in gate's dtype."""
     M, H, D = o.shape
     ks = _emit_out(H, D, norm_eps=float(eps), target=target_for(o.device), dtype=tt_dtype(gate.dtype),
-                   o_dtype=tt_dtype(o.dtype), ir_op=ir_op, loc=loc, interpret=_interp(o))
+                   o_dtype=tt_dtype(o.dtype), ir_op=ir_op, loc=loc, interpret=interpreted(o))
     y = torch.empty(M, H * D, dtype=gate.dtype, device=o.device)
     launch(ks, _c(o), _c(gate), _c(o_norm_w, torch.float32), y, M)
     return y
@@ -206,16 +192,15 @@ def kda_out(o, gate, o_norm_w, eps: float, *, ir_op: str = "kda_out", loc: str =
 def _state(cache, a, b, dtype, device) -> KDAState:
     st = cache.layers[a["layer"]]
     if st is None:
-        cfg = KDASpec(num_heads=a["num_heads"], head_dim=a["head_dim"], conv_kernel=a["conv_kernel"])
-        st = ref.kda_zero_state(cfg, b, dtype, device)
+        st = ref.kda_zero_state(KDASpec.from_attrs(a), b, dtype, device)
     return st
 
 
-def ref_kda_proj(a, cache, data, w):
+def torch_kda_proj(a, cache, data, w):
     return ref.linear(data[0], w["weight"])
 
 
-def ref_kda_attn(a, cache, data, w):
+def torch_kda_attn(a, cache, data, w):
     """Eager semantics of kda_attn (the reference's kda_layer between the projections and the output norm)."""
     xq, xk, xv, xf, xb = data
     b, t = xq.shape[:2]
@@ -227,9 +212,7 @@ def ref_kda_attn(a, cache, data, w):
         feats.append(y.unflatten(-1, (h, d)))
         tails.append(nt)
     q, k, v = ref.l2_norm(feats[0], a["l2norm_eps"]), ref.l2_norm(feats[1], a["l2norm_eps"]), acc(feats[2])
-    cfg = KDASpec(num_heads=h, head_dim=d, conv_kernel=a["conv_kernel"], gate=a["gate"],
-                  gate_lower_bound=a["gate_lower_bound"])
-    g = ref.kda_gate(xf, w["A_log"], w["dt_bias"], cfg)
+    g = ref.kda_gate(xf, w["A_log"], w["dt_bias"], KDASpec.from_attrs(a))
     beta = torch.sigmoid(acc(xb))
     if t == 1:
         o, s = ref.kda_recurrent(q, k, v, g, beta, initial_state=st.state)
@@ -239,29 +222,21 @@ def ref_kda_attn(a, cache, data, w):
     return o
 
 
-def ref_kda_out(a, cache, data, w):
+def torch_kda_out(a, cache, data, w):
     o, gate = data
     y = ref.rms_norm(o, w["o_norm.weight"], a["norm_eps"]) * torch.sigmoid(acc(gate).unflatten(-1, o.shape[-2:]))
     return y.to(gate.dtype).flatten(-2)
-
-
-register_impl("kda_proj", ref_kda_proj)
-register_impl("kda_attn", ref_kda_attn)
-register_impl("kda_out", ref_kda_out)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-@register_kernel_impl("kda_proj")
-def kernel_kda_proj(a, cache, data, w):
-    from .basic import gemm
+def launch_kda_proj(a, cache, data, w):
     return gemm(data[0], w["weight"], ir_op="kda_proj")     # the generated GEMM
 
 
-@register_kernel_impl("kda_attn")
-def kernel_kda_attn(a, cache, data, w):
+def launch_kda_attn(a, cache, data, w):
     """T = 1: the fused decode kernel (prep + recurrent step + conv tail update; kda_out follows); T > 1: the prep
     kernel, then the chunk kernel."""
     xq, xk, xv, xf, xb = data
@@ -289,13 +264,15 @@ def kernel_kda_attn(a, cache, data, w):
     return o.view(b, t, h, d)
 
 
-@register_kernel_impl("kda_out")
-def kernel_kda_out(a, cache, data, w):
+def launch_kda_out(a, cache, data, w):
     o, gate = data
     lead = gate.shape[:-1]
     y = kda_out(o.reshape(-1, a["num_heads"], a["head_dim"]), gate.reshape(-1, gate.shape[-1]),
                 w["o_norm.weight"], a["norm_eps"])
     return y.view(*lead, gate.shape[-1])
 
+
+KERNEL_IMPLS = {"kda_proj": launch_kda_proj, "kda_attn": launch_kda_attn, "kda_out": launch_kda_out}
+TORCH_IMPLS = {"kda_proj": torch_kda_proj, "kda_attn": torch_kda_attn, "kda_out": torch_kda_out}
 
 __all__ = ["kda_prep", "kda_chunk", "kda_decode", "kda_out", "unpack", "cu_seqlens"]

@@ -1,5 +1,5 @@
 """Runtime of the absorbed MLA sublayer (`mla_absorbed`, from the mla-absorb pass) and the weight transform
-`mla_kvb_split`: the paged latent cache, the kernel launchers, the MHA / MQA mode choice, and the reference
+`mla_kvb_split`: the paged latent cache, the kernel launchers, the MHA / MQA mode choice, and the torch
 implementations the executor uses when an op is not marked impl="kernel".
 
 Cache entry (cache.layers[layer]) = PagedLatentCache: a view (per-sequence lengths) of a LatentStore (the page pool
@@ -21,14 +21,12 @@ import torch
 from ...codegen.kernels.mla import (LATENT_SPLIT_MAX_ROWS, DecodePlan, decode_merge_block, decode_plan,
                                     emit_mla_decode, emit_mla_latent_partial, emit_mla_latent_reduce,
                                     emit_mla_latent_write, emit_mla_merge, emit_mla_prefill)
-from ...codegen.launch import target_for, tt_dtype
 from ...codegen.targets import Target
 from ...frontend.spec import MLASpec
 from ... import reference as ref
-from ..executor import register_impl
-from ..launcher import fixed_launcher, launch
 from ...reference.norms import acc
-from . import register_kernel_impl
+from ..devices import interpreted, target_for, tt_dtype
+from ..launcher import fixed_launcher, launch
 
 _emit_write = functools.lru_cache(maxsize=64)(emit_mla_latent_write)
 _emit_write_part = functools.lru_cache(maxsize=64)(emit_mla_latent_partial)
@@ -47,19 +45,8 @@ def split_kvb(w_kvb: torch.Tensor, num_heads: int, nope: int, v_dim: int, part: 
     return w3[:, nope:].transpose(1, 2).contiguous()
 
 
-def _kvb_split_impl(a, cache, data, w):
+def torch_mla_kvb_split(a, cache, data, w):
     return split_kvb(w["kv_b_proj.weight"], a["num_heads"], a["qk_nope_head_dim"], a["v_head_dim"], a["part"])
-
-
-def fold_uv_o(w_uv: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
-    """W_o_uv [D, N*L] with W_o_uv[:, n-th L block] = W_o[:, n-th V block] W_UV[n]^T (ungated MLA only)."""
-    n, lat, v = w_uv.shape
-    return torch.einsum("dnv,nlv->dnl", acc(w_o).view(w_o.shape[0], n, v), acc(w_uv)).reshape(
-        w_o.shape[0], n * lat).to(w_o.dtype)
-
-
-def _fold_impl(a, cache, data, w):
-    return fold_uv_o(w["w_uv"], w["o_proj.weight"])
 
 
 # -- paged latent cache -----------------------------------------------------------------------------------------------
@@ -160,10 +147,6 @@ def _tgt(t: torch.Tensor, target: Target | None) -> Target:
     return target or target_for(t.device)
 
 
-def _interp(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
-
-
 def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps: float, store: LatentStore,
                  lens, kv_lora_rank: int, *, target: Target | None = None, split: bool | None = None,
                  splits: int | None = None) -> None:
@@ -184,13 +167,13 @@ def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps
     if not use_split:
         ks = _emit_write(D, kv_lora_rank, W - kv_lora_rank, float(eps), store.page_size, target=tgt,
                          dtype=tt_dtype(x.dtype), w_dtype=tt_dtype(w_dkv.dtype),
-                         cache_dtype=tt_dtype(store.pool.dtype), t_hint=T, interpret=_interp(x))
+                         cache_dtype=tt_dtype(store.pool.dtype), interpret=interpreted(x))
         launch(ks, x2, w_dkv.contiguous(), norm_w.contiguous(), store.pool, store.block_table, lens_t, T,
                store.block_table.shape[1], B)
         return
     M = B * T
     S, k_split, ka, kb, slot = _write_setup(M, D, W, kv_lora_rank, float(eps), store.page_size, x.dtype, w_dkv.dtype,
-                                            store.pool.dtype, splits, tgt, x.device, _interp(x))
+                                            store.pool.dtype, splits, tgt, x.device, interpreted(x))
     ws = torch.empty(S * M * W, dtype=torch.float32, device=x.device)      # partials [S, M, W] (graph-safe)
     _fast_launch(slot, 0, ka, x2, w_dkv if w_dkv.is_contiguous() else w_dkv.contiguous(), ws, M, k_split, S)
     _fast_launch(slot, 1, kb, ws, norm_w if norm_w.is_contiguous() else norm_w.contiguous(), store.pool,
@@ -323,7 +306,7 @@ def mqa_decode(q: torch.Tensor, store: LatentStore, lens: torch.Tensor, scale: f
     max_len = int(lens.max()) if max_len is None else max_len      # pass it: lens.max() syncs with the GPU
     n_pages = -(-max_len // ps)
     odt = out_dtype or q.dtype
-    interp = q.device.type == "cpu"
+    interp = interpreted(q)
     if store.pool.dtype != q.dtype or lens.dtype != torch.int32 or store.block_table.dtype != torch.int32 \
             or lens.device != q.device or store.pool.device != q.device:
         raise ValueError(f"mqa_decode: cache {store.pool.dtype} on {store.pool.device}, lens {lens.dtype} on "
@@ -356,7 +339,7 @@ def mha_step(q: torch.Tensor, k: torch.Tensor, kpe: torch.Tensor, v: torch.Tenso
         raise ValueError("continuing the running output needs key_splits == 1")
     tgt = _tgt(q, target)
     ks = _emit_prefill(P, R, V, float(scale), target=tgt, dtype=tt_dtype(q.dtype), has_prev=bool(has_prev),
-                       tq_hint=TQ, interpret=_interp(q))
+                       tq_hint=TQ, interpret=interpreted(q))
     ks_len = -(-TK // key_splits)
     ks_len = -(-ks_len // ks.constexprs["BLOCK_N"]) * ks.constexprs["BLOCK_N"]
     launch(ks, q, k.contiguous(), kpe, v.contiguous(), o, lse, TQ, TK, N, int(shift), kpe.stride(0),
@@ -402,7 +385,7 @@ def mha_attention(q: torch.Tensor, entry: PagedLatentCache, w_uk_t: torch.Tensor
         part_o = torch.zeros(ksp + 1, B, T, N, V, dtype=torch.float32, device=q.device)
         part_lse = torch.full((ksp + 1, B, T, N), float("-inf"), dtype=torch.float32, device=q.device)
         o, lse = part_o[0], part_lse[0]
-        mk = _emit_merge(V, target=tgt, out_dtype="fp32", interpret=_interp(q))
+        mk = _emit_merge(V, target=tgt, out_dtype="fp32", interpret=interpreted(q))
     for c0 in range(0, total, chunk):
         lat = entry.gather(c0, min(total, c0 + chunk))                   # [B, C, L+R]: this chunk only
         c = lat[..., :L]
@@ -425,12 +408,6 @@ class _SeqView(LatentStore):
 
 
 # -- the sublayer -----------------------------------------------------------------------------------------------------
-def mla_cfg(a) -> MLASpec:
-    return MLASpec(num_heads=a["num_heads"], kv_lora_rank=a["kv_lora_rank"], qk_nope_head_dim=a["qk_nope_head_dim"],
-                   qk_rope_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"], q_lora_rank=a["q_lora_rank"],
-                   rope=a["rope"], output_gate=a["output_gate"])
-
-
 def choose_mode(a, new: int, cached: int, batch: int, device) -> str:
     """The op's mode attr, or for "auto" the faster of MHA and MQA on the device's target (analysis cost model)."""
     mode = a.get("mode", "auto")
@@ -456,25 +433,11 @@ def _kvb(w) -> torch.Tensor:
     return torch.cat([uk, uv.transpose(1, 2)], dim=1).reshape(-1, uk.shape[2])
 
 
-def _ref_olat(x, latent, w, cfg) -> torch.Tensor:
-    """The reference MQA form up to o_lat [B, T, N, L] (fp32)."""
-    p, r, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q = acc(ref.mla_query(x, w, cfg))
-    lf = acc(latent)
-    q_lat = torch.einsum("bqnp,npl->bqnl", q[..., :p], acc(w["w_uk_t"]))
-    scores = torch.einsum("bqnl,bkl->bnqk", q_lat, lf[..., :lat]) + torch.einsum("bqnr,bkr->bnqk", q[..., p:],
-                                                                                   lf[..., lat:])
-    t, tk = x.shape[1], latent.shape[1]
-    mask = torch.arange(tk, device=x.device)[None, :] <= torch.arange(tk - t, tk, device=x.device)[:, None]
-    probs = torch.softmax((scores * (p + r) ** -0.5).masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.einsum("bnqk,bkl->bqnl", probs, lf[..., :lat])
-
-
-def reference_mla_absorbed(a, cache, data, w):
+def torch_mla_absorbed(a, cache, data, w):
     """Eager semantics of mla_absorbed on the same paged cache: reference latent, reference attention (mode as
     chosen), scattered into / gathered from the pages with torch indexing."""
     x = data[0]
-    cfg = mla_cfg(a)
+    cfg = MLASpec.from_attrs(a)
     B, T, _ = x.shape
     entry = cache.layers[a["layer"]]
     new = ref.mla_latent(x, w, cfg)
@@ -494,8 +457,6 @@ def reference_mla_absorbed(a, cache, data, w):
 
 
 def _ref_attend(a, x, latent, w, cfg, mode):
-    if a.get("fold_uv_into_o_proj"):       # ungated, MQA: o_lat straight into the folded o_proj
-        return ref.linear(_ref_olat(x, latent, w, cfg).to(x.dtype).flatten(-2), w["w_o_uv"])
     o = ref.mla_attention(ref.mla_query(x, w, cfg), latent.to(x.dtype), {"kv_b_proj.weight": _kvb(w)}, cfg, mode)
     return _finish(a, x, o, w)
 
@@ -508,12 +469,12 @@ def _record_mode(cache, a, mode: str) -> str:
     return mode
 
 
-def kernel_mla_absorbed(a, cache, data, w):
+def launch_mla_absorbed(a, cache, data, w):
     """mla_absorbed through the generated kernels: latent write (a), then MQA decode (b) or chunked MHA (c)."""
     x = data[0]
-    cfg = mla_cfg(a)
+    cfg = MLASpec.from_attrs(a)
     B, T, _ = x.shape
-    n, p, r, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    p, r, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     scale = (p + r) ** -0.5
     entry = cache.layers[a["layer"]]
     if isinstance(entry, DeviceLenLatentCache):
@@ -533,15 +494,13 @@ def kernel_mla_absorbed(a, cache, data, w):
 
 def _mqa_sublayer(a, x, q, w, store: LatentStore, lens: torch.Tensor, max_len: int) -> torch.Tensor:
     """MQA mode after the latent write: absorbed query, split-KV decode over `lens` (i32 [B], new tokens included),
-    W_UV (or the folded o_proj), output gate, o_proj."""
-    cfg = mla_cfg(a)
+    W_UV, output gate, o_proj."""
+    cfg = MLASpec.from_attrs(a)
     B, T, _ = x.shape
     n, p, r, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     q_lat = torch.einsum("btnp,npl->btnl", acc(q[..., :p]), acc(w["w_uk_t"]))
     qq = torch.cat([q_lat, acc(q[..., p:])], dim=-1).to(x.dtype).view(B, T * n, L + r)
     o_lat = mqa_decode(qq, store, lens, (p + r) ** -0.5, L, num_heads=n, max_len=max_len)
-    if a.get("fold_uv_into_o_proj"):
-        return ref.linear(o_lat.to(x.dtype).view(B, T, n * L), w["w_o_uv"])
     o = torch.einsum("btnl,nlv->btnv", o_lat.view(B, T, n, L), w["w_uv"].to(o_lat.dtype))
     return _finish(a, x, o, w)
 
@@ -549,7 +508,7 @@ def _mqa_sublayer(a, x, q, w, store: LatentStore, lens: torch.Tensor, max_len: i
 def _kernel_mla_device_lens(a, cache, x, w, entry: DeviceLenLatentCache) -> torch.Tensor:
     """mla_absorbed on a DeviceLenLatentCache: no host sync, no allocation that depends on the lengths, the same
     kernels as the MQA path above (only the decode grid is sized for entry.max_len). MQA only."""
-    cfg = mla_cfg(a)
+    cfg = MLASpec.from_attrs(a)
     B, T, _ = x.shape
     if entry.batch != B:
         raise ValueError(f"MLA cache holds {entry.batch} sequences, the call has {B}")
@@ -564,10 +523,9 @@ def _kernel_mla_device_lens(a, cache, x, w, entry: DeviceLenLatentCache) -> torc
     return _mqa_sublayer(a, x, ref.mla_query(x, w, cfg), w, entry.store, lens, entry.max_len)
 
 
-register_impl("mla_kvb_split", _kvb_split_impl)
-register_impl("mla_fold_uv_o", _fold_impl)
-register_impl("mla_absorbed", reference_mla_absorbed)
-register_kernel_impl("mla_absorbed")(kernel_mla_absorbed)
+KERNEL_IMPLS = {"mla_absorbed": launch_mla_absorbed}
+TORCH_IMPLS = {"mla_kvb_split": torch_mla_kvb_split, "mla_absorbed": torch_mla_absorbed}
 
-__all__ = ["PagedLatentCache", "DeviceLenLatentCache", "LatentStore", "new_store", "reserve", "write_latent", "mqa_decode", "mha_step", "DecodePlan",
-           "mha_attention", "choose_mode", "choose_splits", "split_kvb", "interleaved_block_table"]
+__all__ = ["PagedLatentCache", "DeviceLenLatentCache", "LatentStore", "new_store", "reserve", "write_latent",
+           "mqa_decode", "mha_step", "DecodePlan", "mha_attention", "choose_mode", "choose_splits", "split_kvb",
+           "interleaved_block_table"]
