@@ -26,7 +26,7 @@ def _run(spec, seed, ids, dtype, replay):
     import k3c
     from k3c.reference.model import ReferenceModel
 
-    model = ReferenceModel(spec, k3c.init_weights(spec, seed=seed, dtype=dtype))
+    model = ReferenceModel(spec, k3c.init_weights(spec, seed=seed, dtype=dtype), choose_experts=replay.choose)
     rows = []
     attention, feed_forward = model.attention, model.feed_forward
 

@@ -30,12 +30,12 @@ def tiny():
 @pytest.fixture
 def kernels():
     """Route the split ops to their generated-kernel implementations (what impl = "kernel" dispatches to)."""
-    saved = dict(executor.IMPLS)
+    saved = dict(executor.TORCH_IMPLS)
     for name in SPLIT_OPS:
-        executor.register_impl(name, KERNEL_IMPLS[name])
+        executor.TORCH_IMPLS[name] = KERNEL_IMPLS[name]
     yield
-    executor.IMPLS.clear()
-    executor.IMPLS.update(saved)
+    executor.TORCH_IMPLS.clear()
+    executor.TORCH_IMPLS.update(saved)
 
 
 def test_structure_and_counts(tiny):
@@ -125,7 +125,7 @@ def test_model_bf16_each_mix_equals_naive(tiny, kernels):
     w = {k: v.bfloat16() for k, v in k3c.init_weights(spec, seed=4).items()}
     ids = torch.randint(0, spec.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5))
     sources, errors = {}, []
-    p1, p2 = executor.IMPLS["attn_res_phase1"], executor.IMPLS["attn_res_phase2"]
+    p1, p2 = executor.TORCH_IMPLS["attn_res_phase1"], executor.TORCH_IMPLS["attn_res_phase2"]
 
     def phase1(a, cache, data, params):
         out = p1(a, cache, data, params)
@@ -145,8 +145,8 @@ def test_model_bf16_each_mix_equals_naive(tiny, kernels):
             assert torch.equal(out[0], partial[0])
         return out
 
-    executor.register_impl("attn_res_phase1", phase1)
-    executor.register_impl("attn_res_phase2", phase2)
+    executor.TORCH_IMPLS["attn_res_phase1"] = phase1
+    executor.TORCH_IMPLS["attn_res_phase2"] = phase2
     _logits(after, w, ids, spec.num_layers)
     assert len(errors) == len(after.ops_named("attn_res_phase2"))
     assert max(errors) <= 1e-2
