@@ -46,3 +46,14 @@ def aot_dir(request, tmp_path_factory):
         mp.setenv("K3C_CACHE_DIR", str(root / "cache"))
         yield root
     shutdown_workers()
+
+
+@pytest.fixture(scope="module")
+def tiny(request):
+    """(spec, compiled model, fp32 weights of seed 0) of examples/k3-tiny.yaml, compiled for the test module's
+    TINY_TARGET (mi355x when it names none). A module that needs another shape of fixture defines its own."""
+    import k3c
+
+    spec = k3c.load_spec("examples/k3-tiny.yaml")
+    target = getattr(request.module, "TINY_TARGET", "mi355x")
+    return spec, k3c.compile(spec, target=target), k3c.init_weights(spec, seed=0)

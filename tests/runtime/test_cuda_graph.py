@@ -12,18 +12,12 @@ from k3c.errors import ArgumentError
 from k3c.runtime.cuda_graph import DecodeGraph, EagerBackend, capture_blockers, make_buckets, pick_bucket
 from k3c.runtime.kernel_impls.mla import DeviceLenLatentCache, PagedLatentCache
 from k3c.reference.kda import KDAState
+from numerics import rel
 
 TINY = "examples/k3-tiny.yaml"
 
 
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    spec = k3c.load_spec(TINY)
-    return spec, k3c.compile(spec, target="h200"), k3c.init_weights(spec, seed=0)
+TINY_TARGET = "h200"         # the conftest `tiny` fixture compiles for it
 
 
 def test_buckets():

@@ -6,12 +6,9 @@ import torch
 
 import k3c
 from k3c.runtime.cuda_graph import DecodeGraph
+from numerics import rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,9 @@ import torch
 import k3c
 from k3c.runtime.cuda_graph import EagerBackend
 from k3c.runtime.engine import Engine
+from numerics import rel
 
 TINY = "examples/k3-tiny.yaml"
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def run(model, w, graphs: bool, prompts, news, joins, max_graphs: int = 4):

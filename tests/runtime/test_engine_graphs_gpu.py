@@ -8,12 +8,9 @@ import k3c
 from k3c.runtime.devices import target_for
 from k3c.runtime.engine import Engine
 from test_engine_graphs import drive  # tests/runtime is on sys.path under pytest (no __init__.py)
+from numerics import rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def run(model, w, graphs: bool, prompts, news, joins):

@@ -10,18 +10,9 @@ import k3c
 from k3c.errors import ArgumentError
 from k3c.runtime.engine import Engine
 from k3c.runtime.prefix_cache import PrefixCache
+from numerics import rel
 
 TINY = "examples/k3-tiny.yaml"
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    spec = k3c.load_spec(TINY)
-    return spec, k3c.compile(spec, target="mi355x"), k3c.init_weights(spec, seed=0)
 
 
 def engine(tiny, prefix=None, **kw):
