@@ -623,22 +623,14 @@ def load_weight_slices(spec: ModelSpec, path: str | os.PathLike, shards: dict, d
     needs to (dim, rank, size) or None (the whole tensor). Only those bytes are read: safetensors `get_slice` for
     split tensors, only the rank's experts for per-expert layouts. Other tensors in the checkpoint are not read
     or checked (load_weights validates a whole checkpoint)."""
-    from safetensors import safe_open
-
     path = os.fspath(path)
     target = _to_dtype(dtype)
-    files, _ = _resolve_files(path)
+    files, weight_map = _resolve_files(path)
     table = weight_table(spec)
     with contextlib.ExitStack() as stack:
-        handles, where = {}, {}
-        for f in files:
-            try:
-                h = stack.enter_context(safe_open(f, framework="pt"))
-            except Exception as exc:  # safetensors raises its own error types for a bad header
-                raise _weight_error(f"{f}: not a readable safetensors file ({exc})") from None
-            for k in h.keys():
-                handles[k] = h
-                where[k] = f
+        stored = _open_stored(stack, files, weight_map, path)
+        where = stored.where
+        handles = {k: stored.handles[f] for k, f in where.items()}
         direct, experts, fused = {}, {}, {}
         for key in sorted(where):
             src = _normalize(spec, key)
