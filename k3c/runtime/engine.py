@@ -561,29 +561,3 @@ class Engine:
         for layer, mode in ran.items():
             self.mode_counts[(layer, mode)] += 1
         return logits
-        ids = self._h2d(torch.tensor(segments, dtype=torch.long))
-        cache = LayerCaches(self.spec.num_layers)
-        for i in self.kda_layers:
-            cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
-        if self.mla_layers:
-            lens = tuple(s.length for s in seqs)
-            bt = self._block_table(seqs)
-            for i in self.mla_layers:
-                cache.layers[i] = PagedLatentCache(LatentStore(self.pool.pools[i], bt, list(lens)), lens)
-            cache.mla_modes = self.mla_modes(T, list(lens))
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            logits = self.graph(ids, cache)
-        kind = "decode" if T == 1 else "prefill"
-        self.stats[f"{kind}_calls"] += 1
-        self.stats[f"{kind}_tokens"] += B * T
-        self.stats[f"{kind}_seconds_launch"] += time.perf_counter() - t0     # host time (no device sync)
-        for j, seq in enumerate(seqs):                 # commit: nothing above changed a sequence
-            for i in self.kda_layers:
-                seq.kda[i] = (cache.layers[i], j)
-            self.pool.mark_written(seq.pages, seq.length, seq.length + T)
-            seq.length += T
-        self.last_modes = dict(getattr(cache, "modes", {}))
-        for layer, mode in self.last_modes.items():
-            self.mode_counts[(layer, mode)] += 1
-        return logits
