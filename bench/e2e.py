@@ -25,12 +25,14 @@ new phases. Full size on one H200 in one command (docs/perf.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -261,8 +263,13 @@ def count_delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def run(argv=None) -> dict:
-    """The whole bench (see the module docstring); returns the JSON's dict."""
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=2)
+
+
+def argument_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="examples/k3-wide.yaml")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -302,302 +309,408 @@ def run(argv=None) -> dict:
                          "in the JSON); the JSON is rewritten after every phase either way")
     ap.add_argument("--seed", type=int, default=0, help="weights")
     ap.add_argument("--out", help="JSON file (rewritten after every phase)")
+    return ap
+
+
+@dataclass
+class Settings:
+    """The parsed options (`args` as given: the JSON's "args") and the sizes they resolve to on the device."""
+    args: argparse.Namespace
+    cuda: bool
+    dtype: torch.dtype
+    prompt_len: int
+    cached: int
+    batches: list[int]
+    steps: int
+    peer_steps: int
+    eager_batches: list[int]
+    reps: int
+
+    @property
+    def use_kernels(self) -> bool:
+        return not self.args.no_kernels
+
+
+def parse_settings(argv) -> Settings:
+    ap = argument_parser()
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
-    prompt_len = args.prompt_len or (8192 if cuda else 256)
-    cached = args.cached or (8192 if cuda else 256)
     batches = [int(b) for b in (args.batches or ("1,32" if cuda else "1,4")).split(",")]
     steps = args.steps or (16 if cuda else 3)
-    peer_steps = args.peer_steps or steps
-    eager_batches = batches if args.eager_decode_batches is None else \
-        [int(b) for b in args.eager_decode_batches.split(",") if b]
-    reps = args.reps or (3 if cuda else 1)
+    return Settings(
+        args=args, cuda=cuda, dtype=getattr(torch, args.dtype or ("bfloat16" if cuda else "float32")),
+        prompt_len=args.prompt_len or (8192 if cuda else 256), cached=args.cached or (8192 if cuda else 256),
+        batches=batches, steps=steps, peer_steps=args.peer_steps or steps,
+        eager_batches=batches if args.eager_decode_batches is None else
+        [int(b) for b in args.eager_decode_batches.split(",") if b],
+        reps=args.reps or (3 if cuda else 1))
 
-    import k3c
-    from k3c.runtime.engine import Engine
-    from k3c.reference import ReferenceModel
-    from k3c.reference.kda import KDAState
-    from k3c.reference.model import ReferenceCache
 
-    torch.manual_seed(0)
-    spec = k3c.load_spec(args.spec)
-    model = k3c.compile(spec, target="h200" if cuda else "cpu")
-    t0 = time.perf_counter()
-    w = make_weights(spec, model.module, args.device, dtype, seed=args.seed)
-    timer = Timer(args.device)
-    use_kernels = not args.no_kernels
-    errors: dict[str, str] = {}
-    result = {"spec": spec.name, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
-              "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
-              "k3c_kernels": use_kernels, "compile_backend": None if args.skip_compiled else args.compile_backend,
-              "compile_moe": None if args.skip_compiled else args.compile_moe,
-              "args": vars(args), "weights_gib": sum(t.numel() * t.element_size() for t in w.values()) / 2**30,
-              "phase_seconds": {"weights": time.perf_counter() - t0}, "prefill": {}, "decode": [],
-              "errors": errors, "skipped": []}
+@dataclass
+class Bench(Settings):
+    """A run: its settings, what every peer shares (the spec, the compiled model, the weights, k3c's engine, the eager
+    prefill reference) and the JSON being filled in (`result`, rewritten after every phase)."""
+    spec: object
+    model: object
+    w: dict
+    timer: Timer
+    result: dict
+    eng: object
+    ref_pre: object
 
-    def save():
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(result, fh, indent=2)
+    def save(self) -> None:
+        write_json(self.args.out, self.result)
 
-    def phase(name: str, fn):
+    def phase(self, name: str, fn):
         """Run one phase (timestamped, errors kept, deadline honoured); the JSON is rewritten after it."""
+        args, result = self.args, self.result
         if args.deadline is not None and time.perf_counter() - _T0 > args.deadline:
             result["skipped"].append(name)
             progress(f"{name}: skipped (past --deadline {args.deadline:.0f} s)")
-            save()
+            self.save()
             return None
         t = time.perf_counter()
         progress(f"{name} ...")
-        got = guarded(name, fn, errors)
+        got = guarded(name, fn, result["errors"])
         result["phase_seconds"][name] = time.perf_counter() - t
         progress(f"{name}: done in {time.perf_counter() - t:.1f} s")
-        save()
+        self.save()
         return got
 
-    progress(f"weights: {result['weights_gib']:.1f} GiB in {result['phase_seconds']['weights']:.1f} s")
-    save()
 
+def setup(s: Settings) -> Bench:
+    """The compiled model, random weights, the JSON's header (written as soon as the weights exist), the engine and
+    the eager prefill reference."""
+    import k3c
+    from k3c.reference import ReferenceModel
     from k3c.runtime.devices import target_for
+    from k3c.runtime.engine import Engine
 
-    ctx_max = max(prompt_len, cached + max(steps, peer_steps) + 4, args.check_len + 2)
+    args = s.args
+    torch.manual_seed(0)
+    spec = k3c.load_spec(args.spec)
+    model = k3c.compile(spec, target="h200" if s.cuda else "cpu")
+    t0 = time.perf_counter()
+    w = make_weights(spec, model.module, args.device, s.dtype, seed=args.seed)
+    result = {"spec": spec.name, "device": args.device, "dtype": str(s.dtype).replace("torch.", ""),
+              "gpu": torch.cuda.get_device_name() if s.cuda else None, "torch": torch.__version__,
+              "k3c_kernels": s.use_kernels, "compile_backend": None if args.skip_compiled else args.compile_backend,
+              "compile_moe": None if args.skip_compiled else args.compile_moe,
+              "args": vars(args), "weights_gib": sum(t.numel() * t.element_size() for t in w.values()) / 2**30,
+              "phase_seconds": {"weights": time.perf_counter() - t0}, "prefill": {}, "decode": [],
+              "errors": {}, "skipped": []}
+    progress(f"weights: {result['weights_gib']:.1f} GiB in {result['phase_seconds']['weights']:.1f} s")
+    write_json(args.out, result)
+
+    ctx_max = max(s.prompt_len, s.cached + max(s.steps, s.peer_steps) + 4, args.check_len + 2)
     ps = target_for(args.device).mla_page_size
-    eng = Engine(model, w, device=args.device, max_batch=max(batches), max_context=ctx_max,
-                 num_pages=max(batches) * -(-ctx_max // ps) + 1, page_size=ps, use_kernels=use_kernels,
+    eng = Engine(model, w, device=args.device, max_batch=max(s.batches), max_context=ctx_max,
+                 num_pages=max(s.batches) * -(-ctx_max // ps) + 1, page_size=ps, use_kernels=s.use_kernels,
                  cuda_graphs=args.engine_graphs)
     result["k3c_executor"] = eng.describe()
     result["engine_graphs"] = eng.cuda_graphs
     progress("engine built")
-    ref_pre = ReferenceModel(spec, w, mla_mode="mha")
+    return Bench(**{f.name: getattr(s, f.name) for f in fields(Settings)}, spec=spec, model=model, w=w,
+                 timer=Timer(args.device), result=result, eng=eng, ref_pre=ReferenceModel(spec, w, mla_mode="mha"))
 
-    # -- numerics probe (independent of the timed runs) -----------------------------------------------------------
-    if args.check_len:
-        nm = phase("numerics", lambda: numerics_probe(spec, eng, w, args.device, dtype, args.check_len,
-                                                      getattr(torch, args.truth_dtype), ref_pre))
-        if nm:
-            result["numerics"] = nm
-            print_numerics(nm)
-            save()
-    if args.probe_only:
-        return result
 
-    # -- prefill ------------------------------------------------------------------------------------------------
-    ids = torch.randint(0, spec.vocab_size, (1, prompt_len), device=args.device)
+def probe_numerics(b: Bench) -> None:
+    """The numerics probe as the run's first phase (independent of the timed runs)."""
+    nm = b.phase("numerics", lambda: numerics_probe(b.spec, b.eng, b.w, b.args.device, b.dtype, b.args.check_len,
+                                                    getattr(torch, b.args.truth_dtype), b.ref_pre))
+    if nm:
+        b.result["numerics"] = nm
+        print_numerics(nm)
+        b.save()
 
+
+# -- prefill ----------------------------------------------------------------------------------------------------
+
+def ref_prefill(fwd, ids: torch.Tensor, chunk: int):
+    """The reference's prefill of `ids` through `fwd` (eager or compiled), its append path in chunks of `chunk`
+    tokens: a function of no arguments returning the last position's logits."""
+    def run():
+        cache, outs = None, []
+        with torch.no_grad():
+            for s in range(0, ids.shape[1], chunk):
+                logits, cache = fwd(ids[:, s:s + chunk], cache)
+                outs.append(logits[:, -1])
+        return outs[-1][0]
+    return run
+
+
+def time_k3c_prefill(b: Bench, ids: torch.Tensor) -> torch.Tensor:
+    """k3c's prefill (one append-prefill call on a fresh sequence), timed; returns its last position's logits."""
     def k3c_prefill():
-        rid = eng.open()
-        out = eng.extend([rid], [ids[0]])[0]
-        eng.finish(rid)
+        rid = b.eng.open()
+        out = b.eng.extend([rid], [ids[0]])[0]
+        b.eng.finish(rid)
         return out
 
-    def ref_prefill(fwd):
-        def run():
-            cache, outs = None, []
-            with torch.no_grad():
-                for s in range(0, prompt_len, args.ref_chunk):
-                    logits, cache = fwd(ids[:, s:s + args.ref_chunk], cache)
-                    outs.append(logits[:, -1])
-            return outs[-1][0]
-        return run
+    pre = b.result["prefill"]
+    t, out = b.timer(k3c_prefill, b.reps)
+    pre["k3c_ms"], pre["mla_modes"] = t * 1e3, {str(k): v for k, v in b.eng.last_modes.items()}
+    return out[-1]
 
-    pre = result["prefill"]
-    pre["tokens"] = prompt_len
-    last, keep = {}, {}
 
-    def k3c_pre():
-        t, out = timer(k3c_prefill, reps)
-        pre["k3c_ms"], pre["mla_modes"] = t * 1e3, {str(k): v for k, v in eng.last_modes.items()}
-        last["k3c"] = keep["k3c_prefill"] = out[-1]
+def time_eager_prefill(b: Bench, ids: torch.Tensor, k3c_logits: torch.Tensor | None) -> None:
+    pre = b.result["prefill"]
+    t, out = b.timer(ref_prefill(b.ref_pre.forward, ids, b.args.ref_chunk), b.reps)
+    pre["eager_ms"] = t * 1e3
+    if k3c_logits is not None:
+        pre["rel_err_last_logits_vs_eager"] = rel(k3c_logits, out)
 
-    def eager_pre():
-        t, out = timer(ref_prefill(ref_pre.forward), reps)
-        pre["eager_ms"] = t * 1e3
-        if "k3c" in last:
-            pre["rel_err_last_logits_vs_eager"] = rel(last["k3c"], out)
 
-    phase("prefill_k3c", k3c_pre)
-    if not args.skip_eager:
-        phase("prefill_eager", eager_pre)
-    if cuda:
+def compare_prefill(b: Bench) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prefill phases of k3c and the eager reference on one random prompt; returns the prompt and k3c's last
+    logits (None if its phase did not run), which the compiled peer is held to."""
+    ids = torch.randint(0, b.spec.vocab_size, (1, b.prompt_len), device=b.args.device)
+    pre = b.result["prefill"]
+    pre["tokens"] = b.prompt_len
+    k3c_logits = b.phase("prefill_k3c", lambda: time_k3c_prefill(b, ids))
+    if not b.args.skip_eager:
+        b.phase("prefill_eager", lambda: time_eager_prefill(b, ids, k3c_logits))
+    if b.cuda:
         pre["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    last.clear()
-    save()
+    b.save()
+    return ids, k3c_logits
 
-    # -- decode -------------------------------------------------------------------------------------------------
-    ref_dec = ReferenceModel(spec, w, mla_mode="mqa")
-    cfg, mcfg = spec.kda, spec.mla
-    toks = torch.randint(0, spec.vocab_size, (max(steps, peer_steps) + 4, max(batches)), device=args.device)
 
-    def random_cache(B: int) -> ReferenceCache:
-        """The decode cache of B sequences with `cached` tokens: random, the same for every peer (seeded by B)."""
-        g = torch.Generator(device=args.device).manual_seed(B)
-        layers = []
-        for kind in spec.layer_kinds:
-            if kind == "kda":
-                st = 0.05 * torch.randn(B, cfg.num_heads, cfg.head_dim, cfg.head_dim, generator=g, device=args.device)
-                tails = tuple(torch.randn(B, cfg.width, cfg.conv_kernel - 1, generator=g, device=args.device
-                                          ).to(dtype) for _ in range(3))
-                layers.append(KDAState(st, tails))
-            else:
-                layers.append(torch.randn(B, cached, mcfg.kv_lora_rank + mcfg.qk_rope_head_dim, generator=g,
-                                          device=args.device).to(dtype))
-        return ReferenceCache(tuple(layers), cached)
+# -- decode -----------------------------------------------------------------------------------------------------
 
-    def ref_steps(fwd, cache, n, s0=0):
-        out = None
-        B = cache.batch
-        with torch.no_grad():
-            for s in range(s0, s0 + n):
-                out, cache = fwd(toks[s, :B, None], cache)
-        return out[:, -1]
+def random_cache(b: Bench, B: int):
+    """The decode cache of B sequences with `cached` tokens: random, the same for every peer (seeded by B)."""
+    from k3c.reference.kda import KDAState
+    from k3c.reference.model import ReferenceCache
 
-    recs = {}
-    for B in batches:
-        rec = recs[B] = {"batch": B, "cached": cached, "steps": steps, "peer_steps": peer_steps}
-        result["decode"].append(rec)
-        ref_cache = random_cache(B)
-        firsts = {}
+    cfg, mcfg, device = b.spec.kda, b.spec.mla, b.args.device
+    g = torch.Generator(device=device).manual_seed(B)
+    layers = []
+    for kind in b.spec.layer_kinds:
+        if kind == "kda":
+            st = 0.05 * torch.randn(B, cfg.num_heads, cfg.head_dim, cfg.head_dim, generator=g, device=device)
+            tails = tuple(torch.randn(B, cfg.width, cfg.conv_kernel - 1, generator=g, device=device
+                                      ).to(b.dtype) for _ in range(3))
+            layers.append(KDAState(st, tails))
+        else:
+            layers.append(torch.randn(B, b.cached, mcfg.kv_lora_rank + mcfg.qk_rope_head_dim, generator=g,
+                                      device=device).to(b.dtype))
+    return ReferenceCache(tuple(layers), b.cached)
 
-        def k3c_dec():
-            ctx = [0] * cached
-            rids = [eng.adopt(ctx, {i: KDAState(c.state[b:b + 1], tuple(t[b:b + 1] for t in c.conv))
-                                    for i, c in enumerate(ref_cache.layers) if isinstance(c, KDAState)},
-                              {i: c[b] for i, c in enumerate(ref_cache.layers) if not isinstance(c, KDAState)})
-                    for b in range(B)]
 
-            def k3c_steps(n, s0=0):
-                out = None
-                for s in range(s0, s0 + n):
-                    out = eng.extend(rids, [[int(t)] for t in toks[s, :B].tolist()])
-                return torch.stack([o[-1] for o in out])
+def ref_steps(fwd, cache, toks: torch.Tensor, n: int, s0: int = 0) -> torch.Tensor:
+    """n greedy-input decode steps of the reference through `fwd` from `cache` (tokens toks[s0:s0+n]): the last
+    step's logits."""
+    out = None
+    B = cache.batch
+    with torch.no_grad():
+        for s in range(s0, s0 + n):
+            out, cache = fwd(toks[s, :B, None], cache)
+    return out[:, -1]
 
-            try:
-                firsts["k3c"] = k3c_steps(1)              # warm-up step (JIT), also compared with the eager step
-                k3c_steps(1, 1)                           # 2nd step: with graphs on, this batch size's capture
-                timer.sync()
-                t0 = time.perf_counter()
-                k3c_steps(steps, 2)
-                timer.sync()
-                rec["k3c_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
-                rec["mla_modes"] = {str(k): v for k, v in eng.last_modes.items()}
-            finally:
-                for r in rids:
-                    eng.finish(r)
 
-        def k3c_graph_dec():
-            """The same decode through k3c's CUDA-graph step (runtime/cuda_graph.py): the engine's compiled graph,
-            static buffers loaded with the same random cache, one length bucket holding every step."""
-            from k3c.runtime.cuda_graph import DecodeGraph
+def k3c_steps(eng, rids: list, toks: torch.Tensor, n: int, s0: int = 0) -> torch.Tensor:
+    """n decode steps of k3c's sequences `rids` (tokens toks[s0:s0+n]): the last step's logits."""
+    out = None
+    for s in range(s0, s0 + n):
+        out = eng.extend(rids, [[int(t)] for t in toks[s, :len(rids)].tolist()])
+    return torch.stack([o[-1] for o in out])
 
-            ps = eng.pool.page_size
-            cap = -(-(cached + steps + 2) // ps) * ps
-            dg = DecodeGraph(model, eng.graph, batch=B, capacity=cap, device=args.device, dtype=dtype, buckets=[cap],
-                             use_kernels=use_kernels)
-            dg.load_state({i: c for i, c in enumerate(ref_cache.layers) if isinstance(c, KDAState)},
-                          {i: c for i, c in enumerate(ref_cache.layers) if not isinstance(c, KDAState)},
-                          [cached] * B)
-            t0 = time.perf_counter()
-            firsts["graph"] = dg.step(toks[0, :B]).clone()          # capture (after warm-ups) + the first step
-            timer.sync()
-            rec["k3c_graph_capture_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for s in range(1, steps + 1):
-                dg.step(toks[s, :B])
-            timer.sync()
-            rec["k3c_graph_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
-            rec["k3c_graph_mode"] = dg.report.mode + (f" ({dg.report.reason})" if dg.report.mode != "graph" else "")
-            del dg
 
-        def eager_dec():
-            firsts["eager"] = ref_steps(ref_dec.forward, ref_cache, 1)
-            if "k3c" in firsts:
-                rec["rel_err_first_step_vs_eager"] = rel(firsts["k3c"], firsts["eager"])
-            if "graph" in firsts:
-                rec["rel_err_graph_first_step_vs_eager"] = rel(firsts["graph"], firsts["eager"])
-            timer.sync()
-            t0 = time.perf_counter()
-            ref_steps(ref_dec.forward, ref_cache, peer_steps)
-            timer.sync()
-            rec["eager_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / peer_steps
+@dataclass
+class DecodeBatch:
+    """One decode batch size's comparison: its JSON row, the random cache every peer starts from, the decode tokens,
+    and each peer's first-step logits (k3c's and the graph's are compared with eager's)."""
+    B: int
+    rec: dict
+    cache: object
+    toks: torch.Tensor
+    firsts: dict
 
-        phase(f"decode_b{B}_k3c", k3c_dec)
-        if (cuda and not args.no_kernels or args.graph) and not args.no_graph:
-            phase(f"decode_b{B}_k3c_graph", k3c_graph_dec)
-        if not args.skip_eager and B in eager_batches:
-            phase(f"decode_b{B}_eager", eager_dec)
-        if cuda:
-            rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        save()
-        del ref_cache, firsts
 
-    # -- torch.compile peer, last (its compile time is the largest and least predictable cost) --------------------
-    if not args.skip_compiled:
-        # the reference's expert loop iterates over .tolist() of the routing (data-dependent): compiled as is, every
-        # new expert set recompiles the frame until the recompile limit; run it eagerly inside the compiled graph
-        # the KDA chunk loop (T / 64 iterations a layer) would be unrolled into one huge graph (the first full-size
-        # run was still in inductor after 6 min): the loop runs eagerly and its body, one chunk, is compiled once
-        from k3c.reference import kda as ref_kda
-        from k3c.reference import moe as ref_moe
-        import torch._dynamo as dynamo
+def time_k3c_decode(b: Bench, d: DecodeBatch) -> None:
+    from k3c.reference.kda import KDAState
 
-        eager_experts = ref_moe.routed_experts
-        eager_chunked, eager_step = ref_kda.kda_chunked, ref_kda.kda_chunk_step
-        ref_moe.routed_experts = grouped_experts if args.compile_moe == "grouped" else \
-            torch.compiler.disable(eager_experts)
-        ref_kda.kda_chunked = torch.compiler.disable(eager_chunked)
-        ref_kda.kda_chunk_step = torch.compile(eager_step, dynamic=False, backend=args.compile_backend)
-        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
-        cfwd = torch.compile(ref_pre.forward, dynamic=True, backend=args.compile_backend)
+    eng, rec = b.eng, d.rec
+    ctx = [0] * b.cached
+    rids = [eng.adopt(ctx, {i: KDAState(c.state[j:j + 1], tuple(t[j:j + 1] for t in c.conv))
+                            for i, c in enumerate(d.cache.layers) if isinstance(c, KDAState)},
+                      {i: c[j] for i, c in enumerate(d.cache.layers) if not isinstance(c, KDAState)})
+            for j in range(d.B)]
+    try:
+        d.firsts["k3c"] = k3c_steps(eng, rids, d.toks, 1)   # warm-up step (JIT), also compared with the eager step
+        k3c_steps(eng, rids, d.toks, 1, 1)                  # 2nd step: with graphs on, this batch size's capture
+        b.timer.sync()
+        t0 = time.perf_counter()
+        k3c_steps(eng, rids, d.toks, b.steps, 2)
+        b.timer.sync()
+        rec["k3c_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / b.steps
+        rec["mla_modes"] = {str(k): v for k, v in eng.last_modes.items()}
+    finally:
+        for r in rids:
+            eng.finish(r)
 
-        def compiled_pre():
-            c0 = dynamo_counts()
-            t = time.perf_counter()
-            ref_prefill(cfwd)()                          # compile (+ the first run)
-            timer.sync()
-            pre["compiled_warmup_s"] = time.perf_counter() - t
-            c1 = dynamo_counts()
-            t, out = timer(ref_prefill(cfwd), reps)
-            pre["compiled_ms"] = t * 1e3
-            if "k3c_prefill" in keep:
-                pre["rel_err_compiled_vs_k3c"] = rel(out, keep["k3c_prefill"])
-            pre["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
 
-        phase("prefill_compiled", compiled_pre)
-        cdec = torch.compile(ref_dec.forward, dynamic=True, backend=args.compile_backend)
-        for B in batches:
-            rec = recs[B]
-            ref_cache = random_cache(B)
+def time_k3c_graph_decode(b: Bench, d: DecodeBatch) -> None:
+    """The same decode through k3c's CUDA-graph step (runtime/cuda_graph.py): the engine's compiled graph, static
+    buffers loaded with the same random cache, one length bucket holding every step."""
+    from k3c.reference.kda import KDAState
+    from k3c.runtime.cuda_graph import DecodeGraph
 
-            def compiled_dec():
-                c0 = dynamo_counts()
-                t = time.perf_counter()
-                ref_steps(cdec, ref_cache, 2)            # compile (cache lengths vary: dynamic shapes)
-                timer.sync()
-                rec["compiled_warmup_s"] = time.perf_counter() - t
-                c1 = dynamo_counts()
-                t = time.perf_counter()
-                ref_steps(cdec, ref_cache, peer_steps)
-                timer.sync()
-                rec["compiled_ms_per_step"] = (time.perf_counter() - t) * 1e3 / peer_steps
-                rec["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
+    rec, toks, steps = d.rec, d.toks, b.steps
+    ps = b.eng.pool.page_size
+    cap = -(-(b.cached + steps + 2) // ps) * ps
+    dg = DecodeGraph(b.model, b.eng.graph, batch=d.B, capacity=cap, device=b.args.device, dtype=b.dtype,
+                     buckets=[cap], use_kernels=b.use_kernels)
+    dg.load_state({i: c for i, c in enumerate(d.cache.layers) if isinstance(c, KDAState)},
+                  {i: c for i, c in enumerate(d.cache.layers) if not isinstance(c, KDAState)},
+                  [b.cached] * d.B)
+    t0 = time.perf_counter()
+    d.firsts["graph"] = dg.step(toks[0, :d.B]).clone()          # capture (after warm-ups) + the first step
+    b.timer.sync()
+    rec["k3c_graph_capture_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for s in range(1, steps + 1):
+        dg.step(toks[s, :d.B])
+    b.timer.sync()
+    rec["k3c_graph_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / steps
+    rec["k3c_graph_mode"] = dg.report.mode + (f" ({dg.report.reason})" if dg.report.mode != "graph" else "")
 
-            phase(f"decode_b{B}_compiled", compiled_dec)
-            if cuda:
-                rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            save()
-            del ref_cache
+
+def time_eager_decode(b: Bench, d: DecodeBatch, ref_dec) -> None:
+    rec, firsts = d.rec, d.firsts
+    firsts["eager"] = ref_steps(ref_dec.forward, d.cache, d.toks, 1)
+    if "k3c" in firsts:
+        rec["rel_err_first_step_vs_eager"] = rel(firsts["k3c"], firsts["eager"])
+    if "graph" in firsts:
+        rec["rel_err_graph_first_step_vs_eager"] = rel(firsts["graph"], firsts["eager"])
+    b.timer.sync()
+    t0 = time.perf_counter()
+    ref_steps(ref_dec.forward, d.cache, d.toks, b.peer_steps)
+    b.timer.sync()
+    rec["eager_ms_per_step"] = (time.perf_counter() - t0) * 1e3 / b.peer_steps
+
+
+def compare_decode_batch(b: Bench, B: int, toks: torch.Tensor, ref_dec) -> dict:
+    """Decode phases of batch B: k3c, its CUDA-graph step (on CUDA with kernels, or --graph; not with --no-graph),
+    the eager reference (if B is one of --eager-decode-batches); returns the batch's JSON row."""
+    rec = {"batch": B, "cached": b.cached, "steps": b.steps, "peer_steps": b.peer_steps}
+    b.result["decode"].append(rec)
+    d = DecodeBatch(B, rec, random_cache(b, B), toks, {})
+    args = b.args
+    b.phase(f"decode_b{B}_k3c", lambda: time_k3c_decode(b, d))
+    if (b.cuda and not args.no_kernels or args.graph) and not args.no_graph:
+        b.phase(f"decode_b{B}_k3c_graph", lambda: time_k3c_graph_decode(b, d))
+    if not args.skip_eager and B in b.eager_batches:
+        b.phase(f"decode_b{B}_eager", lambda: time_eager_decode(b, d, ref_dec))
+    if b.cuda:
+        rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    b.save()
+    return rec
+
+
+def compare_decode(b: Bench):
+    """Every --batches decode comparison; returns the eager decode reference, the decode tokens and each batch size's
+    JSON row, which the compiled peer reuses."""
+    from k3c.reference import ReferenceModel
+
+    ref_dec = ReferenceModel(b.spec, b.w, mla_mode="mqa")
+    toks = torch.randint(0, b.spec.vocab_size, (max(b.steps, b.peer_steps) + 4, max(b.batches)),
+                         device=b.args.device)
+    recs = {B: compare_decode_batch(b, B, toks, ref_dec) for B in b.batches}
+    return ref_dec, toks, recs
+
+
+# -- torch.compile peer -----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def compilable_reference(args):
+    """The reference made compilable, for the duration of the compiled peer. Its expert loop iterates over
+    .tolist() of the routing (data-dependent): compiled as is, every new expert set recompiles the frame until the
+    recompile limit; it runs eagerly inside the compiled graph (or as grouped GEMMs, --compile-moe grouped). The KDA
+    chunk loop (T / 64 iterations a layer) would be unrolled into one huge graph (the first full-size run was still in
+    inductor after 6 min): the loop runs eagerly and its body, one chunk, is compiled once."""
+    from k3c.reference import kda as ref_kda
+    from k3c.reference import moe as ref_moe
+    import torch._dynamo as dynamo
+
+    eager_experts = ref_moe.routed_experts
+    eager_chunked, eager_step = ref_kda.kda_chunked, ref_kda.kda_chunk_step
+    ref_moe.routed_experts = grouped_experts if args.compile_moe == "grouped" else \
+        torch.compiler.disable(eager_experts)
+    ref_kda.kda_chunked = torch.compiler.disable(eager_chunked)
+    ref_kda.kda_chunk_step = torch.compile(eager_step, dynamic=False, backend=args.compile_backend)
+    dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+    try:
+        yield
+    finally:
         ref_moe.routed_experts = eager_experts
         ref_kda.kda_chunked, ref_kda.kda_chunk_step = eager_chunked, eager_step
 
-    # -- report -------------------------------------------------------------------------------------------------
-    def ratio(peer, ours):
-        return f"{peer / ours:.2f}x" if peer and ours else "n/a"
 
+def time_compiled_prefill(b: Bench, cfwd, ids: torch.Tensor, k3c_logits: torch.Tensor | None) -> None:
+    pre = b.result["prefill"]
+    c0 = dynamo_counts()
+    t = time.perf_counter()
+    ref_prefill(cfwd, ids, b.args.ref_chunk)()          # compile (+ the first run)
+    b.timer.sync()
+    pre["compiled_warmup_s"] = time.perf_counter() - t
+    c1 = dynamo_counts()
+    t, out = b.timer(ref_prefill(cfwd, ids, b.args.ref_chunk), b.reps)
+    pre["compiled_ms"] = t * 1e3
+    if k3c_logits is not None:
+        pre["rel_err_compiled_vs_k3c"] = rel(out, k3c_logits)
+    pre["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
+
+
+def time_compiled_decode(b: Bench, cdec, rec: dict, cache, toks: torch.Tensor) -> None:
+    c0 = dynamo_counts()
+    t = time.perf_counter()
+    ref_steps(cdec, cache, toks, 2)                      # compile (cache lengths vary: dynamic shapes)
+    b.timer.sync()
+    rec["compiled_warmup_s"] = time.perf_counter() - t
+    c1 = dynamo_counts()
+    t = time.perf_counter()
+    ref_steps(cdec, cache, toks, b.peer_steps)
+    b.timer.sync()
+    rec["compiled_ms_per_step"] = (time.perf_counter() - t) * 1e3 / b.peer_steps
+    rec["compiled_dynamo"] = {"warmup": count_delta(c0, c1), "timed": count_delta(c1, dynamo_counts())}
+
+
+def compiled_decode_batch(b: Bench, cdec, B: int, rec: dict, toks: torch.Tensor) -> None:
+    """The compiled peer's decode phase of batch B, from the same random cache as the other peers."""
+    cache = random_cache(b, B)
+    b.phase(f"decode_b{B}_compiled", lambda: time_compiled_decode(b, cdec, rec, cache, toks))
+    if b.cuda:
+        rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    b.save()
+
+
+def compiled_peer(b: Bench, ids: torch.Tensor, k3c_logits: torch.Tensor | None, ref_dec, toks: torch.Tensor,
+                  recs: dict) -> None:
+    """torch.compile of the reference, last (its compile time is the largest and least predictable cost): the same
+    prefill and decode batches, filling in the prefill's and each batch's JSON row."""
+    with compilable_reference(b.args):
+        cfwd = torch.compile(b.ref_pre.forward, dynamic=True, backend=b.args.compile_backend)
+        b.phase("prefill_compiled", lambda: time_compiled_prefill(b, cfwd, ids, k3c_logits))
+        cdec = torch.compile(ref_dec.forward, dynamic=True, backend=b.args.compile_backend)
+        for B in b.batches:
+            compiled_decode_batch(b, cdec, B, recs[B], toks)
+
+
+# -- report -----------------------------------------------------------------------------------------------------
+
+def ratio(peer, ours) -> str:
+    return f"{peer / ours:.2f}x" if peer and ours else "n/a"
+
+
+def print_summary(b: Bench) -> None:
+    """The table (k3c, eager and compiled times and their ratios per phase), then failed peers and skipped phases."""
+    result, prompt_len = b.result, b.prompt_len
     nan = float("nan")
-    print(f"{spec.name} on {result['gpu'] or args.device}, {result['dtype']}; k3c: {result['k3c_executor']}")
+    print(f"{b.spec.name} on {result['gpu'] or b.args.device}, {result['dtype']}; k3c: {result['k3c_executor']}")
     print(f"{'phase':28s} {'k3c ms':>10s} {'eager ms':>10s} {'compile ms':>11s} {'vs eager':>9s} {'vs compile':>11s}"
           f" {'k3c tok/s':>11s} {'rel err':>9s}")
     p = result["prefill"]
@@ -620,12 +733,26 @@ def run(argv=None) -> dict:
                   f"{d.get('compiled_ms_per_step', nan):11.2f} {ratio(d.get('eager_ms_per_step'), g):>9s} "
                   f"{ratio(d.get('compiled_ms_per_step'), g):>11s} {d['batch'] / g * 1e3:11.1f} "
                   f"{d.get('rel_err_graph_first_step_vs_eager', nan):9.2e}  [{d['k3c_graph_mode'][:70]}]")
-    for k, v in errors.items():
+    for k, v in result["errors"].items():
         print(f"peer failed: {k}: {v}")
     if result["skipped"]:
         print(f"skipped (deadline): {', '.join(result['skipped'])}")
-    save()
-    return result
+
+
+def run(argv=None) -> dict:
+    """The whole bench (see the module docstring); returns the JSON's dict."""
+    b = setup(parse_settings(argv))
+    if b.args.check_len:
+        probe_numerics(b)
+    if b.args.probe_only:
+        return b.result
+    ids, k3c_logits = compare_prefill(b)
+    ref_dec, toks, recs = compare_decode(b)
+    if not b.args.skip_compiled:
+        compiled_peer(b, ids, k3c_logits, ref_dec, toks, recs)
+    print_summary(b)
+    b.save()
+    return b.result
 
 
 def main(argv=None) -> int:
