@@ -388,10 +388,19 @@ class Staging:
                     if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                         raise
                 if not self.replace_any:                    # what is there now must still be replaceable
-                    if os.path.islink(self.path) or not os.path.isdir(self.path):
+                    try:
+                        mode = os.lstat(self.path).st_mode  # one look: a writer may move it aside at any time
+                    except FileNotFoundError:
+                        continue                            # moved aside by another writer: try the rename again
+                    if not stat.S_ISDIR(mode):
                         raise ArgumentError(f"{self.what} {self.path}: replaced by something else while k3c was "
                                             f"writing; nothing was changed")
-                    _check_stable(self.path, self.overwrite, self.kind, self.what, self.keep)
+                    try:
+                        _check_stable(self.path, self.overwrite, self.kind, self.what, self.keep)
+                    except (ArgumentError, FileNotFoundError):
+                        if not os.path.lexists(self.path):
+                            continue
+                        raise
                 try:
                     if _exchange(self.dir, self.path):      # self.dir now holds the old directory
                         shutil.rmtree(self.dir, ignore_errors=True)

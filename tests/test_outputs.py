@@ -292,3 +292,23 @@ def test_an_unusable_cache_dir_gets_a_private_artifact(cache, tmp_path, monkeypa
     assert not path.startswith(str(tmp_path)) and k3c.load(path).cache_key == fresh.cache_key
     assert "not usable" in capfd.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "a user's file\n"
+
+
+def test_a_path_moved_aside_between_the_rename_and_the_check_is_retried(model, tmp_path, monkeypatch):
+    """Another writer (rename-aside form) moves the old artifact away just after our rename found it in place:
+    the path is then missing, not "replaced by something else", and the commit tries again."""
+    art = tmp_path / "art"
+    model.save(art)
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
+    real_rename, moved = os.rename, []
+
+    def rename(src, dst):
+        if os.fspath(dst) == str(art) and not moved:        # the first attempt: art exists, then vanishes
+            real_rename(art, tmp_path / "elsewhere")
+            moved.append(True)
+            raise OSError(39, "Directory not empty")        # ENOTEMPTY, as the failed rename reported it
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(outputs.os, "rename", rename)
+    model.save(art, overwrite=True)
+    assert moved and k3c.load(art).cache_key == model.cache_key
