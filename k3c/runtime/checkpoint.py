@@ -30,14 +30,12 @@ from ..errors import WeightError
 from ..ir.mxfp4_weights import packed_name
 from ..paths import regular_file
 from ..frontend.spec import ModelSpec
-from ..frontend.weight_names import WeightInfo, weight_table
+from ..frontend.weight_names import K3_CHECKPOINT_PREFIX, K3_LM_HEAD, WeightInfo, weight_table
 from .devices import torch_dtype
 
 __all__ = ["load_weights", "save_k3_checkpoint", "k3_checkpoint_names", "PICKLE_SUFFIXES"]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".npy", ".npz", ".h5", ".msgpack")
-K3_PREFIX = "language_model.model."
-K3_LM_HEAD = "language_model.lm_head.weight"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -189,7 +187,7 @@ def _normalize(spec: ModelSpec, key: str) -> _Src | None:
     if k.startswith("language_model.lm_head."):
         k = "lm_head." + k[len("language_model.lm_head."):]
     else:
-        for prefix in (K3_PREFIX, "model.language_model.", "model."):
+        for prefix in (K3_CHECKPOINT_PREFIX, "model.language_model.", "model."):
             if k.startswith(prefix):
                 k = k[len(prefix):]
                 break
@@ -237,11 +235,11 @@ def k3_checkpoint_names(spec: ModelSpec) -> dict[str, list[str]]:
     for info in weight_table(spec).values():
         if info.kind == "experts":
             prefix, _, proj = info.name.rpartition(".")
-            out[info.name] = [f"{K3_PREFIX}{prefix}.{e}.{proj}.weight" for e in range(info.shape[0])]
+            out[info.name] = [f"{K3_CHECKPOINT_PREFIX}{prefix}.{e}.{proj}.weight" for e in range(info.shape[0])]
         elif info.name == "lm_head.weight":
-            out[info.name] = [K3_LM_HEAD]
+            out[info.name] = [K3_LM_HEAD + ".weight"]
         else:
-            out[info.name] = [K3_PREFIX + info.name]
+            out[info.name] = [K3_CHECKPOINT_PREFIX + info.name]
     return out
 
 
@@ -446,7 +444,7 @@ def _load_float(name: str, info: WeightInfo, sources: _Sources, stored: _Stored,
     if missing:
         prefix, _, proj = name.rpartition(".")
         raise _weight_error(f"{path}: missing tensor for expert {missing[0]} of '{name}' (k3c), e.g. "
-                          f"'{K3_PREFIX}{prefix}.{missing[0]}.{proj}.weight'"
+                          f"'{K3_CHECKPOINT_PREFIX}{prefix}.{missing[0]}.{proj}.weight'"
                           f"{f' ({len(missing)} experts missing)' if len(missing) > 1 else ''}; "
                           f"expected {n} experts of shape {_fmt(info.shape[1:])}")
     t = None
@@ -505,7 +503,7 @@ def _load_packed(name: str, info: WeightInfo, direct: _Src | None, slot: dict | 
         prefix, _, rest = name.partition(".experts.")
         proj, _, part = rest.partition(".")
         raise _weight_error(f"{path}: missing tensor for expert {missing[0]} of '{name}' (k3c), e.g. "
-                          f"'{K3_PREFIX}{prefix}.experts.{missing[0]}.{proj}.{part}'"
+                          f"'{K3_CHECKPOINT_PREFIX}{prefix}.experts.{missing[0]}.{proj}.{part}'"
                           f"{f' ({len(missing)} experts missing)' if len(missing) > 1 else ''}")
     out = torch.empty(info.shape, dtype=torch.uint8)
     for e in range(n):

@@ -188,7 +188,8 @@ def _inputs(op, value_of: Callable) -> tuple[tuple, dict]:
 
 
 def _is_weight_transform(op) -> bool:
-    return bool(getattr(get_op_def(op.op), "weight_transform", False))
+    opdef = get_op_def(op.op)
+    return opdef is not None and opdef.weight_transform
 
 
 def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_kernels: bool = True,
