@@ -86,14 +86,15 @@ def phase2_reference(s1: torch.Tensor, queries: torch.Tensor, query: int, eps: f
     return out
 
 
-def _data_parts(a: dict, data: tuple) -> dict:
+def _phase2_call(fn, a: dict, data: tuple, w: dict):
+    """`fn` (phase2_reference or the kernel's phase2) on an attn_res_phase2 op's inputs, by its mode."""
     s1, queries, rest = data[0], data[1], data[2:]
     kw = {}
     if a["mode"] == "update":
         kw["partial"], kw["update"] = rest[0], rest[1]
     elif a["mode"] == "source":
         kw["partial"] = rest[0]
-    return {"s1": s1, "queries": queries, **kw}
+    return fn(s1, queries, a["query"], a["eps"], weight=w.get("weight"), norm_eps=a.get("norm_eps"), **kw)
 
 
 def torch_attn_res_fold_queries(a, cache, data, w):
@@ -105,9 +106,7 @@ def torch_attn_res_phase1(a, cache, data, w):
 
 
 def torch_attn_res_phase2(a, cache, data, w):
-    kw = _data_parts(a, data)
-    return phase2_reference(kw.pop("s1"), kw.pop("queries"), a["query"], a["eps"], weight=w.get("weight"),
-                            norm_eps=a.get("norm_eps"), **kw)
+    return _phase2_call(phase2_reference, a, data, w)
 
 
 def torch_attn_res_take(a, cache, data, w):
@@ -193,9 +192,7 @@ def launch_attn_res_phase1(a, cache, data, w):
 
 
 def launch_attn_res_phase2(a, cache, data, w):
-    kw = _data_parts(a, data)
-    return phase2(kw.pop("s1"), kw.pop("queries"), a["query"], a["eps"], weight=w.get("weight"),
-                  norm_eps=a.get("norm_eps"), **kw)
+    return _phase2_call(phase2, a, data, w)
 
 
 # fold_queries and take have no kernel of their own: they run the same way on every path
