@@ -8,6 +8,7 @@ import platform
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 from . import __version__
 from .codegen.targets import Target, get_target
@@ -30,6 +31,17 @@ class CompiledModel:
     run_dtypes: tuple[str, ...] = ("bf16",)  # activation dtypes the artifact holds kernels for (bf16, f32)
     artifact_dir: str | None = None          # the artifact this model was saved to or loaded from
     compiled_kernels: list | None = None     # its CompiledKernels (the catalogue the runtime launches from)
+    tokenizer_dir: str | None = None         # where its tokenizer.json is: the model directory or the artifact
+
+    @cached_property
+    def tokenizer(self):
+        """The model's tokenizer (k3c.runtime.text.Tokenizer), read on first use; None when it has none: a model
+        compiled from a Hugging Face model directory with a tokenizer.json, or an artifact saved from one, has one."""
+        if self.tokenizer_dir is None:
+            return None
+        from .runtime.text import load_tokenizer
+
+        return load_tokenizer(self.tokenizer_dir, vocab_size=self.spec.vocab_size)
 
     @property
     def pass_names(self) -> list[str]:
@@ -136,6 +148,9 @@ class CompiledModel:
                 _write(tmp, os.path.join("ir", f"{i:03d}_{name}.k3c"), print_module(module))
             compiled = self.compile_kernels(tmp, progress=progress, keep_asm=keep_asm) if aot else None
             manifest = self.manifest()
+            tokenizer = self._copy_tokenizer(tmp)
+            if tokenizer:
+                manifest["files"]["tokenizer"] = tokenizer
             if compiled is not None:
                 manifest["kernels"] = [k.to_dict() for k in compiled]
             manifest["extern"] = self.extern_ops()
@@ -156,6 +171,19 @@ class CompiledModel:
         if compiled is not None:
             self.artifact_dir, self.compiled_kernels = path, compiled
         return path
+
+    def _copy_tokenizer(self, root: str) -> str | None:
+        """The tokenizer files copied into an artifact being written (checked first: a tokenizer that does not
+        load or fit the vocabulary is not shipped); the tokenizer.json's name in it, or None without one."""
+        if self.tokenizer is None:
+            return None
+        from .runtime.text import TOKENIZER_FILE, TOKENIZER_FILES
+
+        for name in TOKENIZER_FILES:
+            src = os.path.join(self.tokenizer_dir, name)
+            if os.path.lexists(src):
+                shutil.copyfile(src, os.path.join(root, name))
+        return TOKENIZER_FILE
 
     def catalogue(self):
         """The runtime's view of this model's artifact: catalogue key -> CompiledKernel (None: no artifact yet)."""
@@ -363,7 +391,18 @@ def compile(spec, target: str | Target = "mi355x", *, passes: list[str] | None =
     final, records = lower(spec, tgt, list(passes) if passes is not None else ["default"], tp=tp, ep=ep, rank=rank,
                            seq_parallel=seq_parallel, dump_dir=dump_ir, stages=stages)
     return CompiledModel(spec=spec, target=tgt, module=final, stages=stages, records=records,
-                         run_dtypes=_run_dtypes(run_dtypes))
+                         run_dtypes=_run_dtypes(run_dtypes), tokenizer_dir=_model_dir_tokenizer(spec))
+
+
+def _model_dir_tokenizer(spec: ModelSpec) -> str | None:
+    """The directory of the config.json a spec was read from, when it holds a tokenizer.json (a Hugging Face
+    model directory); None for YAML specs and specs built in code."""
+    from .runtime.text import has_tokenizer
+
+    if os.path.basename(spec.source) != "config.json":
+        return None
+    directory = os.path.dirname(os.path.abspath(spec.source))
+    return directory if has_tokenizer(directory) else None
 
 
 def _run_dtypes(dtypes) -> tuple[str, ...]:
@@ -441,9 +480,12 @@ def _load(path: str) -> CompiledModel:
     dtypes = manifest.get("run_dtypes", ["bf16"])
     if not isinstance(dtypes, list) or not dtypes or not all(d in ("bf16", "f32") for d in dtypes):
         raise UserError(f"{path}/manifest.json: run_dtypes {dtypes!r} must be a list of bf16 / f32")
+    from .runtime.text import TOKENIZER_FILE
+
     return CompiledModel(spec=spec, target=target, module=module, stages=stages, run_dtypes=tuple(dtypes),
                          artifact_dir=os.path.abspath(path) if kernels or target.backend == "cpu" else None,
-                         compiled_kernels=kernels if kernels or target.backend == "cpu" else None)
+                         compiled_kernels=kernels if kernels or target.backend == "cpu" else None,
+                         tokenizer_dir=os.path.abspath(path) if TOKENIZER_FILE in listed else None)
 
 
 def _manifest_target(path: str, manifest: dict) -> Target:

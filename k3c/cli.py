@@ -45,6 +45,27 @@ def _seed(text: str) -> int:
     return value
 
 
+def _number(name: str):
+    """A float (its range is checked where it is used: runtime.sampling.SamplingParams)."""
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+    return parse
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def _escaped(text: str) -> str:
+    """--prompt: the escapes \\n, \\t and \\\\ interpreted (a shell passes them as typed); any other backslash
+    is kept as it is."""
+    import re
+
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
 def _fraction(name: str):
     """A finite float in [0, 1)."""
     def parse(text: str) -> float:
@@ -114,23 +135,51 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("-o", "--output", help="write to this file instead of stdout (required for onnx)")
     i.add_argument("--bytes", action="store_true", help="per-layer AttnRes bytes, naive vs split (attnres-split)")
 
-    r = sub.add_parser("run", help="run a model on random or given weights: prefill, then greedy decode")
+    r = sub.add_parser("run", help="run a model: text in, text out with --prompt; otherwise random prompts and a "
+                       "report of speed and memory", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="With --prompt / --prompt-file: the text is encoded with the model's tokenizer, "
+                       "continued through the\nserving engine (greedy, or sampled with --temperature / --top-p / "
+                       "--top-k / --seed) and printed after\nthe prompt on stdout, stopping at the EOS token; a short "
+                       "stats block goes to stderr.\nWithout: --batch random prompts of --prompt-len tokens, and a "
+                       "report (TTFT, tokens/s, memory, MLA modes).\n\n  k3c run examples/k3-stdlib --prompt "
+                       "\"import os\\n\" --new-tokens 32")
     r.add_argument("spec", help="YAML spec, config.json, model directory, or a compiled artifact directory")
     r.add_argument("--weights", type=_path("--weights"),
-                   help="safetensors file or Hugging Face model directory (default: random init)")
-    r.add_argument("--batch", type=_positive("--batch", MAX_BATCH), default=1,
-                   help="sequences (default 1; refused before anything is allocated when the run's estimated "
-                   "memory exceeds the device's)")
-    r.add_argument("--prompt-len", type=_positive("--prompt-len", MAX_TOKENS), default=16,
-                   help="tokens per prompt (default 16; prompt + new tokens <= the model's max_context)")
-    r.add_argument("--new-tokens", type=_positive("--new-tokens", MAX_TOKENS), default=8)
-    r.add_argument("--seed", type=_seed, default=0, help="seed of the random weights and prompts, in "
-                   "[0, 2**63 - 1] (default 0)")
+                   help="safetensors file or Hugging Face model directory (default: the checkpoint of the model "
+                   "directory given as the model, else random init; an artifact holds no weights: give --weights "
+                   "for trained ones)")
+    text = r.add_mutually_exclusive_group()
+    text.add_argument("--prompt", metavar="TEXT", type=_escaped,
+                      help="the text to continue; the escapes \\n (newline), \\t (tab) and \\\\ (backslash) "
+                      "are interpreted, any other backslash is kept")
+    text.add_argument("--prompt-file", metavar="FILE", type=_path("--prompt-file"),
+                      help="the text to continue, read from a UTF-8 file as it is")
+    r.add_argument("--batch", type=_positive("--batch", MAX_BATCH),
+                   help="random prompts (default 1; not with --prompt; refused before anything is allocated when "
+                   "the run's estimated memory exceeds the device's)")
+    r.add_argument("--prompt-len", type=_positive("--prompt-len", MAX_TOKENS),
+                   help="tokens per random prompt (default 16; not with --prompt; prompt + new tokens <= the "
+                   "model's max_context)")
+    r.add_argument("--new-tokens", type=_positive("--new-tokens", MAX_TOKENS),
+                   help="tokens to generate (default 8; with --prompt 64, fewer when the EOS token comes first)")
+    r.add_argument("--temperature", type=_number("--temperature"),
+                   help="sampling temperature (default 0: greedy, the most likely token)")
+    r.add_argument("--top-p", type=_number("--top-p"),
+                   help="sample from the smallest set of the most likely tokens whose probability reaches P, in "
+                   "(0, 1] (default 1: all)")
+    r.add_argument("--top-k", type=lambda t: _integer("--top-k", t),
+                   help="sample from the K most likely tokens (default 0: all)")
+    r.add_argument("--seed", type=_seed, help="seed of the random weights and prompts (default 0) and of the "
+                   "sampling draws (default: 0, or with --prompt one drawn and printed), in [0, 2**63 - 1]")
     r.add_argument("--device", default="cpu", help="cpu or cuda")
     r.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights and activations (default: float32 on a CPU and with --tp/--ep; on a GPU the "
                    "artifact's first run dtype, bfloat16 unless compiled with --run-dtypes float32)")
-    r.add_argument("--no-kernels", action="store_true", help="run every op through torch (no generated kernels)")
+    r.add_argument("--no-kernels", action="store_true",
+                   help="run every op through torch on a GPU too (no generated kernels; a CPU does so by default)")
+    r.add_argument("--interpret", action="store_true",
+                   help="on a CPU, run the generated kernels in the Triton interpreter (~25 ms a launch: minutes "
+                   "for what the torch ops do in seconds; default on a CPU: the torch ops)")
     r.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps through captured CUDA graphs (runtime/cuda_graph.py; default: on with --device "
                    "cuda and kernels; falls back to the ordinary step where capture is impossible, reported)")
@@ -139,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="one untimed pass of the same requests before the timed one (JIT compiles, CUDA graph "
                    "capture of every length bucket), reported apart; TTFT and tokens/s are the timed pass's "
-                   "(default: on with --device cuda, off on a CPU, where there is no JIT and a pass of the "
-                   "interpreter costs as much as the run: the rates then include first-call costs, and say so)")
+                   "(default: on with --device cuda, off on a CPU, where there is no JIT: the rates then include "
+                   "first-call costs, and say so)")
     pol = r.add_mutually_exclusive_group()
     pol.add_argument("--strict", dest="kernel_policy", action="store_const", const="strict",
                      help="a kernel launch missing from the artifact is an error (default: JIT-compiled once, "
@@ -255,30 +304,71 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from .commands.run import kernels_on, model_checkpoint
+
     flag = {"strict": "--strict", "allow-jit": "--allow-jit", "jit": "--jit"}.get(args.kernel_policy)
     if flag and args.no_kernels:
         raise ArgumentError(f"k3c run: {flag} chooses where kernels come from; it cannot go with --no-kernels")
+    text = args.prompt is not None or args.prompt_file is not None
+    if text:
+        shape = next((f for f, v in (("--batch", args.batch), ("--prompt-len", args.prompt_len)) if v is not None),
+                     None)
+        if shape:
+            raise ArgumentError(f"k3c run: {shape} shapes the random prompts of the report; it cannot go with "
+                                f"{'--prompt' if args.prompt is not None else '--prompt-file'} (one sequence, as "
+                                f"long as the text's tokens)")
+    use_kernels = kernels_on(args.device, not args.no_kernels, args.interpret)
+    sampled = [f for f, v in (("--temperature", args.temperature), ("--top-p", args.top_p),
+                              ("--top-k", args.top_k)) if v is not None]
     if args.tp > 1 or (args.ep or 1) > 1:       # one process per rank (or this process under torchrun)
-        if flag or args.warmup is not None:
-            raise ArgumentError(f"k3c run: {flag or ('--warmup' if args.warmup else '--no-warmup')} is not "
-                                "supported with --tp/--ep yet (one process per rank)")
+        unsupported = flag or ("--warmup" if args.warmup else "--no-warmup" if args.warmup is not None else None) \
+            or ("--prompt" if text else None) or (sampled[0] if sampled else None)
+        if unsupported:
+            raise ArgumentError(f"k3c run: {unsupported} is not supported with --tp/--ep yet (one process per rank)")
         from .commands.ranks import run_report_distributed
 
-        text = run_report_distributed(args.spec, tp=args.tp, ep=args.ep, weights=args.weights, batch=args.batch,
-                                      prompt_len=args.prompt_len, new_tokens=args.new_tokens, seed=args.seed,
-                                      device=args.device, dtype=args.dtype or "float32",
-                                      use_kernels=not args.no_kernels,
-                                      cuda_graphs=args.cuda_graphs)
-        if text:                                 # rank 0 reports (under torchrun the others print nothing)
-            print(text)
+        report = run_report_distributed(args.spec, tp=args.tp, ep=args.ep,
+                                        weights=args.weights or model_checkpoint(args.spec), batch=args.batch or 1,
+                                        prompt_len=args.prompt_len or 16, new_tokens=args.new_tokens or 8,
+                                        seed=args.seed or 0, device=args.device, dtype=args.dtype or "float32",
+                                        use_kernels=use_kernels, cuda_graphs=args.cuda_graphs)
+        if report:                               # rank 0 reports (under torchrun the others print nothing)
+            print(report)
         return 0
-    from .commands.run import run_report
+    from .commands.run import run_report, run_text
+    from .runtime.sampling import SamplingParams
 
-    print(run_report(args.spec, weights=args.weights, batch=args.batch, prompt_len=args.prompt_len,
-                     new_tokens=args.new_tokens, seed=args.seed, device=args.device, dtype=args.dtype,
-                     use_kernels=not args.no_kernels, prefill_chunk=args.prefill_chunk,
-                     cuda_graphs=args.cuda_graphs, warmup=args.warmup, kernel_policy=args.kernel_policy))
+    sampling = SamplingParams(temperature=args.temperature or 0.0, top_p=1.0 if args.top_p is None else args.top_p,
+                              top_k=args.top_k or 0, seed=args.seed if text else args.seed or 0)
+    common = dict(weights=args.weights, device=args.device, dtype=args.dtype, use_kernels=not args.no_kernels,
+                  interpret=args.interpret, prefill_chunk=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
+                  warmup=args.warmup, kernel_policy=args.kernel_policy, sampling=sampling)
+    if not text:
+        print(run_report(args.spec, batch=args.batch or 1, prompt_len=args.prompt_len or 16,
+                         new_tokens=args.new_tokens or 8, seed=args.seed or 0, **common))
+        return 0
+    prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
+    continuation, stats = run_text(args.spec, prompt, new_tokens=args.new_tokens or 64, seed=args.seed or 0,
+                                   warn=lambda line: print(line, file=sys.stderr, flush=True), **common)
+    out = prompt + continuation
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    sys.stdout.flush()
+    print(stats, file=sys.stderr)
     return 0
+
+
+def _read_prompt_file(path: str) -> str:
+    """--prompt-file: a regular file's UTF-8 text, as it is."""
+    from .paths import regular_file
+
+    regular_file(path, "file (--prompt-file)")
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ArgumentError(f"--prompt-file {path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ArgumentError(f"--prompt-file {path}: cannot read ({exc.strerror or exc})") from None
 
 
 def cmd_plan(args) -> int:

@@ -84,14 +84,15 @@ def test_inspect_formats(tmp_path, capsys):
 
 
 def test_run_prints_report(capsys):
-    assert main(["run", "examples/k3-tiny.yaml", "--batch", "2", "--prompt-len", "12", "--new-tokens", "3"]) == 0
+    assert main(["run", "examples/k3-tiny.yaml", "--batch", "2", "--prompt-len", "12", "--new-tokens", "3",
+                 "--interpret"]) == 0
     out = capsys.readouterr().out
-    for key in ("TTFT", "prefill:", "decode:", "peak memory", "logits finite:   True"):
+    for key in ("TTFT", "prefill:", "decode:", "peak memory", "logits finite:   True", "in the interpreter"):
         assert key in out
 
 
 def test_compile_then_run_artifact(tmp_path, capsys):
     art = tmp_path / "tiny"
     assert main(["compile", "examples/k3-tiny.yaml", "--target", "h200", "-o", str(art)]) == 0
-    assert main(["run", str(art), "--prompt-len", "5", "--new-tokens", "2"]) == 0
+    assert main(["run", str(art), "--prompt-len", "5", "--new-tokens", "2", "--interpret"]) == 0
     assert "k3-tiny" in capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""`k3c run`: compile (or load) a model, serve random prompts through the engine (prefill, greedy decode), report
-speed, memory and the MLA modes that ran."""
+"""`k3c run`: compile (or load) a model and serve it through the engine: random prompts with a report of speed,
+memory and the MLA modes that ran (run_report), or text in, text out with the model's tokenizer (run_text)."""
 from __future__ import annotations
 
 import copy
@@ -120,9 +120,26 @@ _RUN_DTYPES = {name: DTYPE_SPELLINGS[name] for name in ("float32", "bfloat16")}
 _DTYPE_NAMES = {v: k for k, v in _RUN_DTYPES.items()}
 
 
-def _kernel_line(use_kernels: bool, total, before_timed) -> str:
-    """Where the distinct kernels came from (launcher.stats() over the whole run) and what the timed pass added."""
+def kernels_on(device: str, use_kernels: bool, interpret: bool) -> bool:
+    """Whether a run launches the generated kernels: on a GPU unless --no-kernels; on a CPU only with --interpret,
+    in the Triton interpreter (~25 ms a launch: k3-tiny's 32 new tokens take minutes there, seconds through the
+    torch ops)."""
+    cuda = str(device).startswith("cuda")
+    if interpret and cuda:
+        raise ArgumentError("--interpret runs the generated kernels in the Triton interpreter on a CPU; it cannot "
+                            "go with --device cuda (kernels run compiled there)")
+    if interpret and not use_kernels:
+        raise ArgumentError("--interpret runs the generated kernels; it cannot go with --no-kernels")
+    return use_kernels and (cuda or interpret)
+
+
+def _kernel_line(use_kernels: bool, total, before_timed, *, cpu_default: bool = False) -> str:
+    """Where the distinct kernels came from (launcher.stats() over the whole run) and what the timed pass added.
+    `cpu_default`: kernels are off because the run is on a CPU without --interpret (kernels_on)."""
     if not use_kernels:
+        if cpu_default:
+            return ("  kernels:         off on a CPU: torch ops (--interpret runs the generated kernels in the "
+                    "Triton interpreter)")
         return "  kernels:         off (--no-kernels: every op through torch)"
     line = (f"  kernels:         {total.binaries} from the artifact's binaries (load {total.load_seconds:.2f} s), "
             f"{total.jit} JIT-compiled ({total.jit_seconds:.2f} s), {total.interpreted} in the interpreter "
@@ -136,15 +153,28 @@ def _kernel_line(use_kernels: bool, total, before_timed) -> str:
     return line
 
 
-def _serve(eng, ids, new_tokens: int, sync, bar) -> dict:
-    """One pass: every row of `ids` queued as a request of `new_tokens`, the engine stepped until all finished.
-    TTFT = until every prompt is prefilled and has its first token (synchronised); decode = the steps after."""
-    import torch
+def model_checkpoint(spec_or_artifact: str) -> str | None:
+    """The checkpoint a Hugging Face model directory given as the model holds (the directory, or the one of its
+    config.json, with model.safetensors or an index): what `k3c run` loads when --weights is not given."""
+    from ..runtime.checkpoint import INDEX_NAME, SINGLE_NAME
 
+    path = spec_or_artifact
+    if os.path.basename(path) == "config.json" and os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    if not os.path.isdir(path) or _is_artifact(path):
+        return None
+    return path if any(os.path.lexists(os.path.join(path, n)) for n in (SINGLE_NAME, INDEX_NAME)) else None
+
+
+def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
+    """One pass: every row of `ids` queued as a request of `new_tokens` (sampled under rows[b], None: greedy;
+    ending early at a `stop` token), the engine stepped until all finished. TTFT = until every prompt is prefilled
+    and has its first token (synchronised); decode = the steps after."""
     before = dict(eng.stats)
     modes_before = dict(eng.mode_counts)
     sync()
-    rids = [eng.add_request(ids[b], new_tokens) for b in range(ids.shape[0])]
+    rids = [eng.add_request(ids[b], new_tokens, sampling=rows[b] if rows else None, stop_token_ids=stop)
+            for b in range(ids.shape[0])]
     tokens: dict[int, list[int]] = {r: [] for r in rids}
     t0 = time.perf_counter()
     first_at = None
@@ -163,36 +193,22 @@ def _serve(eng, ids, new_tokens: int, sync, bar) -> dict:
     stats = {k: v - before.get(k, 0) for k, v in eng.stats.items()}
     modes = {k: n - modes_before.get(k, 0) for k, n in eng.mode_counts.items() if n - modes_before.get(k, 0)}
     return {"ttft": first_at - t0, "decode_s": end - first_at, "seconds": end - t0, "stats": stats, "modes": modes,
-            "tokens": torch.tensor([tokens[r] for r in rids]), "last_logits": last_logits}
+            "tokens": [tokens[r] for r in rids], "last_logits": last_logits}
 
 
-def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int = 1, prompt_len: int = 16,
-               new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str | None = None,
-               use_kernels: bool = True, prefill_chunk: int | None = None, progress: bool | None = None,
-               cuda_graphs: bool | None = None, warmup: bool | None = None,
-               kernel_policy: str = "artifact") -> str:
-    """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
-    then greedy decode steps. Timed apart: weights (random, drawn on the device, or loaded; then prepared for the
-    graph: MXFP4 packing), the model (artifact loaded or spec compiled), the engine build (graph, page pool) and,
-    with `warmup` (default:
-    on with CUDA, off on a CPU), one untimed pass of the same requests (JIT, CUDA graph capture of every length
-    bucket the timed pass meets); then the timed pass: TTFT = its first step(s) (every prompt prefilled, first
-    tokens sampled), prefill tokens/s = batch x prompt_len / TTFT, decode tokens/s over the steps after it.
-    dtype: float32 | bfloat16; None = float32 on a CPU, the artifact's first run dtype on a GPU.
-    `kernel_policy` (launcher.POLICIES) goes to the Engine: artifact (binaries; a miss is JIT-compiled once, with a
-    warning), strict (a miss raises), allow-jit (an artifact of another target: its sources JIT-compiled for the
-    device), jit (every kernel JIT-compiled from source, the artifact's binaries ignored)."""
+def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, interpret, prefill_chunk,
+           cuda_graphs, kernel_policy, sizes) -> dict:
+    """What both modes of `k3c run` set up, timed apart: the model (artifact loaded or spec compiled), its checks
+    against `sizes(model)` -> (batch, prompt_len, new_tokens), the weights (given, the model directory's
+    checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool)."""
     import torch
-    from tqdm import tqdm
 
     from ..runtime import launcher
     from ..runtime.devices import target_for, torch_dtype as to_torch_dtype
     from ..runtime.engine import Engine
 
-    _check_run_args(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, prefill_chunk=prefill_chunk, seed=seed,
-                    device=device, kernel_policy=kernel_policy, use_kernels=use_kernels)
     cuda = device.startswith("cuda")
-    warmup = cuda if warmup is None else warmup
+    kernels = kernels_on(device, use_kernels, interpret)
 
     def sync():
         if cuda:
@@ -200,60 +216,183 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
 
     launcher.reset_stats()
     t = time.perf_counter()
-    is_artifact = _is_artifact(spec_or_artifact)
     model = _load_model(spec_or_artifact, device)
     t_model = time.perf_counter() - t
-    spec = model.spec
+    batch, prompt_len, new_tokens = sizes(model)
     dtype = _run_dtype(model, spec_or_artifact, dtype, cuda,
-                       binaries=cuda and use_kernels and kernel_policy in ("artifact", "strict"))
+                       binaries=cuda and kernels and kernel_policy in ("artifact", "strict"))
     torch_dtype = to_torch_dtype(dtype, "--dtype")
-    if prompt_len + new_tokens > spec.max_context:
-        raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
-                            f"max_context {spec.max_context}")
-    check_run_fits(spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+    check_run_fits(model.spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                    prefill_chunk=prefill_chunk, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
                    page_size=target_for(torch.device(device)).mla_page_size)
+    default = model_checkpoint(spec_or_artifact) if weights is None else None
     t = time.perf_counter()
-    w, t_prep = _graph_weights(model, weights, seed, torch_dtype, device, sync)
+    w, t_prep = _graph_weights(model, weights or default, seed, torch_dtype, device, sync)
     t_weights = time.perf_counter() - t
     t = time.perf_counter()
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
-                 use_kernels=use_kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+                 use_kernels=kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
                  kernel_policy=kernel_policy)
     del w                        # the graph holds what it reads
     sync()
-    t_engine = time.perf_counter() - t
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, spec.vocab_size, (batch, prompt_len), generator=gen)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    return {"model": model, "eng": eng, "sync": sync, "cuda": cuda, "dtype": dtype, "kernels": kernels,
+            "cpu_default": use_kernels and not kernels, "weights": weights or default, "default_weights": default,
+            "seed": seed,
+            "t_model": t_model, "t_weights": t_weights, "t_prep": t_prep, "t_engine": time.perf_counter() - t}
 
+
+def _passes(b: dict, ids, new_tokens: int, warmup: bool | None, progress: bool | None, rows=None, stop=()):
+    """(warm-up pass or None, timed pass, kernels line): with `warmup` (default: on with CUDA), one untimed pass of
+    the same requests first."""
+    from tqdm import tqdm
+
+    from ..runtime import launcher
+
+    eng, sync = b["eng"], b["sync"]
+    warmup = b["cuda"] if warmup is None else warmup
+    if b["cuda"]:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+    batch, prompt_len = ids.shape
     show = (new_tokens > 32 or prompt_len > 4096) and sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=(1 + warmup) * batch * (prompt_len + new_tokens), desc="k3c run", unit="tok", leave=False,
                disable=not show)
     # warm-up: the same requests once, untimed: every kernel shape and every CUDA graph (batch size x length
-    # bucket) the timed pass meets is compiled / captured here (identical inputs: identical data-dependent choices)
-    warm = _serve(eng, ids, new_tokens, sync, bar) if warmup else None
+    # bucket) the timed pass meets is compiled / captured here (identical inputs and seeds: identical choices)
+    warm = _serve(eng, ids, new_tokens, sync, bar, rows, stop) if warmup else None
     # stats() is the launcher's live record: copies, so the timed pass's additions can be told apart
     before_timed = copy.deepcopy(launcher.stats()) if warmup else None
-    run = _serve(eng, ids, new_tokens, sync, bar)
+    run = _serve(eng, ids, new_tokens, sync, bar, rows, stop)
     bar.close()
-    kernels = _kernel_line(use_kernels, copy.deepcopy(launcher.stats()), before_timed)
-    source = (f"artifact {spec_or_artifact} loaded, target {model.target.name}" if is_artifact else
-              f"spec compiled for target {model.target.name}")
-    where = (f"loaded from {weights} to host memory, moved to {device} in the engine build" if weights else
-             f"random, seed {seed}, drawn on {device}") + f"; {t_prep:.2f} s of it preparing them for the graph"
+    kernels = _kernel_line(b["kernels"], copy.deepcopy(launcher.stats()), before_timed, cpu_default=b["cpu_default"])
+    return warm, run, kernels
+
+
+def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int = 1, prompt_len: int = 16,
+               new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str | None = None,
+               use_kernels: bool = True, interpret: bool = False, prefill_chunk: int | None = None,
+               progress: bool | None = None, cuda_graphs: bool | None = None, warmup: bool | None = None,
+               kernel_policy: str = "artifact", sampling=None) -> str:
+    """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
+    then decode steps (greedy, or under `sampling`: runtime.sampling.params_for_rows). Timed apart: weights
+    (given, else a Hugging Face model directory's own checkpoint, else random, drawn on the device; then prepared
+    for the graph: MXFP4 packing), the model (artifact loaded or spec compiled), the engine build (graph, page pool)
+    and, with `warmup` (default: on with CUDA, off on a CPU), one untimed pass of the same requests (JIT, CUDA graph
+    capture of every length bucket the timed pass meets); then the timed pass: TTFT = its first step(s) (every
+    prompt prefilled, first tokens sampled), prefill tokens/s = batch x prompt_len / TTFT, decode tokens/s over the
+    steps after it. Kernels: kernels_on (a CPU runs the torch ops unless `interpret`).
+    dtype: float32 | bfloat16; None = float32 on a CPU, the artifact's first run dtype on a GPU.
+    `kernel_policy` (launcher.POLICIES) goes to the Engine: artifact (binaries; a miss is JIT-compiled once, with a
+    warning), strict (a miss raises), allow-jit (an artifact of another target: its sources JIT-compiled for the
+    device), jit (every kernel JIT-compiled from source, the artifact's binaries ignored)."""
+    import torch
+
+    from ..runtime.sampling import params_for_rows
+
+    _check_run_args(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, prefill_chunk=prefill_chunk, seed=seed,
+                    device=device, kernel_policy=kernel_policy, use_kernels=use_kernels)
+    rows = params_for_rows(sampling, batch)
+
+    def sizes(model):
+        if prompt_len + new_tokens > model.spec.max_context:
+            raise ArgumentError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the spec's "
+                                f"max_context {model.spec.max_context}")
+        return batch, prompt_len, new_tokens
+
+    b = _build(spec_or_artifact, weights=weights, seed=seed, device=device, dtype=dtype, use_kernels=use_kernels,
+               interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+               kernel_policy=kernel_policy, sizes=sizes)
+    model, eng, spec = b["model"], b["eng"], b["model"].spec
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, spec.vocab_size, (batch, prompt_len), generator=gen)
+    warm, run, kernels = _passes(b, ids, new_tokens, warmup, progress, rows)
+    source = (f"artifact {spec_or_artifact} loaded, target {model.target.name}" if _is_artifact(spec_or_artifact)
+              else f"spec compiled for target {model.target.name}")
+    loaded = b["weights"]
+    where = ((f"loaded from {loaded}" + (" (the model directory's checkpoint; --weights overrides)"
+                                         if b["default_weights"] else "")
+              + f" to host memory, moved to {device} in the engine build") if loaded else
+             f"random, seed {seed}, drawn on {device}") + f"; {b['t_prep']:.2f} s of it preparing them for the graph"
     head = [
         f"k3c run: {spec.name} ({spec.num_layers} layers: {spec.layer_kinds.count('kda')} KDA, "
-        f"{spec.layer_kinds.count('mla')} MLA) on {device}, {dtype}, weights: {weights or f'random (seed {seed})'}",
+        f"{spec.layer_kinds.count('mla')} MLA) on {device}, {b['dtype']}, weights: {loaded or f'random (seed {seed})'}",
         f"  executor:        {eng.describe()}",
         f"  batch x prompt:  {batch} x {prompt_len}, new tokens: {new_tokens}",
-        f"  weights:         {t_weights:.2f} s ({where})",
-        f"  model:           {t_model:.2f} s ({source})",
-        f"  engine build:    {t_engine:.2f} s (graph, kernels bound, MLA page pool; kernel policy "
+        f"  weights:         {b['t_weights']:.2f} s ({where})",
+        f"  model:           {b['t_model']:.2f} s ({source})",
+        f"  engine build:    {b['t_engine']:.2f} s (graph, kernels bound, MLA page pool; kernel policy "
         f"{kernel_policy})",
     ]
-    return "\n".join(head + _pass_lines(eng, warm, run, batch, prompt_len, t_model + t_engine, kernels, device))
+    return "\n".join(head + _pass_lines(eng, warm, run, batch, prompt_len, b["t_model"] + b["t_engine"], kernels,
+                                        device))
+
+
+def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, new_tokens: int = 64,
+             sampling=None, seed: int = 0, device: str = "cpu", dtype: str | None = None, use_kernels: bool = True,
+             interpret: bool = False, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
+             warmup: bool | None = None, kernel_policy: str = "artifact", warn=None) -> tuple[str, str]:
+    """Text in, text out through the same engine path as run_report: `prompt` encoded with the model's tokenizer,
+    continued by up to `new_tokens` tokens (greedy, or under `sampling`; ending at the EOS token, not shown).
+    Random weights (no `weights` and no checkpoint in the model directory) are drawn from `seed`, and
+    `warn(line)` is told. Returns (the decoded continuation, a short stats block)."""
+    import torch
+
+    from ..runtime.sampling import as_params
+
+    _check_run_args(batch=1, prompt_len=1, new_tokens=new_tokens, prefill_chunk=prefill_chunk, seed=seed,
+                    device=device, kernel_policy=kernel_policy, use_kernels=use_kernels)
+    if not isinstance(prompt, str):
+        raise ArgumentError(f"the prompt must be text, got {type(prompt).__name__}")
+    params = as_params(sampling).seeded()
+    ids: list[int] = []
+
+    def sizes(model):
+        tok = model.tokenizer
+        if tok is None:
+            raise ArgumentError(f"{spec_or_artifact}: no tokenizer (tokenizer.json) to encode --prompt with: give a "
+                                f"Hugging Face model directory that has one, or an artifact compiled from one")
+        ids.extend(tok.encode(prompt))
+        if not ids:
+            raise ArgumentError("the prompt encodes to no tokens")
+        if len(ids) + new_tokens > model.spec.max_context:
+            raise ArgumentError(f"the prompt's {len(ids)} tokens + --new-tokens {new_tokens} exceed the model's "
+                                f"max_context {model.spec.max_context}")
+        return 1, len(ids), new_tokens
+
+    b = _build(spec_or_artifact, weights=weights, seed=seed, device=device, dtype=dtype, use_kernels=use_kernels,
+               interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+               kernel_policy=kernel_policy, sizes=sizes)
+    if b["weights"] is None and warn is not None:
+        warn(f"k3c: warning: the weights are random (no --weights, and {spec_or_artifact} holds no checkpoint): "
+             f"the text is noise")
+    tok = b["model"].tokenizer
+    stop = (tok.eos_id,) if tok.eos_id is not None else ()
+    warm, run, kernels = _passes(b, torch.tensor([ids]), new_tokens, warmup, False, [params], stop)
+    new = run["tokens"][0]
+    ended = bool(stop) and new[-1] == tok.eos_id
+    return tok.decode(new[:-1] if ended else new), "\n".join(
+        _text_stats(b, warm, run, len(ids), len(new), ended, params, kernels))
+
+
+def _text_stats(b: dict, warm, run, prompt_tokens: int, new_tokens: int, ended: bool, params, kernels: str
+                ) -> list[str]:
+    passed = "warm-up pass excluded" if warm else "no warm-up: includes first-call costs"
+    decoded = run["stats"].get("decode_tokens", 0)
+    weights = (f"{b['weights']}" + (" (the model directory's checkpoint)" if b["default_weights"] else "")
+               if b["weights"] else f"random (seed {b['seed']})")
+    how = ("greedy" if params.greedy else f"sampled: temperature {params.temperature:g}, top-p {params.top_p:g}, "
+           f"top-k {params.top_k}, seed {params.seed}")
+    return [
+        f"k3c run: {prompt_tokens} prompt tokens, {new_tokens} new tokens "
+        f"({'stopped at EOS' if ended else 'the --new-tokens limit'}; {how})",
+        f"  TTFT:            {run['ttft'] * 1e3:,.1f} ms ({passed}; model {b['t_model']:.2f} s, weights "
+        f"{b['t_weights']:.2f} s and engine build {b['t_engine']:.2f} s before it, not included)",
+        (f"  decode:          {decoded / run['decode_s']:,.1f} tokens/s ({decoded} tokens after the first; {passed})"
+         if decoded else "  decode:          (none: the first token is the prefill's)"),
+        f"  weights:         {weights}",
+        kernels,
+    ]
 
 
 def _check_run_args(*, batch, prompt_len, new_tokens, prefill_chunk, seed, device, kernel_policy,
@@ -354,5 +493,5 @@ def _pass_lines(eng, warm: dict | None, run: dict, batch: int, prompt_len: int, 
         f"  MLA modes:       {modes or '(no MLA layers)'} (timed pass)",
         *([_graph_line(eng, run["stats"]) + " (timed pass)"] if eng.cuda_graphs else []),
         f"  logits finite:   {finite}",
-        f"  tokens[0]:       {run['tokens'][0].tolist()}",
+        f"  tokens[0]:       {run['tokens'][0]}",
     ]

@@ -116,6 +116,12 @@ class ReferenceModel:
     def forward(self, input_ids: torch.Tensor, cache: ReferenceCache | None = None
                 ) -> tuple[torch.Tensor, ReferenceCache]:
         """Logits [B, T, vocab] of a segment input_ids [B, T] appended after `cache` (None: a fresh prefill)."""
+        return self.forward_autograd(input_ids, cache)
+
+    def forward_autograd(self, input_ids: torch.Tensor, cache: ReferenceCache | None = None
+                         ) -> tuple[torch.Tensor, ReferenceCache]:
+        """forward() with autograd on: gradients reach the weight tensors this model was built from (those already
+        in its compute dtype are used as given, not copied). Training runs through this (tools/train_example.py)."""
         if not isinstance(input_ids, torch.Tensor):
             raise InputError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
         if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():

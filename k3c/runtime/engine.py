@@ -1,14 +1,16 @@
 """Serving engine: continuous batching over the compiled graph with a paged MLA latent cache.
 
     eng = Engine(model, w, device="cuda", max_batch=32, max_context=16384, prefix_cache=PrefixCache())
-    rid = eng.add_request(prompt_ids, max_new_tokens=64)    # joins at the next step
-    outs = eng.step()                                       # [StepOutput(rid, token, logits, finished)]
+    rid = eng.add_request(prompt_ids, max_new_tokens=64,    # joins at the next step
+                          sampling=SamplingParams(temperature=0.8, top_p=0.95), stop_token_ids=[eos_id])
+    outs = eng.step()                                       # [StepOutput(rid, token, logits, finished, seed)]
     eng.finish(rid)                                         # leave early (finished requests leave by themselves)
 
 Each step admits waiting requests (up to max_batch; a request is admitted only when the pool can hold its worst case
 on top of what running requests may still claim, so a step never runs out of pages), feeds every running sequence
 its next segment (the rest of its prompt, cut at prefix-cache checkpoint boundaries and `prefill_chunk`, or its last
-generated token), one graph call per group of equal segment length, and samples greedily. Sequences of different
+generated token), one graph call per group of equal segment length, and samples (runtime/sampling.py: greedy by
+default; a request with a temperature draws from its own seeded generator). Sequences of different
 lengths share a call: MLA reads each one's pages and length from the block table, KDA states are per row, and the
 MLA mode (MHA / MQA) is chosen per call from the cost model over all of them (batch_mla_mode).
 
@@ -31,6 +33,7 @@ from .block_pool import BlockPool, CacheFullError
 from .executor import LayerCaches
 from .kernel_impls.mla import LatentStore, PagedLatentCache
 from ..reference.kda import KDAState
+from .sampling import GREEDY, as_params, make_generator, params_for_rows, sample
 from .seq_state import SeqState, gather_kda
 from .session import _device, check_token_ids, describe_graph, load_graph
 
@@ -56,9 +59,10 @@ def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
 @dataclass
 class StepOutput:
     rid: int
-    token: int               # the sampled token (greedy)
-    logits: torch.Tensor     # [vocab] logits it was sampled from
-    finished: bool
+    token: int               # the token chosen from the logits under the request's SamplingParams (default greedy)
+    logits: torch.Tensor     # [vocab] logits it was chosen from
+    finished: bool           # max_new_tokens reached, or `token` is one of the request's stop tokens
+    seed: int | None = None  # the seed of the request's draws (its own, or drawn when it named none); None: greedy
 
 
 class Engine:
@@ -104,6 +108,8 @@ class Engine:
         self.running: list[SeqState] = []
         self.waiting: deque[SeqState] = deque()
         self._budget: dict[int, int] = {}          # rid -> pages it may still claim (admission reserve)
+        self._sampling: dict[int, tuple] = {}      # rid -> (seeded SamplingParams, its generator) of sampled requests
+        self._stop: dict[int, frozenset] = {}      # rid -> the token ids that end it
         self._next_rid = 0
         self.last_modes: dict[int, str] = {}       # MLA layer -> mode of the last graph call
         self.stats = Counter()
@@ -157,11 +163,15 @@ class Engine:
         self.seqs[seq.rid] = seq
         return seq
 
-    def add_request(self, prompt, max_new_tokens: int = 16) -> int:
-        """Queue a request (prompt: 1-D token ids); it joins the batch at the next step with room. Returns its id."""
+    def add_request(self, prompt, max_new_tokens: int = 16, sampling=None, stop_token_ids=()) -> int:
+        """Queue a request (prompt: 1-D token ids); it joins the batch at the next step with room. It ends after
+        max_new_tokens or after emitting one of `stop_token_ids` (the EOS id); `sampling` (SamplingParams, None:
+        greedy) chooses its tokens, a seed of None drawn now (reported in each StepOutput). Returns its id."""
         tokens = self._tokens(prompt, "prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ArgumentError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        params = as_params(sampling).seeded()
+        stop = self._stop_ids(stop_token_ids)
         if len(tokens) + max_new_tokens > self.max_context:
             raise ArgumentError(f"prompt of {len(tokens)} + {max_new_tokens} new tokens exceeds max_context "
                                 f"{self.max_context}")
@@ -170,8 +180,18 @@ class Engine:
                                  f"{self.pool.pages_for(len(tokens) + max_new_tokens)} MLA pages, the pool has "
                                  f"{self.pool.num_pages}")
         seq = self._new_seq(tokens, max_new_tokens, scheduled=True)
+        if not params.greedy:
+            self._sampling[seq.rid] = (params, make_generator(params))
+        if stop:
+            self._stop[seq.rid] = stop
         self.waiting.append(seq)
         return seq.rid
+
+    def _stop_ids(self, ids) -> frozenset:
+        """add_request's stop_token_ids, checked like a prompt (ids in the vocabulary); empty: none."""
+        if isinstance(ids, (list, tuple, set, frozenset)) and not ids:
+            return frozenset()
+        return frozenset(self._tokens(list(ids) if isinstance(ids, (set, frozenset)) else ids, "stop_token_ids"))
 
     def open(self) -> int:
         """A sequence driven by extend() (not by step)."""
@@ -211,6 +231,8 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
         self._budget.pop(rid, None)
+        self._sampling.pop(rid, None)
+        self._stop.pop(rid, None)
         if self.prefix is not None and seq.length > 0 and self.prefix.on_finish:
             self.prefix.insert(seq)
         self.pool.decref(seq.pages)
@@ -272,16 +294,18 @@ class Engine:
                 seq.last_logits = logits[seq.rid][-1]
                 self._maybe_checkpoint(seq)
         ready = [s for s in self.running if not s.pending and s.last_logits is not None]   # others: prefilling
-        # one argmax (and one device sync) for the whole batch
-        picks = torch.stack([s.last_logits for s in ready]).argmax(-1).tolist() if ready else []
+        # one sample() (greedy rows: one argmax) and one device sync for the whole batch
+        drawn = [self._sampling.get(s.rid, (GREEDY, None)) for s in ready]
+        picks = sample(torch.stack([s.last_logits for s in ready]), [p for p, _ in drawn],
+                       [g for _, g in drawn]).tolist() if ready else []
         now = time.perf_counter()
-        for seq, tok in zip(ready, picks):
+        for seq, tok, (params, _) in zip(ready, picks, drawn):
             seq.generated.append(tok)
             seq.tokens.append(tok)
             if seq.t_first is None:
                 seq.t_first = now
-            done = seq.done
-            outs.append(StepOutput(seq.rid, tok, seq.last_logits, done))
+            done = seq.done or tok in self._stop.get(seq.rid, ())
+            outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)
         self.stats["steps"] += 1
@@ -302,9 +326,14 @@ class Engine:
                 got.setdefault(o.rid, []).append(o.token)
         return got
 
-    def generate(self, prompts, max_new_tokens: int = 16) -> list[list[int]]:
-        """Greedy continuations of several prompts (any lengths), batched continuously."""
-        rids = [self.add_request(p, max_new_tokens) for p in prompts]
+    def generate(self, prompts, max_new_tokens: int = 16, sampling=None, stop_token_ids=()) -> list[list[int]]:
+        """Continuations of several prompts (any lengths), batched continuously; each ends after max_new_tokens or
+        with a stop token (included). `sampling`: one SamplingParams per prompt, or one for all (prompt i drawing
+        from seed + i: sampling.params_for_rows); None: greedy."""
+        prompts = list(prompts)
+        rows = params_for_rows(sampling, len(prompts))
+        rids = [self.add_request(p, max_new_tokens, sampling=r, stop_token_ids=stop_token_ids)
+                for p, r in zip(prompts, rows)]
         got = self.run()
         return [got[r] for r in rids]
 

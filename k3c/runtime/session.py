@@ -4,6 +4,8 @@
     logits = sess.prefill(input_ids)     # [B, T] -> [B, T, vocab]; starts a new batch
     logits = sess.decode(next_ids)       # [B] -> [B, vocab]
     logits = sess.append(segment_ids)    # [B, T'] -> [B, T', vocab]: append-prefill on the cached context
+    new_ids = sess.generate(input_ids, max_new_tokens=16, sampling=SamplingParams(temperature=0.8, seed=1))
+    text = sess.generate("import os\n", max_new_tokens=32)   # a model with a tokenizer: str in, str out
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from ..errors import ArgumentError
 from .executor import LayerCaches, build_graph_module
+from .sampling import make_generator, params_for_rows, sample
 from .weight_prep import prepare_weights
 
 
@@ -119,6 +122,7 @@ class Session:
         self.use_kernels = use_kernels
         self.graph = load_graph(compiled, weights, self.device, use_kernels, kernel_policy=kernel_policy)
         self.cache: LayerCaches | None = None
+        self.last_sampling: list = []            # the seeded SamplingParams per row of the last generate()
 
     def describe(self) -> str:
         return describe_graph(self.compiled, self.use_kernels)
@@ -174,18 +178,66 @@ class Session:
             raise ArgumentError(f"next_ids must be [B] (one token per sequence), got {tuple(next_ids.shape)}")
         return self._run(next_ids.reshape(-1, 1), self.cache, name="next_ids")[:, 0]
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16) -> torch.Tensor:
-        """Greedy decoding: [B, T] -> the new tokens [B, max_new_tokens]."""
+    def generate(self, prompt, max_new_tokens: int = 16, sampling=None):
+        """Decoding: token ids [B, T] -> the new tokens [B, max_new_tokens]; with a tokenizer (CompiledModel.tokenizer)
+        also a str -> its continuation (str), or a list of str -> theirs, each ending at the EOS token. `sampling`:
+        one SamplingParams per row, or one for all (row i drawing from seed + i: sampling.params_for_rows); None:
+        greedy. The seeded params are kept in `last_sampling`."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ArgumentError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        check_token_ids(input_ids)
+        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
+                                       and all(isinstance(p, str) for p in prompt)):
+            return self._generate_text(prompt, max_new_tokens, sampling)
+        check_token_ids(prompt)
+        rows = params_for_rows(sampling, prompt.shape[0] if prompt.dim() == 2 else 1)
+        self.last_sampling = rows
+        return self._decode_loop(prompt, max_new_tokens, rows)
+
+    def _decode_loop(self, input_ids: torch.Tensor, max_new_tokens: int, rows: list, stop_id: int | None = None
+                     ) -> torch.Tensor:
+        """Prefill, then one token per row and step: [B, n] (n = max_new_tokens, or fewer when every row has
+        emitted `stop_id`, which costs a host read per step; without it, greedy decoding never syncs)."""
         if input_ids.dim() == 2 and input_ids.shape[1] + max_new_tokens - 1 > self.max_context:
             raise ArgumentError(f"{input_ids.shape[1]} prompt + {max_new_tokens} new tokens exceed max_context "
                                 f"{self.max_context}")
-        logits = self.prefill(input_ids)
-        out = [logits[:, -1].argmax(-1)]
+        generators = [make_generator(p) for p in rows]
+        out = [sample(self.prefill(input_ids)[:, -1], rows, generators)]
+        stopped = out[0] == stop_id if stop_id is not None else None
         for _ in range(max_new_tokens - 1):
-            # argmax ids are in range: no check (on a GPU, no sync per token)
-            out.append(self._run(out[-1].reshape(-1, 1), self.cache, check_ids=False)[:, 0].argmax(-1))
+            if stopped is not None and bool(stopped.all()):
+                break
+            # sampled ids are in range: no check (on a GPU, no sync per token)
+            logits = self._run(out[-1].reshape(-1, 1), self.cache, check_ids=False)[:, 0]
+            out.append(sample(logits, rows, generators))
+            if stopped is not None:
+                stopped |= out[-1] == stop_id
         return torch.stack(out, dim=1)
 
+    def _generate_text(self, prompts, max_new_tokens: int, sampling):
+        """generate() for text: prompts of equal token counts share a batch (at most max_batch rows each)."""
+        tok = self.compiled.tokenizer
+        if tok is None:
+            raise ArgumentError("generate(): a str prompt needs the model's tokenizer, and this model has none "
+                                "(compile it from a Hugging Face model directory with a tokenizer.json, or load "
+                                "an artifact saved from one); pass token ids instead")
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [tok.encode(t) for t in texts]
+        empty = next((i for i, t in enumerate(ids) if not t), None)
+        if empty is not None:
+            raise ArgumentError(f"generate(): prompt {empty} encodes to no tokens")
+        rows = params_for_rows(sampling, len(texts))
+        self.last_sampling = rows
+        groups: dict[int, list[int]] = {}
+        for i, t in enumerate(ids):
+            groups.setdefault(len(t), []).append(i)
+        out: list[str] = [""] * len(texts)
+        for members in groups.values():
+            for at in range(0, len(members), self.max_batch):
+                chunk = members[at:at + self.max_batch]
+                new = self._decode_loop(torch.tensor([ids[i] for i in chunk]), max_new_tokens,
+                                        [rows[i] for i in chunk], tok.eos_id).tolist()
+                for i, toks in zip(chunk, new):
+                    if tok.eos_id in toks:
+                        toks = toks[:toks.index(tok.eos_id)]
+                    out[i] = tok.decode(toks)
+        return out[0] if isinstance(prompts, str) else out

@@ -41,6 +41,14 @@ def _line(out: str, label: str) -> str:
     return next(ln for ln in out.splitlines() if ln.strip().startswith(label))
 
 
+def test_run_on_a_cpu_defaults_to_the_torch_ops(capsys, one_thread):
+    assert main(["run", TINY, "--batch", "1", "--prompt-len", "3", "--new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert _line(out, "kernels:").endswith("off on a CPU: torch ops (--interpret runs the generated kernels in the "
+                                           "Triton interpreter)")
+    assert "kernel" not in _line(out, "executor:").replace("(kernels off)", "")
+
+
 def test_run_report_phases_and_parse(capsys, one_thread, bench_script):
     """The report's phase lines exist, say what they include, and parse (bench/coldstart.py reads them)."""
     assert main(["run", TINY, "--batch", "2", "--prompt-len", "5", "--new-tokens", "3", "--no-kernels"]) == 0
@@ -153,7 +161,8 @@ def test_kernel_policy_reaches_the_engine(monkeypatch, one_thread):
     for flag, policy in (("--strict", "strict"), ("--allow-jit", "allow-jit"), ("--jit", "jit"),
                          (None, "artifact")):
         # kernels on, but the run never launches one: --new-tokens 1 and a spy that stops before the engine steps
-        args = ["run", TINY, "--batch", "1", "--prompt-len", "1", "--new-tokens", "1", *([flag] if flag else [])]
+        args = ["run", TINY, "--batch", "1", "--prompt-len", "1", "--new-tokens", "1", "--interpret",
+                *([flag] if flag else [])]
         monkeypatch.setattr(runner, "_serve", _stop)
         with pytest.raises(_Stop):
             main(args)

@@ -1,0 +1,163 @@
+"""Choosing the next token from logits: the one sampler of the engine and the session.
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1).seeded()
+    gen = make_generator(params)                          # one per request: its draws are its own
+    ids = sample(logits, [params, GREEDY], [gen, None])   # logits [B, V] -> token ids [B] (on logits' device)
+
+Temperature 0 is greedy: the argmax, no randomness. Otherwise, in Hugging Face's order (TemperatureLogitsWarper,
+TopKLogitsWarper, TopPLogitsWarper): logits / temperature in fp32, the top_k largest kept (0: all), then the
+nucleus: the smallest set of the most likely tokens whose probability reaches top_p (always at least one token);
+the draw is an inverse-CDF lookup of one uniform number taken from the request's own CPU generator, so a request's
+tokens do not depend on which other requests share its batch or where it sits in it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import ArgumentError
+from ..limits import MAX_SEED
+
+_PROCESS_RNG = random.Random()          # seeds of requests that name none (seeded from the OS at import)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0     # 0: greedy
+    top_p: float = 1.0           # nucleus mass in (0, 1]; 1: off
+    top_k: int = 0               # keep the k most likely tokens; 0: off
+    seed: int | None = None      # of the request's generator; None: drawn from a process RNG by seeded()
+
+    def __post_init__(self):
+        t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise ArgumentError(f"sampling temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:    # NaN fails both
+            raise ArgumentError(f"sampling top_p must be a number in (0, 1], got {p!r}")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ArgumentError(f"sampling top_k must be an integer >= 0, got {k!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s <= MAX_SEED):
+            raise ArgumentError(f"sampling seed must be an integer in [0, 2**63 - 1] or None, got {s!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "seed", None if s is None else int(s))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def seeded(self) -> SamplingParams:
+        """These params with a seed: their own, or one drawn from the process RNG (greedy needs none)."""
+        if self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=_PROCESS_RNG.randrange(MAX_SEED + 1))
+
+
+GREEDY = SamplingParams()
+
+
+def as_params(sampling, name: str = "sampling") -> SamplingParams:
+    """`sampling` (SamplingParams or None: greedy), checked."""
+    if sampling is None:
+        return GREEDY
+    if not isinstance(sampling, SamplingParams):
+        raise ArgumentError(f"{name} must be a SamplingParams or None, got {type(sampling).__name__}")
+    return sampling
+
+
+def params_for_rows(sampling, rows: int) -> list[SamplingParams]:
+    """One seeded SamplingParams per row: a list is taken as it is (one per row); one SamplingParams (or None)
+    serves every row, row i drawing from seed + i (the seed drawn once when it is None), so row 0 of a batch draws
+    what the same request alone draws."""
+    if isinstance(sampling, (list, tuple)):
+        if len(sampling) != rows:
+            raise ArgumentError(f"sampling: {len(sampling)} SamplingParams for {rows} prompts")
+        return [as_params(p, f"sampling[{i}]").seeded() for i, p in enumerate(sampling)]
+    one = as_params(sampling).seeded()
+    if one.greedy:
+        return [one] * rows
+    return [replace(one, seed=(one.seed + i) % (MAX_SEED + 1)) for i in range(rows)]
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's generator (CPU, seeded from params.seed; params must be seeded()); None for greedy."""
+    if params.greedy:
+        return None
+    if params.seed is None:
+        raise ArgumentError("make_generator() needs seeded params (SamplingParams.seeded())")
+    return torch.Generator().manual_seed(params.seed)
+
+
+def _rows(logits, params) -> list[SamplingParams]:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ArgumentError(f"logits must be a float tensor [B, V], got "
+                            f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    if isinstance(params, SamplingParams):
+        return [params] * logits.shape[0]
+    params = list(params)
+    if len(params) != logits.shape[0] or not all(isinstance(p, SamplingParams) for p in params):
+        raise ArgumentError(f"sample(): one SamplingParams per row of logits ({logits.shape[0]}), got {len(params)}")
+    return params
+
+
+def _sorted_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities [B, V] sorted in descending order, zero outside each row's kept set; their token ids) after
+    temperature, top-k and top-p. Every row here samples (temperature > 0)."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+    scores = logits.float()
+    # shifted by the row's max first: a tiny temperature sends the others to -inf, never the max to inf (NaN)
+    scores = (scores - scores.amax(-1, keepdim=True)) / temperature[:, None]
+    scores, ids = scores.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=dev)
+    scores = scores.masked_fill(rank >= top_k[:, None], -math.inf)
+    probs = scores.softmax(-1)
+    # a token stays while the mass of the tokens before it is below top_p: the smallest set reaching top_p, and
+    # the most likely token always (the mass before it is 0); top_p 1 keeps every token (the fp32 running sum may
+    # reach 1 before the tail)
+    before = torch.cat([probs.new_zeros(probs.shape[0], 1), probs.cumsum(-1)[:, :-1]], dim=-1)
+    scores = scores.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), -math.inf)
+    return scores.softmax(-1), ids
+
+
+def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """The distribution sample() draws each row from, in vocabulary order [B, V] fp32: for a greedy row the
+    one-hot of its argmax."""
+    rows = _rows(logits, params)
+    out = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    drawn = [i for i, p in enumerate(rows) if not p.greedy]
+    if drawn:
+        probs, ids = _sorted_filtered(logits[drawn], [rows[i] for i in drawn])
+        out[drawn] = torch.zeros_like(probs).scatter_(1, ids, probs)
+    return out
+
+
+def sample(logits: torch.Tensor, params, generators=None) -> torch.Tensor:
+    """Token ids [B] (int64, on logits' device) for logits [B, V]: `params` one SamplingParams for every row or
+    one per row; `generators` one per row (make_generator; None for greedy rows). A batch of greedy rows is one
+    argmax and nothing else (no host sync); the sampled rows share one sort and one inverse-CDF lookup."""
+    rows = _rows(logits, params)
+    picks = logits.argmax(-1)
+    drawn = [i for i, p in enumerate(rows) if not p.greedy]
+    if not drawn:
+        return picks
+    generators = list(generators) if generators is not None else []
+    if len(generators) != len(rows) or not all(isinstance(generators[i], torch.Generator) for i in drawn):
+        raise ArgumentError("sample(): every sampled row needs its torch.Generator (make_generator)")
+    whole = len(drawn) == len(rows)
+    probs, ids = _sorted_filtered(logits if whole else logits[drawn], [rows[i] for i in drawn])
+    u = torch.cat([torch.rand(1, generator=generators[i]) for i in drawn]).to(logits.device)
+    cdf = probs.cumsum(-1)
+    at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)    # first token whose cdf passes u
+    kept = (probs > 0).sum(-1, keepdim=True)                                # the kept set is a sorted prefix
+    tokens = ids.gather(1, torch.minimum(at, kept - 1))[:, 0]
+    if whole:
+        return tokens
+    return picks.index_copy(0, torch.tensor(drawn, device=logits.device), tokens)

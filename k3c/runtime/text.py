@@ -1,0 +1,105 @@
+"""Text in, text out: a model's tokenizer.
+
+    tok = load_tokenizer("examples/k3-stdlib", vocab_size=4096)     # None when the directory holds no tokenizer
+    ids = tok.encode("import os\\n")
+    text = tok.decode(ids)
+    tok.eos_id                                                       # the id generation stops at (None: none)
+
+A tokenizer is a Hugging Face `tokenizer.json` read with the `tokenizers` library; its EOS token comes from
+`tokenizer_config.json` (`eos_token`), else `<|endoftext|>` when the vocabulary has it. The files sit in the model
+directory a spec was loaded from, and k3c copies them into the artifacts it saves from one (k3c.api).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..errors import ArgumentError, WeightError
+from ..paths import regular_file
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG)      # what an artifact copies, when there
+DEFAULT_EOS = "<|endoftext|>"
+
+
+class Tokenizer:
+    """encode / decode through a `tokenizers.Tokenizer`, and the EOS id."""
+
+    def __init__(self, backend, eos_id: int | None, path: str):
+        self._backend = backend
+        self.eos_id = eos_id
+        self.path = path                  # the tokenizer.json it was read from
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids it can produce: the vocabulary and the added tokens."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ArgumentError(f"encode() takes a str, got {type(text).__name__}")
+        return list(self._backend.encode(text).ids)
+
+    def decode(self, ids) -> str:
+        return self._backend.decode([int(i) for i in ids])
+
+
+def has_tokenizer(directory: str) -> bool:
+    return os.path.lexists(os.path.join(directory, TOKENIZER_FILE))
+
+
+def _read_text(path: str) -> str:
+    regular_file(path, "tokenizer file")
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ArgumentError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ArgumentError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _eos_name(directory: str) -> str | None:
+    """tokenizer_config.json's eos_token (a string, or an added-token record with "content"); None when the file
+    or the entry is absent."""
+    path = os.path.join(directory, TOKENIZER_CONFIG)
+    if not os.path.lexists(path):
+        return None
+    try:
+        config = json.loads(_read_text(path))
+    except ValueError as exc:
+        raise ArgumentError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is not None and not isinstance(eos, str):
+        raise ArgumentError(f"{path}: eos_token must be a string, got {type(eos).__name__}")
+    return eos
+
+
+def load_tokenizer(directory: str | os.PathLike, vocab_size: int | None = None) -> Tokenizer | None:
+    """The tokenizer of a model directory or artifact (None when it holds no tokenizer.json). ArgumentError naming
+    the file when a file is unreadable, not a tokenizer or names an EOS token the vocabulary lacks; WeightError
+    when the tokenizer's ids do not fit the model's `vocab_size`."""
+    from tokenizers import Tokenizer as Backend
+
+    directory = os.fspath(directory)
+    path = os.path.join(directory, TOKENIZER_FILE)
+    if not has_tokenizer(directory):
+        return None
+    text = _read_text(path)
+    try:
+        backend = Backend.from_str(text)
+    except Exception as exc:             # the library raises plain Exceptions for every parse problem
+        raise ArgumentError(f"{path}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0][:160]})") from None
+    eos = _eos_name(directory)
+    eos_id = backend.token_to_id(eos if eos is not None else DEFAULT_EOS)
+    if eos is not None and eos_id is None:
+        raise ArgumentError(f"{os.path.join(directory, TOKENIZER_CONFIG)}: eos_token {eos!r} is not in the "
+                            f"vocabulary of {path}")
+    tok = Tokenizer(backend, eos_id, path)
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise WeightError(f"{path}: the tokenizer has {tok.vocab_size} tokens, more than the model's vocab_size "
+                          f"{vocab_size}")
+    return tok
