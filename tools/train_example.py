@@ -62,6 +62,9 @@ def read_corpus(stdlib: pathlib.Path) -> tuple[list[str], list[str], dict]:
         digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
         nbytes += len(text.encode())
         (valid if held_out(rel) else train).append(text)
+    if not train or not valid:
+        raise SystemExit(f"{stdlib}: the corpus needs files in both splits (training {len(train)}, held-out "
+                         f"{len(valid)})")
     info = {"python": platform.python_version(), "stdlib": str(stdlib), "files_train": len(train),
             "files_heldout": len(valid), "bytes": nbytes, "sha256": digest.hexdigest()}
     return train, valid, info
@@ -120,15 +123,20 @@ def tokenizer_config(spec) -> dict:
 
 
 # -- train -------------------------------------------------------------------------------------------------------
+# Zero at the start: the output mix begins as the plain average of the blocks (the AttnRes paper's initialisation);
+# the per-layer mixes keep k3c.init_weights' random queries (depth scores O(1)).
+ZERO_INIT = ("output_attn_res.proj_weight",)
+
+
 def init_params(spec, seed: int, device):
-    """k3c.init_weights in fp32 on `device`, except the AttnRes pseudo-queries: zero, so every depth mix starts as
-    the plain average of the blocks (the AttnRes paper's initialisation)."""
+    """k3c.init_weights in fp32 on `device`, with the ZERO_INIT tensors zeroed."""
+    import torch
+
     from k3c.runtime.weights import init_weights
 
-    w = init_weights(spec, seed=seed, dtype=__import__("torch").float32, device=device)
-    for name, t in w.items():
-        if name.endswith("proj_weight") and "attn_res" in name:
-            t.zero_()
+    w = init_weights(spec, seed=seed, dtype=torch.float32, device=device)
+    for name in ZERO_INIT:
+        w[name].zero_()
     return w
 
 
@@ -321,6 +329,11 @@ def cmd_profile(args) -> None:
           + f" --batch {best[3]}")
 
 
+def _repo_relative(path: str) -> str:
+    p = pathlib.Path(path).resolve()
+    return p.relative_to(ROOT).as_posix() if p.is_relative_to(ROOT) else str(path)
+
+
 def cmd_train(args) -> None:
     import torch
     from safetensors.torch import load_file
@@ -357,10 +370,9 @@ def cmd_train(args) -> None:
     what = "whole split" if args.final_windows is None else f"first {args.final_windows} windows"
     print(f"held-out loss {final:.4f}, perplexity {math.exp(final):.3f} ({what}); {train_s:.0f} s of training")
     record = {
-        "spec": str(pathlib.Path(args.spec).relative_to(ROOT)) if pathlib.Path(args.spec).is_absolute()
-        else args.spec,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("func", "output", "data", "device")}
-        | {"steps": steps},
+        "spec": _repo_relative(args.spec),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("func", "cmd", "output", "data", "device")}
+        | {"steps": steps, "spec": _repo_relative(args.spec)},
         "probe_seconds_per_step": probe_s, "corpus": corpus, "device": torch.cuda.get_device_name(device)
         if device.type == "cuda" else platform.processor() or "cpu", "torch": torch.__version__,
         "train_seconds": round(train_s, 1), "loss_curve": curve, "heldout_curve": evals,
