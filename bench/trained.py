@@ -417,7 +417,7 @@ def _engine_logits(path: str, eng, chunks):
         yield logits.float()
 
 
-def _window_logits(path: str, windows: torch.Tensor, *, device: str, model_dir, weights, kernels: bool,
+def window_logits(path: str, windows: torch.Tensor, *, device: str, model_dir, weights, kernels: bool,
                    batch: int, dtype: torch.dtype | None = None):
     """Logits [B, T, V] fp32 on the path's device of each chunk of `batch` windows (their inputs [:, :-1])."""
     spec, w, dev, dtype = _setup(path, device, model_dir, weights, kernels, dtype)
@@ -453,7 +453,7 @@ def heldout_nll(path: str, windows: torch.Tensor, *, device: str = "cpu", model_
         _, _, _, dtype = _setup(path, device, model_dir, weights, kernels, dtype)
         return _tp_run(model_dir, weights, kernels, dtype, windows=windows, batch=batch)["nll"]
     total = sum(_nll_sum(lg, y) for lg, y in zip(
-        _window_logits(path, windows, device=device, model_dir=model_dir, weights=weights, kernels=kernels,
+        window_logits(path, windows, device=device, model_dir=model_dir, weights=weights, kernels=kernels,
                        batch=batch, dtype=dtype), windows[:, 1:].split(batch)))
     return total / windows[:, 1:].numel()
 
@@ -559,7 +559,7 @@ def _run_heldout(paths, windows: torch.Tensor, args, kernels: dict) -> tuple[dic
         r = res[p] = {"nll_sum": 0.0}
         t0 = time.perf_counter()
         try:
-            for i, (lg, y) in enumerate(zip(_window_logits(p, windows, device=args.device, model_dir=EXAMPLE,
+            for i, (lg, y) in enumerate(zip(window_logits(p, windows, device=args.device, model_dir=EXAMPLE,
                                                            weights=None, kernels=kernels[p], batch=args.batch),
                                             targets)):
                 r["nll_sum"] += _nll_sum(lg, y)
