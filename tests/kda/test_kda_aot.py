@@ -15,8 +15,8 @@ def test_default_kernels_compile_without_spills(aot_dir, target):
     plan = kda_plan(128, "bf16", t)
     # the kernels with the most state in registers: the two prefill kernels and the decode step (IR path: o out,
     # kda_out follows; fused layer: RMSNorm x gate in the kernel)
-    kernels = [emit_kda_intra(96, 128, target=t, qk_dtype="bf16", v_dtype="bf16", beta_dtype="bf16", plan=plan),
-               emit_kda_inter(96, 128, target=t, o_dtype="bf16", plan=plan),
+    kernels = [emit_kda_intra(96, 128, target=t, qk_dtype="bf16", beta_dtype="bf16", plan=plan),
+               emit_kda_inter(96, 128, target=t, v_dtype="bf16", o_dtype="bf16", plan=plan),
                emit_kda_decode(96, 128, 4, norm_eps=1e-5, fuse_out=False, **gate),
                emit_kda_decode(96, 128, 4, norm_eps=1e-5, fuse_out=True, **gate)]
     compiled = compile_kernels(kernels, t, str(aot_dir / target), progress=False)

@@ -200,4 +200,4 @@ def test_plan_comes_from_the_target():
     ki = emit_kda_intra(96, 128, target=get_target("h200"), plan=p_nv)
     kx = emit_kda_inter(96, 128, target=get_target("h200"), plan=p_nv)
     assert ki.grid == ("cdiv(T_MAX, BT)", "N * H") and kx.grid == ("D // BV", "N * H")
-    assert kx.name.startswith("k3c_kda_inter_fwd_h96_d128_bt16_bv32_w4") and "bf16" in ki.signature["wo"]
+    assert kx.name.startswith("k3c_kda_inter_fwd_h96_d128_bt16_bv32_w4") and "bf16" in ki.signature["ko"]

@@ -26,8 +26,8 @@ def emit_attn(op, module, target) -> list[KernelSource]:
     common = dict(gate=a["gate"], gate_lower_bound=a["gate_lower_bound"], l2norm_eps=a["l2norm_eps"], target=target,
                   dtype=dt, ir_op="kda_attn", loc=loc)
     return [emit_kda_prep(h, d, a["conv_kernel"], qkv_dtype=qkv, **common),
-            emit_kda_intra(h, d, target=target, qk_dtype=qkv, v_dtype=qkv, plan=plan, ir_op="kda_attn", loc=loc),
-            emit_kda_inter(h, d, target=target, plan=plan, ir_op="kda_attn", loc=loc),
+            emit_kda_intra(h, d, target=target, qk_dtype=qkv, plan=plan, ir_op="kda_attn", loc=loc),
+            emit_kda_inter(h, d, target=target, v_dtype=qkv, plan=plan, ir_op="kda_attn", loc=loc),
             emit_kda_decode(h, d, a["conv_kernel"], norm_eps=DECODE_NORM_EPS, fuse_out=False, **common)]
 
 

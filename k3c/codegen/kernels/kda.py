@@ -39,6 +39,7 @@ DOT_MODES = ("ieee", "tf32", "bf16")
 # the decode step without its fused output norm (kda_out follows) still bakes an eps into its source
 DECODE_NORM_EPS = 1e-5
 EXP_CLAMP = 80.0          # |exponent| cap of the anchored intra-chunk factors (e^88 overflows fp32)
+SUB = 16                  # tokens per intra-chunk sub-chunk: the unit of the anchored decays and of the inverse
 
 
 def _check_pow2(value: int, what: str) -> int:
@@ -79,7 +80,7 @@ def run_dot(dtype: str, ir_dot: str) -> str:
 def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = None, block_v: int | None = None,
              dot: str | None = None, chunk_warps: int | None = None, chunk_stages: int | None = None,
              decode_block_v: int | None = None, decode_warps: int | None = None,
-             decode_split: bool | None = None) -> KDAPlan:
+             decode_split: bool | None = None, intra_warps: int | None = None) -> KDAPlan:
     """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
     parallel, W, U, q e^Gamma, k e^(Gamma_C - Gamma), A_qk and e^Gamma_C; the state-passing kernel walks the chunks
     of one (sequence, head, V block) with only the three state-dependent matmuls on its serial path. BT = 16 keeps the
@@ -91,7 +92,8 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
         raise CodegenError(f"head_dim must be >= 16 for the KDA kernels, got {D}")
     bt = chunk if chunk is not None else min(int(target.kda_chunk), 16)
     _check_pow2(bt, "chunk")
-    if not 16 <= bt <= 32:
+    # 64-token chunks are exact in the interpreter but wrong on sm_90 (triton 3.6; docs/perf.md, KDA): not offered
+    if not SUB <= bt <= 2 * SUB:
         raise CodegenError(f"KDA chunk step must be 16 or 32 tokens, got {bt}")
     lanes = max(int(target.warp_size), 32)
     bv = block_v if block_v is not None else min(D, 32)
@@ -115,6 +117,8 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
         dwarps = 1
     # intra-chunk kernel: BT = 32 holds [32, D] tiles and [32, 32] products: 8 warps (4 spill on sm_90)
     iwarps = 1 if target.backend == "cpu" else (8 if bt * D >= 4096 else 4)
+    if intra_warps is not None:
+        iwarps = intra_warps
     return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
                    bool(decode_split), stages, iwarps)
 
@@ -253,62 +257,87 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
 
 
 # ---- two-kernel prefill: intra-chunk (all chunks in parallel) + state passing (sequential over chunks) -----------
-def _chunk_prologue(w: SourceWriter, BT: int, dot, scale: float, *, need_v: bool) -> None:
-    """Lines computing, for one chunk (rows `row`, mask `tm`), G, anchored A_kk / A_qk and the inverse tinv."""
-    LOG = BT.bit_length() - 1
+def _emit_sub_chunk(w: SourceWriter, i: int, dot, scale: float, single: bool) -> None:
+    """Lines of sub-chunk i (rows row{i}, mask m{i}): its loads, Gamma from the chunk start (G{i}), its anchored A_kk
+    / A_qk blocks against sub-chunks j <= i (A_qk as a{i}_{j}) and its row of T = (I + A_kk)^-1 (blocks t{i}_{j}):
+    T_ii by a 16 x 16 Neumann product, T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj. e{j} is Gamma at the end of sub-chunk
+    j (pass 1); the right factor of every block in column j, k_j e^(e_j - G_j), is rebuilt from k_j and g_j (L1 / L2
+    hits) rather than kept: registers for all earlier sub-chunks would spill at 64-token chunks."""
+    ld = "tl.load({p} + row{i}[:, None] * {s} + h * D + rk[None, :], mask=m{i}, other=0.0).to(tl.float32)"
     w.lines([
-        "qc = tl.load(q + row[:, None] * sq + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
-        "kc = tl.load(k + row[:, None] * sk + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
-        "gc = tl.load(g + row[:, None] * sg + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)",
-        *(["vc = tl.load(v + row[:, None] * sv + h * D + rk[None, :], mask=m2, other=0.0).to(tl.float32)"]
-          if need_v else []),
-        "bc = tl.load(beta + row * sb + h, mask=tm, other=0.0).to(tl.float32)",
-        "G = tl.cumsum(gc, axis=0)                       # Gamma (masked rows: g = 0)",
-        f"Gm = tl.sum(tl.where(rt[:, None] == {BT // 2 - 1}, G, 0.0), axis=0)   # anchor row",
-        "Gl = tl.sum(gc, axis=0)                         # Gamma at the chunk's last row",
-        f"dm = tl.minimum(tl.maximum(G - Gm[None, :], {fnum(-EXP_CLAMP)}), {fnum(EXP_CLAMP)})",
-        "kb = kc * tl.exp(-dm)",
-        f"akk = {dot('kc * tl.exp(dm)', 'tl.trans(kb)')}",
-        f"aqk = {dot('qc * tl.exp(dm)', 'tl.trans(kb)')} * {fnum(scale)}",
-        "akk = tl.where(strict, akk * bc[:, None], 0.0)",
-        "aqk = tl.where(incl, aqk, 0.0)",
+        # the barrier keeps the compiler from hoisting this sub-chunk's loads above the previous one's work
+        *(["tl.debug_barrier()"] if i else []),
+        f"q{i} = " + ld.format(p="q", s="sq", i=i),
+        f"k{i} = " + ld.format(p="k", s="sk", i=i),
+        f"gt = {ld.format(p='g', s='sg', i=i)}",
+        "gw = tl.cumsum(gt, axis=0)                      # Gamma from the sub-chunk start",
+        *([f"e{i} = tl.sum(gt, axis=0)"] if single else []),
+        f"b{i} = tl.load(beta + row{i} * sb + h, mask=tm{i}, other=0.0).to(tl.float32)",
+        f"G{i} = gw" + (f" + e{i - 1}[None, :]" if i else "") + "                  # Gamma from the chunk start",
+        # diagonal block: anchor at the sub-chunk's middle row, each factor spans at most half of it
+        f"gm = tl.sum(tl.where(rs[:, None] == {SUB // 2 - 1}, gw, 0.0), axis=0)",
+        f"dm = tl.minimum(tl.maximum(gw - gm[None, :], {fnum(-EXP_CLAMP)}), {fnum(EXP_CLAMP)})",
+        f"kb = k{i} * tl.exp(-dm)",
+        f"akk = tl.where(strict, {dot(f'k{i} * tl.exp(dm)', 'tl.trans(kb)')} * b{i}[:, None], 0.0)",
+        f"a{i}_{i} = tl.where(incl, {dot(f'q{i} * tl.exp(dm)', 'tl.trans(kb)')} * {fnum(scale)}, 0.0)",
         "# (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (A strictly lower triangular)",
-        "tinv = eye - akk",
+        f"t{i}_{i} = eye - akk",
         "pw = akk",
     ])
-    for _ in range(LOG - 1):
+    for _ in range(SUB.bit_length() - 2):
         w.line(f"pw = {dot('pw', 'pw', 'ieee')}")
-        w.line(f"tinv = tinv + {dot('tinv', 'pw', 'ieee')}")
+        w.line(f"t{i}_{i} = t{i}_{i} + {dot(f't{i}_{i}', 'pw', 'ieee')}")
+    if not i:
+        return
+    # off-diagonal blocks (i, j < i): anchor at the end of sub-chunk j, both factors have exponents <= 0
+    w.lines([f"kw = k{i} * tl.exp(gw)", f"qw = q{i} * tl.exp(gw)"])
+    for j in range(i):
+        w.lines([
+            f"kr = {ld.format(p='k', s='sk', i=j)}",
+            f"kr = kr * tl.exp(e{j}[None, :] - tl.cumsum({ld.format(p='g', s='sg', i=j)}, axis=0)"
+            + (f" - e{j - 1}[None, :]" if j else "") + ")",
+            f"sc = tl.exp(e{i - 1} - e{j})[None, :]" if j < i - 1 else "sc = 1.0",
+            f"akk{j} = {dot('kw * sc', 'tl.trans(kr)')} * b{i}[:, None]",
+            f"a{i}_{j} = {dot('qw * sc', 'tl.trans(kr)')} * {fnum(scale)}",
+        ])
+    for j in range(i - 1, -1, -1):
+        terms = " + ".join(dot(f"akk{m}", f"t{m}_{j}", "ieee") for m in range(j, i))
+        w.line(f"t{i}_{j} = -{dot(f't{i}_{i}', f'({terms})', 'ieee')}")
 
 
-def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: str = "fp32", v_dtype: str = "fp32",
-                   g_dtype: str = "fp32", beta_dtype: str = "fp32", scale: float | None = None,
-                   plan: KDAPlan | None = None, ir_op: str = "kda_intra", loc: str = "",
-                   interpret: bool | None = None) -> KernelSource:
+def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: str = "fp32", g_dtype: str = "fp32",
+                   beta_dtype: str = "fp32", scale: float | None = None, plan: KDAPlan | None = None,
+                   ir_op: str = "kda_intra", loc: str = "", interpret: bool | None = None) -> KernelSource:
     """The token-parallel half of the prefill: one program per (chunk of BT tokens, sequence x head).
-    Args: q, k, v, g [*, H, D] rows at token stride sq / sk / sv / sg (head stride D), beta (sb; head stride 1),
-    wo, uo, qo, ko [total, H, D] (W = T diag(beta) K e^Gamma, U = T diag(beta) V, scale Q e^Gamma,
-    K e^(Gamma_C - Gamma); dtype inter_dtype(plan.dot)), ao [total, H, BT] (A_qk rows, scaled, causal), eo
-    [slots, H, D] fp32 (e^Gamma_C; chunk c of sequence n at slot bos // BT + n + c, so slots = total // BT + N + 1),
-    cu [N + 1] i32, N, T_MAX (longest sequence). Grid (cdiv(T_MAX, BT), N * H)."""
+    Args: q, k, g [*, H, D] rows at token stride sq / sk / sg (head stride D), beta (sb; head stride 1); outputs
+    (dtype inter_dtype(plan.dot)) ko, qo, do [total, H, D]: K e^Gamma, scale Q e^Gamma, K e^(Gamma_C - Gamma);
+    ao, to [total, H, BT]: rows of A_qk (scaled, causal) and of T diag(beta), T = (I + A_kk)^-1; eo [slots, H, D]
+    fp32: e^Gamma_C (chunk c of sequence n at slot bos // BT + n + c, so slots = total // BT + N + 1); cu [N + 1]
+    i32, N, T_MAX (longest sequence). Grid (cdiv(T_MAX, BT), N * H). V is not read: the state-passing kernel forms
+    V_new = T diag(beta) (V - K e^Gamma S) itself (FlashKDA's split: W and U are never written).
+
+    A chunk is BT / 16 sub-chunks of 16 tokens: the decays inside a sub-chunk are anchored at its middle row, those
+    between sub-chunks i > j at the end of sub-chunk j, so no factor's exponent leaves [-80, 40] with the safe gate
+    at any chunk size; the inverse is block triangular (16 x 16 Neumann products on the diagonal, block forward
+    substitution below it)."""
     H, D = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim")
-    for d in (qk_dtype, v_dtype, g_dtype, beta_dtype):
+    for d in (qk_dtype, g_dtype, beta_dtype):
         check_float(d)
     p = plan or kda_plan(D, qk_dtype, target)
     interp = interpreted(target, interpret)
     scale = D ** -0.5 if scale is None else float(scale)
     BT = p.chunk
+    NS = BT // SUB
     idt = inter_dtype(p.dot)
     kname = ident(f"k3c_kda_intra_fwd_h{H}_d{D}_bt{BT}_w{p.intra_warps}_{p.dot}_{name_part(qk_dtype)}")
-    sig = {"q": f"*{qk_dtype}", "k": f"*{qk_dtype}", "v": f"*{v_dtype}", "g": f"*{g_dtype}",
-           "beta": f"*{beta_dtype}", "wo": f"*{idt}", "uo": f"*{idt}", "qo": f"*{idt}", "ko": f"*{idt}",
-           "ao": f"*{idt}", "eo": "*fp32", "cu": "*i32", "sq": "i32", "sk": "i32", "sv": "i32", "sg": "i32",
-           "sb": "i32", "N": "i32", "T_MAX": "i32"}
+    sig = {"q": f"*{qk_dtype}", "k": f"*{qk_dtype}", "g": f"*{g_dtype}", "beta": f"*{beta_dtype}",
+           "ko": f"*{idt}", "qo": f"*{idt}", "do": f"*{idt}", "ao": f"*{idt}", "to": f"*{idt}", "eo": "*fp32",
+           "cu": "*i32", "sq": "i32", "sk": "i32", "sg": "i32", "sb": "i32", "N": "i32", "T_MAX": "i32"}
     const = {"H": H, "D": D, "BT": BT}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
-             notes=[f"kda intra-chunk H={H} D={D} BT={BT} dot={p.dot} out:{idt} q/k:{qk_dtype} scale={fnum(scale)}"
-                    + (" [interpreter variant]" if interp else "")])
+             notes=[f"kda intra-chunk H={H} D={D} BT={BT} ({NS} sub-chunks of {SUB}) dot={p.dot} out:{idt} "
+                    f"q/k:{qk_dtype} scale={fnum(scale)}" + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, rtne_bf16=interp and idt == "bf16")
 
@@ -322,60 +351,73 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
         w.lines([
             "c = tl.program_id(0)",
             *_SEQUENCE_HEAD,
-            "rt = tl.arange(0, BT)",
+            f"rs = tl.arange(0, {SUB})",
             "rk = tl.arange(0, D)",
-            "strict = rt[:, None] > rt[None, :]",
-            "incl = rt[:, None] >= rt[None, :]",
-            "eye = (rt[:, None] == rt[None, :]).to(tl.float32)",
+            "strict = rs[:, None] > rs[None, :]",
+            "incl = rs[:, None] >= rs[None, :]",
+            "eye = (rs[:, None] == rs[None, :]).to(tl.float32)",
             "c0 = c.to(tl.int64) * BT",
-            "tok = c0 + rt",
-            "tm = tok < L",
-            "row = bos + tok",
-            "m2 = tm[:, None]",
         ])
-        _chunk_prologue(w, BT, dot, scale, need_v=True)
-        w.lines([
-            "eg = tl.exp(G)",
-            f"wm = {dot('tinv', 'kc * eg * bc[:, None]')}",
-            f"um = {dot('tinv', 'vc * bc[:, None]')}",
-            f"o_off = row[:, None] * {H * D} + h * D + rk[None, :]",
-        ])
-        st("wo", "o_off", "wm", "m2")
-        st("uo", "o_off", "um", "m2")
-        st("qo", "o_off", f"qc * eg * {fnum(scale)}", "m2")
-        st("ko", "o_off", "kc * tl.exp(Gl[None, :] - G)", "m2")
-        st("ao", f"row[:, None] * {H * BT} + h * BT + rt[None, :]", "aqk", "m2")
+        if NS > 1:
+            # pass 1: Gamma at the end of every sub-chunk (the anchors between sub-chunks, and Gamma_C)
+            w.lines([
+                "rc = tl.arange(0, BT)",
+                "gs = tl.load(g + (bos + c0 + rc)[:, None] * sg + h * D + rk[None, :], mask=(c0 + rc < L)[:, None], "
+                "other=0.0).to(tl.float32)",
+            ])
+        for i in range(NS):
+            w.lines([
+                f"tm{i} = c0 + {i * SUB} + rs < L",
+                f"row{i} = bos + c0 + {i * SUB} + rs",
+                f"m{i} = tm{i}[:, None]",
+                *([f"e{i} = tl.sum(tl.where(rc[:, None] < {(i + 1) * SUB}, gs, 0.0), axis=0)"] if NS > 1 else []),
+            ])
+        for i in range(NS):
+            _emit_sub_chunk(w, i, dot, scale, NS == 1)
+            w.lines([f"o_off = row{i}[:, None] * {H * D} + h * D + rk[None, :]",
+                     f"r_off = row{i}[:, None] * {H * BT} + h * BT + rs[None, :]"])
+            st("ko", "o_off", f"k{i} * tl.exp(G{i})", f"m{i}")
+            st("qo", "o_off", f"q{i} * tl.exp(G{i}) * {fnum(scale)}", f"m{i}")
+            st("do", "o_off", f"k{i} * tl.exp(e{NS - 1}[None, :] - G{i})", f"m{i}")
+            for j in range(NS):
+                zero = f"tl.zeros([{SUB}, {SUB}], dtype=tl.float32)"
+                st("ao", f"r_off + {j * SUB}", f"a{i}_{j}" if j <= i else zero, f"m{i}")
+                st("to", f"r_off + {j * SUB}", f"t{i}_{j} * b{j}[None, :]" if j <= i else zero, f"m{i}")
         w.line("slot = bos // BT + n + c")
-        w.line("tl.store(eo + (slot * H + h) * D + rk, tl.exp(Gl), mask=rk < tl.minimum(L - c0, 1) * D)"
+        w.line(f"tl.store(eo + (slot * H + h) * D + rk, tl.exp(e{NS - 1}), mask=rk < tl.minimum(L - c0, 1) * D)"
                "   # only chunks inside the sequence")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
                         grid=("cdiv(T_MAX, BT)", "N * H"), num_warps=p.intra_warps, num_stages=1,
                         ir_op=ir_op, loc=loc)
 
 
-def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, o_dtype: str = "fp32",
+def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: str = "fp32", o_dtype: str = "fp32",
                    plan: KDAPlan | None = None, has_initial_state: bool = True, ir_op: str = "kda_inter",
                    loc: str = "", interpret: bool | None = None) -> KernelSource:
     """The sequential half of the prefill: one program per (V block, sequence x head) walks the chunks:
-        V_new = U - W S;  O = (scale Q e^Gamma) S + A_qk V_new;  S = diag(e^Gamma_C) S + (K e^(Gamma_C - Gamma))^T V_new
-    Args: wi, ui, qi, ki [total, H, D], ai [total, H, BT], ei [slots, H, D] fp32 (emit_kda_intra's outputs), o
-    [total, H, D] (o_dtype), s0 / sT [N, H, D, D] fp32 (s0 read when has_initial_state; may alias sT), cu, N.
-    Grid (D // BV, N * H)."""
+        V_new = T diag(beta) (V - K e^Gamma S);  O = (scale Q e^Gamma) S + A_qk V_new;
+        S = diag(e^Gamma_C) S + (K e^(Gamma_C - Gamma))^T V_new
+    Args: ki, qi, di [total, H, D], ai, ti [total, H, BT], ei [slots, H, D] fp32 (emit_kda_intra's outputs), v
+    [*, H, D] rows at token stride sv (head stride D, v_dtype), o [total, H, D] (o_dtype), s0 / sT [N, H, D, D]
+    fp32 (s0 read when has_initial_state; may alias sT), cu, N. Grid (D // BV, N * H)."""
     H, D = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim")
     check_float(o_dtype)
+    check_float(v_dtype, "v_dtype")
     p = plan or kda_plan(D, "fp32", target)
     interp = interpreted(target, interpret)
     BT, BV = p.chunk, p.block_v
     idt = inter_dtype(p.dot)
     kname = ident(f"k3c_kda_inter_fwd_h{H}_d{D}_bt{BT}_bv{BV}_w{p.chunk_warps}_s{p.chunk_stages}_{p.dot}"
-                  + ("" if has_initial_state else "_nos0"))
-    sig = {"wi": f"*{idt}", "ui": f"*{idt}", "qi": f"*{idt}", "ki": f"*{idt}", "ai": f"*{idt}", "ei": "*fp32",
-           "o": f"*{o_dtype}", "s0": "*fp32", "sT": "*fp32", "cu": "*i32", "N": "i32"}
+                  f"_v{name_part(v_dtype)}" + ("" if has_initial_state else "_nos0"))
+    sig = {"ki": f"*{idt}", "qi": f"*{idt}", "di": f"*{idt}", "ai": f"*{idt}", "ti": f"*{idt}", "ei": "*fp32",
+           "v": f"*{v_dtype}", "o": f"*{o_dtype}", "s0": "*fp32", "sT": "*fp32", "cu": "*i32", "sv": "i32",
+           "N": "i32"}
     const = {"H": H, "D": D, "BT": BT, "BV": BV}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
-             notes=[f"kda state passing H={H} D={D} BT={BT} BV={BV} dot={p.dot} in:{idt} warps={p.chunk_warps} "
-                    f"stages={p.chunk_stages} o:{o_dtype}" + (" [interpreter variant]" if interp else "")])
+             notes=[f"kda state passing H={H} D={D} BT={BT} BV={BV} dot={p.dot} in:{idt} v:{v_dtype} "
+                    f"warps={p.chunk_warps} stages={p.chunk_stages} o:{o_dtype}"
+                    + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, rtne_bf16=interp and o_dtype == "bf16")
     op_dt = "tl.bfloat16" if p.dot == "bf16" and not interp else "tl.float32"
@@ -403,18 +445,20 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, o_dtype: st
                 "row = bos + c0 + rt",
                 "m2 = (c0 + rt < L)[:, None]",
                 f"kof = row[:, None] * {H * D} + h * D + rk[None, :]",
-                f"vof = row[:, None] * {H * D} + h * D + rv[None, :]",
-                f"wc = tl.load(wi + kof, mask=m2, other=0.0).to({op_dt})",
+                f"rof = row[:, None] * {H * BT} + h * BT + rt[None, :]",
+                f"kg = tl.load(ki + kof, mask=m2, other=0.0).to({op_dt})",
                 f"qg = tl.load(qi + kof, mask=m2, other=0.0).to({op_dt})",
-                f"kd = tl.load(ki + kof, mask=m2, other=0.0).to({op_dt})",
-                "uc = tl.load(ui + vof, mask=m2, other=0.0).to(tl.float32)",
-                f"aq = tl.load(ai + row[:, None] * {H * BT} + h * BT + rt[None, :], mask=m2, other=0.0).to({op_dt})",
+                f"kd = tl.load(di + kof, mask=m2, other=0.0).to({op_dt})",
+                "vc = tl.load(v + row[:, None] * sv + h * D + rv[None, :], mask=m2, other=0.0).to(tl.float32)",
+                f"aq = tl.load(ai + rof, mask=m2, other=0.0).to({op_dt})",
+                f"tb = tl.load(ti + rof, mask=m2, other=0.0).to({op_dt})",
                 "eG = tl.load(ei + ((slot0 + c0 // BT) * H + h) * D + rk)",
                 f"Sb = S.to({op_dt})",
-                f"vn = uc - {dot('wc', 'Sb')}",
-                f"vb = vn.to({op_dt})",
+                f"xb = (vc - {dot('kg', 'Sb')}).to({op_dt})",
+                f"vb = {dot('tb', 'xb')}.to({op_dt})",
                 f"oc = {dot('qg', 'Sb')} + {dot('aq', 'vb')}",
-                f"tl.store(o + vof, {to_dtype('oc', o_dtype, interp)}, mask=m2)",
+                f"tl.store(o + row[:, None] * {H * D} + h * D + rv[None, :], {to_dtype('oc', o_dtype, interp)}, "
+                "mask=m2)",
                 f"S = S * eG[:, None] + {dot('tl.trans(kd)', 'vb')}",
             ])
         w.line("tl.store(sT + s_off, S)")

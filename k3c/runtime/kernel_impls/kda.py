@@ -49,6 +49,7 @@ def cu_seqlens(lengths, device) -> torch.Tensor:
 
 def _plan(head_dim: int, dtype: torch.dtype, device, chunk=None, block_v=None, dot=None, chunk_warps=None,
           **overrides):
+    overrides = {k_: v_ for k_, v_ in overrides.items() if v_ is not None}
     return kda_plan(head_dim, tt_dtype(dtype), target_for(device), chunk=chunk, block_v=block_v, dot=dot,
                     chunk_warps=chunk_warps, **overrides)
 
@@ -90,14 +91,24 @@ def unpack(packed, num_heads: int, head_dim: int):
     return q, k, v, gb[:, :HD].unflatten(-1, (H, D)), gb[:, HD:]
 
 
-def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None, out_dtype=torch.float32,
-              chunk: int | None = None, block_v: int | None = None, dot: str | None = None,
-              chunk_warps: int | None = None, chunk_stages: int | None = None, max_len: int | None = None,
-              final_state: torch.Tensor | None = None, ir_op: str = "kda_attn", loc: str = ""):
+def kda_chunk(q, k, v, g, beta, cu, initial_state=None, **kw):
     """q, k, g [total, H, D], v [total, H, D], beta [total, H] (token rows may be strided views with head stride D
     / 1), cu int32 [N + 1], initial_state [N, H, D, D] fp32 or None. Returns (o [total, H, D], final state).
-    Two kernels: intra-chunk, then state passing. max_len: the longest sequence (the intra kernel's grid; computed
-    from cu, a device sync, when not given)."""
+    Two kernels: intra-chunk, then state passing. Keywords: kda_chunk_launches'."""
+    intra, inter, o, sT = kda_chunk_launches(q, k, v, g, beta, cu, initial_state, **kw)
+    intra()
+    inter()
+    return o, sT
+
+
+def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None,
+                       out_dtype=torch.float32, chunk: int | None = None, block_v: int | None = None,
+                       dot: str | None = None, chunk_warps: int | None = None, chunk_stages: int | None = None,
+                       intra_warps: int | None = None, max_len: int | None = None,
+                       final_state: torch.Tensor | None = None, ir_op: str = "kda_attn", loc: str = ""):
+    """kda_chunk's two launches, unlaunched: (intra(), inter(), o, final state); the outputs are filled once both
+    ran (benchmarks time each kernel alone). max_len: the longest sequence (the intra kernel's grid; computed from
+    cu, a device sync, when not given); chunk .. intra_warps override the target's plan (benchmarks, tests)."""
     total, H, D = q.shape
     N = cu.numel() - 1
     for name, t, hs in (("q", q, D), ("k", k, D), ("v", v, D), ("g", g, D)):
@@ -106,7 +117,8 @@ def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None =
                                f"{tuple(t.shape)} strides {t.stride()}")
     if beta.shape != (total, H) or beta.stride(1) != 1:
         raise CodegenError(f"kda_chunk: beta must be [total, H] with unit head stride, got {tuple(beta.shape)}")
-    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps, chunk_stages=chunk_stages)
+    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps, chunk_stages=chunk_stages,
+                 intra_warps=intra_warps)
     tgt = target_for(q.device)
     has_s0 = initial_state is not None
     interp = interpreted(q)
@@ -120,18 +132,21 @@ def kda_chunk(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None =
         max_len = int((cu[1:] - cu[:-1]).max().item()) if N > 0 else 0
     BT = plan.chunk
     idt = torch_dtype(inter_dtype(plan.dot))
-    ki = _emit_intra(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), v_dtype=tt_dtype(v.dtype),
-                     g_dtype=tt_dtype(g.dtype), beta_dtype=tt_dtype(beta.dtype), scale=scale, plan=plan,
-                     ir_op=ir_op, loc=loc, interpret=interp)
-    kx = _emit_inter(H, D, target=tgt, o_dtype=tt_dtype(out_dtype), plan=plan, has_initial_state=has_s0,
-                     ir_op=ir_op, loc=loc, interpret=interp)
-    wu = torch.empty(4, total, H, D, dtype=idt, device=q.device)        # W, U, q e^Gamma, k e^(Gamma_C - Gamma)
-    aq = torch.empty(total, H, BT, dtype=idt, device=q.device)
+    ki = _emit_intra(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), g_dtype=tt_dtype(g.dtype),
+                     beta_dtype=tt_dtype(beta.dtype), scale=scale, plan=plan, ir_op=ir_op, loc=loc, interpret=interp)
+    kx = _emit_inter(H, D, target=tgt, v_dtype=tt_dtype(v.dtype), o_dtype=tt_dtype(out_dtype), plan=plan,
+                     has_initial_state=has_s0, ir_op=ir_op, loc=loc, interpret=interp)
+    kqd = torch.empty(3, total, H, D, dtype=idt, device=q.device)      # K e^Gamma, Q e^Gamma, K e^(Gamma_C - Gamma)
+    at = torch.empty(2, total, H, BT, dtype=idt, device=q.device)      # A_qk, T diag(beta)
     eg = torch.empty(total // BT + N + 1, H, D, dtype=torch.float32, device=q.device)
-    launch(ki, q, k, v, g, beta, wu[0], wu[1], wu[2], wu[3], aq, eg, cu, q.stride(0), k.stride(0), v.stride(0),
-           g.stride(0), beta.stride(0), N, int(max_len))
-    launch(kx, wu[0], wu[1], wu[2], wu[3], aq, eg, o, s0, sT, cu, N)
-    return o, sT
+
+    def intra():
+        launch(ki, q, k, g, beta, kqd[0], kqd[1], kqd[2], at[0], at[1], eg, cu, q.stride(0), k.stride(0),
+               g.stride(0), beta.stride(0), N, int(max_len))
+
+    def inter():
+        launch(kx, kqd[0], kqd[1], kqd[2], at[0], at[1], eg, v, o, s0, sT, cu, v.stride(0), N)
+    return intra, inter, o, sT
 
 
 def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, state, *, num_heads: int,
@@ -275,4 +290,4 @@ def launch_kda_out(a, cache, data, w):
 KERNEL_IMPLS = {"kda_proj": launch_kda_proj, "kda_attn": launch_kda_attn, "kda_out": launch_kda_out}
 TORCH_IMPLS = {"kda_proj": torch_kda_proj, "kda_attn": torch_kda_attn, "kda_out": torch_kda_out}
 
-__all__ = ["kda_prep", "kda_chunk", "kda_decode", "kda_out", "unpack", "cu_seqlens"]
+__all__ = ["kda_prep", "kda_chunk", "kda_chunk_launches", "kda_decode", "kda_out", "unpack", "cu_seqlens"]
