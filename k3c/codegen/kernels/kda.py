@@ -3,8 +3,8 @@
     emit_kda_prep    causal short conv (conv tails in / out) + SiLU for q, k, v; L2 norm of q, k; gate activation
                      (softplus or safe); beta = sigmoid(b). Writes two packed rows per token: [q | k | v] (H*D each,
                      fp32, or bf16 for bf16 models) and [g (H*D) | beta (H)] in fp32.
-    emit_kda_intra   prefill, token-parallel half: per chunk of BT tokens (all chunks at once) W, U, q e^Gamma,
-                     k e^(Gamma_C - Gamma), A_qk and e^Gamma_C (FlashKDA's split).
+    emit_kda_intra   prefill, token-parallel half: per chunk of BT tokens (all chunks at once) k e^Gamma, q e^Gamma,
+                     k e^(Gamma_C - Gamma), A_qk, T diag(beta) and e^Gamma_C (FlashKDA's split).
     emit_kda_inter   prefill, sequential half: one program per (sequence, head, V block) walks the chunks with only
                      the state-dependent matmuls; fp32 state in registers, initial state in / final state out,
                      variable lengths (cu_seqlens).
