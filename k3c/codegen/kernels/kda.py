@@ -65,8 +65,9 @@ class KDAPlan:
 
 
 def inter_dtype(dot: str) -> str:
-    """dtype of the intra-chunk kernel's outputs (W, U, q e^Gamma, k e^(Gamma_C - Gamma), A_qk): the operand precision
-    of the state-passing kernel's matmuls (bf16 products read bf16 operands; fp32 / tf32 keep fp32)."""
+    """dtype of the intra-chunk kernel's outputs (k e^Gamma, q e^Gamma, k e^(Gamma_C - Gamma), A_qk, T diag(beta)):
+    the operand precision of the state-passing kernel's matmuls (bf16 products read bf16 operands; fp32 / tf32 keep
+    fp32)."""
     return "bf16" if dot == "bf16" else "fp32"
 
 
@@ -82,7 +83,8 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
              decode_block_v: int | None = None, decode_warps: int | None = None,
              decode_split: bool | None = None, intra_warps: int | None = None) -> KDAPlan:
     """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
-    parallel, W, U, q e^Gamma, k e^(Gamma_C - Gamma), A_qk and e^Gamma_C; the state-passing kernel walks the chunks
+    parallel, k e^Gamma, q e^Gamma, k e^(Gamma_C - Gamma), A_qk, T diag(beta) and e^Gamma_C; the state-passing
+    kernel walks the chunks
     of one (sequence, head, V block) with only the three state-dependent matmuls on its serial path. BT = 16 keeps the
     anchored decays exact at lb = -5 (32 is exact too, at the clamp's edge); BV / warps: see the defaults below.
     Decode: one program per (b, h) looping over V slices of 32 columns, 4 warps on 32-lane GPUs.
@@ -115,8 +117,10 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     dwarps = decode_warps if decode_warps is not None else max(1, min(8, D * dbv // (32 * lanes)))
     if target.backend == "cpu" and decode_warps is None:
         dwarps = 1
-    # intra-chunk kernel: BT = 32 holds [32, D] tiles and [32, 32] products: 8 warps (4 spill on sm_90)
-    iwarps = 1 if target.backend == "cpu" else (8 if bt * D >= 4096 else 4)
+    # intra-chunk kernel: BT = 32 holds [32, D] tiles and [32, 32] products: 8 warps (4 spill on sm_90). BT = 16:
+    # 2 warps (255 registers on sm_90, spill-free) beat 4 by 1.32x and 8 by 3.7x on the H200 (docs/perf.md, KDA):
+    # the kernel is latency-bound and more resident programs per SM hide it better than more threads per program
+    iwarps = 1 if target.backend == "cpu" else (8 if bt * D >= 4096 else 2)
     if intra_warps is not None:
         iwarps = intra_warps
     return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
@@ -258,9 +262,9 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
 
 # ---- two-kernel prefill: intra-chunk (all chunks in parallel) + state passing (sequential over chunks) -----------
 def _emit_sub_chunk(w: SourceWriter, i: int, dot, scale: float, single: bool) -> None:
-    """Lines of sub-chunk i (rows row{i}, mask m{i}): its loads, Gamma from the chunk start (G{i}), its anchored A_kk
-    / A_qk blocks against sub-chunks j <= i (A_qk as a{i}_{j}) and its row of T = (I + A_kk)^-1 (blocks t{i}_{j}):
-    T_ii by a 16 x 16 Neumann product, T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj. e{j} is Gamma at the end of sub-chunk
+    """Lines of sub-chunk i (rows row{i}, mask m{i}): its loads, Gamma from the chunk start (G{i}) and its anchored
+    A_kk / A_qk blocks against sub-chunks j <= i (akk{j}, a{i}_{j}); _emit_sub_chunk_inverse then forms its row of
+    T = (I + A_kk)^-1. e{j} is Gamma at the end of sub-chunk
     j (pass 1); the right factor of every block in column j, k_j e^(e_j - G_j), is rebuilt from k_j and g_j (L1 / L2
     hits) rather than kept: registers for all earlier sub-chunks would spill at 64-token chunks."""
     ld = "tl.load({p} + row{i}[:, None] * {s} + h * D + rk[None, :], mask=m{i}, other=0.0).to(tl.float32)"
@@ -280,13 +284,8 @@ def _emit_sub_chunk(w: SourceWriter, i: int, dot, scale: float, single: bool) ->
         f"kb = k{i} * tl.exp(-dm)",
         f"akk = tl.where(strict, {dot(f'k{i} * tl.exp(dm)', 'tl.trans(kb)')} * b{i}[:, None], 0.0)",
         f"a{i}_{i} = tl.where(incl, {dot(f'q{i} * tl.exp(dm)', 'tl.trans(kb)')} * {fnum(scale)}, 0.0)",
-        "# (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (A strictly lower triangular)",
-        f"t{i}_{i} = eye - akk",
-        "pw = akk",
+        f"akk{i} = akk",
     ])
-    for _ in range(SUB.bit_length() - 2):
-        w.line(f"pw = {dot('pw', 'pw', 'ieee')}")
-        w.line(f"t{i}_{i} = t{i}_{i} + {dot(f't{i}_{i}', 'pw', 'ieee')}")
     if not i:
         return
     # off-diagonal blocks (i, j < i): anchor at the end of sub-chunk j, both factors have exponents <= 0
@@ -300,6 +299,20 @@ def _emit_sub_chunk(w: SourceWriter, i: int, dot, scale: float, single: bool) ->
             f"akk{j} = {dot('kw * sc', 'tl.trans(kr)')} * b{i}[:, None]",
             f"a{i}_{j} = {dot('qw * sc', 'tl.trans(kr)')} * {fnum(scale)}",
         ])
+
+
+def _emit_sub_chunk_inverse(w: SourceWriter, i: int, dot) -> None:
+    """Row i of T = (I + A_kk)^-1 (blocks t{i}_{j}) from the A_kk blocks akk{j} of _emit_sub_chunk: T_ii by a 16 x 16
+    Neumann product, T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj. Emitted after the sub-chunk's [SUB, D] tiles are stored,
+    so they are dead here (2-warp programs then fit in 255 registers on sm_90 without spilling)."""
+    w.lines([
+        "# (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (A strictly lower triangular)",
+        f"t{i}_{i} = eye - akk{i}",
+        f"pw = akk{i}",
+    ])
+    for _ in range(SUB.bit_length() - 2):
+        w.line(f"pw = {dot('pw', 'pw', 'ieee')}")
+        w.line(f"t{i}_{i} = t{i}_{i} + {dot(f't{i}_{i}', 'pw', 'ieee')}")
     for j in range(i - 1, -1, -1):
         terms = " + ".join(dot(f"akk{m}", f"t{m}_{j}", "ieee") for m in range(j, i))
         w.line(f"t{i}_{j} = -{dot(f't{i}_{i}', f'({terms})', 'ieee')}")
@@ -374,11 +387,12 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
             ])
         for i in range(NS):
             _emit_sub_chunk(w, i, dot, scale, NS == 1)
-            w.lines([f"o_off = row{i}[:, None] * {H * D} + h * D + rk[None, :]",
-                     f"r_off = row{i}[:, None] * {H * BT} + h * BT + rs[None, :]"])
+            w.line(f"o_off = row{i}[:, None] * {H * D} + h * D + rk[None, :]")
             st("ko", "o_off", f"k{i} * tl.exp(G{i})", f"m{i}")
             st("qo", "o_off", f"q{i} * tl.exp(G{i}) * {fnum(scale)}", f"m{i}")
             st("do", "o_off", f"k{i} * tl.exp(e{NS - 1}[None, :] - G{i})", f"m{i}")
+            _emit_sub_chunk_inverse(w, i, dot)
+            w.line(f"r_off = row{i}[:, None] * {H * BT} + h * BT + rs[None, :]")
             for j in range(NS):
                 zero = f"tl.zeros([{SUB}, {SUB}], dtype=tl.float32)"
                 st("ao", f"r_off + {j * SUB}", f"a{i}_{j}" if j <= i else zero, f"m{i}")
