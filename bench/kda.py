@@ -87,7 +87,7 @@ PREFILL_VARIANTS = [{}, dict(chunk=32, block_v=32, chunk_warps=4), dict(chunk=32
                     dict(chunk=32, block_v=64, chunk_warps=8, chunk_stages=2),
                     dict(chunk=16, block_v=32, chunk_warps=4)]
 LATER_BEST = 3
-PLAN_KEYS = {"chunk", "block_v", "chunk_warps", "chunk_stages", "intra_warps", "dot"}
+PLAN_KEYS = {"chunk", "block_v", "chunk_warps", "chunk_stages", "intra_warps", "inter_prefetch", "dot"}
 # decode shapes: (batch, heads, the --tiny stand-in's batch); heads become TINY_H under --tiny
 DECODE_SHAPES = [(64, 96, 4), (256, 12, 8)]
 DECODE_REC_VARIANTS = [dict(decode_split=True, decode_block_v=16, decode_warps=2),

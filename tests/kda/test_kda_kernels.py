@@ -48,13 +48,14 @@ def test_chunk_long_sequence_and_no_initial_state(gate, t):
     assert rel_err(o, o_r[0]) <= 1e-5 and rel_err(s, s_r) <= 1e-5
 
 
-@pytest.mark.parametrize("chunk", [16, 32])
-def test_chunk_variable_lengths_in_one_batch(chunk):
-    """Two-kernel prefill (per-chunk slots of packed sequences) at both chunk steps."""
+@pytest.mark.parametrize("chunk,prefetch", [(16, False), (32, False), (16, True), (32, True)])
+def test_chunk_variable_lengths_in_one_batch(chunk, prefetch):
+    """Two-kernel prefill (per-chunk slots of packed sequences) at both chunk steps, with and without the state-passing
+    kernel's register prefetch of the next chunk (which reads one chunk past each sequence's end, masked)."""
     lengths = [1, 63, 17, 70, 2]
     h, d = 2, 64
     q, k, v, g, beta, s0 = scan_inputs(sum(lengths), h, d, "safe", seed=5, n_seq=len(lengths))
-    o, s = kda_chunk(q, k, v, g, beta, cu_seqlens(lengths, "cpu"), s0, chunk=chunk)
+    o, s = kda_chunk(q, k, v, g, beta, cu_seqlens(lengths, "cpu"), s0, chunk=chunk, inter_prefetch=prefetch)
     refs = per_seq(lambda q_, k_, v_, g_, b_, i: kda_recurrent(q_, k_, v_, g_, b_, initial_state=s0[i:i + 1]),
                    lengths, q, k, v, g, beta)
     assert rel_err(o, torch.cat([r[0][0] for r in refs])) <= 1e-5

@@ -62,6 +62,7 @@ class KDAPlan:
     decode_split: bool = False  # decode: V slices over programs (True) or looped inside one program per head
     chunk_stages: int = 1  # software-pipelining stages of the state-passing loop
     intra_warps: int = 4  # warps of the intra-chunk kernel
+    inter_prefetch: bool = False  # state passing: the next chunk's operands are loaded while this chunk computes
 
 
 def inter_dtype(dot: str) -> str:
@@ -81,7 +82,8 @@ def run_dot(dtype: str, ir_dot: str) -> str:
 def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = None, block_v: int | None = None,
              dot: str | None = None, chunk_warps: int | None = None, chunk_stages: int | None = None,
              decode_block_v: int | None = None, decode_warps: int | None = None,
-             decode_split: bool | None = None, intra_warps: int | None = None) -> KDAPlan:
+             decode_split: bool | None = None, intra_warps: int | None = None,
+             inter_prefetch: bool | None = None) -> KDAPlan:
     """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
     parallel, k e^Gamma, q e^Gamma, k e^(Gamma_C - Gamma), A_qk, T diag(beta) and e^Gamma_C; the state-passing
     kernel walks the chunks
@@ -124,7 +126,7 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     if intra_warps is not None:
         iwarps = intra_warps
     return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
-                   bool(decode_split), stages, iwarps)
+                   bool(decode_split), stages, iwarps, bool(inter_prefetch))
 
 
 # the prefill programs' (sequence, head) from grid dim 1 and the sequence's tokens [bos, bos + L) of the packed rows
@@ -422,7 +424,8 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
     BT, BV = p.chunk, p.block_v
     idt = inter_dtype(p.dot)
     kname = ident(f"k3c_kda_inter_fwd_h{H}_d{D}_bt{BT}_bv{BV}_w{p.chunk_warps}_s{p.chunk_stages}_{p.dot}"
-                  f"_v{name_part(v_dtype)}" + ("" if has_initial_state else "_nos0"))
+                  f"_v{name_part(v_dtype)}" + ("" if has_initial_state else "_nos0")
+                  + ("_pf" if p.inter_prefetch else ""))
     sig = {"ki": f"*{idt}", "qi": f"*{idt}", "di": f"*{idt}", "ai": f"*{idt}", "ti": f"*{idt}", "ei": "*fp32",
            "v": f"*{v_dtype}", "o": f"*{o_dtype}", "s0": "*fp32", "sT": "*fp32", "cu": "*i32", "sv": "i32",
            "N": "i32"}
@@ -430,7 +433,7 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"kda state passing H={H} D={D} BT={BT} BV={BV} dot={p.dot} in:{idt} v:{v_dtype} "
-                    f"warps={p.chunk_warps} stages={p.chunk_stages} o:{o_dtype}"
+                    f"warps={p.chunk_warps} stages={p.chunk_stages} prefetch={p.inter_prefetch} o:{o_dtype}"
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, rtne_bf16=interp and o_dtype == "bf16")
@@ -452,29 +455,48 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
             "slot0 = bos // BT + n",
         ])
         w.line("S = tl.load(s0 + s_off)" if has_initial_state else "S = tl.zeros([D, BV], dtype=tl.float32)")
+        def loads(at: str, suffix: str = "") -> list[str]:
+            """The chunk at token offset `at`: its rows' operands (zeros past the sequence's end)."""
+            x = suffix
+            return [
+                f"row{x} = bos + ({at}) + rt",
+                f"m2{x} = (({at}) + rt < L)[:, None]",
+                f"kof = row{x}[:, None] * {H * D} + h * D + rk[None, :]",
+                f"rof = row{x}[:, None] * {H * BT} + h * BT + rt[None, :]",
+                f"kg{x} = tl.load(ki + kof, mask=m2{x}, other=0.0).to({op_dt})",
+                f"qg{x} = tl.load(qi + kof, mask=m2{x}, other=0.0).to({op_dt})",
+                f"kd{x} = tl.load(di + kof, mask=m2{x}, other=0.0).to({op_dt})",
+                f"vc{x} = tl.load(v + row{x}[:, None] * sv + h * D + rv[None, :], mask=m2{x}, other=0.0)"
+                ".to(tl.float32)",
+                f"aq{x} = tl.load(ai + rof, mask=m2{x}, other=0.0).to({op_dt})",
+                f"tb{x} = tl.load(ti + rof, mask=m2{x}, other=0.0).to({op_dt})",
+                f"eG{x} = tl.load(ei + ((slot0 + ({at}) // BT) * H + h) * D + rk, "
+                f"mask=rk < tl.minimum(L - ({at}), 1) * D, other=0.0)",
+            ]
+
+        step = [
+            f"Sb = S.to({op_dt})",
+            f"xb = (vc - {dot('kg', 'Sb')}).to({op_dt})",
+            f"vb = {dot('tb', 'xb')}.to({op_dt})",
+            f"oc = {dot('qg', 'Sb')} + {dot('aq', 'vb')}",
+            f"tl.store(o + row[:, None] * {H * D} + h * D + rv[None, :], {to_dtype('oc', o_dtype, interp)}, "
+            "mask=m2)",
+            f"S = S * eG[:, None] + {dot('tl.trans(kd)', 'vb')}",
+        ]
         rng = "range(0, L, BT)" if p.chunk_stages <= 1 else f"tl.range(0, L, BT, num_stages={p.chunk_stages})"
+        if p.inter_prefetch:
+            # register double buffer: chunk c + 1's loads are issued before chunk c's serial matmul chain, so their
+            # latency hides behind it (Triton does not schedule loads across iterations of a plain loop)
+            w.lines(loads("0"))
         w.line(f"for c0 in {rng}:")
         with w.indent():
-            w.lines([
-                "row = bos + c0 + rt",
-                "m2 = (c0 + rt < L)[:, None]",
-                f"kof = row[:, None] * {H * D} + h * D + rk[None, :]",
-                f"rof = row[:, None] * {H * BT} + h * BT + rt[None, :]",
-                f"kg = tl.load(ki + kof, mask=m2, other=0.0).to({op_dt})",
-                f"qg = tl.load(qi + kof, mask=m2, other=0.0).to({op_dt})",
-                f"kd = tl.load(di + kof, mask=m2, other=0.0).to({op_dt})",
-                "vc = tl.load(v + row[:, None] * sv + h * D + rv[None, :], mask=m2, other=0.0).to(tl.float32)",
-                f"aq = tl.load(ai + rof, mask=m2, other=0.0).to({op_dt})",
-                f"tb = tl.load(ti + rof, mask=m2, other=0.0).to({op_dt})",
-                "eG = tl.load(ei + ((slot0 + c0 // BT) * H + h) * D + rk)",
-                f"Sb = S.to({op_dt})",
-                f"xb = (vc - {dot('kg', 'Sb')}).to({op_dt})",
-                f"vb = {dot('tb', 'xb')}.to({op_dt})",
-                f"oc = {dot('qg', 'Sb')} + {dot('aq', 'vb')}",
-                f"tl.store(o + row[:, None] * {H * D} + h * D + rv[None, :], {to_dtype('oc', o_dtype, interp)}, "
-                "mask=m2)",
-                f"S = S * eG[:, None] + {dot('tl.trans(kd)', 'vb')}",
-            ])
+            if p.inter_prefetch:
+                w.lines(loads("c0 + BT", "_n"))
+            else:
+                w.lines(loads("c0"))
+            w.lines(step)
+            if p.inter_prefetch:
+                w.lines([f"{x} = {x}_n" for x in ("row", "m2", "kg", "qg", "kd", "vc", "aq", "tb", "eG")])
         w.line("tl.store(sT + s_off, S)")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
                         grid=("D // BV", "N * H"), num_warps=p.chunk_warps, num_stages=max(1, p.chunk_stages),
