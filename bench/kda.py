@@ -81,13 +81,11 @@ QUICK_PREFILL = (0, 5)              # --quick: the headline and FlashKDA's varle
 TINY_H = 2
 # k3c chunk-kernel plans (kda_chunk keywords); {} = the target's default plan. The first shape runs them all, the
 # others the best LATER_BEST of the first shape plus {}
-PREFILL_VARIANTS = [{}, dict(chunk=32, block_v=32, chunk_warps=4), dict(chunk=32, block_v=64, chunk_warps=4),
-                    dict(chunk=32, block_v=64, chunk_warps=8), dict(chunk=32, block_v=128, chunk_warps=8),
-                    dict(chunk=32, block_v=32, chunk_warps=4, chunk_stages=2),
-                    dict(chunk=32, block_v=64, chunk_warps=8, chunk_stages=2),
-                    dict(chunk=16, block_v=32, chunk_warps=4)]
+PREFILL_VARIANTS = [{}, dict(block_v=32), dict(intra_warps=4), dict(block_v=64, chunk_warps=8),
+                    dict(block_v=128, chunk_warps=8), dict(chunk=32, block_v=64, intra_warps=4),
+                    dict(chunk=32, block_v=64, chunk_warps=8, intra_warps=8), dict(chunk=32, block_v=128, chunk_warps=8)]
 LATER_BEST = 3
-PLAN_KEYS = {"chunk", "block_v", "chunk_warps", "chunk_stages", "intra_warps", "inter_prefetch", "dot"}
+PLAN_KEYS = {"chunk", "block_v", "chunk_warps", "intra_warps", "dot"}
 # decode shapes: (batch, heads, the --tiny stand-in's batch); heads become TINY_H under --tiny
 DECODE_SHAPES = [(64, 96, 4), (256, 12, 8)]
 DECODE_REC_VARIANTS = [dict(decode_split=True, decode_block_v=16, decode_warps=2),

@@ -48,14 +48,15 @@ def test_chunk_long_sequence_and_no_initial_state(gate, t):
     assert rel_err(o, o_r[0]) <= 1e-5 and rel_err(s, s_r) <= 1e-5
 
 
-@pytest.mark.parametrize("chunk,prefetch", [(16, False), (32, False), (16, True), (32, True)])
-def test_chunk_variable_lengths_in_one_batch(chunk, prefetch):
-    """Two-kernel prefill (per-chunk slots of packed sequences) at both chunk steps, with and without the state-passing
-    kernel's register prefetch of the next chunk (which reads one chunk past each sequence's end, masked)."""
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_chunk_variable_lengths_in_one_batch(chunk):
+    """Two-kernel prefill (per-chunk slots of packed sequences) at both chunk steps (the state-passing kernel's
+    prefetch of the next chunk reads one chunk past each sequence's end, masked; the intra programs past a short
+    sequence's end exit)."""
     lengths = [1, 63, 17, 70, 2]
     h, d = 2, 64
     q, k, v, g, beta, s0 = scan_inputs(sum(lengths), h, d, "safe", seed=5, n_seq=len(lengths))
-    o, s = kda_chunk(q, k, v, g, beta, cu_seqlens(lengths, "cpu"), s0, chunk=chunk, inter_prefetch=prefetch)
+    o, s = kda_chunk(q, k, v, g, beta, cu_seqlens(lengths, "cpu"), s0, chunk=chunk)
     refs = per_seq(lambda q_, k_, v_, g_, b_, i: kda_recurrent(q_, k_, v_, g_, b_, initial_state=s0[i:i + 1]),
                    lengths, q, k, v, g, beta)
     assert rel_err(o, torch.cat([r[0][0] for r in refs])) <= 1e-5
@@ -191,8 +192,9 @@ def test_plan_comes_from_the_target():
     p_amd = kda_plan(128, "bf16", get_target("mi355x"))
     p_nv = kda_plan(128, "bf16", get_target("h200"))
     assert p_amd.chunk == p_nv.chunk == 16
-    assert p_amd.block_v == p_nv.block_v == 32 and kda_plan(64, "bf16", get_target("h200")).block_v == 32
+    assert p_amd.block_v == p_nv.block_v == 64 and kda_plan(32, "bf16", get_target("h200")).block_v == 32
     assert p_nv.chunk_warps == 4 and p_nv.decode_warps == 4 and p_amd.decode_warps == 2     # 128 threads each
+    assert p_nv.intra_warps == 2 and kda_plan(128, "bf16", get_target("h200"), chunk=32).intra_warps == 8
     assert kda_plan(128, "fp32", get_target("h200")).dot == "ieee" and p_nv.dot == "bf16"
     with pytest.raises(CodegenError):
         kda_plan(96, "bf16", get_target("h200"))          # not a power of two
@@ -201,4 +203,4 @@ def test_plan_comes_from_the_target():
     ki = emit_kda_intra(96, 128, target=get_target("h200"), plan=p_nv)
     kx = emit_kda_inter(96, 128, target=get_target("h200"), plan=p_nv)
     assert ki.grid == ("cdiv(T_MAX, BT)", "N * H") and kx.grid == ("D // BV", "N * H")
-    assert kx.name.startswith("k3c_kda_inter_fwd_h96_d128_bt16_bv32_w4") and "bf16" in ki.signature["ko"]
+    assert kx.name.startswith("k3c_kda_inter_fwd_h96_d128_bt16_bv64_w4") and "bf16" in ki.signature["ko"]

@@ -60,9 +60,7 @@ class KDAPlan:
     dot: str              # matmul precision of the chunk kernels' big products
     decode_block_v: int = 32   # V columns per decode slice (looped) or program (split)
     decode_split: bool = False  # decode: V slices over programs (True) or looped inside one program per head
-    chunk_stages: int = 1  # software-pipelining stages of the state-passing loop
     intra_warps: int = 4  # warps of the intra-chunk kernel
-    inter_prefetch: bool = False  # state passing: the next chunk's operands are loaded while this chunk computes
 
 
 def inter_dtype(dot: str) -> str:
@@ -80,10 +78,9 @@ def run_dot(dtype: str, ir_dot: str) -> str:
 
 
 def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = None, block_v: int | None = None,
-             dot: str | None = None, chunk_warps: int | None = None, chunk_stages: int | None = None,
+             dot: str | None = None, chunk_warps: int | None = None,
              decode_block_v: int | None = None, decode_warps: int | None = None,
-             decode_split: bool | None = None, intra_warps: int | None = None,
-             inter_prefetch: bool | None = None) -> KDAPlan:
+             decode_split: bool | None = None, intra_warps: int | None = None) -> KDAPlan:
     """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
     parallel, k e^Gamma, q e^Gamma, k e^(Gamma_C - Gamma), A_qk, T diag(beta) and e^Gamma_C; the state-passing
     kernel walks the chunks
@@ -100,7 +97,8 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     if not SUB <= bt <= 2 * SUB:
         raise CodegenError(f"KDA chunk step must be 16 or 32 tokens, got {bt}")
     lanes = max(int(target.warp_size), 32)
-    bv = block_v if block_v is not None else min(D, 32)
+    # BV 64 beat 32 by 1.23x with the prefetch on the H200 (8 warps or BV 128: slower; docs/perf.md, KDA)
+    bv = block_v if block_v is not None else min(D, 64)
     _check_pow2(bv, "block_v")
     if bv < 16 or bv > D:
         raise CodegenError(f"block_v must be in [16, head_dim], got {bv}")
@@ -113,7 +111,6 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     warps = chunk_warps if chunk_warps is not None else 4
     if target.backend == "cpu":
         warps = 1 if chunk_warps is None else warps
-    stages = chunk_stages if chunk_stages is not None else 1
     dbv = min(D, decode_block_v if decode_block_v is not None else 32)
     _check_pow2(dbv, "decode_block_v")
     dwarps = decode_warps if decode_warps is not None else max(1, min(8, D * dbv // (32 * lanes)))
@@ -126,7 +123,7 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     if intra_warps is not None:
         iwarps = intra_warps
     return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
-                   bool(decode_split), stages, iwarps, bool(inter_prefetch))
+                   bool(decode_split), iwarps)
 
 
 # the prefill programs' (sequence, head) from grid dim 1 and the sequence's tokens [bos, bos + L) of the packed rows
@@ -263,27 +260,34 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
 
 
 # ---- two-kernel prefill: intra-chunk (all chunks in parallel) + state passing (sequential over chunks) -----------
-def _emit_sub_chunk(w: SourceWriter, i: int, dot, scale: float, single: bool) -> None:
+def _emit_sub_chunk(w: SourceWriter, i: int, dot, scale: float, single: bool, store_tiles) -> None:
     """Lines of sub-chunk i (rows row{i}, mask m{i}): its loads, Gamma from the chunk start (G{i}) and its anchored
     A_kk / A_qk blocks against sub-chunks j <= i (akk{j}, a{i}_{j}); _emit_sub_chunk_inverse then forms its row of
     T = (I + A_kk)^-1. e{j} is Gamma at the end of sub-chunk
     j (pass 1); the right factor of every block in column j, k_j e^(e_j - G_j), is rebuilt from k_j and g_j (L1 / L2
     hits) rather than kept: registers for all earlier sub-chunks would spill at 64-token chunks."""
-    ld = "tl.load({p} + row{i}[:, None] * {s} + h * D + rk[None, :], mask=m{i}, other=0.0).to(tl.float32)"
+    # q and k stay in their load dtype (bf16: half the registers) and widen at each use (exact)
+    raw = "tl.load({p} + row{i}[:, None] * {s} + h * D + rk[None, :], mask=m{i}, other=0.0)"
+    ld = raw + ".to(tl.float32)"
     w.lines([
         # the barrier keeps the compiler from hoisting this sub-chunk's loads above the previous one's work
         *(["tl.debug_barrier()"] if i else []),
-        f"q{i} = " + ld.format(p="q", s="sq", i=i),
-        f"k{i} = " + ld.format(p="k", s="sk", i=i),
+        f"q{i} = " + raw.format(p="q", s="sq", i=i),
+        f"k{i} = " + raw.format(p="k", s="sk", i=i),
         f"gt = {ld.format(p='g', s='sg', i=i)}",
         "gw = tl.cumsum(gt, axis=0)                      # Gamma from the sub-chunk start",
         *([f"e{i} = tl.sum(gt, axis=0)"] if single else []),
         f"b{i} = tl.load(beta + row{i} * sb + h, mask=tm{i}, other=0.0).to(tl.float32)",
         f"G{i} = gw" + (f" + e{i - 1}[None, :]" if i else "") + "                  # Gamma from the chunk start",
+    ])
+    # the [SUB, D] outputs go out before the products: Gamma (and q, k for sub-chunk 0) are dead during them
+    store_tiles(i)
+    w.lines([
         # diagonal block: anchor at the sub-chunk's middle row, each factor spans at most half of it
         f"gm = tl.sum(tl.where(rs[:, None] == {SUB // 2 - 1}, gw, 0.0), axis=0)",
         f"dm = tl.minimum(tl.maximum(gw - gm[None, :], {fnum(-EXP_CLAMP)}), {fnum(EXP_CLAMP)})",
-        f"kb = k{i} * tl.exp(-dm)",
+        # the right factor is an operand of two dots: held in the operand dtype (bf16 dots: half the registers)
+        f"kb = {dot.operand(f'k{i} * tl.exp(-dm)')}",
         f"akk = tl.where(strict, {dot(f'k{i} * tl.exp(dm)', 'tl.trans(kb)')} * b{i}[:, None], 0.0)",
         f"a{i}_{i} = tl.where(incl, {dot(f'q{i} * tl.exp(dm)', 'tl.trans(kb)')} * {fnum(scale)}, 0.0)",
         f"akk{i} = akk",
@@ -358,6 +362,8 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
 
     def dot(a, b, mode=p.dot):
         return _dot(a, b, mode, interp)
+    # a value kept for several bf16 dots is converted once
+    dot.operand = (lambda e: f"({e}).to(tl.bfloat16)") if p.dot == "bf16" and not interp else (lambda e: e)
 
     def st(ptr, off, val, mask):
         w.line(f"tl.store({ptr} + {off}, {to_dtype(val, idt, interp)}, mask={mask})")
@@ -366,12 +372,18 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
         w.lines([
             "c = tl.program_id(0)",
             *_SEQUENCE_HEAD,
+            "c0 = c.to(tl.int64) * BT",
+        ])
+        # the grid covers the longest sequence: a shorter one's programs past its end do nothing
+        w.line("if c0 >= L:")
+        with w.indent():
+            w.line("return")
+        w.lines([
             f"rs = tl.arange(0, {SUB})",
             "rk = tl.arange(0, D)",
             "strict = rs[:, None] > rs[None, :]",
             "incl = rs[:, None] >= rs[None, :]",
             "eye = (rs[:, None] == rs[None, :]).to(tl.float32)",
-            "c0 = c.to(tl.int64) * BT",
         ])
         if NS > 1:
             # pass 1: Gamma at the end of every sub-chunk (the anchors between sub-chunks, and Gamma_C)
@@ -387,12 +399,14 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
                 f"m{i} = tm{i}[:, None]",
                 *([f"e{i} = tl.sum(tl.where(rc[:, None] < {(i + 1) * SUB}, gs, 0.0), axis=0)"] if NS > 1 else []),
             ])
-        for i in range(NS):
-            _emit_sub_chunk(w, i, dot, scale, NS == 1)
-            w.line(f"o_off = row{i}[:, None] * {H * D} + h * D + rk[None, :]")
-            st("ko", "o_off", f"k{i} * tl.exp(G{i})", f"m{i}")
-            st("qo", "o_off", f"q{i} * tl.exp(G{i}) * {fnum(scale)}", f"m{i}")
+        def store_tiles(i):
+            w.lines([f"o_off = row{i}[:, None] * {H * D} + h * D + rk[None, :]", f"eg = tl.exp(G{i})"])
+            st("ko", "o_off", f"k{i} * eg", f"m{i}")
+            st("qo", "o_off", f"q{i} * eg * {fnum(scale)}", f"m{i}")
             st("do", "o_off", f"k{i} * tl.exp(e{NS - 1}[None, :] - G{i})", f"m{i}")
+
+        for i in range(NS):
+            _emit_sub_chunk(w, i, dot, scale, NS == 1, store_tiles)
             _emit_sub_chunk_inverse(w, i, dot)
             w.line(f"r_off = row{i}[:, None] * {H * BT} + h * BT + rs[None, :]")
             for j in range(NS):
@@ -400,8 +414,7 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
                 st("ao", f"r_off + {j * SUB}", f"a{i}_{j}" if j <= i else zero, f"m{i}")
                 st("to", f"r_off + {j * SUB}", f"t{i}_{j} * b{j}[None, :]" if j <= i else zero, f"m{i}")
         w.line("slot = bos // BT + n + c")
-        w.line(f"tl.store(eo + (slot * H + h) * D + rk, tl.exp(e{NS - 1}), mask=rk < tl.minimum(L - c0, 1) * D)"
-               "   # only chunks inside the sequence")
+        w.line(f"tl.store(eo + (slot * H + h) * D + rk, tl.exp(e{NS - 1}))")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
                         grid=("cdiv(T_MAX, BT)", "N * H"), num_warps=p.intra_warps, num_stages=1,
                         ir_op=ir_op, loc=loc)
@@ -423,9 +436,8 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
     interp = interpreted(target, interpret)
     BT, BV = p.chunk, p.block_v
     idt = inter_dtype(p.dot)
-    kname = ident(f"k3c_kda_inter_fwd_h{H}_d{D}_bt{BT}_bv{BV}_w{p.chunk_warps}_s{p.chunk_stages}_{p.dot}"
-                  f"_v{name_part(v_dtype)}" + ("" if has_initial_state else "_nos0")
-                  + ("_pf" if p.inter_prefetch else ""))
+    kname = ident(f"k3c_kda_inter_fwd_h{H}_d{D}_bt{BT}_bv{BV}_w{p.chunk_warps}_{p.dot}"
+                  f"_v{name_part(v_dtype)}" + ("" if has_initial_state else "_nos0"))
     sig = {"ki": f"*{idt}", "qi": f"*{idt}", "di": f"*{idt}", "ai": f"*{idt}", "ti": f"*{idt}", "ei": "*fp32",
            "v": f"*{v_dtype}", "o": f"*{o_dtype}", "s0": "*fp32", "sT": "*fp32", "cu": "*i32", "sv": "i32",
            "N": "i32"}
@@ -433,7 +445,7 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"kda state passing H={H} D={D} BT={BT} BV={BV} dot={p.dot} in:{idt} v:{v_dtype} "
-                    f"warps={p.chunk_warps} stages={p.chunk_stages} prefetch={p.inter_prefetch} o:{o_dtype}"
+                    f"warps={p.chunk_warps} o:{o_dtype}"
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, rtne_bf16=interp and o_dtype == "bf16")
@@ -483,23 +495,17 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
             "mask=m2)",
             f"S = S * eG[:, None] + {dot('tl.trans(kd)', 'vb')}",
         ]
-        rng = "range(0, L, BT)" if p.chunk_stages <= 1 else f"tl.range(0, L, BT, num_stages={p.chunk_stages})"
-        if p.inter_prefetch:
-            # register double buffer: chunk c + 1's loads are issued before chunk c's serial matmul chain, so their
-            # latency hides behind it (Triton does not schedule loads across iterations of a plain loop)
-            w.lines(loads("0"))
-        w.line(f"for c0 in {rng}:")
+        # register double buffer: chunk c + 1's loads are issued before chunk c's serial matmul chain, so their
+        # latency hides behind it (a plain loop issues them after it; tl.range's pipelining was slower: docs/perf.md)
+        w.lines(loads("0"))
+        w.line("for c0 in range(0, L, BT):")
         with w.indent():
-            if p.inter_prefetch:
-                w.lines(loads("c0 + BT", "_n"))
-            else:
-                w.lines(loads("c0"))
+            w.lines(loads("c0 + BT", "_n"))
             w.lines(step)
-            if p.inter_prefetch:
-                w.lines([f"{x} = {x}_n" for x in ("row", "m2", "kg", "qg", "kd", "vc", "aq", "tb", "eG")])
+            w.lines([f"{x} = {x}_n" for x in ("row", "m2", "kg", "qg", "kd", "vc", "aq", "tb", "eG")])
         w.line("tl.store(sT + s_off, S)")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
-                        grid=("D // BV", "N * H"), num_warps=p.chunk_warps, num_stages=max(1, p.chunk_stages),
+                        grid=("D // BV", "N * H"), num_warps=p.chunk_warps, num_stages=1,
                         ir_op=ir_op, loc=loc)
 
 

@@ -103,13 +103,12 @@ def kda_chunk(q, k, v, g, beta, cu, initial_state=None, **kw):
 
 def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None,
                        out_dtype=torch.float32, chunk: int | None = None, block_v: int | None = None,
-                       dot: str | None = None, chunk_warps: int | None = None, chunk_stages: int | None = None,
-                       intra_warps: int | None = None, inter_prefetch: bool | None = None,
+                       dot: str | None = None, chunk_warps: int | None = None, intra_warps: int | None = None,
                        max_len: int | None = None,
                        final_state: torch.Tensor | None = None, ir_op: str = "kda_attn", loc: str = ""):
     """kda_chunk's two launches, unlaunched: (intra(), inter(), o, final state); the outputs are filled once both
     ran (benchmarks time each kernel alone). max_len: the longest sequence (the intra kernel's grid; computed from
-    cu, a device sync, when not given); chunk .. inter_prefetch override the target's plan (benchmarks, tests)."""
+    cu, a device sync, when not given); chunk .. intra_warps override the target's plan (benchmarks, tests)."""
     total, H, D = q.shape
     N = cu.numel() - 1
     for name, t, hs in (("q", q, D), ("k", k, D), ("v", v, D), ("g", g, D)):
@@ -118,8 +117,7 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
                                f"{tuple(t.shape)} strides {t.stride()}")
     if beta.shape != (total, H) or beta.stride(1) != 1:
         raise CodegenError(f"kda_chunk: beta must be [total, H] with unit head stride, got {tuple(beta.shape)}")
-    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps, chunk_stages=chunk_stages,
-                 intra_warps=intra_warps, inter_prefetch=inter_prefetch)
+    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps, intra_warps=intra_warps)
     tgt = target_for(q.device)
     has_s0 = initial_state is not None
     interp = interpreted(q)
