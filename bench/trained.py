@@ -41,12 +41,12 @@ from k3c.errors import ArgumentError  # noqa: E402  (after the path above)
 
 EXAMPLE = ROOT / "examples" / "k3-stdlib"
 PATHS = ("reference-fp32", "reference-bf16", "compiled-fp32", "compiled-bf16", "mxfp4", "tp2-ep2",
-         "prefix-resume", "cuda-graphs")
+         "prefix-resume", "cuda-graphs", "fp8-kv")
 # the activation dtype of each path; the paths without one in their name serve bf16 (the checkpoint's), except
 # tp2-ep2, whose fp32 isolates the sharding from rounding
 DTYPES = {"reference-fp32": torch.float32, "reference-bf16": torch.bfloat16, "compiled-fp32": torch.float32,
           "compiled-bf16": torch.bfloat16, "mxfp4": torch.bfloat16, "tp2-ep2": torch.float32,
-          "prefix-resume": torch.bfloat16, "cuda-graphs": torch.bfloat16}
+          "prefix-resume": torch.bfloat16, "cuda-graphs": torch.bfloat16, "fp8-kv": torch.bfloat16}
 MIN_PROMPT_TOKENS = 8
 
 
@@ -257,7 +257,7 @@ def _engine(path: str, spec, w: dict, dev: torch.device, model_dir, kernels: boo
     # the prefix cache's checkpoints hold pages of finished requests: room for them beside the running ones
     return Engine(model, w, device=str(dev), max_batch=max_batch, max_context=max_context,
                   num_pages=max_batch * pages * (3 if prefix else 1), use_kernels=kernels, prefix_cache=prefix,
-                  cuda_graphs=path == "cuda-graphs")
+                  cuda_graphs=path == "cuda-graphs", kv_dtype="fp8" if path == "fp8-kv" else "auto")
 
 
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:

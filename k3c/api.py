@@ -249,15 +249,16 @@ class CompiledModel:
         return "\n".join(lines) + "\n"
 
     def session(self, weights, *, device: str = "cpu", max_batch: int = 8, max_context: int | None = None,
-                use_kernels: bool = True, kernel_policy: str = "artifact"):
+                use_kernels: bool = True, kernel_policy: str = "artifact", kv_dtype: str = "auto"):
         """A runtime session over this compiled graph (prefill / decode with caches). Ops marked impl="kernel"
         launch their generated Triton kernels unless use_kernels=False: on a GPU the artifact's binaries (one is
         compiled into the cache if this model has none; kernel_policy: runtime.session.bind_kernels), on a CPU
-        through the interpreter."""
+        through the interpreter. kv_dtype: the MLA latent cache's format, "auto" (the activation dtype) or "fp8"
+        (e4m3 with per-token scales; runtime/kernel_impls/latent_format.py)."""
         from .runtime.session import Session
 
         return Session(self, weights, device=device, max_batch=max_batch, max_context=max_context,
-                       use_kernels=use_kernels, kernel_policy=kernel_policy)
+                       use_kernels=use_kernels, kernel_policy=kernel_policy, kv_dtype=kv_dtype)
 
 
 def _write(root: str, rel: str, text: str) -> None:

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import ArgumentError
 from .executor import LayerCaches
+from .kernel_impls.latent_format import encode_rows, pool_dtype, row_width
 from .kernel_impls.mla import DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table
 from ..reference.kda import KDAState, kda_zero_state
 
@@ -207,7 +208,7 @@ class DecodeGraph:
     def __init__(self, compiled, graph, *, batch: int, capacity: int, device, use_kernels: bool = True,
                  dtype: torch.dtype | None = None, page_size: int | None = None,
                  buckets: Sequence[int] | None = None, backend=None, strict: bool = False,
-                 pools: dict[int, torch.Tensor] | None = None):
+                 pools: dict[int, torch.Tensor] | None = None, kv_dtype: str = "auto"):
         from .devices import target_for
 
         if batch < 1 or capacity < 1:
@@ -230,9 +231,10 @@ class DecodeGraph:
         kda_cfg = _local_kda(compiled.module, spec.kda) if self.kda_layers else None
         self.kda = {i: _own_state(kda_zero_state(kda_cfg, batch, self.dtype, dev)) for i in self.kda_layers}
         pages = self.capacity // self.page_size
-        width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim if spec.mla else 0
+        self.kv_dtype = pool_dtype(kv_dtype, self.dtype)    # own pools' row format; given pools keep theirs
+        width = row_width(spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, self.kv_dtype) if spec.mla else 0
         if pools is None:                            # own pools, pages interleaved (page p of row b: p * B + b)
-            self.pools = {i: torch.zeros(pages * batch, self.page_size, width, dtype=self.dtype, device=dev)
+            self.pools = {i: torch.zeros(pages * batch, self.page_size, width, dtype=self.kv_dtype, device=dev)
                           for i in self.mla_layers}
             self.block_table = interleaved_block_table(batch, pages, dev)
         else:
@@ -280,7 +282,8 @@ class DecodeGraph:
 
     def load_state(self, kda: dict, latent: dict, lens: Sequence[int]) -> None:
         """Set the state directly: kda {KDA layer: KDAState of this batch}, latent {MLA layer: rows [B, n, L+R]
-        (n >= max(lens); row b's first lens[b] rows are used)}, lens: cached tokens per sequence."""
+        (n >= max(lens); row b's first lens[b] rows are used; values, stored in the pool's format)}, lens: cached
+        tokens per sequence."""
         lens = [int(n) for n in lens]
         if len(lens) != self.batch or max(lens) >= self.capacity:
             raise ArgumentError(f"lens {lens}: need {self.batch} lengths below capacity {self.capacity}")
@@ -291,7 +294,8 @@ class DecodeGraph:
         for i in self.mla_layers:
             for b, n in enumerate(lens):
                 if n:
-                    self._write_rows(i, b, 0, latent[i][b, :n])
+                    self._write_rows(i, b, 0, encode_rows(latent[i][b, :n], self.spec.mla.kv_lora_rank,
+                                                          self.pools[i].dtype))
         self.set_lengths(lens)
 
     def load(self, cache: LayerCaches) -> None:
@@ -330,7 +334,11 @@ class DecodeGraph:
     def _write_rows(self, layer: int, b: int, start: int, rows: torch.Tensor) -> None:
         pos = torch.arange(start, start + rows.shape[0], device=self.device)
         pages = self.block_table[b, pos // self.page_size].long()
-        self.pools[layer][pages, pos % self.page_size] = rows.to(self.dtype)
+        pool = self.pools[layer]
+        if rows.dtype != pool.dtype or rows.shape[-1] != pool.shape[-1]:
+            raise ArgumentError(f"layer {layer}: cache rows are {rows.dtype} x {rows.shape[-1]}, the graph's pool "
+                                f"{pool.dtype} x {pool.shape[-1]} (make the graph with the cache's kv_dtype)")
+        pool[pages, pos % self.page_size] = rows
 
     def set_block_table(self, block_table: torch.Tensor) -> None:
         """Copy a block table [B, n <= capacity / page_size] (i32; a serving pool's page ids) into the static one

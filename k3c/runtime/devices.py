@@ -13,7 +13,7 @@ from ..errors import ArgumentError
 from ..ir.core import DTYPE_SPELLINGS
 
 TORCH_TO_TT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-               torch.int32: "i32", torch.uint8: "u8"}
+               torch.int32: "i32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 
 # The torch dtype of each IR float type a model runs in, and of every spelling of it k3c accepts.
 TORCH_OF_IR = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}

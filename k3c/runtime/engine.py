@@ -31,6 +31,7 @@ from .devices import target_for
 from ..errors import ArgumentError
 from .block_pool import BlockPool, CacheFullError
 from .executor import LayerCaches
+from .kernel_impls.latent_format import check_kv_dtype, pool_dtype, row_width
 from .kernel_impls.mla import LatentStore, PagedLatentCache
 from ..reference.kda import KDAState
 from .sampling import GREEDY, as_params, make_generator, params_for_rows, sample
@@ -70,7 +71,7 @@ class Engine:
                  max_context: int | None = None, num_pages: int | None = None, page_size: int | None = None,
                  use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
                  cuda_graphs: bool | None = None, graph_backend=None, max_graphs: int = 4,
-                 kernel_policy: str = "artifact"):
+                 kernel_policy: str = "artifact", kv_dtype: str = "auto"):
         spec = compiled.spec
         if any(op.op == "mla" for op in compiled.module.ops):
             raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
@@ -86,6 +87,8 @@ class Engine:
         self.use_kernels = use_kernels
         self.prefill_chunk = prefill_chunk
         self.dtype = weights["embed_tokens.weight"].dtype
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.kv_pool_dtype = pool_dtype(kv_dtype, self.dtype)     # the page pool's row format (latent_format)
         # load_graph's graphs run the MLA mode the engine sets per call (cache.mla_modes, from batch_mla_mode)
         self.graph = graph if graph is not None else load_graph(compiled, weights, self.device, use_kernels,
                                                                 kernel_policy=kernel_policy)
@@ -101,9 +104,9 @@ class Engine:
         self.kda_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "kda"]
         self.mla_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "mla"]
         ps = page_size or target_for(self.device).mla_page_size
-        width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim if spec.mla else 0
+        width = row_width(spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, self.kv_pool_dtype) if spec.mla else 0
         pages = num_pages or max_batch * -(-self.max_context // ps)
-        self.pool = BlockPool(pages, ps, {i: width for i in self.mla_layers}, self.dtype, self.device)
+        self.pool = BlockPool(pages, ps, {i: width for i in self.mla_layers}, self.kv_pool_dtype, self.device)
         self.seqs: dict[int, SeqState] = {}
         self.running: list[SeqState] = []
         self.waiting: deque[SeqState] = deque()
@@ -502,7 +505,8 @@ class Engine:
             buckets.append(b)
             b *= 2
         dg = DecodeGraph(self.compiled, self.graph, batch=batch, capacity=self.max_context, device=self.device,
-                         use_kernels=self.use_kernels, dtype=self.dtype, page_size=ps, buckets=buckets,
+                         use_kernels=self.use_kernels, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=ps,
+                         buckets=buckets,
                          backend=self._graph_backend, pools=self.pool.pools if self.mla_layers else None)
         self._graphs[batch] = dg
         self.stats["decode_graphs_created"] += 1
@@ -565,7 +569,7 @@ class Engine:
             states, ran = dg.kda, modes
             self.stats["decode_graph_calls"] += 1
         else:
-            cache = LayerCaches(self.spec.num_layers)
+            cache = LayerCaches(self.spec.num_layers, self.kv_dtype)
             for i in self.kda_layers:
                 cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
             if self.mla_layers:

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ArgumentError
 from .executor import LayerCaches, build_graph_module
+from .kernel_impls.latent_format import check_kv_dtype
 from .sampling import make_generator, params_for_rows, sample
 from .weight_prep import prepare_weights
 
@@ -109,7 +110,8 @@ def _device(device) -> torch.device:
 
 class Session:
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
-                 max_context: int | None = None, use_kernels: bool = True, kernel_policy: str = "artifact"):
+                 max_context: int | None = None, use_kernels: bool = True, kernel_policy: str = "artifact",
+                 kv_dtype: str = "auto"):
         for name, v in (("max_batch", max_batch), ("max_context", max_context)):
             if (v is not None or name == "max_batch") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ArgumentError(f"{name} must be a positive integer, got {v!r}")
@@ -120,6 +122,7 @@ class Session:
         self.max_context = max_context or self.spec.max_context
         self.batch: int | None = None            # rows of the cached batch (set by prefill)
         self.use_kernels = use_kernels
+        self.kv_dtype = check_kv_dtype(kv_dtype)      # the MLA latent cache's format (latent_format)
         self.graph = load_graph(compiled, weights, self.device, use_kernels, kernel_policy=kernel_policy)
         self.cache: LayerCaches | None = None
         self.last_sampling: list = []            # the seeded SamplingParams per row of the last generate()
@@ -161,7 +164,7 @@ class Session:
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Start a new batch: logits [B, T, vocab] of the prompt."""
-        return self._run(input_ids, LayerCaches(self.spec.num_layers))
+        return self._run(input_ids, LayerCaches(self.spec.num_layers, self.kv_dtype))
 
     def append(self, segment_ids: torch.Tensor) -> torch.Tensor:
         """Append-prefill a segment [B, T'] after the cached context."""

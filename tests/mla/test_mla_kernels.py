@@ -99,7 +99,7 @@ def test_decode_many_splits_column_merge():
     q = torch.randn(1, N, L + R, generator=gen)
     out = rt.mqa_decode(q, store, rt.lens_tensor(lens, "cpu"), 0.1, L, num_heads=N, splits=40)
     assert rel(out, mqa_oracle(q, store, lens, L, N, 0.1)) <= 1e-5
-    ks_merge = rt._decode_setup(1, N, L + R, L, ps, torch.float32, torch.float32, None, 40, 40, 0.1, CPU,
+    ks_merge = rt._decode_setup(1, N, L + R, L, ps, torch.float32, torch.float32, torch.float32, None, 40, 40, 0.1, CPU,
                                 torch.device("cpu"), True)[3]
     assert ks_merge.constexprs["BLOCK_D"] < L and 40 > ks_merge.constexprs["BLOCK_S"]
 

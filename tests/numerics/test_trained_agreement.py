@@ -21,10 +21,12 @@ def _greedy_and_perplexity(path: str, heldout, reference) -> None:
     assert abs(change) <= PPL_BOUNDS[path], f"{path}: perplexity {change:+.4%} from the fp32 reference's"
 
 
-@pytest.mark.parametrize("path", ["reference-bf16", "compiled-fp32", "compiled-bf16", "mxfp4", "prefix-resume"])
+@pytest.mark.parametrize("path", ["reference-bf16", "compiled-fp32", "compiled-bf16", "mxfp4", "prefix-resume",
+                                  "fp8-kv"])
 def test_path_agrees_with_the_fp32_reference(path, heldout, reference):
-    """Torch ops (the generated kernels: the tests below). Measured greedy: every path but mxfp4 gives all 16 tokens
-    of every prompt; mxfp4 differs at steps 1, 3, 4 and 11, each time within the top-5."""
+    """Torch ops (the generated kernels: the tests below). Measured greedy: every path but mxfp4 and fp8-kv gives all
+    16 tokens of every prompt; mxfp4 differs at steps 1, 3, 4 and 11, fp8-kv at step 0 of one prompt and step 13 of
+    another, each time within the top-5."""
     _greedy_and_perplexity(path, heldout, reference)
 
 
@@ -60,6 +62,17 @@ def test_compiled_bf16_kernels_logits_on_a_short_window(heldout):
              for lg in (window_logits("reference-fp32", tiny, kernels=False), kernels)]
     ags = agreements(*steps)
     assert all(a.ok for a in ags), describe(ags)
+
+
+@pytest.mark.slow
+def test_fp8_cache_kernels_logits_on_a_short_window(heldout):
+    """The fp8 latent cache through the generated kernels (latent write, MHA prefill read) on one 16-token window
+    (~10 s): against the bf16-cache kernels and against the torch ops on the same fp8 rows."""
+    tiny = heldout.windows[:1, :17]
+    fp8 = window_logits("fp8-kv", tiny, kernels=True)
+    for other, kernels in (("compiled-bf16", True), ("fp8-kv", False)):
+        err = rel(fp8, window_logits(other, tiny, kernels=kernels))
+        assert err <= LOGITS_BOUNDS[("fp8-kv kernels", other + (" kernels" if kernels else ""))], (other, err)
 
 
 @pytest.mark.slow

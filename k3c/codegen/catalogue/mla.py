@@ -3,7 +3,8 @@ rules it calls with the shapes at hand, each enumerated over its whole domain (c
 the latent write (the one-kernel form; the split-K pair for B*T <= LATENT_SPLIT_MAX_ROWS: partials
 per row class, and the per-row reduce), the MQA split-KV decode per row class (query tokens x heads), its LSE merges
 (every block the SM count can pick), the MHA prefill step per query-tile class (first chunk and continuation) and
-its key-split merge."""
+its key-split merge. Each cache-facing kernel (latent writes' stores, the decode) comes in the model dtype's row
+format and, for bf16 / fp16 models, in the fp8 one (kv_dtype is chosen at run time, per engine or session)."""
 from __future__ import annotations
 
 from ...ir.ops import bind
@@ -11,6 +12,7 @@ from ..kernels.common import ELEM_BYTES, IR_DTYPES
 from ..kernels.mla import (LATENT_SPLIT_MAX_ROWS, TOKEN_CLASSES, decode_merge_blocks, decode_plan, emit_mla_decode,
                            emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write, emit_mla_merge,
                            emit_mla_prefill, plan_classes, prefill_plan)
+from ..kernels.mla_common import LATENT_FP8
 from ..kernels.mla_latent import latent_split_plan
 
 
@@ -27,17 +29,19 @@ def mla_absorbed(op, module, target):
     kw = {"target": target, "ir_op": op.op, "loc": op.loc, "interpret": False}
     eps, wdt = float(a["lora_norm_eps"]), IR_DTYPES[wdkv.dtype]
     eb = max(ELEM_BYTES[dt], ELEM_BYTES[wdt])
-    out = [emit_mla_latent_write(d, lat, r, eps, ps, dtype=dt, w_dtype=wdt, **kw)]
+    caches = (dt, LATENT_FP8) if dt != "fp32" else (dt,)
+    out = [emit_mla_latent_write(d, lat, r, eps, ps, dtype=dt, w_dtype=wdt, cache_dtype=c, **kw) for c in caches]
     out += [emit_mla_latent_partial(d, lat + r, dtype=dt, w_dtype=wdt, rows_hint=m, **kw)
             for m in plan_classes(lambda m: latent_split_plan(m, d, eb, target),
                                   range(1, LATENT_SPLIT_MAX_ROWS + 1))]
-    out.append(emit_mla_latent_reduce(lat, r, eps, ps, w_dtype=wdt, cache_dtype=dt, **kw))
-    for rows in plan_classes(lambda m: decode_plan(m, lat, target), TOKEN_CLASSES):
-        plan = decode_plan(rows, lat, target)
-        bn = plan.block_n if plan.block_n and plan.block_n < ps and ps % plan.block_n == 0 else None
-        out.append(emit_mla_decode(lat, r, ps, scale, dtype=dt, block_h=plan.block_h, num_warps=plan.num_warps,
-                                   num_stages=plan.num_stages, block_n=bn, keys_major=plan.keys_major,
-                                   lazy=plan.lazy, **kw))
+    out += [emit_mla_latent_reduce(lat, r, eps, ps, w_dtype=wdt, cache_dtype=c, **kw) for c in caches]
+    for c in caches:
+        for rows in plan_classes(lambda m: decode_plan(m, lat, target, cache_dtype=c), TOKEN_CLASSES):
+            plan = decode_plan(rows, lat, target, cache_dtype=c)
+            bn = plan.block_n if plan.block_n and plan.block_n < ps and ps % plan.block_n == 0 else None
+            out.append(emit_mla_decode(lat, r, ps, scale, dtype=dt, cache_dtype=c, block_h=plan.block_h,
+                                       num_warps=plan.num_warps, num_stages=plan.num_stages, block_n=bn,
+                                       keys_major=plan.keys_major, lazy=plan.lazy, **kw))
     out += [emit_mla_merge(lat, out_dtype=dt, block_d=bd, write_lse=False, **kw) for bd in decode_merge_blocks(lat)]
     out.append(emit_mla_merge(v, out_dtype="fp32", **kw))
     out += [emit_mla_prefill(p, r, v, scale, dtype=dt, has_prev=h, tq_hint=tq, **kw)

@@ -116,8 +116,17 @@ TANH_SMALL = 0.125      # below this |x|, an odd Taylor polynomial (error < 1e-9
 TANH_CLAMP = 15.0       # tanh(15) == 1 in fp32; clamping keeps exp finite
 
 
-def emit_math_helpers(w: SourceWriter, *, sigmoid: bool = False, tanh: bool = False, rtne_bf16: bool = False
-                      ) -> None:
+def emit_math_helpers(w: SourceWriter, *, sigmoid: bool = False, tanh: bool = False, rtne_bf16: bool = False,
+                      rtne_e4m3: bool = False) -> None:
+    if rtne_e4m3:
+        with w.jit_function("_k3c_rtne_e4m3", ["x"]):
+            w.line("# x (|x| <= 448) rounded to nearest even e4m3 in fp32, then cast exactly: the interpreter's own cast")
+            w.line("# loses the exponent carry (127.8 -> 64). Normals keep 3 mantissa bits; below 2^-6 the step is 2^-9")
+            w.line("b = x.to(tl.uint32, bitcast=True)")
+            w.line("b = b + (((b >> 20) & 1) + 0x7FFFF)")
+            w.line("n = ((b >> 20) << 20).to(tl.float32, bitcast=True)")
+            w.line("s = ((x * 512.0 + 12582912.0) - 12582912.0) / 512.0   # 1.5 * 2^23: RNE to 2^-9 steps")
+            w.line("return tl.where(tl.abs(x) < 0.015625, s, n).to(tl.float8e4nv)")
     if rtne_bf16:
         with w.jit_function("_k3c_rtne_bf16", ["x"]):
             w.line("# fp32 -> bf16 rounding to nearest even in integer ops (the interpreter's cast truncates)")
@@ -201,9 +210,12 @@ def interpreted(target: Target, interpret: bool | None) -> bool:
 
 
 def to_dtype(expr: str, dtype: str, interpret: bool) -> str:
-    """Source casting the fp32 value `expr` to `dtype` with round-to-nearest-even on every backend."""
+    """Source casting the fp32 value `expr` to `dtype` with round-to-nearest-even on every backend (fp8e4nv: |expr|
+    <= 448; the interpreter's forms need emit_math_helpers' rtne_bf16 / rtne_e4m3)."""
     if dtype == "bf16" and interpret:
         return f"_k3c_rtne_bf16({expr})"
+    if dtype == "fp8e4nv":
+        return f"_k3c_rtne_e4m3({expr})" if interpret else f"({expr}).to(tl.float8e4nv)"
     return f"({expr}).to({TL_DTYPE[dtype]})"
 
 

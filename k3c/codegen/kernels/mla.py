@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from ..kernel import KernelSource
 from ..targets import Target
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
-from .common import check_dim, check_float, clamp, emit_math_helpers, interpreted, pow2_ceil, to_dtype
-from .mla_common import LOG2E, _blk, _check_scale, _dot_parts, _p_cast
+from .common import TL_DTYPE, check_dim, check_float, clamp, emit_math_helpers, interpreted, pow2_ceil, to_dtype
+from .mla_common import LATENT_FP8, LOG2E, _blk, _check_scale, _dot_parts, _p_cast, latent_row_width, \
+    latent_scale_index
 from .mla_latent import (LATENT_SPLIT_MAX_ROWS, emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write,
                          latent_split_plan)
 
@@ -52,7 +53,7 @@ DECODE_MAX_ROWS = 32     # fp32 accumulator [BLOCK_H, L] <= [32, 512] in a plain
 
 def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
-                block_n: int | None = None) -> DecodePlan:
+                block_n: int | None = None, cache_dtype: str | None = None) -> DecodePlan:
     """The shipped decode plan by shape (rows = query tokens x heads of one sequence).
 
     sm_90 (H100 / H200), 512-wide latent: 16-row head tiles, 4 warps, whole pages, 2 stages, for every head count
@@ -61,13 +62,16 @@ def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | Non
     spills on sm_90, which no shipped kernel may. Otherwise: BLOCK_H = all rows when they
     fit, else even head tiles of <= 32 rows; 64-lane targets feed the MFMA operands from registers, so they step
     through a page 16 or 32 keys at a time. Every shipped plan compiles without spills
-    (tests/codegen/test_artifact_kernels.py)."""
+    (tests/codegen/test_artifact_kernels.py).
+
+    An fp8 cache (cache_dtype LATENT_FP8) on sm_90: the codes widen to bf16 in registers before the dots, so a
+    whole 64-key page spills (856 B); 32 keys a step with 8 warps is spill-free (171 registers)."""
     lat = pow2_ceil(kv_lora_rank)
     wide = target.warp_size >= 64
     gpu = target.shared_mem_bytes > 0
     if block_h is None and target.arch == "sm_90" and lat == 512 and num_warps is None and num_stages is None \
             and block_n is None:
-        return DecodePlan(16, 4, 2)
+        return DecodePlan(16, 8, 2, 32) if cache_dtype == LATENT_FP8 else DecodePlan(16, 4, 2)
     if block_h is None:
         cap = max(16, DECODE_MAX_ROWS * 512 // max(512, lat))
         tiles = -(-rows // cap)
@@ -108,7 +112,7 @@ def _emit_decode_prologue(w: SourceWriter, keys_major: bool, *, full_l: bool, fu
     w.line("l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)")
     w.line("acc = tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32)")
     w.line("bt_row = bt_ptr + b * max_pages")
-    w.line("offs_kv = offs_n[:, None] * (L + R)  # i32 offsets inside one page step (the base is a scalar)")
+    w.line("offs_kv = offs_n[:, None] * ROW  # i32 offsets inside one page step (the base is a scalar)")
     w.comment("pages wholly visible to every row (keys <= seq_len - TQ) need no masks: unmasked loads feed the "
               "MMA straight from shared memory; the rest (the last page, the causal band of a multi-token "
               "query) is the masked tail loop")
@@ -116,28 +120,46 @@ def _emit_decode_prologue(w: SourceWriter, keys_major: bool, *, full_l: bool, fu
 
 
 def _emit_decode_step(w: SourceWriter, *, masked: bool, keys_major: bool, lazy: bool, up: str, dot_kw: str,
-                      p_cast: str, scale: float, lmask: str, rmask: str) -> None:
+                      p_cast: str, scale: float, lmask: str, rmask: str, fp8: str | None) -> None:
     """One step of the decode loop: BLOCK_N keys of a page (masked: the causal limit per row and the sequence end),
-    their scores for every row, and the online softmax update of (m_i, l_i, acc) in the log2 domain."""
+    their scores for every row, and the online softmax update of (m_i, l_i, acc) in the log2 domain. fp8: the
+    query's dtype; the e4m3 codes widen to it exactly, the per-key scales multiply the two score parts and, for
+    the values, the softmax weights (l_i sums the unscaled weights)."""
     w.line("p = it // (PS // BLOCK_N)")
     w.line("sub = (it % (PS // BLOCK_N)) * BLOCK_N")
     w.line("page = tl.load(bt_row + p).to(tl.int64)")
-    w.line("kv = pool_ptr + (page * (PS * (L + R)) + sub * (L + R))")
+    w.line("row0 = page * (PS * ROW) + sub * ROW")
+    w.line("kv = pool_ptr + row0")
+    widen = f".to({TL_DTYPE[fp8]})" if fp8 else ""
     if masked:
         w.line("qpos = seq_len - TQ + rows // NH  # each row's query position (causal limit)")
         w.line("kpos = p * PS + sub + offs_n")
         w.line("live = (kpos < seq_len)[:, None]  # slots past the end may hold anything (NaN): never read")
         cm = " & ".join(x for x in ("live", lmask) if x)
         rm = " & ".join(x for x in ("live", rmask) if x)
-        w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :], mask={cm}, other=0.0)  # keys = values")
-        w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :], mask={rm}, other=0.0)")
+        w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :], mask={cm}, other=0.0){widen}  # keys = values")
+        w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :], mask={rm}, other=0.0){widen}")
+        if fp8:
+            w.line("sk = scale_ptr + (row0 // 4 + SCALE_AT) + offs_n * (ROW // 4)")
+            w.line("sc = tl.load(sk, mask=kpos < seq_len, other=0.0)")
+            w.line("sr = tl.load(sk + 1, mask=kpos < seq_len, other=0.0)")
     else:
         cm = f", mask={lmask}, other=0.0" if lmask else ""
         rm = f", mask={rmask}, other=0.0" if rmask else ""
-        w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :]{cm})  # [BLOCK_N, L]: keys = values")
-        w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :]{rm})  # [BLOCK_N, R]")
-    if keys_major:
+        w.line(f"c = tl.load(kv + offs_kv + offs_l[None, :]{cm}){widen}  # [BLOCK_N, L]: keys = values")
+        w.line(f"kr = tl.load(kv + offs_kv + L + offs_r[None, :]{rm}){widen}  # [BLOCK_N, R]")
+        if fp8:
+            w.line("sk = scale_ptr + (row0 // 4 + SCALE_AT) + offs_n * (ROW // 4)  # per-key scales")
+            w.line("sc = tl.load(sk)")
+            w.line("sr = tl.load(sk + 1)")
+    if keys_major and fp8:
+        w.line(f"s = tl.trans(tl.dot(c{up}, qlt{up}{dot_kw}) * sc[:, None] + tl.dot(kr{up}, qrt{up}{dot_kw}) "
+               "* sr[:, None])")
+    elif keys_major:
         w.line(f"s = tl.trans(tl.dot(c{up}, qlt{up}{dot_kw}) + tl.dot(kr{up}, qrt{up}{dot_kw}))")
+    elif fp8:
+        w.line(f"s = tl.dot(ql{up}, tl.trans(c{up}){dot_kw}) * sc[None, :] "
+               f"+ tl.dot(qr{up}, tl.trans(kr{up}){dot_kw}) * sr[None, :]")
     else:
         w.line(f"s = tl.dot(ql{up}, tl.trans(c{up}){dot_kw})")
         w.line(f"s = tl.dot(qr{up}, tl.trans(kr{up}), s{dot_kw})")
@@ -178,16 +200,24 @@ def _emit_normalise(w: SourceWriter) -> None:
 
 
 def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *, target: Target,
-                    dtype: str = "bf16", block_h: int = 16, num_warps: int = 4, num_stages: int = 2,
-                    block_n: int | None = None, keys_major: bool = False, lazy: bool = False,
+                    dtype: str = "bf16", cache_dtype: str | None = None, block_h: int = 16, num_warps: int = 4,
+                    num_stages: int = 2, block_n: int | None = None, keys_major: bool = False, lazy: bool = False,
                     name: str | None = None,
                     ir_op: str = "mla_absorbed", loc: str = "", interpret: bool | None = None) -> KernelSource:
-    """Kernel args: q_ptr [B, ROWS, L+R] ([q_lat | q_pe], rows = token-major (t, head)), pool_ptr, bt_ptr i32,
+    """Kernel args: q_ptr [B, ROWS, L+R] ([q_lat | q_pe], rows = token-major (t, head)), pool_ptr (rows in the
+    layout of `cache_dtype`, default `dtype`: mla_common's module doc; an fp8 pool is followed by scale_ptr, the
+    same memory as fp32 words), bt_ptr i32,
     lens_ptr i32 [B] (total tokens incl. the new ones), o_ptr fp32 [S, B, ROWS, L], lse_ptr fp32 [S, B, ROWS],
     ROWS, NH (heads: the row's query token is row // NH), TQ, max_pages, pages_per_split, B, S;
     grid (cdiv(ROWS, BLOCK_H), S, B)."""
     L, R, PS = check_dim(kv_lora_rank, "kv_lora_rank"), check_dim(rope_dim, "rope"), check_dim(page_size, "page")
     dt = check_float(dtype)
+    cdt = cache_dtype or dt
+    if cdt not in (dt, LATENT_FP8):
+        raise CodegenError(f"decode: the cache holds {dt} rows or fp8 ({LATENT_FP8}) rows, got {cdt!r}")
+    if cdt == LATENT_FP8 and dt == "fp32":
+        raise CodegenError("decode: an fp8 cache is read by bf16 / fp16 queries")
+    fp8 = dt if cdt == LATENT_FP8 else None
     _check_scale(scale)
     interp = interpreted(target, interpret)
     up, dot_kw = _dot_parts(dt, interp)
@@ -196,22 +226,28 @@ def emit_mla_decode(kv_lora_rank: int, rope_dim: int, page_size: int, scale: flo
     if PS % bn or bn & (bn - 1):
         raise CodegenError(f"block_n {bn} must be a power of two dividing the page size {PS}")
     kname = ident(name or f"k3c_mla_decode_l{L}_r{R}_p{PS}_{name_part(dt)}_h{bh}_w{num_warps}_s{num_stages}"
-                  + (f"_n{bn}" if bn != PS else "") + ("_kq" if keys_major else "") + ("_lz" if lazy else ""))
-    sig = {"q_ptr": f"*{dt}", "pool_ptr": f"*{dt}", "bt_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*fp32",
+                  + (f"_n{bn}" if bn != PS else "") + ("_kq" if keys_major else "") + ("_lz" if lazy else "")
+                  + ("_c8" if fp8 else ""))
+    pool = {"pool_ptr": f"*{cdt}", "scale_ptr": "*fp32"} if fp8 else {"pool_ptr": f"*{dt}"}
+    sig = {"q_ptr": f"*{dt}", **pool, "bt_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*fp32",
            "lse_ptr": "*fp32", "ROWS": "i32", "NH": "i32", "TQ": "i32", "max_pages": "i32",
            "pages_per_split": "i32", "B": "i32", "S": "i32"}
     if (block_n or PS) < 16 and not interp:
         raise CodegenError(f"block_n {block_n or PS} < 16: the P @ V dot needs K >= 16 on GPUs")
-    cx = {"L": L, "R": R, "PS": PS, "BLOCK_H": bh, "BLOCK_N": bn, "BLOCK_L": _blk(L), "BLOCK_R": _blk(R)}
-    p_cast = _p_cast(dt, interp)
+    cx = {"L": L, "R": R, "PS": PS, "BLOCK_H": bh, "BLOCK_N": bn, "BLOCK_L": _blk(L), "BLOCK_R": _blk(R),
+          "ROW": latent_row_width(L, R, cdt)}
+    if fp8:
+        cx["SCALE_AT"] = latent_scale_index(L, R)
+    p_cast = _p_cast(dt, interp, "(p * sc[None, :])" if fp8 else "p")
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
-             notes=[f"mla MQA split-KV decode over pages: L={L} R={R} PS={PS} scale={fnum(scale)} {dt}",
+             notes=[f"mla MQA split-KV decode over pages: L={L} R={R} PS={PS} scale={fnum(scale)} {dt} cache:{cdt}",
                     f"BLOCK_H={bh} num_warps={num_warps} num_stages={num_stages}"
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
     step = dict(keys_major=keys_major, lazy=lazy, up=up, dot_kw=dot_kw, p_cast=p_cast, scale=scale,
-                lmask="" if _blk(L) == L else "l_ok[None, :]", rmask="" if _blk(R) == R else "r_ok[None, :]")
+                lmask="" if _blk(L) == L else "l_ok[None, :]", rmask="" if _blk(R) == R else "r_ok[None, :]",
+                fp8=fp8)
     with w.jit_function(kname, list(sig), list(cx)):
         _emit_decode_prologue(w, keys_major, full_l=_blk(L) == L, full_r=_blk(R) == R)
         w.line("for it in range(p_begin * (PS // BLOCK_N), p_full * (PS // BLOCK_N)):  # unmasked pages")

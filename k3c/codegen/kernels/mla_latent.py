@@ -9,7 +9,7 @@ from ..targets import Target
 from ..writer import SourceWriter, fnum, ident, name_part
 from .common import ELEM_BYTES, TL_DTYPE, check_dim, check_float, clamp, emit_math_helpers, interpreted, \
     pow2_ceil, to_dtype
-from .mla_common import _blk, _check_eps, _dot_parts
+from .mla_common import FP8_MAX, LATENT_FP8, _blk, _check_eps, _dot_parts, latent_row_width, latent_scale_index
 
 
 # -- latent write ------------------------------------------------------------------------------------------------
@@ -37,6 +37,48 @@ def latent_write_plan(hidden: int, width: int, elem_bytes: int, target: Target) 
     return LatentWritePlan(bm, max(16, bk), 4 if bm == 16 else 8, stages)
 
 
+def _check_cache_dtype(cache_dtype: str) -> str:
+    return cache_dtype if cache_dtype == LATENT_FP8 else check_float(cache_dtype, "cache_dtype")
+
+
+def _pool_args(cdt: str) -> dict[str, str]:
+    """The pool's kernel args: the rows, and for an fp8 cache the same memory as fp32 words (the rows' scales)."""
+    if cdt == LATENT_FP8:
+        return {"pool_ptr": f"*{cdt}", "scale_ptr": "*fp32"}
+    return {"pool_ptr": f"*{cdt}"}
+
+
+def _emit_row_store(w: SourceWriter, cdt: str, interp: bool, *, tile: bool) -> None:
+    """Store the row(s) c [.., L] | acc_r [.., R] (fp32) at element offset `slot` of the pool in its layout
+    (mla_common's module doc): `tile` = [BLOCK_M, ..] rows masked by m_ok, else one row."""
+    ml, mr = ("m_ok[:, None] & l_ok[None, :]", "m_ok[:, None] & r_ok[None, :]") if tile else ("l_ok", "r_ok")
+    sl = "slot[:, None] + offs_l[None, :]" if tile else "slot + offs_l"
+    sr = "slot[:, None] + L + offs_r[None, :]" if tile else "slot + L + offs_r"
+    if cdt != LATENT_FP8:
+        w.line(f"tl.store(pool_ptr + {sl}, {to_dtype('c', cdt, interp)}, mask={ml})")
+        w.line(f"tl.store(pool_ptr + {sr}, {to_dtype('acc_r', cdt, interp)}, mask={mr})")
+        return
+    ax, col = (1, "[:, None]") if tile else (0, "")
+    w.comment("fp8 row: per-token scale of each part = amax / 448 (padded columns are exactly 0)")
+    for part, val in (("c", "c"), ("r", "acc_r")):
+        w.line(f"amax_{part} = tl.max(tl.abs({val}), axis={ax})")
+        w.line(f"sc_{part} = tl.where(amax_{part} > 0.0, amax_{part} / {fnum(FP8_MAX)}, 1.0)")
+        clamped = f"tl.minimum(tl.maximum({val} / sc_{part}{col}, {fnum(-FP8_MAX)}), {fnum(FP8_MAX)})"
+        w.line(f"q_{part} = {to_dtype(clamped, cdt, interp)}")
+    w.line(f"tl.store(pool_ptr + {sl}, q_c, mask={ml})")
+    w.line(f"tl.store(pool_ptr + {sr}, q_r, mask={mr})")
+    w.line("si = slot // 4 + SCALE_AT  # ROW is a multiple of 16 bytes: slot // 4 is exact")
+    w.line("tl.store(scale_ptr + si, sc_c" + (", mask=m_ok)" if tile else ")"))
+    w.line("tl.store(scale_ptr + si + 1, sc_r" + (", mask=m_ok)" if tile else ")"))
+
+
+def _row_constexprs(L: int, R: int, cdt: str) -> dict[str, int]:
+    cx = {"ROW": latent_row_width(L, R, cdt)}
+    if cdt == LATENT_FP8:
+        cx["SCALE_AT"] = latent_scale_index(L, R)
+    return cx
+
+
 def _emit_latent_cols(w: SourceWriter) -> None:
     """The row's column indices and masks: L latent columns, then R rope columns (both forms of the write)."""
     w.line("offs_l = tl.arange(0, BLOCK_L)")
@@ -56,24 +98,25 @@ def emit_mla_latent_write(hidden: int, kv_lora_rank: int, rope_dim: int, eps: fl
     R = check_dim(rope_dim, "qk_rope_head_dim")
     dt = check_float(dtype)
     wdt = check_float(w_dtype or dt, "w_dtype")
-    cdt = check_float(cache_dtype or dt, "cache_dtype")
+    cdt = _check_cache_dtype(cache_dtype or dt)
     _check_eps(eps)
     W = L + R
     interp = interpreted(target, interpret)
     plan = latent_write_plan(D, W, max(ELEM_BYTES[dt], ELEM_BYTES[wdt]), target)
     up, dot_kw = _dot_parts(dt, interp)
-    kname = ident(name or f"k3c_mla_latent_write_d{D}_l{L}_r{R}_p{PS}_{name_part(dt)}_m{plan.block_m}")
-    sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{wdt}", "nw_ptr": f"*{wdt}", "pool_ptr": f"*{cdt}", "bt_ptr": "*i32",
+    kname = ident(name or f"k3c_mla_latent_write_d{D}_l{L}_r{R}_p{PS}_{name_part(dt)}_m{plan.block_m}"
+                  + (f"_c{name_part(cdt)}" if cdt != dt else ""))
+    sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{wdt}", "nw_ptr": f"*{wdt}", **_pool_args(cdt), "bt_ptr": "*i32",
            "start_ptr": "*i32", "T": "i32", "max_pages": "i32", "B": "i32"}
     cx = {"D": D, "L": L, "R": R, "PS": PS, "BLOCK_M": plan.block_m, "BLOCK_K": plan.block_k,
-          "BLOCK_L": _blk(L), "BLOCK_R": _blk(R)}
+          "BLOCK_L": _blk(L), "BLOCK_R": _blk(R), **_row_constexprs(L, R, cdt)}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"mla latent write: [RMSNorm(x Wc^T) | x Wr^T] -> pages; D={D} L={L} R={R} PS={PS} eps={fnum(eps)}",
                     f"x:{dt} w:{wdt} cache:{cdt} BLOCK_M={plan.block_m} BLOCK_K={plan.block_k} "
                     f"stages={plan.num_stages}" + (" [interpreter variant]" if interp else "")])
     w.imports()
-    emit_math_helpers(w, rtne_bf16=interp and cdt == "bf16")
+    emit_math_helpers(w, rtne_bf16=interp and cdt == "bf16", rtne_e4m3=interp and cdt == LATENT_FP8)
     with w.jit_function(kname, list(sig), list(cx)):
         w.line("pid_m = tl.program_id(0)")
         w.line("b = tl.program_id(1).to(tl.int64)")
@@ -105,11 +148,8 @@ def emit_mla_latent_write(hidden: int, kv_lora_rank: int, rope_dim: int, eps: fl
         w.comment("paged store: int64 page offsets")
         w.line("pos = tl.load(start_ptr + b) + offs_m")
         w.line("page = tl.load(bt_ptr + b * max_pages + pos // PS, mask=m_ok, other=0).to(tl.int64)")
-        w.line("slot = page * (PS * (L + R)) + (pos % PS).to(tl.int64) * (L + R)")
-        w.line(f"tl.store(pool_ptr + slot[:, None] + offs_l[None, :], {to_dtype('c', cdt, interp)}, "
-               "mask=m_ok[:, None] & l_ok[None, :])")
-        w.line(f"tl.store(pool_ptr + slot[:, None] + L + offs_r[None, :], {to_dtype('acc_r', cdt, interp)}, "
-               "mask=m_ok[:, None] & r_ok[None, :])")
+        w.line("slot = page * (PS * ROW) + (pos % PS).to(tl.int64) * ROW")
+        _emit_row_store(w, cdt, interp, tile=True)
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
                         grid=("cdiv(T, BLOCK_M)", "B"), num_warps=plan.num_warps, num_stages=plan.num_stages,
                         ir_op=ir_op, loc=loc)
@@ -227,23 +267,23 @@ def emit_mla_latent_reduce(kv_lora_rank: int, rope_dim: int, eps: float, page_si
     L, R, PS = check_dim(kv_lora_rank, "kv_lora_rank"), check_dim(rope_dim, "qk_rope_head_dim"), \
         check_dim(page_size, "page")
     wdt = check_float(w_dtype, "w_dtype")
-    cdt = check_float(cache_dtype, "cache_dtype")
+    cdt = _check_cache_dtype(cache_dtype)
     _check_eps(eps)
     interp = interpreted(target, interpret)
     bl, br = _blk(L), _blk(R)
     bs = clamp(LATENT_REDUCE_TILE // bl, 2, 32)
     kname = ident(name or f"k3c_mla_latent_write_reduce_l{L}_r{R}_p{PS}_{name_part(cdt)}"
                   + (f"_{name_part(wdt)}" if wdt != cdt else ""))
-    sig = {"ws_ptr": "*fp32", "nw_ptr": f"*{wdt}", "pool_ptr": f"*{cdt}", "bt_ptr": "*i32", "start_ptr": "*i32",
+    sig = {"ws_ptr": "*fp32", "nw_ptr": f"*{wdt}", **_pool_args(cdt), "bt_ptr": "*i32", "start_ptr": "*i32",
            "T": "i32", "max_pages": "i32", "M": "i32", "S": "i32"}
-    cx = {"L": L, "R": R, "PS": PS, "BLOCK_L": bl, "BLOCK_R": br, "BLOCK_S": bs}
+    cx = {"L": L, "R": R, "PS": PS, "BLOCK_L": bl, "BLOCK_R": br, "BLOCK_S": bs, **_row_constexprs(L, R, cdt)}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"mla latent write, split-K phase B: sum of partials, RMSNorm, paged store; L={L} R={R} "
                     f"PS={PS} eps={fnum(eps)}",
                     f"norm w:{wdt} cache:{cdt} BLOCK_S={bs}" + (" [interpreter variant]" if interp else "")])
     w.imports()
-    emit_math_helpers(w, rtne_bf16=interp and cdt == "bf16")
+    emit_math_helpers(w, rtne_bf16=interp and cdt == "bf16", rtne_e4m3=interp and cdt == LATENT_FP8)
     with w.jit_function(kname, list(sig), list(cx)):
         w.line("row = tl.program_id(0).to(tl.int64)")
         w.line("b = row // T")
@@ -268,8 +308,7 @@ def emit_mla_latent_reduce(kv_lora_rank: int, rope_dim: int, eps: float, page_si
         w.comment("paged store: int64 page offsets")
         w.line("pos = tl.load(start_ptr + b) + (row - b * T).to(tl.int32)")
         w.line("page = tl.load(bt_ptr + b * max_pages + pos // PS).to(tl.int64)")
-        w.line("slot = page * (PS * (L + R)) + (pos % PS).to(tl.int64) * (L + R)")
-        w.line(f"tl.store(pool_ptr + slot + offs_l, {to_dtype('c', cdt, interp)}, mask=l_ok)")
-        w.line(f"tl.store(pool_ptr + slot + L + offs_r, {to_dtype('acc_r', cdt, interp)}, mask=r_ok)")
+        w.line("slot = page * (PS * ROW) + (pos % PS).to(tl.int64) * ROW")
+        _emit_row_store(w, cdt, interp, tile=False)
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx, grid=("M",),
                         num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)

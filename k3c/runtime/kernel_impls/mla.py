@@ -3,7 +3,9 @@
 implementations the executor uses when an op is not marked impl="kernel".
 
 Cache entry (cache.layers[layer]) = PagedLatentCache: a view (per-sequence lengths) of a LatentStore (the page pool
-[pages, PS, L+R] and the block table i32 [B, max_pages]). Pages of the B sequences are interleaved in the pool
+[pages, PS, width] and the block table i32 [B, max_pages]). The pool's dtype is the cache format (latent_format:
+the activation dtype, or fp8 rows with per-token scales, width 592 for 576 values); a new store takes
+cache.kv_dtype, an existing one keeps its format. Pages of the B sequences are interleaved in the pool
 (page p of sequence b is pool page p*B + b) so growing the pool keeps every page id; the block table is what the
 kernels read, so any other placement (a serving block allocator) works unchanged. Entries are never changed in
 place: a write after an entry's length goes into its store only while no other writer has gone past that length
@@ -27,6 +29,7 @@ from ... import reference as ref
 from ...reference.norms import acc
 from ..devices import interpreted, target_for, tt_dtype
 from ..launcher import fixed_launcher, launch
+from .latent_format import decode_rows, encode_rows, pool_args, pool_dtype, row_width
 
 _emit_write = functools.lru_cache(maxsize=64)(emit_mla_latent_write)
 _emit_write_part = functools.lru_cache(maxsize=64)(emit_mla_latent_partial)
@@ -84,7 +87,8 @@ class PagedLatentCache:
         return len(self.lens)
 
     def gather(self, start: int = 0, stop: int | None = None, seq: int | None = None) -> torch.Tensor:
-        """Latent rows [start, stop) of every sequence (or of `seq`) as [B, n, W] (a copy; chunks only)."""
+        """Pool rows [start, stop) of every sequence (or of `seq`) as [B, n, width], in the pool's format (a copy;
+        chunks only; latent_format.decode_rows gives the values)."""
         stop = max(self.lens) if stop is None else stop
         pos = torch.arange(start, stop, device=self.store.pool.device)
         ps = self.store.page_size
@@ -95,7 +99,8 @@ class PagedLatentCache:
 
 def reserve(entry: PagedLatentCache | None, batch: int, new: int, width: int, page_size: int, dtype, device
             ) -> tuple[LatentStore, tuple[int, ...]]:
-    """A store that may take `new` tokens after `entry` (allocated, grown or copied as needed) and the lengths."""
+    """A store that may take `new` tokens after `entry` (allocated, grown or copied as needed) and the lengths.
+    width / dtype: a new store's row format; a grown or copied one keeps its store's."""
     if entry is None:
         return new_store(batch, new, width, page_size, dtype, device), (0,) * batch
     if entry.batch != batch:
@@ -108,7 +113,7 @@ def reserve(entry: PagedLatentCache | None, batch: int, new: int, width: int, pa
         pages = pages_old
         while pages * st.page_size < need:
             pages *= 2
-        pool = torch.empty(pages * batch, st.page_size, width, dtype=st.pool.dtype, device=device)
+        pool = torch.empty(pages * batch, st.page_size, st.pool.shape[-1], dtype=st.pool.dtype, device=device)
         pool[: pages_old * batch] = st.pool                      # interleaved ids survive growth
         bt = interleaved_block_table(batch, pages, device)
         bt[:, :pages_old] = st.block_table
@@ -159,6 +164,7 @@ def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps
     B, T, D = x.shape
     W = w_dkv.shape[0]
     tgt = _tgt(x, target)
+    pool = pool_args(store.pool)
     if norm_w.dtype != w_dkv.dtype:
         norm_w = norm_w.to(w_dkv.dtype)
     lens_t = lens_tensor(lens, x.device)
@@ -168,7 +174,7 @@ def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps
         ks = _emit_write(D, kv_lora_rank, W - kv_lora_rank, float(eps), store.page_size, target=tgt,
                          dtype=tt_dtype(x.dtype), w_dtype=tt_dtype(w_dkv.dtype),
                          cache_dtype=tt_dtype(store.pool.dtype), interpret=interpreted(x))
-        launch(ks, x2, w_dkv.contiguous(), norm_w.contiguous(), store.pool, store.block_table, lens_t, T,
+        launch(ks, x2, w_dkv.contiguous(), norm_w.contiguous(), *pool, store.block_table, lens_t, T,
                store.block_table.shape[1], B)
         return
     M = B * T
@@ -176,7 +182,7 @@ def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps
                                             store.pool.dtype, splits, tgt, x.device, interpreted(x))
     ws = torch.empty(S * M * W, dtype=torch.float32, device=x.device)      # partials [S, M, W] (graph-safe)
     _fast_launch(slot, 0, ka, x2, w_dkv if w_dkv.is_contiguous() else w_dkv.contiguous(), ws, M, k_split, S)
-    _fast_launch(slot, 1, kb, ws, norm_w if norm_w.is_contiguous() else norm_w.contiguous(), store.pool,
+    _fast_launch(slot, 1, kb, ws, norm_w if norm_w.is_contiguous() else norm_w.contiguous(), *pool,
                  store.block_table, lens_t, T, store.block_table.shape[1], M, S)
 
 
@@ -257,21 +263,22 @@ def _choose_splits(batch: int, tiles: int, pages: int, kind: str, index, max_spl
 _DECODE_SETUP: dict = {}
 
 
-def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, odt: torch.dtype, plan, n_pages: int,
-                  splits: int | None, scale: float, tgt: Target, device: torch.device, interp: bool):
+def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, cdt: torch.dtype, odt: torch.dtype, plan,
+                  n_pages: int, splits: int | None, scale: float, tgt: Target, device: torch.device, interp: bool):
     """Everything about a decode call that depends on shapes only (plan, splits, both kernels, grids), memoised:
     the per-call host work is two allocations and two launches (small-batch decode is launch-bound)."""
-    key = (B, ROWS, W, L, ps, dt, odt, plan, n_pages, splits, scale, id(tgt), device.type, device.index, interp)
+    key = (B, ROWS, W, L, ps, dt, cdt, odt, plan, n_pages, splits, scale, id(tgt), device.type, device.index, interp)
     hit = _DECODE_SETUP.get(key)
     if hit is not None and hit[0] is tgt:
         return hit[1]
-    plan = plan or decode_plan(ROWS, L, tgt)
+    plan = plan or decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt))
     bn = plan.block_n if plan.block_n and plan.block_n < ps and ps % plan.block_n == 0 else None
     tiles = -(-ROWS // plan.block_h)
     S = splits or choose_splits(B, tiles, n_pages, device)
     pps = max(1, -(-n_pages // S))
     S = max(1, -(-n_pages // pps))
-    ks = _emit_decode(L, W - L, ps, float(scale), target=tgt, dtype=tt_dtype(dt), block_h=plan.block_h,
+    ks = _emit_decode(L, W - L, ps, float(scale), target=tgt, dtype=tt_dtype(dt), cache_dtype=tt_dtype(cdt),
+                      block_h=plan.block_h,
                       num_warps=plan.num_warps, num_stages=plan.num_stages, block_n=bn,
                       keys_major=plan.keys_major, lazy=plan.lazy, interpret=interp)
     mk = _emit_merge(L, target=tgt, out_dtype=tt_dtype(odt),
@@ -298,7 +305,8 @@ def mqa_decode(q: torch.Tensor, store: LatentStore, lens: torch.Tensor, scale: f
                num_heads: int, splits: int | None = None, plan=None, target: Target | None = None,
                out_dtype: torch.dtype | None = None, max_len: int | None = None) -> torch.Tensor:
     """Kernels (b) + merge: q [B, ROWS, L+R] ([q_lat | q_pe], rows token-major (t, head)) against the paged latent
-    cache of lengths `lens` (i32 [B], the new tokens included). Returns o_lat [B, ROWS, L] (out_dtype, default q's)."""
+    cache of lengths `lens` (i32 [B], the new tokens included; rows in q's dtype or fp8). Returns o_lat [B, ROWS, L]
+    (out_dtype, default q's)."""
     B, ROWS, W = q.shape
     L = kv_lora_rank
     tgt = target or target_for(q.device)
@@ -307,17 +315,19 @@ def mqa_decode(q: torch.Tensor, store: LatentStore, lens: torch.Tensor, scale: f
     n_pages = -(-max_len // ps)
     odt = out_dtype or q.dtype
     interp = interpreted(q)
-    if store.pool.dtype != q.dtype or lens.dtype != torch.int32 or store.block_table.dtype != torch.int32 \
+    if store.pool.dtype not in (q.dtype, torch.float8_e4m3fn) or lens.dtype != torch.int32 \
+            or store.block_table.dtype != torch.int32 \
             or lens.device != q.device or store.pool.device != q.device:
         raise ValueError(f"mqa_decode: cache {store.pool.dtype} on {store.pool.device}, lens {lens.dtype} on "
                          f"{lens.device}, block table {store.block_table.dtype} do not fit q {q.dtype} on {q.device} "
                          f"(lens and block table must be int32)")
-    S, pps, ks, mk, slot = _decode_setup(B, ROWS, W, L, ps, q.dtype, odt, plan, n_pages, splits, float(scale), tgt,
-                                         q.device, interp)
+    S, pps, ks, mk, slot = _decode_setup(B, ROWS, W, L, ps, q.dtype, store.pool.dtype, odt, plan, n_pages, splits,
+                                         float(scale), tgt, q.device, interp)
     M = B * ROWS
     ws = torch.empty(S * M * (L + 1), dtype=torch.float32, device=q.device)     # partial o, then its lse
     o_part, lse = ws[: S * M * L], ws[S * M * L:]
-    _fast_launch(slot, 0, ks, q if q.is_contiguous() else q.contiguous(), store.pool, store.block_table, lens,
+    _fast_launch(slot, 0, ks, q if q.is_contiguous() else q.contiguous(), *pool_args(store.pool), store.block_table,
+                 lens,
                  o_part, lse, ROWS, num_heads, ROWS // num_heads, store.block_table.shape[1], pps, B, S)
     out = torch.empty(M, L, dtype=odt, device=q.device)
     _fast_launch(slot, 1, mk, o_part, lse, out, lse, M, S)
@@ -367,6 +377,7 @@ def mha_attention(q: torch.Tensor, entry: PagedLatentCache, w_uk_t: torch.Tensor
     are merged by log-sum-exp. Returns o fp32 [B, T, N, V]."""
     B, T, N, _ = q.shape
     L = w_uk_t.shape[2]
+    R = q.shape[-1] - w_uk_t.shape[1]
     V = w_uv.shape[2]
     if len(set(entry.lens)) > 1:        # mixed lengths: one sequence at a time
         return torch.cat([mha_attention(q[b:b + 1], PagedLatentCache(_SeqView(entry.store, b), (entry.lens[b],)),
@@ -387,7 +398,7 @@ def mha_attention(q: torch.Tensor, entry: PagedLatentCache, w_uk_t: torch.Tensor
         o, lse = part_o[0], part_lse[0]
         mk = _emit_merge(V, target=tgt, out_dtype="fp32", interpret=interpreted(q))
     for c0 in range(0, total, chunk):
-        lat = entry.gather(c0, min(total, c0 + chunk))                   # [B, C, L+R]: this chunk only
+        lat = decode_rows(entry.gather(c0, min(total, c0 + chunk)), L, R, q.dtype)   # [B, C, L+R]: this chunk
         c = lat[..., :L]
         k = torch.einsum("bkl,npl->bknp", c, wk)
         v = torch.einsum("bkl,nlv->bknv", c, wv)
@@ -441,11 +452,13 @@ def torch_mla_absorbed(a, cache, data, w):
     B, T, _ = x.shape
     entry = cache.layers[a["layer"]]
     new = ref.mla_latent(x, w, cfg)
+    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
-    store, lens = reserve(entry, B, T, new.shape[-1], ps, x.dtype, x.device)
+    pdt = pool_dtype(getattr(cache, "kv_dtype", "auto"), x.dtype)
+    store, lens = reserve(entry, B, T, row_width(L, R, pdt), ps, pdt, x.device)
     pos = torch.arange(T, device=x.device)[None, :] + torch.tensor(lens, device=x.device)[:, None]
     pages = store.block_table.gather(1, (pos // ps).long()).long()
-    store.pool[pages, pos % ps] = new.to(store.pool.dtype)
+    store.pool[pages, pos % ps] = encode_rows(new, L, store.pool.dtype)
     store.high = [n + T for n in lens]
     entry = PagedLatentCache(store, tuple(n + T for n in lens))
     cache.layers[a["layer"]] = entry
@@ -456,8 +469,9 @@ def torch_mla_absorbed(a, cache, data, w):
     return _ref_attend(a, x, entry.gather(), w, cfg, mode)
 
 
-def _ref_attend(a, x, latent, w, cfg, mode):
-    o = ref.mla_attention(ref.mla_query(x, w, cfg), latent.to(x.dtype), {"kv_b_proj.weight": _kvb(w)}, cfg, mode)
+def _ref_attend(a, x, rows, w, cfg, mode):
+    latent = decode_rows(rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim, x.dtype)
+    o = ref.mla_attention(ref.mla_query(x, w, cfg), latent, {"kv_b_proj.weight": _kvb(w)}, cfg, mode)
     return _finish(a, x, o, w)
 
 
@@ -480,7 +494,8 @@ def launch_mla_absorbed(a, cache, data, w):
     if isinstance(entry, DeviceLenLatentCache):
         return _kernel_mla_device_lens(a, cache, x, w, entry)
     ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
-    store, lens = reserve(entry, B, T, L + r, ps, x.dtype, x.device)
+    pdt = pool_dtype(getattr(cache, "kv_dtype", "auto"), x.dtype)
+    store, lens = reserve(entry, B, T, row_width(L, r, pdt), ps, pdt, x.device)
     write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], store, lens, L)
     store.high = [m + T for m in lens]
     entry = PagedLatentCache(store, tuple(m + T for m in lens))

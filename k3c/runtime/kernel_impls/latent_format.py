@@ -1,0 +1,78 @@
+"""The MLA latent cache's row formats on the torch side: which pool dtype a `kv_dtype` names, the row width, and
+the fp8 rows' encoding and decoding (the layout: k3c/codegen/kernels/mla_common.py's module doc; the kernels
+write and read the same rows).
+
+kv_dtype: "auto" (the activation dtype), "bf16", "fp16", "fp32", or "fp8" (OCP e4m3 codes with a per-token fp32
+scale for the latent part and one for the rope part: 592 bytes per 576-value row instead of 1152 in bf16).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...codegen.kernels.mla_common import FP8_MAX, LATENT_FP8, latent_row_width
+from ...errors import ArgumentError
+from ..devices import tt_dtype
+
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
+_NAMED = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+def check_kv_dtype(kv_dtype: object, what: str = "kv_dtype") -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ArgumentError(f"{what} must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return kv_dtype
+
+
+def pool_dtype(kv_dtype: str, act_dtype: torch.dtype) -> torch.dtype:
+    """The pool tensor's dtype for a cache of `kv_dtype` in a model running in `act_dtype`."""
+    check_kv_dtype(kv_dtype)
+    if kv_dtype == "fp8" and act_dtype == torch.float32:
+        raise ArgumentError("kv_dtype fp8 needs bf16 or fp16 activations (an fp32 run is the exact reference)")
+    return act_dtype if kv_dtype == "auto" else _NAMED[kv_dtype]
+
+
+def is_fp8(pool: torch.Tensor | torch.dtype) -> bool:
+    return (pool if isinstance(pool, torch.dtype) else pool.dtype) == torch.float8_e4m3fn
+
+
+def row_width(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> int:
+    """Pool elements per cached token."""
+    return latent_row_width(kv_lora_rank, rope_dim, tt_dtype(dtype))
+
+
+def pool_args(pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The pool as the kernels take it: (rows,) or, for fp8, (rows, the same memory as fp32 words)."""
+    return (pool, pool.view(torch.float32)) if is_fp8(pool) else (pool,)
+
+
+def encode_rows(rows: torch.Tensor, kv_lora_rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [..., L+R] (any float dtype) in the pool format of `dtype`: a cast, or the fp8 codes and scales."""
+    if not is_fp8(dtype):
+        return rows.to(dtype)
+    L, R = kv_lora_rank, rows.shape[-1] - kv_lora_rank
+    width = latent_row_width(L, R, LATENT_FP8)
+    out = torch.zeros(*rows.shape[:-1], width, dtype=torch.uint8, device=rows.device)
+    scales = []
+    for lo, hi in ((0, L), (L, L + R)):
+        part = rows[..., lo:hi].float()
+        amax = part.abs().amax(-1, keepdim=True)
+        sc = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        out[..., lo:hi] = (part / sc).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        scales.append(sc)
+    out[..., width - 8:] = torch.cat(scales, -1).contiguous().view(torch.uint8)
+    return out.view(torch.float8_e4m3fn)
+
+
+def decode_rows(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows [..., width] back to values [..., L+R] in `dtype` (fp8: code x its part's scale, in fp32)."""
+    if not is_fp8(rows):
+        return rows[..., :kv_lora_rank + rope_dim].to(dtype)
+    L, R = kv_lora_rank, rope_dim
+    raw = rows.view(torch.uint8)
+    codes = raw[..., :L + R].view(torch.float8_e4m3fn).float()
+    sc = raw[..., raw.shape[-1] - 8:].contiguous().view(torch.float32)          # [..., 2]
+    return torch.cat([codes[..., :L] * sc[..., :1], codes[..., L:] * sc[..., 1:]], -1).to(dtype)
+
+
+__all__ = ["KV_DTYPES", "check_kv_dtype", "pool_dtype", "is_fp8", "row_width", "pool_args",
+           "encode_rows", "decode_rows"]
