@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights and activations (default: float32 on a CPU and with --tp/--ep; on a GPU the "
                    "artifact's first run dtype, bfloat16 unless compiled with --run-dtypes float32)")
+    r.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto",
+                   help="MLA latent cache format: auto = the activation dtype; fp8 = e4m3 codes with per-token "
+                   "scales, 592 B per token and layer instead of 1,152 (needs --dtype bfloat16)")
     r.add_argument("--no-kernels", action="store_true",
                    help="run every op through torch on a GPU too (no generated kernels; a CPU does so by default)")
     r.add_argument("--interpret", action="store_true",
@@ -322,7 +325,8 @@ def cmd_run(args) -> int:
                               ("--top-k", args.top_k)) if v is not None]
     if args.tp > 1 or (args.ep or 1) > 1:       # one process per rank (or this process under torchrun)
         unsupported = flag or ("--warmup" if args.warmup else "--no-warmup" if args.warmup is not None else None) \
-            or ("--prompt" if text else None) or (sampled[0] if sampled else None)
+            or ("--prompt" if text else None) or (sampled[0] if sampled else None) \
+            or ("--kv-dtype" if args.kv_dtype != "auto" else None)
         if unsupported:
             raise ArgumentError(f"k3c run: {unsupported} is not supported with --tp/--ep yet (one process per rank)")
         from .commands.ranks import run_report_distributed
@@ -342,7 +346,7 @@ def cmd_run(args) -> int:
                               top_k=args.top_k or 0, seed=args.seed if text else args.seed or 0)
     common = dict(weights=args.weights, device=args.device, dtype=args.dtype, use_kernels=not args.no_kernels,
                   interpret=args.interpret, prefill_chunk=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
-                  warmup=args.warmup, kernel_policy=args.kernel_policy, sampling=sampling)
+                  warmup=args.warmup, kernel_policy=args.kernel_policy, sampling=sampling, kv_dtype=args.kv_dtype)
     if not text:
         print(run_report(args.spec, batch=args.batch or 1, prompt_len=args.prompt_len or 16,
                          new_tokens=args.new_tokens or 8, seed=args.seed or 0, **common))

@@ -19,7 +19,7 @@ from ..ir.core import DTYPE_BITS, Module, Op
 from .formulas import (causal_pairs, ceil_div, experts_touched, kda_decode_bytes, kda_decode_flops,
                        kda_prefill_bytes, kda_prefill_flops, mla_pair_flops, ring_allreduce_bytes)
 from .layout import ParallelLayout, ParamInfo, op_params
-from .memory import KV_BYTES, ModelFacts, WeightReport, expert_intermediate, weight_derived_values
+from .memory import ModelFacts, WeightReport, expert_intermediate, kv_row_bytes, weight_derived_values
 
 KINDS = ("kda", "mla", "moe", "mlp", "attn_res", "other")
 EXACT_PREFILL_CHUNKS = 1024      # prefills of more chunks are summed piecewise linearly (CostModel._chunk_sum)
@@ -137,7 +137,7 @@ def mla_mode_costs(attrs: Mapping[str, Any] | Op, new_tokens: int, cached_tokens
     a = _mla_attrs(attrs)
     N = heads if heads is not None else a["num_heads"]
     P, R, V, L = a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"], a["kv_lora_rank"]
-    kvb = KV_BYTES[kv_dtype] if isinstance(kv_dtype, str) else float(kv_dtype)
+    kvb = kv_row_bytes(kv_dtype, L + R) / (L + R) if isinstance(kv_dtype, str) else float(kv_dtype)
     s, T, S = batch, new_tokens, cached_tokens
     n, ctx = s * T, s * (S + T)
     pairs = s * causal_pairs(T, S)
@@ -446,7 +446,7 @@ def _mla(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
         mode = modes.best if cm.mla_mode == "auto" else cm.mla_mode
     c.add(modes.cost(mode))
     lat = op.attr("kv_lora_rank") + op.attr("qk_rope_head_dim")
-    c.bytes += n * lat * KV_BYTES[cm.kv_dtype] + 2 * n * d * a   # cache append; layer in/out
+    c.bytes += n * kv_row_bytes(cm.kv_dtype, lat) + 2 * n * d * a   # cache append; layer in/out
     cm.allreduce(c, n, d)
     return c, mode
 

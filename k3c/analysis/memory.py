@@ -16,11 +16,21 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ..codegen.kernels.mla_common import LATENT_FP8, latent_row_width
 from ..ir.core import DTYPE_BITS, Module, Op
 from .formulas import ceil_div
 from .layout import CATEGORIES, ParallelLayout, ParamInfo, classify_params, op_params
 
-KV_BYTES = {"bf16": 2, "fp8": 1}
+KV_DTYPES = ("bf16", "fp8")
+
+
+def kv_row_bytes(kv_dtype: str, row_values: int) -> int:
+    """Bytes the runtime stores per cached token and MLA layer for a latent row of `row_values` (L + R) values: 2 per
+    value in bf16; in fp8 the e4m3 codes and the row's two fp32 scales, padded to 16 bytes (the row format of
+    codegen/kernels/mla_common.py): 592 for K3's 576."""
+    if kv_dtype == "fp8":
+        return latent_row_width(row_values, 0, LATENT_FP8)
+    return 2 * row_values
 
 
 @dataclass(frozen=True)
@@ -241,8 +251,8 @@ class MemoryPlanner:
         tp = layout.tp
         by_name = self.weights.by_name
         # per-token, per-sequence constants read from the IR ops and their params
-        self.mla_values_per_token = sum(op.attr("kv_lora_rank") + op.attr("qk_rope_head_dim")
-                                        for op in self.facts.mla)
+        self.mla_rows = [op.attr("kv_lora_rank") + op.attr("qk_rope_head_dim") for op in self.facts.mla]
+        self.mla_values_per_token = sum(self.mla_rows)
         self.kda_state_per_seq = sum(ceil_div(op.attr("num_heads"), tp) * op.attr("head_dim") ** 2 * 4
                                      for op in self.facts.kda)
         conv = 0.0
@@ -259,12 +269,15 @@ class MemoryPlanner:
             for op in self.facts.kda for p in filter(None, (_param_of(module, v, by_name) for v in op.inputs))
             if p.role.endswith("conv1d.weight") and len(p.type.shape) == 3)
 
+    def mla_bytes_per_token(self, kv_dtype: str) -> int:
+        """Latent-cache bytes of one token over every MLA layer, in the runtime's row format."""
+        return sum(kv_row_bytes(kv_dtype, v) for v in self.mla_rows)
+
     def plan(self, config: MemoryConfig) -> MemoryPlan:
-        kv = KV_BYTES[config.kv_dtype]
         pages = ceil_div(config.context, config.page_size) * config.page_size
         ws = self.workspace_breakdown(config)
         return MemoryPlan(config, self.hbm_bytes, self.weights.gpu_bytes,
-                          config.batch * pages * self.mla_values_per_token * kv,
+                          config.batch * pages * self.mla_bytes_per_token(config.kv_dtype),
                           config.batch * self.kda_state_per_seq, config.batch * self.conv_state_per_seq,
                           self.attnres_bytes(config), sum(ws.values()), ws)
 

@@ -17,7 +17,7 @@ from .cost import CostModel, PhaseResult, cost_rules, mla_crossover_new_tokens, 
 from .formulas import (FORMULAS, GB, GiB, attnres_pp_cached_blocks, attnres_pp_naive_blocks, ceil_div, fmt_bytes,
                        fmt_seconds, fmt_si, moe_comm_compute_ratio)
 from .layout import ParallelLayout, op_params
-from .memory import (KV_BYTES, MemoryConfig, MemoryPlan, MemoryPlanner, ModelFacts, WeightReport,
+from .memory import (KV_DTYPES, MemoryConfig, MemoryPlan, MemoryPlanner, ModelFacts, WeightReport,
                      expert_intermediate, weight_report)
 from .roofline import KV_THROUGHPUT_LENGTHS, Point, kv_throughput, load_measured, measured_rows, ridge
 
@@ -108,7 +108,8 @@ class Plan:
             f"Batch {cfg.batch} counts sequences per attention replica (TP group); memory is for the most "
             "loaded GPU (ceil of uneven splits).",
             f"MLA cache: kv_lora_rank + qk_rope_head_dim values per token per MLA layer at {cfg.kv_dtype} "
-            f"({KV_BYTES[cfg.kv_dtype]} B/value, no per-token scales), in pages of {cfg.page_size} tokens.",
+            f"(bf16: 2 B/value; fp8: e4m3 codes + two fp32 per-token scales, the row padded to 16 B, as the runtime "
+            f"stores it), in pages of {cfg.page_size} tokens.",
             "KDA recurrent state fp32 (heads/TP x head_dim^2 per layer); conv tails (kernel-1) tokens of the q/k/v "
             "channels at the activation dtype; prefix-cache state checkpoints (every 32K tokens) not counted.",
             f"AttnRes: the completed block representations of one prefill chunk ({cfg.prefill_chunk:,} tokens), "
@@ -231,8 +232,8 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
     layout = ParallelLayout.make(tp, ep)
     if sharded and not isinstance(model, Module) and not hasattr(model, "module"):
         model = _lowered(model, tgt, layout)
-    if kv_dtype not in KV_BYTES:
-        raise ArgumentError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}, got {kv_dtype!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise ArgumentError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     for name, v in (("--batch", batch), ("--prefill-chunk", prefill_chunk), ("--pp", pp), ("--vpp", vpp),
                     ("--context", context)):
         if name == "--context" and v is None:
@@ -275,7 +276,7 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
               cm.append(context, batch, append_new)]
 
     # one copy of a sequence's cache (not the TP replicas), for the KV throughput
-    kvt = kv_throughput(cm, planner.mla_values_per_token, planner.kda_state_per_seq_full,
+    kvt = kv_throughput(cm, planner.mla_bytes_per_token(kv_dtype), planner.kda_state_per_seq_full,
                         planner.conv_state_per_seq_full, prefill_chunk, KV_THROUGHPUT_LENGTHS)
     return Plan(name, tgt, layout, cfg, passes, facts, weights, memory, planner, cm, phases, fit, kvt,
                 _mla_section(cm, facts, layout, tgt, kv_dtype, context, append_new),
@@ -420,8 +421,9 @@ def _memory_lines(p: Plan) -> list[str]:
     items = [
         ("weights", mem.weights_bytes, "sum of per-GPU param shares (section 1)"),
         ("MLA latent cache", mem.mla_kv_cache_bytes,
-         f"{cfg.batch} x {pages:,} tokens x {len(f.mla)} layers x {ncols} x {KV_BYTES[cfg.kv_dtype]} B "
-         f"({cfg.kv_dtype}); replicated on every TP rank"),
+         f"{cfg.batch} x {pages:,} tokens x {len(f.mla)} layers x "
+         f"{p.planner.mla_bytes_per_token(cfg.kv_dtype) // max(len(f.mla), 1)} B ({ncols} values, {cfg.kv_dtype}); "
+         f"replicated on every TP rank"),
         ("KDA state", mem.kda_state_bytes,
          f"{cfg.batch} x {len(f.kda)} layers x {ceil_div(kda0.attr('num_heads'), lay.tp)} heads x "
          f"{kda0.attr('head_dim')}^2 x 4 B (fp32); heads/TP" if kda0 else "no KDA layers"),

@@ -57,16 +57,14 @@ def phase_points(phases: list[PhaseResult]) -> list[Point]:
     return out
 
 
-def kv_throughput(cm: CostModel, mla_values_per_token: int, kda_state_per_seq_full: float,
+def kv_throughput(cm: CostModel, mla_bytes_per_token: int, kda_state_per_seq_full: float,
                   conv_per_seq_full: float, chunk: int, lengths=KV_THROUGHPUT_LENGTHS) -> list[dict]:
     """Bytes of one sequence's cache after prefilling L tokens (one copy: MLA latent cache + KDA state + conv
     tails, not the TP replicas) over the predicted prefill time of L tokens (roofline + link time)."""
-    from .memory import KV_BYTES
-
     out = []
     for length in lengths:
         ph = cm.prefill(length, 1, chunk)
-        cache = length * mla_values_per_token * KV_BYTES[cm.kv_dtype] + kda_state_per_seq_full + conv_per_seq_full
+        cache = length * mla_bytes_per_token + kda_state_per_seq_full + conv_per_seq_full
         t = ph.total_seconds
         out.append({"context": length, "cache_bytes": cache, "prefill_seconds": t,
                     "bytes_per_s": cache / t if t else math.inf})

@@ -54,7 +54,7 @@ def _graph_line(eng, stats=None) -> str:
 
 
 def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, prefill_chunk: int | None = None,
-                       elem_bytes: int = 4, page_size: int = 64) -> dict[str, int]:
+                       elem_bytes: int = 4, page_size: int = 64, kv_dtype=None) -> dict[str, int]:
     """A rough lower bound of the memory `k3c run` needs, by part: the weights (at `elem_bytes`, fp32 entries at
     4), the engine's MLA page pool (batch x pages of the whole context), the KDA states (fp32) and conv tails of
     every sequence, and the activations of the largest step (the prefill of every prompt, or one chunk of each:
@@ -62,14 +62,17 @@ def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, pr
     import math
 
     from ..frontend.weight_names import weight_table
+    from ..runtime.kernel_impls.latent_format import row_width
 
     weights = sum(math.prod(w.shape) * (4 if w.dtype == "fp32" else elem_bytes) for w in weight_table(spec).values())
     ctx = prompt_len + new_tokens
     kinds = spec.layer_kinds
     mla = 0
     if spec.mla is not None:
-        width = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
-        mla = batch * -(-ctx // page_size) * page_size * width * kinds.count("mla") * elem_bytes
+        L, R = spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim
+        # the pool's rows: kv_dtype None = the activation dtype; fp8 rows are one byte per element
+        row = row_width(L, R, kv_dtype) * kv_dtype.itemsize if kv_dtype is not None else (L + R) * elem_bytes
+        mla = batch * -(-ctx // page_size) * page_size * row * kinds.count("mla")
     kda = 0
     if spec.kda is not None:
         h, d = spec.kda.num_heads, spec.kda.head_dim
@@ -197,7 +200,7 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
 
 
 def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, interpret, prefill_chunk,
-           cuda_graphs, kernel_policy, sizes) -> dict:
+           cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto") -> dict:
     """What both modes of `k3c run` set up, timed apart: the model (artifact loaded or spec compiled), its checks
     against `sizes(model)` -> (batch, prompt_len, new_tokens), the weights (given, the model directory's
     checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool)."""
@@ -206,6 +209,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     from ..runtime import launcher
     from ..runtime.devices import target_for, torch_dtype as to_torch_dtype
     from ..runtime.engine import Engine
+    from ..runtime.kernel_impls.latent_format import pool_dtype
 
     cuda = device.startswith("cuda")
     kernels = kernels_on(device, use_kernels, interpret)
@@ -222,9 +226,10 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     dtype = _run_dtype(model, spec_or_artifact, dtype, cuda,
                        binaries=cuda and kernels and kernel_policy in ("artifact", "strict"))
     torch_dtype = to_torch_dtype(dtype, "--dtype")
+    kv = pool_dtype(kv_dtype, torch_dtype, "--kv-dtype")   # fp8 with fp32 activations: refused before loading
     check_run_fits(model.spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                    prefill_chunk=prefill_chunk, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
-                   page_size=target_for(torch.device(device)).mla_page_size)
+                   page_size=target_for(torch.device(device)).mla_page_size, kv_dtype=kv)
     default = model_checkpoint(spec_or_artifact) if weights is None else None
     t = time.perf_counter()
     w, t_prep = _graph_weights(model, weights or default, seed, torch_dtype, device, sync)
@@ -232,7 +237,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     t = time.perf_counter()
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
                  use_kernels=kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-                 kernel_policy=kernel_policy)
+                 kernel_policy=kernel_policy, kv_dtype=kv_dtype)
     del w                        # the graph holds what it reads
     sync()
     return {"model": model, "eng": eng, "sync": sync, "cuda": cuda, "dtype": dtype, "kernels": kernels,
@@ -273,7 +278,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
                new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str | None = None,
                use_kernels: bool = True, interpret: bool = False, prefill_chunk: int | None = None,
                progress: bool | None = None, cuda_graphs: bool | None = None, warmup: bool | None = None,
-               kernel_policy: str = "artifact", sampling=None) -> str:
+               kernel_policy: str = "artifact", sampling=None, kv_dtype: str = "auto") -> str:
     """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
     then decode steps (greedy, or under `sampling`: runtime.sampling.params_for_rows). Timed apart: weights
     (given, else a Hugging Face model directory's own checkpoint, else random, drawn on the device; then prepared
@@ -302,7 +307,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
 
     b = _build(spec_or_artifact, weights=weights, seed=seed, device=device, dtype=dtype, use_kernels=use_kernels,
                interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-               kernel_policy=kernel_policy, sizes=sizes)
+               kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype)
     model, eng, spec = b["model"], b["eng"], b["model"].spec
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, spec.vocab_size, (batch, prompt_len), generator=gen)
@@ -331,7 +336,8 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
 def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, new_tokens: int = 64,
              sampling=None, seed: int = 0, device: str = "cpu", dtype: str | None = None, use_kernels: bool = True,
              interpret: bool = False, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
-             warmup: bool | None = None, kernel_policy: str = "artifact", warn=None) -> tuple[str, str]:
+             warmup: bool | None = None, kernel_policy: str = "artifact", warn=None,
+             kv_dtype: str = "auto") -> tuple[str, str]:
     """Text in, text out through the same engine path as run_report: `prompt` encoded with the model's tokenizer,
     continued by up to `new_tokens` tokens (greedy, or under `sampling`; ending at the EOS token, not shown).
     Random weights (no `weights` and no checkpoint in the model directory) are drawn from `seed`, and
@@ -362,7 +368,7 @@ def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, 
 
     b = _build(spec_or_artifact, weights=weights, seed=seed, device=device, dtype=dtype, use_kernels=use_kernels,
                interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-               kernel_policy=kernel_policy, sizes=sizes)
+               kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype)
     if b["weights"] is None and warn is not None:
         warn(f"k3c: warning: the weights are random (no --weights, and {spec_or_artifact} holds no checkpoint): "
              f"the text is noise")
@@ -488,7 +494,9 @@ def _pass_lines(eng, warm: dict | None, run: dict, batch: int, prompt_len: int, 
         kernels,
         f"  peak memory:     {_peak_memory_bytes(device) / 2**20:,.1f} MiB",
         (f"  MLA cache:       {eng.pool.num_pages} pages of {eng.pool.page_size} tokens "
-         f"({eng.pool.num_pages * eng.pool.page_bytes / 2**20:,.1f} MiB)" if "mla" in spec.layer_kinds
+         f"({eng.pool.num_pages * eng.pool.page_bytes / 2**20:,.1f} MiB, "
+         f"{'fp8 e4m3 + per-token scales' if eng.kv_pool_dtype == torch.float8_e4m3fn else str(eng.kv_pool_dtype)[6:]})"
+         if "mla" in spec.layer_kinds
          else "  MLA cache:       none (no MLA layers)"),
         f"  MLA modes:       {modes or '(no MLA layers)'} (timed pass)",
         *([_graph_line(eng, run["stats"]) + " (timed pass)"] if eng.cuda_graphs else []),

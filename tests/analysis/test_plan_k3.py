@@ -94,7 +94,9 @@ def test_json_keys_are_stable(k3_plan):
 
 def test_k3_memory_numbers(k3_plan):
     g = k3_plan.to_dict()["per_gpu"]
-    assert g["mla_kv_cache_bytes"] == 1_048_576 * 576 * 24 * 1          # fp8: 14.50 GB, replicated per rank
+    # fp8 as the runtime stores it: 576 e4m3 codes + two fp32 per-token scales, padded to 16 B = 592 B per token
+    # and layer: 14.90 GB, replicated per rank (AMD's 14.496 GB is 576 B: per-tensor scales, none in the row)
+    assert g["mla_kv_cache_bytes"] == 1_048_576 * 592 * 24
     assert g["kda_state_bytes"] == 69 * 12 * 128 * 128 * 4                # 96 heads / TP 8, fp32
     assert g["conv_state_bytes"] == 69 * 3 * 12 * 128 * 3 * 2             # (kernel - 1) tokens, bf16
     assert g["attnres_bytes"] == 8 * (8192 // 8) * 7168 * 2               # 8 blocks, chunk sequence-sharded
@@ -111,10 +113,15 @@ def test_k3_memory_numbers(k3_plan):
     assert not planner.plan(dataclasses.replace(cfg, context=ctx + cfg.page_size)).fits
 
 
-def test_kv_dtype_halves_the_mla_cache(k3_model):
+def test_kv_dtype_fp8_is_the_runtime_row(k3_model):
+    """fp8 rows as the runtime stores them (the pool's row width: codes + two scales, padded): 592 / 1152 of bf16."""
+    import torch
+
+    from k3c.runtime.kernel_impls.latent_format import row_width
+
     fp8 = plan(k3_model, "mi355x", tp=8, context=131072, kv_dtype="fp8").to_dict()["per_gpu"]
     bf16 = plan(k3_model, "mi355x", tp=8, context=131072, kv_dtype="bf16").to_dict()["per_gpu"]
-    assert bf16["mla_kv_cache_bytes"] == 2 * fp8["mla_kv_cache_bytes"]
+    assert fp8["mla_kv_cache_bytes"] * 1152 == bf16["mla_kv_cache_bytes"] * row_width(512, 64, torch.float8_e4m3fn)
     assert bf16["kda_state_bytes"] == fp8["kda_state_bytes"]
 
 

@@ -65,13 +65,14 @@ def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | Non
     (tests/codegen/test_artifact_kernels.py).
 
     An fp8 cache (cache_dtype LATENT_FP8) on sm_90: the codes widen to bf16 in registers before the dots, so a
-    whole 64-key page spills (856 B); 32 keys a step with 8 warps is spill-free (171 registers)."""
+    whole 64-key page spills (856 B). 16 keys a step, 4 warps, 3 stages is the fastest spill-free plan of an H200
+    sweep (254 registers; docs/perf.md, MLA fp8 cache): still 0.35x the bf16 cache's speed at 12 heads, 0.27x at 96."""
     lat = pow2_ceil(kv_lora_rank)
     wide = target.warp_size >= 64
     gpu = target.shared_mem_bytes > 0
     if block_h is None and target.arch == "sm_90" and lat == 512 and num_warps is None and num_stages is None \
             and block_n is None:
-        return DecodePlan(16, 8, 2, 32) if cache_dtype == LATENT_FP8 else DecodePlan(16, 4, 2)
+        return DecodePlan(16, 4, 3, 16) if cache_dtype == LATENT_FP8 else DecodePlan(16, 4, 2)
     if block_h is None:
         cap = max(16, DECODE_MAX_ROWS * 512 // max(512, lat))
         tiles = -(-rows // cap)

@@ -23,11 +23,12 @@ def check_kv_dtype(kv_dtype: object, what: str = "kv_dtype") -> str:
     return kv_dtype
 
 
-def pool_dtype(kv_dtype: str, act_dtype: torch.dtype) -> torch.dtype:
-    """The pool tensor's dtype for a cache of `kv_dtype` in a model running in `act_dtype`."""
-    check_kv_dtype(kv_dtype)
+def pool_dtype(kv_dtype: str, act_dtype: torch.dtype, what: str = "kv_dtype") -> torch.dtype:
+    """The pool tensor's dtype for a cache of `kv_dtype` in a model running in `act_dtype` (`what` names the
+    argument in errors)."""
+    check_kv_dtype(kv_dtype, what)
     if kv_dtype == "fp8" and act_dtype == torch.float32:
-        raise ArgumentError("kv_dtype fp8 needs bf16 or fp16 activations (an fp32 run is the exact reference)")
+        raise ArgumentError(f"{what} fp8 needs bf16 or fp16 activations (an fp32 run is the exact reference)")
     return act_dtype if kv_dtype == "auto" else _NAMED[kv_dtype]
 
 
