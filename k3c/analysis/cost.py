@@ -456,7 +456,8 @@ def _moe(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     n, d = st.tokens, f.hidden
     E, k = op.attr("num_experts"), op.attr("top_k")
     z = op.attr("latent_dim") or d
-    # the routed stacks by role, whatever their split: a sharded IR at EP 1 holds them whole ("rep")
+    # the routed stacks by role, whatever their split (whole experts over EP, or every expert split over TP at EP 1:
+    # either way a GPU computes n x top_k / TP expert rows' worth of FLOPs)
     experts = {r: p for r, p in params.items() if r.startswith("experts.")}
     c = cm.linear({r: p for r, p in params.items() if r not in experts}, n)
     m = expert_intermediate(params)

@@ -214,7 +214,7 @@ def _split_for(kind: str | None, role: str) -> str:
 
 def _category(kind: str | None, role: str, split: str) -> str:
     if kind == "moe":
-        if split == "ep":
+        if split == "ep" or role.startswith("experts."):       # whole over EP, or split over TP (EP 1)
             return "routed experts"
         if role.startswith("shared_experts."):
             return "shared experts"

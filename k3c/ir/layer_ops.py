@@ -292,6 +292,9 @@ MOE = OpDef("moe", moe_roles, {
     "ep_rank": AttrSpec("int", required=False, doc="expert-parallel rank (shard pass); absent = 0"),
     "ep_size": AttrSpec("int", required=False, doc="expert-parallel ranks: the experts.* params hold experts "
                                                    "[ep_rank E/ep_size, (ep_rank+1) E/ep_size); absent = 1"),
+    "expert_tp": AttrSpec("int", required=False,
+                          doc="split experts (shard pass, EP 1): the experts.* params hold 1/expert_tp of every "
+                          "expert's intermediate dim; the routed combine is all-reduced over TP; absent = 1"),
     "expert_format": AttrSpec("str", required=False, choices=("bf16", "mxfp4"),
                               doc="routed expert weights: bf16 stacks (absent = bf16) or MXFP4 packed + scales"),
     "mxfp4_linears": AttrSpec("strs", required=False,

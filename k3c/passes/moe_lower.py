@@ -11,7 +11,8 @@ and the shared experts (K3.md section 5).
     %u = moe_combine(o, w, ids [, s])                                       weighted sum (+ shared when nothing sits
                                                                             between: non-latent, one EP rank)
     %u = all_reduce(u) {group="ep"}                                          ep_size > 1 only: partial -> full, before
-                                                                            the latent norm
+                                                                            the latent norm ({group="tp"}: split
+                                                                            experts, attr expert_tp)
     %n = rmsnorm(u, routed_expert_norm.weight)                               (latent_norm)
     %y = moe_linear(n, routed_expert_up_proj.weight, s) {proj="latent_up", residual}
 With expert parallelism (attrs ep_rank / ep_size from the shard pass) the expert stacks hold this rank's experts and
@@ -54,6 +55,7 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
         x, loc = w["x"], op.loc
         layer = {"layer": a["layer"]}
         ep_rank, ep_size = a.get("ep_rank", 0), a.get("ep_size", 1)
+        expert_tp = a.get("expert_tp", 1)           # split experts: each rank's combine is a partial sum over TP
         ep = {"ep_rank": ep_rank, "ep_size": ep_size} if ep_size > 1 else {}
         fmt = a.get("expert_format", "bf16")
         act = {k: a[k] for k in _ACT_KEYS if k in a}
@@ -99,13 +101,14 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
             sa = mx_lin if "shared_experts.gate_proj.weight" in lin else {}
             shared = b.op("mlp", [x] + sw, {**layer, **act, **sa}, loc, prefix="m")
             ctx.count("shared")
-        fuse_shared = shared is not None and not latent and ep_size == 1
+        fuse_shared = shared is not None and not latent and ep_size == 1 and expert_tp == 1
         comb = {**layer, "num_experts": a["num_experts"], "top_k": a["top_k"], **ep}
         if fuse_shared:
             comb["residual"] = True
         u = b.op("moe_combine", [o, weights, ids] + ([shared] if fuse_shared else []), comb, loc, prefix="m")
-        if ep_size > 1:
-            u = b.op("all_reduce", [u], {**layer, "group": "ep", "size": ep_size}, loc, prefix="m")
+        if ep_size > 1 or expert_tp > 1:
+            group, size = ("ep", ep_size) if ep_size > 1 else ("tp", expert_tp)
+            u = b.op("all_reduce", [u], {**layer, "group": group, "size": size}, loc, prefix="m")
             ctx.count("all_reduce")
         if latent:
             ctx.count("latent")

@@ -11,15 +11,17 @@ TP group of a rank is its block of tp consecutive ranks, its EP group its block 
           kv_a_proj_with_mqa, its norm and so the latent cache replicated, as deployments do -> all_reduce tp
     mlp   gate/up rows, down columns                                          -> all_reduce tp
     moe   routed experts split over EP (experts.* hold [ep_rank E/ep, (ep_rank+1) E/ep), attrs ep_rank/ep_size);
-          router, latent down/norm/up replicated; the op all-reduces its routed combine over EP before the latent
-          norm. Shared experts (tp > 1) leave the op as an `mlp` split like the dense MLP -> all_reduce tp, added
-          to the routed output.
+          with EP 1 and TP > 1 (AMD's MI355X TP8 layout) every expert is split over TP instead: w1 / w3 rows and
+          w2 columns of the intermediate dim (attr expert_tp), so each rank holds 1/tp of every expert. Router,
+          latent down/norm/up replicated; the op all-reduces its routed combine (over EP, or over TP for split
+          experts) before the latent norm. Shared experts (tp > 1) leave the op as an `mlp` split like the dense
+          MLP -> all_reduce tp, added to the routed output. (TP > EP > 1 keeps whole experts, replicated over the
+          TP / EP ranks that share an ep_rank.)
     lm_head (untied, vocab divisible by tp) vocab rows split                 -> all_gather tp (last dim)
 Embeddings, norms and AttnRes weights stay replicated. Sequence parallel (tp > 1, module attr `seq_parallel`
 not false): the embedding output is `seq_scatter`ed, so the residual stream, norms and AttnRes blocks hold T/tp
 tokens per rank (dim `T_sp`); each layer op's input is `seq_gather`ed and its partial sum `reduce_scatter`ed in
-place of the all_reduce; the replicated routed-MoE output is `seq_scatter`ed (with EP 1 the routed experts run on
-the rank's own tokens instead: no gather, no scatter); lm_head gathers its input.
+place of the all_reduce; the replicated routed-MoE output is `seq_scatter`ed; lm_head gathers its input.
 Every split param carries the local shape and `shard = "<group>:<dim>:<rank>/<size>"`; split layer ops carry
 `shard = "tp:heads"` etc. Counts: `kda`, `mla`, `mlp`, `moe`, `shared_experts`, `lm_head`, `params`, and
 `<collective>.<group>` per collective inserted.
@@ -88,6 +90,11 @@ def check_divisible(module: Module, layout: Layout) -> None:
                                 f"divisible by {tp}")
         if op.op == "moe" and op.attr("num_experts") % ep:
             raise ArgumentError(f"--ep {ep}: num_experts {op.attr('num_experts')} ({where}) is not divisible by {ep}")
+        if op.op == "moe" and _split_experts(layout):
+            inter = module.type_of(bind(op)["experts.w1"]).shape[1]
+            if inter % tp:
+                raise ArgumentError(f"--tp {tp} --ep 1: the routed experts' intermediate size {inter} ({where}) is "
+                                    f"not divisible by {tp} (each expert is split over the TP ranks)")
         if op.op in ("mlp", "moe") and tp > 1:
             roles = bind(op)
             gate = roles.get("gate_proj.weight", roles.get("shared_experts.gate_proj.weight"))
@@ -95,6 +102,11 @@ def check_divisible(module: Module, layout: Layout) -> None:
                 what = "dense MLP" if op.op == "mlp" else "shared-expert"
                 raise ArgumentError(f"--tp {tp}: {what} width {module.type_of(gate).shape[0]} ({where}) is not "
                                     f"divisible by {tp}")
+
+
+def _split_experts(layout: Layout) -> bool:
+    """EP 1 with TP > 1: every routed expert's matrices are split over the TP ranks (else whole experts per EP rank)."""
+    return layout.ep == 1 and layout.tp > 1
 
 
 def shard_attr(group: str, dim: int, rank: int, size: int) -> str:
@@ -156,8 +168,10 @@ def _plan_splits(module: Module, lay: Layout) -> tuple[dict[str, tuple[str, int]
                 if role in w:
                     split(w[role], "tp", dim)
         elif op.op == "moe":
-            for role in ("experts.w1", "experts.w3", "experts.w2"):
-                split(w[role], "ep", 0)
+            # whole experts over EP, or (EP 1) each expert's intermediate dim over TP: w1 / w3 [E, I, D], w2 [E, D, I]
+            dims = (("tp", 1), ("tp", 1), ("tp", 2)) if _split_experts(lay) else (("ep", 0),) * 3
+            for role, (group, dim) in zip(("experts.w1", "experts.w3", "experts.w2"), dims):
+                split(w[role], group, dim)
             if op.attr("num_shared_experts") > 0:
                 for role, dim in zip(_SHARED, (0, 0, 1)):
                     split(w[role], "tp", dim)
@@ -252,18 +266,19 @@ class _RankSlice:
         tp, ep, sp = self.tp, self.ep, self.sp
         w = bind(op)
         x = w["x"]
-        # EP 1: every rank holds every expert, so under sequence parallel the routed experts run on this
-        # rank's own tokens (no gather, no scatter, 1/tp of the work); else on every token of the EP group
-        local = sp and ep == 1
-        w["x"] = x if local else self.full(x, loc)
+        # every token of the TP group: whole experts (EP) or every expert's slice (split experts) see all of them
+        w["x"] = self.full(x, loc)
         attrs = {**a}
         if ep > 1:
             attrs.update(ep_rank=self.lay.ep_rank, ep_size=ep, shard="ep:experts")
+        elif _split_experts(self.lay):
+            attrs.update(expert_tp=tp, shard="tp:expert_columns")
+            self.ctx.count("split_experts")
         shared = a["num_shared_experts"] > 0 and tp > 1
         if shared:
             attrs["num_shared_experts"] = 0
         moe_ins = [w[r.name] for r in get_op_def("moe").roles(attrs)]
-        scatter = sp and not local
+        scatter = sp
         routed = res if not (shared or scatter) else self.b.fresh("ep")
         self.emit("moe", moe_ins, attrs, loc, (routed,))
         if scatter:     # the routed output is replicated over TP: keep this rank's tokens

@@ -668,15 +668,17 @@ def load_weight_slices(spec: ModelSpec, path: str | os.PathLike, shards: dict, d
                     t = _fit(handles[src.key].get_tensor(src.key), info, info.shape, src.key, where[src.key])
                     t = t[idx] if idx else t
             elif name in experts:
-                lo, hi = (0, info.shape[0]) if shard is None else (idx[0].start, idx[0].stop)
-                if shard is not None and shard[0] != 0:
-                    raise _weight_error(f"'{name}': per-expert checkpoints can only be split by expert")
+                # split by expert (EP): this rank's experts whole; split inside each expert (TP, EP 1): every
+                # expert, each cut along the same dim
+                by_expert = shard is not None and shard[0] == 0
+                lo, hi = (idx[0].start, idx[0].stop) if by_expert else (0, info.shape[0])
+                inner = idx[1:] if shard is not None and not by_expert else ()
                 slot = experts[name]
                 missing = [e for e in range(lo, hi) if e not in slot]
                 if missing:
                     raise _weight_error(f"{path}: missing tensor for expert {missing[0]} of '{name}' (k3c)")
                 t = torch.stack([_fit(handles[slot[e].key].get_tensor(slot[e].key), info, info.shape[1:],
-                                      slot[e].key, where[slot[e].key]) for e in range(lo, hi)])
+                                      slot[e].key, where[slot[e].key])[inner] for e in range(lo, hi)])
             elif name in fused:
                 src = fused[name]
                 if src.how == "gate_up":            # [E, 2m, z]: read only this rank's experts

@@ -106,10 +106,13 @@ def torch_moe(a, cache, data, w):
         w = _mxfp4_experts(w)
     cfg = MoESpec.from_attrs(a, w["experts.w1"].shape[1])
     act, choose = ActivationSpec.from_attrs(a), routing_replay.active_choice()
-    ep_size = a.get("ep_size", 1)
+    ep_size, expert_tp = a.get("ep_size", 1), a.get("expert_tp", 1)
     if ep_size > 1:
         return ref.moe_layer_ep(x, w, cfg, act, a["norm_eps"], a["ep_rank"],
                                 lambda u: distributed.all_reduce(u, "ep", ep_size), choose)
+    if expert_tp > 1:       # every expert's slice here (rank "0" of one EP rank), the partial combine summed over TP
+        return ref.moe_layer_ep(x, w, cfg, act, a["norm_eps"], 0,
+                                lambda u: distributed.all_reduce(u, "tp", expert_tp), choose)
     return ref.moe_layer(x, w, cfg, act, a["norm_eps"], choose)
 
 

@@ -83,13 +83,21 @@ def test_ep_only_and_tp_only(spec):
     ep = k3c.compile(spec, target="cpu", passes=["shard"], tp=1, ep=2, rank=0).module
     assert not ep.ops_named("all_reduce") and all(o.attr("ep_size") == 2 for o in ep.ops_named("moe"))
     assert all(o.attr("num_shared_experts") == 2 for o in ep.ops_named("moe"))      # no TP: shared stay inside
-    tp = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, ep=1, rank=0).module
-    assert all(not o.has_attr("ep_size") for o in tp.ops_named("moe"))
-    assert _params(tp)["layers.1.block_sparse_moe.experts.w1"].types[0].shape == (8, 32, 32)
+    tp = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, ep=1, rank=1).module
+    assert all(not o.has_attr("ep_size") and o.attr("expert_tp") == 2 for o in tp.ops_named("moe"))
+    # EP 1 splits every expert over TP (AMD's layout): w1 / w3 rows and w2 columns of the intermediate dim
+    p = _params(tp)
+    for role, shape, shard in (("w1", (8, 16, 32), "tp:1:1/2"), ("w3", (8, 16, 32), "tp:1:1/2"),
+                               ("w2", (8, 32, 16), "tp:2:1/2")):
+        w = p[f"layers.1.block_sparse_moe.experts.{role}"]
+        assert w.types[0].shape == shape and w.attr("shard") == shard, role
     assert len(tp.ops_named("reduce_scatter")) == 16
-    # EP 1 under sequence parallel: the routed experts run on this rank's own tokens (no gather, no scatter)
-    assert all(o.type.shape[1] == "T_sp" for o in tp.ops_named("moe"))
-    assert len(tp.ops_named("seq_scatter")) == 1 and len(tp.ops_named("seq_gather")) == 16 + 1
+    # the split experts see every token of the TP group (the gathered input the shared experts use too) and
+    # their all-reduced output is scattered back: 7 MoE layers
+    assert all(o.type.shape[1] == "T" for o in tp.ops_named("moe"))
+    assert len(tp.ops_named("seq_scatter")) == 1 + 7 and len(tp.ops_named("seq_gather")) == 16 + 1
+    lowered = k3c.compile(spec, target="cpu", tp=2, ep=1, rank=1).module
+    assert [(o.attr("group"), o.attr("size")) for o in lowered.ops_named("all_reduce")] == [("tp", 2)] * 7
     # ep defaults to tp
     both = k3c.compile(spec, target="cpu", passes=["shard"], tp=2, rank=0).module
     assert all(o.attr("ep_size") == 2 for o in both.ops_named("moe"))
@@ -150,8 +158,9 @@ def test_rank_weights_slice_init_and_safetensors(spec, tmp_path):
         for k, t in sliced.items():
             assert torch.equal(t, random[k]) and torch.equal(t, loaded[k]), k
         e = sliced["layers.1.block_sparse_moe.experts.w2"]
-        assert torch.equal(e, full["layers.1.block_sparse_moe.experts.w2"][4 * rank:4 * rank + 4] if ep == 2 else
-                           full["layers.1.block_sparse_moe.experts.w2"])          # EP rank r of 2: experts 4r..4r+3
+        w2 = full["layers.1.block_sparse_moe.experts.w2"]
+        # EP rank r of 2: experts 4r..4r+3; EP 1 (TP 2): every expert, intermediate columns 16r..16r+15
+        assert torch.equal(e, w2[4 * rank:4 * rank + 4] if ep == 2 else w2[:, :, 16 * rank:16 * rank + 16])
 
 
 def test_plan_reads_the_sharding(spec):
@@ -175,9 +184,22 @@ def test_plan_reads_the_sharding(spec):
     assert main(["plan", TINY, "--target", "mi355x", "--tp", "2", "--sharded", "--json"]) == 0
 
 
+def test_ep1_sharded_plan_splits_every_expert(spec):
+    """TP 2 x EP 1 (AMD's layout): the rank's IR holds half of every expert, and the planner reads it as routed
+    experts (not "router"), with the unsharded plan's per-GPU expert bytes and active parameters."""
+    from k3c.analysis import plan
+
+    sharded = plan(k3c.compile(spec, target="mi355x", tp=2, ep=1, rank=1), "mi355x", context=256).to_dict()
+    whole = plan(TINY, "mi355x", tp=2, ep=1, context=256).to_dict()
+    routed = sharded["weights_by_category"]["routed experts"]
+    assert routed["gpu_bytes"] == whole["weights_by_category"]["routed experts"]["gpu_bytes"] == routed["bytes"] / 2
+    assert sharded["params_active"] == whole["params_active"]
+    assert sharded["weights_by_category"]["router"]["gpu_bytes"] == whole["weights_by_category"]["router"]["gpu_bytes"]
+
+
 def test_sharded_plan_counts_experts_as_experts(spec):
-    """A rank's IR at EP 1 holds the expert stacks whole ("rep"): the cost model still charges n x top_k / TP expert
-    rows, as at EP 2, not a dense linear over every expert (which made TP 2 x EP 1 look 6x slower than TP 1)."""
+    """A rank's IR at EP 1 holds a slice of every expert: the cost model still charges n x top_k / TP expert rows,
+    as at EP 2, not a dense linear over every expert (which made TP 2 x EP 1 look 6x slower than TP 1)."""
     from k3c.analysis import plan
 
     kw = dict(context=64, batch=2, prefill_chunk=64)

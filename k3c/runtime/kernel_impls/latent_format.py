@@ -11,7 +11,6 @@ import torch
 
 from ...codegen.kernels.mla_common import FP8_MAX, LATENT_FP8, latent_row_width
 from ...errors import ArgumentError
-from ..devices import tt_dtype
 
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
 _NAMED = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -37,8 +36,8 @@ def is_fp8(pool: torch.Tensor | torch.dtype) -> bool:
 
 
 def row_width(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> int:
-    """Pool elements per cached token."""
-    return latent_row_width(kv_lora_rank, rope_dim, tt_dtype(dtype))
+    """Pool elements per cached token (any float dtype: a float64 torch run keeps L + R)."""
+    return latent_row_width(kv_lora_rank, rope_dim, LATENT_FP8) if is_fp8(dtype) else kv_lora_rank + rope_dim
 
 
 def pool_args(pool: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -278,8 +278,7 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, c
     pps = max(1, -(-n_pages // S))
     S = max(1, -(-n_pages // pps))
     ks = _emit_decode(L, W - L, ps, float(scale), target=tgt, dtype=tt_dtype(dt), cache_dtype=tt_dtype(cdt),
-                      block_h=plan.block_h,
-                      num_warps=plan.num_warps, num_stages=plan.num_stages, block_n=bn,
+                      block_h=plan.block_h, num_warps=plan.num_warps, num_stages=plan.num_stages, block_n=bn,
                       keys_major=plan.keys_major, lazy=plan.lazy, interpret=interp)
     mk = _emit_merge(L, target=tgt, out_dtype=tt_dtype(odt),
                      block_d=decode_merge_block(B * ROWS, L, _sm_count(device.type, device.index)),
@@ -327,8 +326,7 @@ def mqa_decode(q: torch.Tensor, store: LatentStore, lens: torch.Tensor, scale: f
     ws = torch.empty(S * M * (L + 1), dtype=torch.float32, device=q.device)     # partial o, then its lse
     o_part, lse = ws[: S * M * L], ws[S * M * L:]
     _fast_launch(slot, 0, ks, q if q.is_contiguous() else q.contiguous(), *pool_args(store.pool), store.block_table,
-                 lens,
-                 o_part, lse, ROWS, num_heads, ROWS // num_heads, store.block_table.shape[1], pps, B, S)
+                 lens, o_part, lse, ROWS, num_heads, ROWS // num_heads, store.block_table.shape[1], pps, B, S)
     out = torch.empty(M, L, dtype=odt, device=q.device)
     _fast_launch(slot, 1, mk, o_part, lse, out, lse, M, S)
     return out.view(B, ROWS, L)
