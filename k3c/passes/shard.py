@@ -261,7 +261,8 @@ class _RankSlice:
         self.ctx.count(op.op)
 
     def moe(self, op: Op) -> None:
-        """Routed experts over EP; the shared experts (tp > 1) as a column/row-split mlp added to the routed sum."""
+        """Routed experts over EP (EP 1: every expert split over TP); the shared experts (tp > 1) as a column/row-split
+        mlp added to the routed sum."""
         a, loc, res = op.attr_dict, op.loc, op.results[0]
         tp, ep, sp = self.tp, self.ep, self.sp
         w = bind(op)
@@ -278,10 +279,9 @@ class _RankSlice:
         if shared:
             attrs["num_shared_experts"] = 0
         moe_ins = [w[r.name] for r in get_op_def("moe").roles(attrs)]
-        scatter = sp
-        routed = res if not (shared or scatter) else self.b.fresh("ep")
+        routed = res if not (shared or sp) else self.b.fresh("ep")
         self.emit("moe", moe_ins, attrs, loc, (routed,))
-        if scatter:     # the routed output is replicated over TP: keep this rank's tokens
+        if sp:          # the routed output is replicated over TP: keep this rank's tokens
             routed = self.collective("seq_scatter", routed, "tp", loc, None if shared else res, dim=1)
         if shared:
             act = {k: a[k] for k in ("activation", "situ_beta_gate", "situ_beta_up") if k in a}
