@@ -53,14 +53,18 @@ def test_session_matches_reference_prefill_decode_append(tiny):
     ids = torch.randint(0, spec.vocab_size, (2, 37), generator=g)
     ref = k3c.reference_forward(spec, w, ids)
     sess = model.session(w)
-    # prefill of the first 30, 2 decodes, then an append of 5 == one prefill of 37
+    # prefill of the first 30, 2 decodes, then an append of 5 == one prefill of 37. fp32, other summation orders:
+    # this random model's one-process fp32 logits are 1.9e-5 from its float64 ones (tests/dist/test_dist_logits.py),
+    # so two fp32 orders may differ by up to twice that; measured 1.02e-5 for the prefill (torch 2.13 CPU, numpy
+    # 2.4.6; the same at 21e7e21), well below it
+    tol = 2e-5
     head = sess.prefill(ids[:, :30])
-    assert rel(head, ref[:, :30]) <= 1e-5
+    assert rel(head, ref[:, :30]) <= tol
     for t in (30, 31):
         step = sess.decode(ids[:, t])
-        assert rel(step, ref[:, t]) <= 1e-5
+        assert rel(step, ref[:, t]) <= tol
     tail = sess.append(ids[:, 32:])
-    assert rel(tail, ref[:, 32:]) <= 1e-5
+    assert rel(tail, ref[:, 32:]) <= tol
     assert sess.length == 37
 
 
