@@ -100,11 +100,10 @@ class Plan:
             "Weight bytes: bf16/f32 params at their dtype width; params selected by the module's MXFP4 plan "
             "(weight_format, mxfp4_include/exclude fnmatch patterns) at 4.25 bits: E2M1 payload + one E8M0 scale "
             "per 32 along the last (reduction) dim; params already packed (u8/e8m0) count as typed.",
-            f"Layout {lay}, EP defaulting to TP (all experts in each TP domain, spread over its GPUs, as AMD's "
-            "MI355X TP8 deployment): KDA and MLA heads split over TP; MLA q_a, kv_a_proj_with_mqa and the latent cache "
-            "replicated on every TP rank; dense MLP, shared experts and latent projections column/row parallel; "
-            "routed experts spread whole over EP ranks (split further TP/EP ways when TP > EP); router, norms and "
-            "AttnRes vectors replicated; embed_tokens and lm_head vocab-parallel.",
+            f"Layout {lay}, {_ep_words(lay)}: KDA and MLA heads split over TP; MLA q_a, kv_a_proj_with_mqa and the "
+            "latent cache replicated on every TP rank; dense MLP, shared experts and latent projections column/row "
+            "parallel; routed experts spread whole over EP ranks (split further TP/EP ways when TP > EP); router, "
+            "norms and AttnRes vectors replicated; embed_tokens and lm_head vocab-parallel.",
             f"Batch {cfg.batch} counts sequences per attention replica (TP group); memory is for the most "
             "loaded GPU (ceil of uneven splits).",
             f"MLA cache: kv_lora_rank + qk_rope_head_dim values per token per MLA layer at {cfg.kv_dtype} "
@@ -281,6 +280,16 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
     return Plan(name, tgt, layout, cfg, passes, facts, weights, memory, planner, cm, phases, fit, kvt,
                 _mla_section(cm, facts, layout, tgt, kv_dtype, context, append_new),
                 _moe_section(cm, facts, layout, tgt), _attnres_section(facts, pp, vpp, prefill_chunk), points)
+
+
+def _ep_words(lay: ParallelLayout) -> str:
+    """What the layout does with the routed experts, in the assumptions' words."""
+    if lay.tp > 1 and lay.ep == 1:
+        return "EP 1 (AMD's MI355X TP8 layout: every routed expert split over the TP GPUs)"
+    if lay.ep == lay.tp:
+        return ("EP = TP, the default (whole experts, E/EP per GPU; AMD's MI355X TP8 deployment runs --ep 1 "
+                "instead: every expert split over the 8 GPUs)")
+    return f"EP {lay.ep}"
 
 
 def _mla_section(cm: CostModel, facts: ModelFacts, layout: ParallelLayout, tgt: Target, kv_dtype: str,
