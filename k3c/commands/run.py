@@ -54,7 +54,7 @@ def _graph_line(eng, stats=None) -> str:
 
 
 def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, prefill_chunk: int | None = None,
-                       elem_bytes: int = 4, page_size: int = 64, kv_dtype=None) -> dict[str, int]:
+                       elem_bytes: int = 4, page_size: int = 64, kv_pool=None) -> dict[str, int]:
     """A rough lower bound of the memory `k3c run` needs, by part: the weights (at `elem_bytes`, fp32 entries at
     4), the engine's MLA page pool (batch x pages of the whole context), the KDA states (fp32) and conv tails of
     every sequence, and the activations of the largest step (the prefill of every prompt, or one chunk of each:
@@ -70,8 +70,8 @@ def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, pr
     mla = 0
     if spec.mla is not None:
         L, R = spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim
-        # the pool's rows: kv_dtype None = the activation dtype; fp8 rows are one byte per element
-        row = row_width(L, R, kv_dtype) * kv_dtype.itemsize if kv_dtype is not None else (L + R) * elem_bytes
+        # the pool's rows (kv_pool: the pool's torch dtype; None = the activations' at elem_bytes)
+        row = row_width(L, R, kv_pool) * kv_pool.itemsize if kv_pool is not None else (L + R) * elem_bytes
         mla = batch * -(-ctx // page_size) * page_size * row * kinds.count("mla")
     kda = 0
     if spec.kda is not None:
@@ -229,7 +229,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     kv = pool_dtype(kv_dtype, torch_dtype, "--kv-dtype")   # fp8 with fp32 activations: refused before loading
     check_run_fits(model.spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                    prefill_chunk=prefill_chunk, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
-                   page_size=target_for(torch.device(device)).mla_page_size, kv_dtype=kv)
+                   page_size=target_for(torch.device(device)).mla_page_size, kv_pool=kv)
     default = model_checkpoint(spec_or_artifact) if weights is None else None
     t = time.perf_counter()
     w, t_prep = _graph_weights(model, weights or default, seed, torch_dtype, device, sync)

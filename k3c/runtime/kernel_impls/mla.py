@@ -452,7 +452,7 @@ def torch_mla_absorbed(a, cache, data, w):
     new = ref.mla_latent(x, w, cfg)
     L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
-    pdt = pool_dtype(getattr(cache, "kv_dtype", "auto"), x.dtype)
+    pdt = _new_store_dtype(cache, x)
     store, lens = reserve(entry, B, T, row_width(L, R, pdt), ps, pdt, x.device)
     pos = torch.arange(T, device=x.device)[None, :] + torch.tensor(lens, device=x.device)[:, None]
     pages = store.block_table.gather(1, (pos // ps).long()).long()
@@ -471,6 +471,11 @@ def _ref_attend(a, x, rows, w, cfg, mode):
     latent = decode_rows(rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim, x.dtype)
     o = ref.mla_attention(ref.mla_query(x, w, cfg), latent, {"kv_b_proj.weight": _kvb(w)}, cfg, mode)
     return _finish(a, x, o, w)
+
+
+def _new_store_dtype(cache, x: torch.Tensor) -> torch.dtype:
+    """The pool dtype of a store made for this cache (LayerCaches.kv_dtype; other cache holders: the activations')."""
+    return pool_dtype(getattr(cache, "kv_dtype", "auto"), x.dtype)
 
 
 def _record_mode(cache, a, mode: str) -> str:
@@ -492,7 +497,7 @@ def launch_mla_absorbed(a, cache, data, w):
     if isinstance(entry, DeviceLenLatentCache):
         return _kernel_mla_device_lens(a, cache, x, w, entry)
     ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
-    pdt = pool_dtype(getattr(cache, "kv_dtype", "auto"), x.dtype)
+    pdt = _new_store_dtype(cache, x)
     store, lens = reserve(entry, B, T, row_width(L, r, pdt), ps, pdt, x.device)
     write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], store, lens, L)
     store.high = [m + T for m in lens]
