@@ -42,6 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import moe_forms as forms  # noqa: E402
+import moe_peer  # noqa: E402
+from k3c.runtime.kernel_impls.moe_layout import to_lanes  # noqa: E402
 from k3c.runtime.launcher import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
 from k3c.runtime.devices import target_for  # noqa: E402
 from k3c.frontend.spec import ActivationSpec  # noqa: E402
@@ -137,12 +139,14 @@ def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
     _, (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
     permuted = {}
 
-    def pw(t, plan):    # perm plans read the payload in the load-time perm layout (forms.pairs_perm_words)
-        if not (isinstance(plan, forms.FormPlan) and plan.form == "perm"):
+    def pw(t, plan):    # perm / lanes plans read the payload in their load-time layout (a copy, made once)
+        lanes = getattr(plan, "lanes", False)
+        if not (lanes or isinstance(plan, forms.FormPlan) and plan.form == "perm"):
             return t
-        if id(t) not in permuted:
-            permuted[id(t)] = forms.pairs_perm_words(t)
-        return permuted[id(t)]
+        key = (id(t), lanes)
+        if key not in permuted:
+            permuted[key] = to_lanes(t) if lanes else forms.pairs_perm_words(t)
+        return permuted[key]
 
     def gemm(kind, a, ws, plan, **kw):
         if isinstance(plan, forms.FormPlan):
@@ -158,7 +162,7 @@ def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
     return k3c_fn
 
 
-def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline=None):
+def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline=None, peer=None):
     zdim, mi, k = args.latent, args.inter, args.top_k
     lg = torch.randn(tokens, e, device=dev, generator=gen)
     wt, ids, off, perm = M.route(lg, None, top_k=k)
@@ -214,11 +218,19 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
     ROWS.append(row)
     t_route = timed(lambda: M.route(lg, None, top_k=k), dev, rep_ms=25)
     row["route_s"] = t_route
+    peer_txt = ""
+    if peer is not None:
+        try:
+            t_peer = peer.timed(lg, z, k, lambda f: timed(f, dev))
+            row.update(peer_s=t_peer, peer_over_k3c=t_peer / t_k3c, peer_over_best=t_peer / best[1])
+            peer_txt = f" | matmul_ogs {t_peer * 1e6:9.1f} us: peer/k3c {t_peer / t_k3c:4.2f} (best {t_peer / best[1]:4.2f})"
+        except Exception as exc:  # noqa: BLE001 - the peer failing is reported, k3c's row stands
+            peer_txt = f" | matmul_ogs failed: {type(exc).__name__}: {str(exc)[:160]}"
     frac = f"{row['k3c_frac_of_copy'] * 100:5.1f}%" if copy_bw else "   - "
     print(f"E={e:4d} T={tokens:5d} act={n_act:4d} | k3c {t_k3c * 1e6:9.1f} us {row['k3c_TBps']:5.2f} TB/s {frac} | "
           f"bf16 {t_base * 1e6:9.1f} us {row['bf16_TBps']:5.2f} TB/s | x{row['speedup']:5.2f} | route "
           f"{t_route * 1e6:6.1f} us | err {err:.1e} | default {dg.tag} / {dd.tag} | best {best[0]} "
-          f"{best[1] * 1e6:.1f} us", flush=True)
+          f"{best[1] * 1e6:.1f} us" + peer_txt, flush=True)
     del w13, w2
     return row
 
@@ -227,6 +239,32 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
 # "form" one of bench/moe_forms.py's FORMS. "G" stands for the GEMV row group of the row (min(4, rows per expert
 # rounded up)); "rows" plans for that many rows per expert instead of the row's (BLOCK_M). Decode rows (<= 64
 # tokens) and prefill rows.
+# the lanes form (weights as wgmma's register A operand, payload in the lanes layout): decode and prefill tiles
+LANES_DECODE = (
+    ("lanes", dict(lanes=True), dict(lanes=True)),
+    ("lanes_s3", dict(lanes=True, num_stages=3), dict(lanes=True, num_stages=3)),
+    ("lanes_s4", dict(lanes=True, num_stages=4), dict(lanes=True, num_stages=4)),
+    ("lanes_k128s2", dict(lanes=True, block_k=128), dict(lanes=True, block_k=128)),
+    ("lanes_n128w4k128", dict(lanes=True, block_n=128, block_k=128, num_warps=4),
+     dict(lanes=True, block_n=128, block_k=128, num_warps=4)),
+    ("lanes_n128w8k128", dict(lanes=True, block_n=128, block_k=128), dict(lanes=True, block_n=128, block_k=128)),
+    ("lanes_n256w8k128", dict(lanes=True, block_n=256, block_k=128, num_warps=8),     # the peer's Hopper tiles
+     dict(lanes=True, block_n=256, block_k=128, num_warps=8)),
+    ("lanes_n256w8k128s4", dict(lanes=True, block_n=256, block_k=128, num_warps=8, num_stages=4),
+     dict(lanes=True, block_n=256, block_k=128, num_warps=8, num_stages=4)),
+)
+LANES_PREFILL = (
+    ("lanes", dict(lanes=True), dict(lanes=True)),
+    ("lanes_n256", dict(lanes=True, block_n=256, num_warps=8), dict(lanes=True, block_n=256, num_warps=8)),
+    ("lanes_k256", dict(lanes=True, block_k=256), dict(lanes=True, block_k=256)),
+    ("lanes_m64", dict(lanes=True, rows=64), dict(lanes=True, rows=64)),
+    ("lanes_m64n256", dict(lanes=True, rows=64, block_n=256, num_warps=8),
+     dict(lanes=True, rows=64, block_n=256, num_warps=8)),
+    ("lanes_m64n256s4", dict(lanes=True, rows=64, block_n=256, num_warps=8, num_stages=4),
+     dict(lanes=True, rows=64, block_n=256, num_warps=8, num_stages=4)),
+    ("lanes_m32", dict(lanes=True, rows=32, block_n=256, block_k=128, num_warps=8),
+     dict(lanes=True, rows=32, block_n=256, block_k=128, num_warps=8)),
+)
 DECODE_VARIANTS = (
     ("gemv", dict(gemv="G"), dict(gemv="G")),
     ("gemv_bk512", dict(gemv="G", block_k=512), dict(gemv="G", block_k=512)),
@@ -238,7 +276,7 @@ DECODE_VARIANTS = (
     ("joined_bn16", dict(gemv=0, block_n=16), dict(gemv=0, block_n=32)),
     ("split", dict(form="split"), dict(form="split")),
     ("postscale", dict(form="postscale"), dict(form="postscale")),
-)
+) + LANES_DECODE
 # --decode: the plans without the pair decode ("old": moe_gemm_plan(pairs=False), i.e. gemv at 1 row per expert and
 # the fp16-decode joined tile above) against the default (pair decode, one multiply; the row's main timing) and
 # alternatives of it; "old" first so that the budget never drops it
@@ -258,8 +296,8 @@ DECODE_COMPARE = (
     ("pairs1_n64k512", dict(pairs=True, block_k=512, num_stages=2), dict(pairs=True, block_k=512, num_stages=2)),
     ("pairs1_w8", dict(pairs=True, num_warps=8), dict(pairs=True, num_warps=8)),
     ("pairs1_s4", dict(pairs=True, num_stages=4), dict(pairs=True, num_stages=4)),
-)
-PREFILL_VARIANTS = (
+) + LANES_DECODE
+PREFILL_VARIANTS = LANES_PREFILL + (
     ("dequant", dict(dequant=True), dict(dequant=True)),
     ("dequant_s4", dict(dequant=True, num_stages=4), dict(dequant=True, num_stages=4)),
     ("dequant_bn128", dict(dequant=True, block_n=128), dict(dequant=True, block_n=256)),
@@ -277,7 +315,7 @@ def variants(args, dev, rows, specs):
     group = min(4, 1 << max(0, rows - 1).bit_length())
     out, seen = {}, set()
     for name, kg, kd in specs:
-        if mx != "upcast" and any(x in kg for x in ("gemv", "dequant", "pairs", "form")):
+        if mx != "upcast" and any(x in kg for x in ("gemv", "dequant", "pairs", "form", "lanes")):
             continue
         kg, kd = ({k: group if v == "G" else v for k, v in kw.items()} for kw in (kg, kd))
         try:
@@ -372,7 +410,8 @@ def decode_table(copy_bw):
 SASS_PLANS = (
     ("old gemv1 (1 row)", 1, dict(pairs=False), dict(pairs=False)),
     ("old joined (2-16 rows)", 2, dict(pairs=False), dict(pairs=False)),
-) + tuple((f"new {name}", 1, kg, kd) for name, kg, kd in DECODE_COMPARE[1:]) + (("new default", 1, {}, {}),)
+) + tuple((f"new {name}", 1, kg, kd) for name, kg, kd in DECODE_COMPARE[1:]) + (("new default", 1, {}, {}),) + tuple(
+    (f"prefill {name}", 128, kg, kd) for name, kg, kd in LANES_PREFILL if "rows" not in kg)
 
 
 def _sass_loop(sass: str) -> list[str]:
@@ -432,7 +471,8 @@ def sass_report(args):
                               capture_output=True, text=True).stdout
         loop = _sass_loop(text)
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
-        per = (2 if kind == "gate_up" else 1) * plan.block_n * plan.block_k // (32 * plan.num_warps)  # per thread
+        tiles = plan.plan if isinstance(plan, forms.FormPlan) else plan
+        per = (2 if kind == "gate_up" else 1) * tiles.block_n * tiles.block_k // (32 * tiles.num_warps)  # per thread
         alu = sum(v for op, v in ops.items() if op.split(".")[0] in ("LOP3", "PRMT", "SHF", "IADD3", "LEA"))
         mov = sum(v for op, v in ops.items() if op.split(".")[0] in ("MOV", "IMAD") and
                   (op == "MOV" or op.startswith("IMAD.MOV")))
@@ -473,6 +513,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--sass", action="store_true", help="no GPU: SASS instruction counts of the decode plans")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-peer", action="store_true", help="do not run triton_kernels' matmul_ogs (bench/moe_peer.py)")
     args = ap.parse_args()
     if args.sass:
         return sass_report(args)
@@ -496,6 +537,11 @@ def main():
         from concurrent.futures import ProcessPoolExecutor
 
         pool = ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"))
+    peer_mods = None
+    if dev.type == "cuda" and not args.no_peer:
+        peer_mods, why = moe_peer.load()
+        print("peer: triton_kernels matmul_ogs in this process" if peer_mods else f"peer: not run ({why})",
+              flush=True)
     copy_bw = copy_bandwidth(dev)
     if copy_bw:
         copy_bw = max(copy_bw, copy_bandwidth(dev))
@@ -511,11 +557,17 @@ def main():
                                      else PREFILL_VARIANTS) if args.sweep else None for t, r in rows_of.items()}
             if pool is not None:
                 precompile_rows(pool, e, args, weights, dev, row_plans, args.compile_wait)
+            peer = None
+            if peer_mods is not None:
+                try:
+                    peer = moe_peer.PeerExperts(peer_mods, w1p, w1s, w3p, w3s, w2p, w2s)
+                except Exception as exc:  # noqa: BLE001 - reported; the rows run without the peer
+                    print(f"peer weights for E={e} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             for t in args.tokens:
                 row_deadline = time.time() + max(0.0, budget_left) / rows_left if budget_left is not None else None
                 rows_left -= 1
                 try:
-                    row = bench_case(e, t, args, weights, dev, gen, copy_bw, row_plans[t], row_deadline)
+                    row = bench_case(e, t, args, weights, dev, gen, copy_bw, row_plans[t], row_deadline, peer)
                     if budget_left is not None:
                         budget_left -= row["variants_s"]
                 except Exception:  # noqa: BLE001 - report the row and go on with the others
@@ -523,7 +575,7 @@ def main():
 
                     traceback.print_exc()
                 write_json(args, dev, copy_bw)
-            del w1p, w1s, w3p, w3s, w2p, w2s, weights
+            del w1p, w1s, w3p, w3s, w2p, w2s, weights, peer
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     if pool is not None:

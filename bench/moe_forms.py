@@ -22,8 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from k3c.codegen.kernels import moe as KM
+from k3c.codegen.kernels.moe_lanes import (E2M1_PAIRS1_PERM_ASM, E2M1_PAIRS1_PERM_OPS,  # noqa: F401 (re-exported)
+                                           E2M1_PAIRS_PERM_ASM, E2M1_PAIRS_PERM_OPS, PAIRS_PERM_MASK,
+                                           pairs_perm_bit_map, ptx_text)
 from k3c.codegen.writer import CodegenError, SourceWriter, ident
 from k3c.runtime.devices import target_for, tt_dtype
+from k3c.runtime.kernel_impls.moe_layout import perm_words
 from k3c.runtime.launcher import launch
 
 FORMS = ("split", "postscale", "perm")
@@ -105,93 +109,14 @@ def _split_step(w: SourceWriter, g: KM.GroupedGemm, post_scale: bool) -> None:
 
 
 # -- perm: the pair decode from load-time permuted words ------------------------------------------------------------
-# A pair's bits sit at P = {6, 7, 8, 15, 22, 23, 24, 31} of its bf16x2 register (magnitude e1 e0 m at 8..6, sign at
-# 15, twice); with the word's bits placed for it, one prmt gathers the pair's bytes from two of four registers (the
-# word, rotated right by 1 and by 3, shifted left by 2) and one and keeps P: 3 + 2 x 4 = 11 integer ops per 8
-# weights, against 17 (a prmt, a shift and two lop3 per pair, a shift per word) for the canonical order.
-# (Translates of P do not tile 32 bits, so one shift + one and per pair cannot cover a word; a search over shift /
-# rotate / prmt programs found none cheaper than this one.)
-PAIRS_PERM_MASK = 0x81C081C0
-_PERM_REGS = (("r1", "shfw", 1), ("r3", "shfw", 3), ("l2", "shl", 2))
-_PERM_PAIRS = (("$4", "r1", (0, 4, 1, 7)), ("$4", "r3", (2, 4, 3, 7)), ("r1", "l2", (4, 1, 5, 2)),
-               ("l2", "r3", (2, 5, 3, 6)))
-
-
-def _pairs_perm_ops(one_mul: bool) -> list:
-    """The op list of the perm pair decode (operands as k3c's E2M1_PAIRS_OPS; $4 a permuted word)."""
-    ops = [("mad", "m", "$5", 0x800080, 126 * 0x800080)] if one_mul else \
-        [("mov", "c", 0x7E807E80), ("mul", "m", "$5", 0x800080), ("mov", "lo", 0x00400040),
-         ("max16", "m", "m", "lo")]
-    ops += [(kind, r, "$4", n) for r, kind, n in _PERM_REGS]
-    for j, (x, y, sel) in enumerate(_PERM_PAIRS):
-        ops += [("prmt", f"q{j}", x, y, sel[0] | sel[1] << 4 | sel[2] << 8 | sel[3] << 12),
-                ("and", f"q{j}", f"q{j}", PAIRS_PERM_MASK)]
-        ops += [("mulbf", f"${j}", f"q{j}", "m")] if one_mul else \
-            [("mulbf", f"q{j}", f"q{j}", "c"), ("mulbf", f"${j}", f"q{j}", "m")]
-    return ops
-
-
-def pairs_perm_bit_map() -> tuple[int, ...]:
-    """stored bit -> canonical bit of the perm layout (a permutation of 0..31), derived from the op list itself: the
-    bits of pair j's register at P are traced back through the shifts and prmt to the stored word, and bit i of P
-    must hold canonical bit 8 j + (0, 1, 2, 3, 4, 5, 6, 7)[P.index(i)] (the low nibble's m, e0, e1, sign, then the
-    high nibble's), which is what the canonical decode places there."""
-    regs = {"$4": list(range(32))}
-    for r, kind, n in _PERM_REGS:
-        w = regs["$4"]
-        regs[r] = [w[(i + n) % 32] for i in range(32)] if kind == "shfw" else \
-            [w[i - n] if i >= n else None for i in range(32)]
-    pos = [i for i in range(32) if PAIRS_PERM_MASK >> i & 1]
-    stored_to_canon = [None] * 32
-    for j, (x, y, sel) in enumerate(_PERM_PAIRS):
-        src = regs[x] + regs[y]
-        q = [src[8 * sel[i // 8] + i % 8] for i in range(32)]
-        for t, i in enumerate(pos):
-            assert q[i] is not None and stored_to_canon[q[i]] is None, "perm decode: a bit used twice"
-            stored_to_canon[q[i]] = 8 * j + t
-    assert sorted(stored_to_canon) == list(range(32))
-    return tuple(stored_to_canon)
-
-
-def ptx_text(ops) -> str:
-    """PTX text of an op list: k3c's op kinds, plus shfw (rotate right: a funnel shift of a register with itself)."""
-    regs = sorted({o[1] for o in ops if not o[1].startswith("$")})
-    out = ["{ .reg .b32 " + ", ".join(regs) + ";"]
-    for op, d, *src in ops:
-        args = ", ".join([d] + [hex(x) if isinstance(x, int) else x for x in src])
-        if op == "shfw":
-            out.append(f"shf.r.wrap.b32 {d}, {src[0]}, {src[0]}, {src[1]};")
-            continue
-        out.append({"shl": "shl.b32", "shr": "shr.u32", "and": "and.b32", "or": "or.b32", "mov": "mov.b32",
-                    "mul": "mul.lo.u32", "mad": "mad.lo.u32", "max16": "max.u16x2", "prmt": "prmt.b32",
-                    "mulbf": "mul.rn.bf16x2"}[op] + f" {args};")
-    return " ".join(out + ["}"])
-
-
-E2M1_PAIRS_PERM_OPS = _pairs_perm_ops(False)
-E2M1_PAIRS1_PERM_OPS = _pairs_perm_ops(True)
-E2M1_PAIRS_PERM_ASM = ptx_text(E2M1_PAIRS_PERM_OPS)
-E2M1_PAIRS1_PERM_ASM = ptx_text(E2M1_PAIRS1_PERM_OPS)
+# The op lists, the bit map and the PTX text are k3c's (k3c.codegen.kernels.moe_lanes: the lanes form decodes words in
+# this bit order too); this form reads them from the canonical byte order.
 
 
 def pairs_perm_words(packed: torch.Tensor) -> torch.Tensor:
     """MXFP4 payload bytes [..., K/2] (canonical k3c.quant order) -> the same shape with each aligned 4-byte word's
-    32 bits permuted into the layout the perm decode reads (pairs_perm_bit_map). Each word holds 8 weights of one
-    32-block, so scales and blocks are unchanged."""
-    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
-        raise ValueError(f"perm layout: packed MXFP4 bytes with a last dim divisible by 4 expected, got "
-                         f"{packed.dtype} {tuple(packed.shape)}")
-    canon_to_stored = [0] * 32
-    for stored, canon in enumerate(pairs_perm_bit_map()):
-        canon_to_stored[canon] = stored
-    v = torch.arange(256, dtype=torch.int64)
-    out = torch.zeros(packed.shape[:-1] + (packed.shape[-1] // 4,), dtype=torch.int64, device=packed.device)
-    b = packed.reshape(packed.shape[:-1] + (packed.shape[-1] // 4, 4)).to(torch.int64)
-    for k in range(4):      # byte k of the canonical word: a 256-entry table of its bits' stored places
-        lut = sum(((v >> t) & 1) << canon_to_stored[8 * k + t] for t in range(8)).to(packed.device)
-        out |= lut[b[..., k]]
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=packed.device)
-    return ((out[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(packed.shape)
+    32 bits permuted into the layout the perm decode reads (k3c's moe_layout.perm_words)."""
+    return perm_words(packed)
 
 
 # -- kernels and launches -------------------------------------------------------------------------------------------

@@ -41,6 +41,11 @@ Weight formats (`mx`):
                         (exact; one multiply where every scale of the weights is <= 128, else two): fewer
                         instructions per weight in the K loop than gemv / joined; 4-warp 16-row tiles, 256-K steps.
                         swap (option) makes the weight tile the MMA's A operand.
+               lanes    (sm_90, plan option, not a default) the weight tile as wgmma's register A operand, the
+                        payload in the load-time lanes layout (moe_lanes; every lane's bytes contiguous, words in the
+                        perm bit order: one prmt + one and per K pair), activations wgmma's B from shared memory,
+                        acc [BLOCK_N, BLOCK_M]; 3.1-3.3 SASS per weight at decode tiles against the pairs form's
+                        4.1-4.5, 1.27-1.34x the default plans at 64-128 rows per expert (docs/perf.md, issue 24).
                dequant  (prefill, >= DEQUANT_MIN_ROWS rows) emit_moe_dequant writes the experts' bf16 weights once
                         per call (chunks of experts within DEQUANT_WORKSPACE_BYTES), then the bf16 grouped GEMM
                         with expert_chunk runs those experts' tiles: the decode is not repeated per M tile.
@@ -63,6 +68,8 @@ from dataclasses import dataclass
 from ..kernel import KernelSource
 from ..targets import Target
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part, num
+from .moe_lanes import (E2M1_PAIRS1_PERM_ASM, E2M1_PAIRS_PERM_ASM, LANES_GROUP_K, LANES_ROWS, lanes_pointers,
+                        lanes_step)
 from .common import (ELEM_BYTES, TL_DTYPE, check_dim, check_float, emit_math_helpers, glu_act, glu_helpers,
                      glu_lines, interpreted, pow2_ceil, to_dtype)
 
@@ -102,13 +109,16 @@ class MoEGemmPlan:
     dequant: bool = False      # upcast: dequantize the experts to a bf16 workspace once, then the bf16 GEMM (tiles)
     pairs: bool = False        # upcast joined form, CUDA, bf16: E2M1 decoded straight to scaled bf16x2 K pairs (PTX)
     swap: bool = False         # joined: the weight tile is the MMA's A operand (acc [BLOCK_N, BLOCK_M], transposed)
-    one_mul: bool = False      # pairs: one bf16x2 multiply per pair, exact for scales <= PAIRS1_MAX_SCALE (the runtime
-                               # checks the weights' scales and else runs the two-multiply decode)
+    one_mul: bool = False      # pairs / lanes: one bf16x2 multiply per pair, exact for scales <= PAIRS1_MAX_SCALE (the
+                               # runtime checks the weights' scales and else runs the two-multiply decode)
+    lanes: bool = False        # upcast, sm_90: the weight tile is wgmma's register A operand, read from the payload in
+                               # the load-time lanes layout (moe_lanes); acc [BLOCK_N, BLOCK_M]
 
     @property
     def tag(self) -> str:
         """Short name of the variant (bench tables)."""
         form = ("dequant" if self.dequant else f"gemv{self.gemv}" if self.gemv else
+                "lanes" + ("1" if self.one_mul else "") if self.lanes else
                 ("pairs" + ("1" if self.one_mul else "") if self.pairs else "joined") + ("T" if self.swap else "")
                 if self.joined else "mma")
         return f"{form}_m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
@@ -146,10 +156,38 @@ def _dequant_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targ
     return MoEGemmPlan(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, dequant=True)
 
 
+def _lanes_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Target, *, block_n: int | None,
+                block_k: int | None, num_warps: int | None, num_stages: int | None,
+                one_mul: bool | None) -> MoEGemmPlan:
+    """The lanes form (moe_lanes): BLOCK_N weight rows x BLOCK_M tokens per program, wgmma M = 64 weight rows per
+    warpgroup (4 warps per 64 rows of BLOCK_N), 128-K groups. Decode (<= 32 rows): 64 x 256-K (two 128-K groups in
+    flight per lane); prefill: 128-wide N tiles over 8 warps, 128-K steps."""
+    if dtype != "bf16" or k % LANES_GROUP_K:
+        raise CodegenError(f"the lanes form takes bf16 activations and K a multiple of {LANES_GROUP_K}, got "
+                           f"{dtype}, K {k}")
+    bm = row_bucket(rows)
+    n_b = 2 if kind == "gate_up" else 1
+    bn = block_n or (LANES_ROWS if bm <= 32 else 2 * LANES_ROWS)
+    bk = _divisor_block(k, block_k or (256 if bm <= 32 else 128), LANES_GROUP_K)
+    if bn % LANES_ROWS or not bk:
+        raise CodegenError(f"lanes tiles: BLOCK_N a multiple of {LANES_ROWS}, BLOCK_K of {LANES_GROUP_K} dividing K "
+                           f"{k}; got {bn} x {block_k}")
+    warps = num_warps or 4 * (bn // LANES_ROWS)
+    if target.shared_mem_bytes <= 0:
+        stages = 1
+    else:
+        stage = bm * bk * ELEM_BYTES[dtype] + n_b * bn * (bk // 2 + bk // 32)
+        budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
+        # decode tiles: 2 stages (1.04-1.09x over 4 on the H200: the smem of more stages costs resident warps)
+        stages = num_stages or (2 if bm <= 32 else max(2, min(4, budget // max(1, stage))))
+    return MoEGemmPlan(bm, bn, bk, warps, stages, lanes=True, one_mul=one_mul if one_mul is not None else True)
+
+
 def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, target: Target, *,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, gemv: int | None = None, dequant: bool | None = None,
-                  pairs: bool | None = None, swap: bool | None = None, one_mul: bool | None = None) -> MoEGemmPlan:
+                  pairs: bool | None = None, swap: bool | None = None, one_mul: bool | None = None,
+                  lanes: bool | None = None) -> MoEGemmPlan:
     """Tiles of the grouped expert GEMM. BLOCK_M = rows per expert rounded up to 16..128 (the tile-offset buckets).
     Decode (BLOCK_M 16-32; the weight stream dominates): narrow N tiles (32 columns, gate and up side by side for
     gate_up) so that the active experts' weights spread over many programs, long K steps (256) to keep bytes in
@@ -159,8 +197,13 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     128-column N tiles: it pays per program). Upcast forms (module doc; None = the rules DEQUANT_MIN_ROWS /
     PAIRS_MAX_ROWS / GEMV_MAX_ROWS): pairs (CUDA, bf16: the joined form with the PTX pair decode, one_mul by
     default; swap puts the weights in the MMA's A operand), dequant (bf16 workspace + the bf16 tiles of this plan),
-    gemv (FMA over the real rows of a 16-row tile), else the joined MMA form. Overrides are for benchmarks."""
+    gemv (FMA over the real rows of a 16-row tile), else the joined MMA form; lanes (sm_90 and the interpreter,
+    bf16: the weights as wgmma's register A operand, payload in the lanes layout; _lanes_plan). Overrides are for
+    benchmarks."""
     up = mx == "upcast"
+    if up and lanes:
+        return _lanes_plan(kind, n, k, rows, dtype, target, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                           num_stages=num_stages, one_mul=one_mul)
     if up and (dequant if dequant is not None else rows >= DEQUANT_MIN_ROWS):
         return _dequant_plan(kind, n, k, rows, dtype, target, block_n=block_n, block_k=block_k,
                              num_warps=num_warps, num_stages=num_stages)
@@ -520,7 +563,9 @@ class GroupedGemm:
     gemv: int               # upcast GEMV form: rows per group; else 0
     joined: bool            # upcast joined MMA form
     pairs_asm: str | None   # joined form, CUDA, bf16, compiled: the PTX of the bf16x2 pair decode; else None
-    swap: bool              # joined: the weight tile is the MMA's A operand
+    swap: bool              # joined / lanes: the weight tile is the MMA's A operand (acc [BLOCK_N, BLOCK_M])
+    lanes: bool             # upcast lanes form (payload in the lanes layout)
+    lanes_asm: str | None   # lanes form, CUDA, compiled: the PTX of the perm pair decode; else None (portable)
     use_asm: bool           # upcast, CUDA, compiled: the prmt decode of the nibbles (else Triton integer ops)
 
     @classmethod
@@ -552,12 +597,21 @@ class GroupedGemm:
         pairs = joined and plan.pairs and target.backend == "cuda" and not interp and dt == "bf16"
         if gemv and plan.block_m != 16:
             raise CodegenError("the GEMV form takes 16-row tiles")
+        lanes = plan.lanes and mx == "upcast"
+        if lanes and (dt != "bf16" or K % plan.block_k or plan.block_k % LANES_GROUP_K
+                      or (target.backend == "cuda" and plan.block_n % LANES_ROWS)):
+            raise CodegenError(f"lanes form: bf16 activations, BLOCK_K a multiple of {LANES_GROUP_K} dividing K, "
+                               f"BLOCK_N of {LANES_ROWS}; got {dt}, {plan.block_k} / {K}, {plan.block_n}")
+        if lanes and target.backend == "hip":
+            raise CodegenError("the lanes form is wgmma's (sm_90); hip targets run the joined or dequant forms")
         return cls(kind, N, K, E, TK, dt, wdt, odt, mx, plan, target, interp,
                    glu=glu_act(act) if kind == "gate_up" else None, chunk=expert_chunk and kind != "dense",
                    gemv=gemv, joined=joined,
                    pairs_asm=(E2M1_PAIRS1_ASM if plan.one_mul else E2M1_PAIRS_ASM) if pairs else None,
                    # (also in the interpreter, with the portable decode: the same epilogue runs)
-                   swap=joined and plan.swap,
+                   swap=(joined and plan.swap) or lanes, lanes=lanes,
+                   lanes_asm=(E2M1_PAIRS1_PERM_ASM if plan.one_mul else E2M1_PAIRS_PERM_ASM)
+                   if lanes and target.backend == "cuda" and not interp else None,
                    use_asm=mx == "upcast" and target.backend == "cuda" and not interp)
 
     @property
@@ -627,6 +681,8 @@ def gemm_kernel_name(g: GroupedGemm) -> str:
         tags.insert(3, f"e{g.E}")
     if g.mx != "none":
         tags.append(f"mx{g.mx}")
+    if g.lanes:
+        tags.append("ln" + ("1" if g.plan.one_mul else ""))
     if g.gemv or g.joined:
         tags.append(f"gv{g.gemv}" if g.gemv else ("jp" + ("1" if g.plan.one_mul else "") if g.pairs else "j")
                     + ("t" if g.swap else ""))
@@ -640,6 +696,7 @@ def gemm_kernel_name(g: GroupedGemm) -> str:
 def gemm_form_words(g: GroupedGemm) -> str:
     """The form's words in the header note."""
     return ((" gemv" if g.gemv else "") + (" joined" if g.joined else "") + (" pairs" if g.pairs else "")
+            + (" lanes" if g.lanes else "")
             + (" expert_chunk" if g.chunk else ""))
 
 
@@ -769,6 +826,8 @@ def operand_form(g: GroupedGemm):
     """(pointers, K step) of the B operand for the kernel's weight format, for emit_mma_mainloop."""
     if g.joined:
         return _joined_pointers, _joined_step
+    if g.lanes:
+        return lanes_pointers, lanes_step
     if g.native:
         return _native_pointers, _native_step
     if g.mx == "none":

@@ -1,0 +1,93 @@
+"""The load-time lanes layout of MXFP4 expert payloads (k3c.codegen.kernels.moe_lanes describes it and why): per
+64-byte group of a row, byte c * 16 + i <- canonical byte 4 i + c, then the 32 bits of every stored word in the
+perm order of the pair decode. Scales are not touched. Made once at load, in place (the stack is rewritten one
+slab at a time, so no second copy of it exists), and undone the same way (checkpoint writes, the torch reference)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...codegen.kernels.moe_lanes import LANES_GROUP_K, pairs_perm_bit_map
+
+_GROUP_BYTES = LANES_GROUP_K // 2
+_SLAB_BYTES = 1 << 26       # rows rewritten per step: bounded temporaries for K3's 36 GiB stacks
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_tables(inverse: bool) -> tuple[tuple[int, ...], ...]:
+    """Four 256-entry tables, one per byte k of a word: the 32-bit contribution of each value of that byte in the
+    stored (perm) order, or (inverse) in the canonical order from a stored word."""
+    stored_to_canon = pairs_perm_bit_map()
+    if inverse:
+        place = stored_to_canon                          # stored bit b -> canonical bit
+    else:
+        place = [0] * 32
+        for stored, canon in enumerate(stored_to_canon):
+            place[canon] = stored                        # canonical bit -> stored bit
+    return tuple(tuple(sum(((v >> t) & 1) << place[8 * k + t] for t in range(8)) for v in range(256))
+                 for k in range(4))
+
+
+def _permute_bits(b: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """u8 [..., 4m] -> the same bytes with each aligned word's bits moved (forward: canonical -> perm)."""
+    tables = [torch.tensor(t, dtype=torch.int64, device=b.device) for t in _byte_tables(inverse)]
+    w = b.reshape(*b.shape[:-1], b.shape[-1] // 4, 4).to(torch.int64)
+    out = tables[0][w[..., 0]] | tables[1][w[..., 1]] | tables[2][w[..., 2]] | tables[3][w[..., 3]]
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=b.device)
+    return ((out[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(b.shape)
+
+
+def perm_words(packed: torch.Tensor) -> torch.Tensor:
+    """Only the bit step: each aligned 4-byte word of canonical payload bytes [..., K/2] in the perm order (bytes
+    stay where they are; bench/moe_forms.py's perm form reads this)."""
+    if packed.dtype != torch.uint8 or packed.dim() < 1 or packed.shape[-1] % 4:
+        raise ValueError(f"perm layout: packed MXFP4 bytes with a last dim divisible by 4 expected, got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    return _permute_bits(packed, inverse=False)
+
+
+def _lanes_rows(rows: torch.Tensor) -> torch.Tensor:
+    g = rows.reshape(*rows.shape[:-1], rows.shape[-1] // _GROUP_BYTES, 16, 4)
+    return _permute_bits(g.transpose(-1, -2).reshape(rows.shape), inverse=False)
+
+
+def _canonical_rows(rows: torch.Tensor) -> torch.Tensor:
+    b = _permute_bits(rows, inverse=True)
+    g = b.reshape(*rows.shape[:-1], rows.shape[-1] // _GROUP_BYTES, 4, 16)
+    return g.transpose(-1, -2).reshape(rows.shape)
+
+
+def _check(packed: torch.Tensor) -> None:
+    if packed.dtype != torch.uint8 or packed.dim() < 1 or packed.shape[-1] % _GROUP_BYTES:
+        raise ValueError(f"lanes layout: MXFP4 payload bytes (uint8) with a last dim divisible by {_GROUP_BYTES} "
+                         f"(K a multiple of {LANES_GROUP_K}) expected, got {packed.dtype} {tuple(packed.shape)}")
+
+
+def _rewrite(packed: torch.Tensor, fn, in_place: bool) -> torch.Tensor:
+    _check(packed)
+    out = packed if in_place else torch.empty_like(packed)
+    flat_in = packed.reshape(-1, packed.shape[-1])
+    flat_out = out.view(-1, packed.shape[-1])
+    rows = max(1, _SLAB_BYTES // max(1, packed.shape[-1] * 8))
+    for r in range(0, flat_in.shape[0], rows):
+        flat_out[r:r + rows] = fn(flat_in[r:r + rows])
+    return out
+
+
+def to_lanes(packed: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """Canonical payload [..., N, K/2] -> the lanes layout (same shape and dtype). in_place rewrites `packed`
+    (contiguous) slab by slab and returns it."""
+    if in_place and not packed.is_contiguous():
+        raise ValueError("lanes layout in place needs a contiguous payload")
+    return _rewrite(packed, _lanes_rows, in_place)
+
+
+def from_lanes(stored: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """The inverse of to_lanes."""
+    if in_place and not stored.is_contiguous():
+        raise ValueError("lanes layout in place needs a contiguous payload")
+    return _rewrite(stored, _canonical_rows, in_place)
+
+
+__all__ = ["to_lanes", "from_lanes", "perm_words"]
