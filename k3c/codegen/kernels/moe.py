@@ -69,7 +69,7 @@ from ..kernel import KernelSource
 from ..targets import Target
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part, num
 from .moe_lanes import (E2M1_PAIRS1_PERM_ASM, E2M1_PAIRS_PERM_ASM, LANES_GROUP_K, LANES_ROWS, lanes_pointers,
-                        lanes_step)
+                        lanes_step, ptx_text)
 from .common import (ELEM_BYTES, TL_DTYPE, check_dim, check_float, emit_math_helpers, glu_act, glu_helpers,
                      glu_lines, interpreted, pow2_ceil, to_dtype)
 
@@ -488,20 +488,8 @@ E2M1_PAIRS_OPS = _pairs_ops(False)
 E2M1_PAIRS1_OPS = _pairs_ops(True)
 
 
-def _ptx_ops(ops) -> str:
-    """PTX text of an op list (E2M1_PAIRS_OPS): b32 integer ops, prmt, u16x2 max, bf16x2 multiplies."""
-    regs = sorted({o[1] for o in ops if not o[1].startswith("$")})
-    out = ["{ .reg .b32 " + ", ".join(regs) + ";"]
-    for op, d, *src in ops:
-        args = ", ".join([d] + [hex(x) if isinstance(x, int) else x for x in src])
-        out.append({"shl": "shl.b32", "shr": "shr.u32", "and": "and.b32", "or": "or.b32", "mov": "mov.b32",
-                    "mul": "mul.lo.u32", "mad": "mad.lo.u32", "max16": "max.u16x2", "prmt": "prmt.b32",
-                    "mulbf": "mul.rn.bf16x2"}[op] + f" {args};")
-    return " ".join(out + ["}"])
-
-
-E2M1_PAIRS_ASM = _ptx_ops(E2M1_PAIRS_OPS)
-E2M1_PAIRS1_ASM = _ptx_ops(E2M1_PAIRS1_OPS)
+E2M1_PAIRS_ASM = ptx_text(E2M1_PAIRS_OPS)
+E2M1_PAIRS1_ASM = ptx_text(E2M1_PAIRS1_OPS)
 
 
 def e2m1_fp16_lines(p: str, lo: str, hi: str, asm: bool) -> list[str]:
