@@ -237,6 +237,8 @@ def test_lanes_experts_equal_reference(case, block_m):
         assert int((torch.bincount(routing[1].reshape(-1).long(), minlength=e) == 0).sum()) >= e - t * k
     plans = _plans(dims, rows, lanes=True)
     assert all(p.lanes and p.block_m == block_m and p.tag.startswith("lanes1") for p in plans)
+    if case == "rows64":
+        assert plans[0].block_n == 128 and CASES[case][4] // plans[1].block_k == 2
     want = ref.routed_experts(x, *(mxfp4_dequantize(p, s, torch.bfloat16) for p, s in qs), routing[0],
                               routing[1].long(), SITU)
     lanes = [(to_lanes(p), s) for p, s in qs]
@@ -271,7 +273,7 @@ def test_lanes_exact_decode_plan_on_large_scales():
     assert rel(got, want) <= 1e-2
 
 
-# ---- 5. plan rules ----------------------------------------------------------------------------------------------------
+# ---- 5. plan rules ---------------------------------------------------------------------------------------------------
 def test_lanes_plans_on_h200():
     h200 = get_target("h200")
     for kind, n, k in K3_SHAPES:
@@ -325,7 +327,7 @@ def test_lanes_plans_refused():
         emit_moe_gemm("down", 128, 128, target=mi300x, plan=hip_plan, **kw)
 
 
-# ---- 6. the sm_90 cross-compile ---------------------------------------------------------------------------------------
+# ---- 6. the sm_90 cross-compile --------------------------------------------------------------------------------------
 def _first_operand_type(line: str) -> str:
     """The type of a ttng.warp_group_dot's first operand: in its signature `: A * B -> C` (after the attributes,
     which hold ` : i32` of their own), A."""
