@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands.quantize import add_parsers as add_quant_parsers
 
     add_quant_parsers(sub, _positive, _seed)            # quantize, calibrate-router
+    from .commands.serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _positive, _path, _seed)
     return p
 
 
@@ -404,6 +407,12 @@ def _write_atomic(path: str, data: bytes) -> None:
         raise ArgumentError(f"cannot write {path}: {exc.strerror}") from None
 
 
+def cmd_serve(args) -> int:
+    from .commands.serve import cmd_serve as serve
+
+    return serve(args)
+
+
 def cmd_quantize(args) -> int:
     from .commands.quantize import cmd_quantize as run
 
@@ -417,7 +426,7 @@ def cmd_calibrate_router(args) -> int:
 
 
 COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "run": cmd_run, "plan": cmd_plan,
-            "quantize": cmd_quantize, "calibrate-router": cmd_calibrate_router}
+            "quantize": cmd_quantize, "calibrate-router": cmd_calibrate_router, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k3c {__version__}")
             return 0
         if not args.command:
-            raise ArgumentError("k3c: give a command: compile, inspect, run, plan, quantize or calibrate-router "
+            raise ArgumentError("k3c: give a command: compile, inspect, run, serve, plan, quantize or calibrate-router "
                                 "(see k3c --help)")
         _check_ranks(args)
         return COMMANDS[args.command](args)

@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("aot", ("k3c.codegen.aot", "k3c.codegen.cache")),  # ahead-of-time compilation and its cache
     ("runtime", ("k3c.runtime",)),
     ("api", ("k3c.api",)),
+    ("serve", ("k3c.serve",)),                          # the HTTP server over the engine (`k3c serve`)
     ("commands", ("k3c.commands", "k3c.cli", "k3c")),   # `k3c ...` commands, the rank launcher, the CLI
 )
 LAYER_NAMES = tuple(name for name, _ in LAYERS)

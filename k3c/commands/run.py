@@ -200,7 +200,7 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
 
 
 def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, interpret, prefill_chunk,
-           cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto") -> dict:
+           cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto", prefix_cache=None) -> dict:
     """What both modes of `k3c run` set up, timed apart: the model (artifact loaded or spec compiled), its checks
     against `sizes(model)` -> (batch, prompt_len, new_tokens), the weights (given, the model directory's
     checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool)."""
@@ -237,7 +237,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     t = time.perf_counter()
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
                  use_kernels=kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-                 kernel_policy=kernel_policy, kv_dtype=kv_dtype)
+                 kernel_policy=kernel_policy, kv_dtype=kv_dtype, prefix_cache=prefix_cache)
     del w                        # the graph holds what it reads
     sync()
     return {"model": model, "eng": eng, "sync": sync, "cuda": cuda, "dtype": dtype, "kernels": kernels,

@@ -392,9 +392,17 @@ class Engine:
         """(new pages, whether the partly filled last page must be copied first) per (seq, segment)."""
         pool, ps = self.pool, self.pool.page_size
         out = []
+        writing = set()       # shared partial pages a sequence of this plan writes in place
         for seq, seg in plan:
             off = seq.length % ps
-            cow = bool(pool.used and off and pool.needs_copy(seq.pages[seq.length // ps], off))
+            cow = False
+            if pool.used and off:
+                page = seq.pages[seq.length // ps]
+                # two holders of one partial page (a sequence and one resumed from its checkpoint) may both be at
+                # the same row in one call: the filled count cannot tell them apart, so the second one copies
+                cow = pool.needs_copy(page, off) or (pool.ref[page] > 1 and page in writing)
+                if not cow:
+                    writing.add(page)
             out.append((pool.pages_for(seq.length + len(seg)) - len(seq.pages), cow))
         return out
 

@@ -85,6 +85,10 @@ class PrefixCache:
             n += len(self._page_holders) * self.pool.page_bytes
         return n
 
+    def device_pages(self) -> int:
+        """Pool pages the device checkpoints hold (each counted once, however many checkpoints share it)."""
+        return len(self._page_holders)
+
     def hit_rate(self) -> float:
         """Share of admitted prompt tokens taken from the cache."""
         return self.stats["hit_tokens"] / self.stats["prompt_tokens"] if self.stats["prompt_tokens"] else 0.0

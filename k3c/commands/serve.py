@@ -1,0 +1,169 @@
+"""`k3c serve`: the model (an artifact, a model directory, a spec) behind the OpenAI-compatible HTTP API.
+
+    k3c serve examples/k3-stdlib --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "k3-stdlib", "prompt": "import os\\n", "max_tokens": 32, "temperature": 0}'
+
+The model, weights and engine are built as `k3c run` builds them (commands/run.py), with a prefix cache; the
+engine then runs in its own thread (serve/engine_loop.py) and uvicorn serves the app (serve/app.py) on one socket
+bound before the "listening" line is printed (so --port 0 takes a free port and says which). SIGINT / SIGTERM:
+open streams get a last error event, new requests a 503, every sequence leaves the engine, the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+
+from ..errors import ArgumentError
+
+API_KEY_ENV = "K3C_API_KEY"
+
+
+def add_parser(sub, positive, path, seed) -> None:
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (completions, chat, "
+                       "streaming, /metrics)")
+    s.add_argument("model", help="model directory with a tokenizer (config.json, model.safetensors, "
+                   "tokenizer.json), a compiled artifact directory, or a spec with --tokenizer")
+    s.add_argument("--weights", type=path("--weights"), help="safetensors file or model directory (default: the "
+                   "model directory's checkpoint, else random weights from --seed)")
+    s.add_argument("--tokenizer", type=path("--tokenizer"), metavar="DIR",
+                   help="directory holding tokenizer.json (and tokenizer_config.json with an optional "
+                   "chat_template); default: the model's own")
+    s.add_argument("--served-model-name", help="the model id clients send (default: the spec's name)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=lambda t: _port(t), default=8000, help="TCP port (default 8000; 0: a free one)")
+    s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="default: float32 on a CPU, the artifact's first run dtype on a GPU")
+    s.add_argument("--max-batch", type=positive("--max-batch", 4096), default=16,
+                   help="sequences decoded together (default 16); more wait in the queue")
+    s.add_argument("--max-context", type=positive("--max-context", 1 << 24),
+                   help="prompt + completion tokens per sequence (default: the model's max_context)")
+    s.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto", help="MLA latent cache format")
+    s.add_argument("--host-bytes", type=lambda t: _bytes("--host-bytes", t), default=0,
+                   help="host-memory tier of the prefix cache in bytes (default 0: evicted checkpoints are "
+                   "dropped)")
+    s.add_argument("--prefix-cache-bytes", type=lambda t: _bytes("--prefix-cache-bytes", t), default=1 << 30,
+                   help="device bytes of prefix-cache checkpoints besides their pages (default 1 GiB)")
+    s.add_argument("--prefix-interval", type=positive("--prefix-interval", 1 << 24), default=32768,
+                   help="checkpoint every this many tokens inside a sequence, besides prompt ends and finished "
+                   "requests (default 32768)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache")
+    s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY on /v1 routes (default: the "
+                   f"{API_KEY_ENV} environment variable; unset: no key)")
+    s.add_argument("--no-kernels", action="store_true", help="torch ops on a GPU too")
+    s.add_argument("--seed", type=seed, default=0, help="seed of random weights (default 0)")
+    s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
+                   help="uvicorn's and k3c serve's log level (default warning)")
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"--port must be an integer in [0, 65535], got {text!r}")
+    return int(text)
+
+
+def _bytes(name: str, text: str) -> int:
+    if not text.isdigit() or int(text) > 1 << 50:
+        raise argparse.ArgumentTypeError(f"{name} must be a whole number of bytes in [0, 2**50], got {text!r}")
+    return int(text)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ArgumentError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ArgumentError(f"--host {host} --port {port}: cannot bind ({exc.strerror or exc})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from ..runtime.prefix_cache import PrefixCache
+    from ..runtime.text import load_tokenizer
+    from ..serve.app import SHUTDOWN_GRACE_S, build_app
+    from ..serve.chat import ChatTemplate
+    from ..serve.engine_loop import EngineLoop
+    from ..serve.metrics import ServerMetrics
+    from ..serve.protocol import ModelInfo
+    from .run import _build, _check_run_args
+
+    _check_run_args(batch=args.max_batch, prompt_len=1, new_tokens=1, prefill_chunk=None, seed=args.seed,
+                    device=args.device, kernel_policy="artifact", use_kernels=not args.no_kernels)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise ArgumentError("--api-key must not be empty")
+    sock = _bind(args.host, args.port)          # before the model loads: a taken port fails at once
+    try:
+        cache = None if args.no_prefix_cache else PrefixCache(interval=args.prefix_interval,
+                                                              max_bytes=args.prefix_cache_bytes,
+                                                              host_bytes=args.host_bytes)
+        context: list[int] = []
+
+        def sizes(model):
+            ctx = args.max_context or model.spec.max_context
+            if ctx > model.spec.max_context:
+                raise ArgumentError(f"--max-context {ctx} exceeds the model's max_context {model.spec.max_context}")
+            context.append(ctx)
+            return args.max_batch, ctx, 0
+
+        t0 = time.perf_counter()
+        b = _build(args.model, weights=args.weights, seed=args.seed, device=args.device, dtype=args.dtype,
+                   use_kernels=not args.no_kernels, interpret=False, prefill_chunk=None, cuda_graphs=None,
+                   kernel_policy="artifact", sizes=sizes, kv_dtype=args.kv_dtype, prefix_cache=cache)
+        model, eng = b["model"], b["eng"]
+        tok = load_tokenizer(args.tokenizer, model.spec.vocab_size) if args.tokenizer else model.tokenizer
+        if tok is None:
+            raise ArgumentError(f"{args.model}: no tokenizer (tokenizer.json); give --tokenizer DIR")
+        template = ChatTemplate.from_directory(os.path.dirname(tok.path),
+                                               eos_token=None if tok.eos_id is None else tok.decode([tok.eos_id]))
+        info = ModelInfo(name=args.served_model_name or model.spec.name, tokenizer=tok, max_context=context[0],
+                         vocab_size=model.spec.vocab_size, render_chat=template.render, created=int(time.time()))
+        metrics = ServerMetrics()
+        loop = EngineLoop(eng, metrics, eos_id=tok.eos_id)
+        app = build_app(loop, info, metrics, api_key=api_key)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                loop.shutdown("the server is shutting down", timeout=0)   # streams get their error event
+                super().handle_exit(sig, frame)
+                # uvicorn re-raises a captured signal once it has shut down (the process then dies of it); this
+                # server has shut down cleanly by then and exits 0 with its last line
+                self._captured_signals.clear()
+
+        server = _Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off", access_log=False,
+                                        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 5))
+        loop.start()
+        host, port = sock.getsockname()[:2]
+        weights = b["weights"] or f"random (seed {args.seed})"
+        print(f"k3c serve: {info.name} on {args.device} ({b['dtype']}, weights {weights}; max batch "
+              f"{args.max_batch}, context {info.max_context}, {eng.pool.num_pages} MLA pages; chat template "
+              f"{template.origin}; ready in {time.perf_counter() - t0:.1f} s)", flush=True)
+        if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+            print(f"k3c serve: warning: bound to {args.host} without an API key: anyone who can reach it can use it",
+                  file=sys.stderr, flush=True)
+        print(f"k3c serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port} "
+              f"(Ctrl-C stops)", flush=True)
+        server.run(sockets=[sock])
+        loop.shutdown()
+        print(f"k3c serve: stopped after {loop.steps} engine steps; {eng.pool.num_free} of {eng.pool.num_pages} "
+              f"MLA pages free (the rest hold prefix-cache checkpoints)", flush=True)
+        return 0
+    finally:
+        sock.close()

@@ -1,0 +1,298 @@
+"""The HTTP side: a Starlette app over an EngineLoop.
+
+    app = build_app(loop, info, metrics, api_key=None)     # uvicorn.Server(uvicorn.Config(app, ...)).serve()
+
+Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with "stream": true,
+ending in `data: [DONE]`), GET /v1/models, /health and /metrics. With an API key every /v1 route wants
+`Authorization: Bearer <key>` (401 otherwise); /health and /metrics stay open to the monitoring that probes them.
+A handler parses and checks the body (protocol.py), turns each choice into a Job for the engine loop and only waits
+on its events: a client that disconnects has its jobs cancelled (their pages free at the next step), a stop string
+cancels its choice the same way. Every error is OpenAI's JSON error object with a 4xx / 5xx status; inside a
+stream it is a last `data: {"error": ...}` event before `[DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+
+import anyio
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..runtime.sampling import params_for_rows
+from .engine_loop import EngineLoop, ErrorEvent, Job, TokenEvent
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import APIError, GenerationRequest, ModelInfo, parse_chat, parse_completion
+from .text_stream import TextStream
+
+log = logging.getLogger("k3c.serve")
+
+MAX_BODY_BYTES = 8 << 20          # a request body past this is refused (413) before it is parsed
+SHUTDOWN_GRACE_S = 5.0            # streams get this long to send their last (error) event on shutdown
+
+
+class _Choice:
+    """What one choice has produced so far, as the client will see it."""
+
+    def __init__(self, job: Job, tokenizer, stop, eos_id):
+        self.job, self._tok, self._eos = job, tokenizer, eos_id
+        self.text = TextStream(tokenizer, stop)
+        self.finish_reason: str | None = None
+        self.tokens = 0
+        self.logprobs: list[tuple[int, float, list]] = []     # (token, logprob, top) per token, in order
+
+    def on_token(self, ev: TokenEvent, loop: EngineLoop) -> tuple[str, list]:
+        """(new text, new log-prob entries) of one token; sets finish_reason once the choice has ended."""
+        if self.finish_reason is not None:
+            return "", []
+        self.tokens += 1
+        entries = [(ev.token, ev.logprob, ev.top or [])] if ev.logprob is not None else []
+        if ev.token == self._eos:
+            self.finish_reason = "stop"           # the EOS token is counted, neither shown nor scored
+            return self.text.finish(), []
+        delta = self.text.push(ev.token)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+            if not ev.finished:
+                loop.cancel(self.job, "stop")
+        elif ev.finished:
+            self.finish_reason = "length"
+            delta += self.text.finish()
+        self.logprobs += entries
+        return delta, entries
+
+    def token_text(self, token: int) -> str:
+        return self._tok.decode([token])
+
+
+class Server:
+    def __init__(self, loop: EngineLoop, info: ModelInfo, metrics: ServerMetrics, api_key: str | None = None):
+        self.loop, self.info, self.metrics, self.api_key = loop, info, metrics, api_key
+        self.eos_id = loop.eos_id
+
+    # -- plumbing -----------------------------------------------------------------------------------------------
+    def _count(self, endpoint: str, status: int) -> None:
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def _error(self, endpoint: str, err: APIError) -> JSONResponse:
+        self._count(endpoint, err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def _body(self, request: Request):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise APIError(400, f"the request body is not valid JSON ({str(exc)[:160]})", code="invalid_json") \
+                from None
+
+    # -- routes -------------------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if not self.loop.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as err:
+            return self._error("models", err)
+        self._count("models", 200)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.info.name, "object": "model", "created": self.info.created, "owned_by": "k3c",
+             "max_model_len": self.info.max_context}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions", parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat", parse_chat)
+
+    async def _generate(self, request: Request, endpoint: str, parse) -> Response:
+        t_arrival = time.perf_counter()
+        try:
+            self._authorize(request)
+            req = parse(await self._body(request), self.info)
+            events: asyncio.Queue = asyncio.Queue()
+            aloop = asyncio.get_running_loop()
+            rows = params_for_rows(req.sampling, len(req.prompts) * req.n)
+            jobs = [Job(index=i, prompt=req.prompts[i // req.n], max_tokens=req.max_tokens, sampling=rows[i],
+                        logprobs=req.logprobs, events=events, aloop=aloop, t_arrival=t_arrival)
+                    for i in range(len(rows))]
+            for job in jobs:
+                self.loop.submit(job)
+        except APIError as err:
+            return self._error(endpoint, err)
+        choices = [_Choice(j, self.info.tokenizer, req.stop, self.eos_id) for j in jobs]
+        rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            self._count(endpoint, 200)
+            return EventSourceResponse(self._stream(req, jobs, choices, events, rid, created), ping=15,
+                                       shutdown_event=anyio.Event(), shutdown_grace_period=SHUTDOWN_GRACE_S)
+        return await self._whole(request, endpoint, req, jobs, choices, events, rid, created)
+
+    def _cancel_open(self, jobs) -> None:
+        for job in jobs:
+            if not job.closed:
+                self.loop.cancel(job)
+
+    async def _whole(self, request, endpoint, req, jobs, choices, events, rid, created) -> Response:
+        """A non-streamed response, once every choice has ended; the client leaving first cancels them."""
+        async def collect():
+            while any(c.finish_reason is None for c in choices):
+                ev = await events.get()
+                if isinstance(ev, ErrorEvent):
+                    return ev.error
+                choices[ev.index].on_token(ev, self.loop)
+            return None
+
+        async def disconnected():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                self._cancel_open(jobs)
+            gone.cancel()
+        if not work.done() or work.cancelled():
+            self._count(endpoint, 499)               # nginx's "client closed request": nobody to answer
+            return Response(status_code=499)
+        error = work.result()
+        if error is not None:
+            self._cancel_open(jobs)
+            return self._error(endpoint, error)
+        self._count(endpoint, 200)
+        body = {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+                "created": created, "model": req.model, "choices": [self._choice_body(req, c) for c in choices],
+                "usage": self._usage(req, choices)}
+        return JSONResponse(body)
+
+    # -- bodies ------------------------------------------------------------------------------------------------
+    def _usage(self, req: GenerationRequest, choices) -> dict:
+        prompt = sum(len(p) for p in req.prompts)
+        done = sum(c.tokens for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def _logprobs_body(self, req: GenerationRequest, c: _Choice, entries, offset: int = 0):
+        if req.logprobs is None:
+            return None
+        if req.kind == "chat":
+            def item(tok, lp):
+                s = c.token_text(tok)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]}
+                                for t, lp, top in entries]}
+        texts = [c.token_text(t) for t, _, _ in entries]
+        offsets, at = [], offset
+        for s in texts:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{c.token_text(a): b for a, b in top} for _, _, top in entries] if req.logprobs
+                else None, "text_offset": offsets}
+
+    def _choice_body(self, req: GenerationRequest, c: _Choice) -> dict:
+        lp = self._logprobs_body(req, c, c.logprobs)
+        if req.kind == "chat":
+            return {"index": c.job.index, "message": {"role": "assistant", "content": c.text.text},
+                    "logprobs": lp, "finish_reason": c.finish_reason}
+        return {"index": c.job.index, "text": c.text.text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    async def _stream(self, req, jobs, choices, events, rid, created):
+        """Server-sent events: one chunk per token that adds text (or ends a choice), the usage chunk when asked
+        for, then [DONE]. Closed early (the client left, the server stops): the open choices are cancelled."""
+        kind = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+        head = {"id": rid, "object": kind, "created": created, "model": req.model}
+        sent_role = set()
+        offsets = [0] * len(choices)
+        try:
+            if req.kind == "chat":
+                for c in choices:
+                    sent_role.add(c.job.index)
+                    yield json.dumps({**head, "choices": [{"index": c.job.index, "delta": {"role": "assistant",
+                                                                                             "content": ""},
+                                                           "logprobs": None, "finish_reason": None}]})
+            while any(c.finish_reason is None for c in choices):
+                ev = await events.get()
+                if isinstance(ev, ErrorEvent):
+                    yield json.dumps(ev.error.body())
+                    break
+                c = choices[ev.index]
+                delta, entries = c.on_token(ev, self.loop)
+                if not delta and not entries and c.finish_reason is None:
+                    continue
+                lp = self._logprobs_body(req, c, entries, offsets[ev.index])
+                offsets[ev.index] += len(delta)
+                if req.kind == "chat":
+                    part = {"index": ev.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                            "finish_reason": c.finish_reason}
+                else:
+                    part = {"index": ev.index, "text": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+                yield json.dumps({**head, "choices": [part]})
+            else:
+                if req.include_usage:
+                    yield json.dumps({**head, "choices": [], "usage": self._usage(req, choices)})
+            yield "[DONE]"
+        finally:
+            self._cancel_open(jobs)
+
+
+async def _not_found(request: Request, exc: HTTPException) -> Response:
+    err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                   code="not_found" if exc.status_code == 404 else "method_not_allowed")
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("k3c serve: unhandled error in %s %s", request.method, request.url.path)
+    err = APIError(500, f"internal server error ({type(exc).__name__})", type="server_error", code="internal_error")
+    return JSONResponse(err.body(), status_code=500)
+
+
+def build_app(loop: EngineLoop, info: ModelInfo, metrics: ServerMetrics, api_key: str | None = None) -> Starlette:
+    s = Server(loop, info, metrics, api_key)
+    routes = [
+        Route("/health", s.health, methods=["GET"]),
+        Route("/metrics", s.metrics_text, methods=["GET"]),
+        Route("/v1/models", s.models, methods=["GET"]),
+        Route("/v1/completions", s.completions, methods=["POST"]),
+        Route("/v1/chat/completions", s.chat, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found, Exception: _server_error})
+    app.state.server = s
+    return app

@@ -1,0 +1,211 @@
+"""The one thread that owns the engine.
+
+    loop = EngineLoop(engine, metrics, eos_id=tok.eos_id)
+    loop.start()
+    job = Job(index=0, prompt=ids, max_tokens=64, sampling=params, logprobs=None, events=queue, aloop=aloop)
+    loop.submit(job)            # from the HTTP side (any thread): the request joins at the next step
+    ...                         # job.events receives TokenEvent / ErrorEvent, put there from this thread
+    loop.cancel(job)            # the client left or a stop string came: the sequence leaves at the next step
+    loop.shutdown("server shutting down")    # every open job gets an ErrorEvent; the thread ends
+
+HTTP handlers never touch the engine: they enqueue submissions and cancellations, which this thread applies
+between steps, so the engine (its batch, page pool and prefix cache) is only ever changed by one thread. A step
+that raises fails the jobs it was running (500) and the engine is cleared of them; the loop goes on. Tokens, their
+log-probabilities and the timing metrics (TTFT, inter-token latency) are taken here, as the engine produces them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UserError
+from .protocol import APIError
+
+log = logging.getLogger("k3c.serve")
+
+
+@dataclass
+class TokenEvent:
+    index: int                        # the choice
+    token: int
+    finished: bool                    # the engine ended the sequence (max_tokens or the EOS token)
+    logprob: float | None = None      # of `token` under the model's distribution
+    top: list[tuple[int, float]] | None = None     # the most likely alternatives (id, logprob)
+
+
+@dataclass
+class ErrorEvent:
+    index: int
+    error: APIError
+
+
+@dataclass(eq=False)
+class Job:
+    """One choice of one request: a prompt continued by the engine as one sequence."""
+    index: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: object                  # runtime.sampling.SamplingParams, seeded
+    logprobs: int | None              # top alternatives to report per token; None: no log-probabilities
+    events: asyncio.Queue
+    aloop: asyncio.AbstractEventLoop
+    t_arrival: float = field(default_factory=time.perf_counter)
+    rid: int | None = None
+    seq: object = None                # the engine's SeqState (its `resumed` count outlives the sequence)
+    tokens: int = 0
+    t_last: float | None = None
+    closed: bool = False              # nothing more will be sent to it
+
+    def put(self, event) -> None:
+        try:
+            self.aloop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:          # the HTTP loop has closed: nobody is listening
+            pass
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics, *, eos_id: int | None, idle_wait: float = 0.05):
+        self.engine, self.metrics, self.eos_id = engine, metrics, eos_id
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[int, Job] = {}          # engine rid -> job
+        self._idle_wait = idle_wait
+        self._stop_reason: str | None = None
+        self._thread = threading.Thread(target=self._main, name="k3c-engine", daemon=True)
+        self.steps = 0
+        self.error: BaseException | None = None   # what ended the thread, when it was not shutdown()
+
+    # -- the HTTP side ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self.metrics.observe_engine(self.engine)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._stop_reason is None
+
+    def submit(self, job: Job) -> None:
+        if not self.alive:
+            raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
+        self._inbox.put(("add", job))
+
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        """The job's sequence leaves at the next step; `reason` labels it in the metrics (cancelled: the client
+        left; stop: a stop string ended it)."""
+        self._inbox.put(("cancel", (job, reason)))
+
+    def shutdown(self, reason: str = "the server is shutting down", timeout: float | None = 30.0) -> None:
+        """Stop: every open job gets an ErrorEvent (503), every sequence leaves the engine, the thread ends."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        self._inbox.put(("wake", None))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- the engine thread --------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            while self._stop_reason is None:
+                self._drain(block=not self.engine.has_work())
+                if self._stop_reason is None and self.engine.has_work():
+                    self._step()
+        except BaseException as exc:             # a bug of the loop itself: say so, fail everyone, end
+            log.exception("k3c serve: the engine loop failed")
+            self.error = exc
+            self._stop_reason = self._stop_reason or f"the engine loop failed ({type(exc).__name__})"
+        finally:
+            self._drain(block=False)
+            self._fail_all(APIError(503, self._stop_reason or "the server is shutting down", type="server_error",
+                                    code="unavailable"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self._idle_wait) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, what: str, job) -> None:
+        if what == "add":
+            if self._stop_reason is not None:
+                self._close(job, ErrorEvent(job.index, APIError(503, self._stop_reason, type="server_error",
+                                                                code="unavailable")))
+                return
+            try:
+                job.rid = self.engine.add_request(list(job.prompt), job.max_tokens, sampling=job.sampling,
+                                                  stop_token_ids=() if self.eos_id is None else (self.eos_id,))
+            except UserError as exc:       # larger than the whole pool, or a bad argument
+                self._close(job, ErrorEvent(job.index, APIError(400, str(exc))))
+                return
+            job.seq = self.engine.seqs[job.rid]
+            self._jobs[job.rid] = job
+        elif what == "cancel":
+            job, reason = job
+            if job.rid is not None and self._jobs.get(job.rid) is job:
+                del self._jobs[job.rid]
+                self.engine.finish(job.rid)
+                self.metrics.finished.labels(reason).inc()
+            job.closed = True
+
+    def _close(self, job: Job, event) -> None:
+        job.closed = True
+        job.put(event)
+
+    def _fail_all(self, error: APIError) -> None:
+        for rid, job in list(self._jobs.items()):
+            if rid in self.engine.seqs:
+                self.engine.finish(rid)
+            self._close(job, ErrorEvent(job.index, error))
+        self._jobs.clear()
+        self.metrics.observe_engine(self.engine)
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as exc:                 # the step's sequences cannot go on; the server can
+            log.exception("k3c serve: an engine step failed")
+            self._fail_all(APIError(500, f"the engine step failed ({type(exc).__name__}: {str(exc)[:200]})",
+                                    type="server_error", code="engine_error"))
+            return
+        self.steps += 1
+        now = time.perf_counter()
+        m = self.metrics
+        if outs:
+            m.batch.observe(len(outs))
+        for o in outs:
+            job = self._jobs.get(o.rid)
+            if job is None:
+                continue
+            job.tokens += 1
+            m.generated_tokens.inc()
+            if job.t_last is None:
+                m.ttft.observe(now - job.t_arrival)
+                m.prompt_tokens.inc(len(job.prompt))
+                m.cached_tokens.inc(getattr(job.seq, "resumed", 0))
+            else:
+                m.itl.observe(now - job.t_last)
+            job.t_last = now
+            event = TokenEvent(job.index, o.token, o.finished)
+            if job.logprobs is not None:
+                lp = torch.log_softmax(o.logits.float(), -1)
+                event.logprob = float(lp[o.token])
+                if job.logprobs:
+                    top = lp.topk(job.logprobs)
+                    event.top = list(zip(top.indices.tolist(), top.values.tolist()))
+            if o.finished:
+                del self._jobs[o.rid]
+                m.latency.observe(now - job.t_arrival)
+                m.finished.labels("stop" if o.token == self.eos_id else "length").inc()
+                job.closed = True
+            job.put(event)
+        m.observe_engine(self.engine)

@@ -1,0 +1,321 @@
+"""OpenAI request bodies -> GenerationRequest, checked field by field.
+
+    ctx = ModelInfo(name="k3-stdlib", tokenizer=tok, max_context=2048, vocab_size=4096, render_chat=render)
+    req = parse_completion(body, ctx)       # or parse_chat(body, ctx); APIError when a field is wrong
+
+Every problem is an APIError whose body is OpenAI's error object ({"error": {"message", "type", "param", "code"}})
+naming the field: wrong types, values out of range, prompts past the context, unknown model names (404),
+parameters the server does not implement (400 saying so) and arguments the API does not have (400, as OpenAI
+answers "Unrecognized request argument"). Defaults are the API's: temperature 1, top_p 1, n 1, max_tokens 16 for
+completions and the rest of the context for chat.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable
+
+from ..limits import MAX_SEED
+from ..runtime.sampling import SamplingParams
+
+MAX_N = 16                    # choices per request
+MAX_STOP = 4                  # stop strings per request (the API's limit)
+MAX_STOP_CHARS = 256
+MAX_COMPLETION_LOGPROBS = 5   # the completions API's `logprobs` bound
+MAX_CHAT_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error the client caused (4xx) or the server could not avoid (5xx), as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str                                   # the model id clients send and /v1/models lists
+    tokenizer: object                           # runtime.text.Tokenizer
+    max_context: int                            # prompt + completion tokens per sequence
+    vocab_size: int
+    render_chat: Callable[[list[dict]], str]    # chat.ChatTemplate.render
+    created: int = 0                            # /v1/models' "created" (server start, Unix seconds)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    kind: str                                   # "completion" | "chat"
+    prompts: tuple[tuple[int, ...], ...]        # token ids of each prompt (chat: one)
+    max_tokens: int
+    sampling: SamplingParams                    # the first choice's; choice i draws from seed + i
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None                 # top alternatives per token (0: the chosen token's only); None: off
+    stream: bool = False
+    include_usage: bool = False                 # stream_options.include_usage: a last chunk with the usage
+    model: str = ""                             # the model id the request named (echoed in the response)
+
+
+def _bad(param: str, message: str, code: str | None = None) -> APIError:
+    return APIError(400, f"{param}: {message}" if param else message, param=param or None, code=code)
+
+
+def _kind(v) -> str:
+    return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                     list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _integer(body: dict, name: str, default, low: int, high: int | None = None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise _bad(name, f"expected an integer, got {_kind(v)}")
+    if v < low or (high is not None and v > high):
+        raise _bad(name, f"{v} is out of range: it must be in [{low}, {high}]" if high is not None
+                   else f"{v} is out of range: it must be >= {low}")
+    return int(v)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        raise _bad(name, f"expected a finite number, got {_kind(v) if not isinstance(v, float) else v}")
+    if v < low or v > high or (low_open and v == low):
+        raise _bad(name, f"{v} is out of range: it must be in {'(' if low_open else '['}{low:g}, {high:g}]")
+    return float(v)
+
+
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"expected a boolean, got {_kind(v)}")
+    return v
+
+
+def _unsupported(body: dict, name: str, allowed: Callable[[object], bool], why: str) -> None:
+    if name in body and body[name] is not None and not allowed(body[name]):
+        raise _bad(name, f"not supported by this server ({why})", code="unsupported_parameter")
+
+
+def _check_keys(body: dict, known: frozenset) -> None:
+    for key in body:
+        if key not in known:
+            raise _bad(key, "unrecognized request argument", code="unrecognized_argument")
+
+
+def _model(body: dict, ctx: ModelInfo) -> str:
+    v = body.get("model")
+    if not isinstance(v, str):
+        raise _bad("model", "required: a string naming the model" if v is None else
+                   f"expected a string, got {_kind(v)}")
+    if v != ctx.name:
+        raise APIError(404, f"the model {v[:200]!r} does not exist; this server serves {ctx.name!r}",
+                       param="model", code="model_not_found")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _bad("stop", f"expected a string or an array of strings, got {_kind(v)}")
+    if len(items) > MAX_STOP:
+        raise _bad("stop", f"at most {MAX_STOP} stop sequences, got {len(items)}")
+    for s in items:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise _bad("stop", f"each stop sequence must hold 1 to {MAX_STOP_CHARS} characters")
+    return tuple(dict.fromkeys(items))
+
+
+def _sampling(body: dict) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    top_k = _integer(body, "top_k", 0, -1)            # vLLM's spelling of "off" (-1) is accepted as 0's
+    seed = _integer(body, "seed", None, 0, MAX_SEED)
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _boolean(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise _bad("stream_options", "only allowed with stream: true")
+    if not isinstance(opts, dict):
+        raise _bad("stream_options", f"expected an object, got {_kind(opts)}")
+    _check_keys({f"stream_options.{k}": v for k, v in opts.items()}, frozenset({"stream_options.include_usage"}))
+    return stream, _boolean({"stream_options.include_usage": opts.get("include_usage")},
+                            "stream_options.include_usage", False)
+
+
+def _token_ids(v: list, param: str, ctx: ModelInfo) -> tuple[int, ...]:
+    if not v:
+        raise _bad(param, "a prompt must hold at least one token")
+    for t in v:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise _bad(param, f"token ids must be integers, got {_kind(t)}")
+        if not 0 <= t < ctx.vocab_size:
+            raise _bad(param, f"token id {t} is outside the vocabulary [0, {ctx.vocab_size})")
+    return tuple(v)
+
+
+def _encode(text: str, param: str, ctx: ModelInfo) -> tuple[int, ...]:
+    ids = tuple(ctx.tokenizer.encode(text))
+    if not ids:
+        raise _bad(param, "the prompt encodes to no tokens")
+    return ids
+
+
+def _prompts(body: dict, ctx: ModelInfo) -> tuple[tuple[int, ...], ...]:
+    """The completions API's four prompt forms: a string, an array of strings, an array of token ids, an array of
+    arrays of token ids."""
+    v = body.get("prompt")
+    if v is None:
+        raise _bad("prompt", "required: a string, an array of strings or an array of token ids")
+    if isinstance(v, str):
+        return (_encode(v, "prompt", ctx),)
+    if not isinstance(v, list) or not v:
+        raise _bad("prompt", f"expected a string or a non-empty array, got {_kind(v) if v != [] else 'an empty array'}")
+    if all(isinstance(p, str) for p in v):
+        return tuple(_encode(p, f"prompt[{i}]", ctx) for i, p in enumerate(v))
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in v):
+        return (_token_ids(v, "prompt", ctx),)
+    if all(isinstance(p, list) for p in v):
+        return tuple(_token_ids(p, f"prompt[{i}]", ctx) for i, p in enumerate(v))
+    raise _bad("prompt", "an array prompt must hold only strings, only token ids or only arrays of token ids")
+
+
+def _fits(prompts, max_tokens: int | None, ctx: ModelInfo, param: str) -> int:
+    """max_tokens, checked against the context (None: the rest of the context of the longest prompt)."""
+    longest = max(len(p) for p in prompts)
+    room = ctx.max_context - longest
+    if room < 1:
+        raise APIError(400, f"this model's maximum context length is {ctx.max_context} tokens; the prompt holds "
+                       f"{longest} tokens, leaving no room for a completion", param="messages" if param ==
+                       "max_completion_tokens" else "prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        return room
+    if longest + max_tokens > ctx.max_context:
+        raise APIError(400, f"this model's maximum context length is {ctx.max_context} tokens; you requested "
+                       f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion): "
+                       f"lower {param} to at most {room}", param=param, code="context_length_exceeded")
+    return max_tokens
+
+
+_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
+                     "stop", "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+                     "best_of", "metadata", "store", "service_tier"})
+_COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix"}
+_CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+                        "function_call", "response_format", "parallel_tool_calls", "modalities", "audio",
+                        "prediction", "reasoning_effort", "web_search_options"}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    zero = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0    # noqa: E731
+    _unsupported(body, "presence_penalty", zero, "no repetition penalties; send 0 or leave it out")
+    _unsupported(body, "frequency_penalty", zero, "no repetition penalties; send 0 or leave it out")
+    _unsupported(body, "logit_bias", lambda v: v == {}, "no logit bias")
+    for name in ("tools", "functions"):
+        _unsupported(body, name, lambda v: v == [], "no tool calls")
+    for name in ("tool_choice", "function_call"):
+        _unsupported(body, name, lambda v: v == "none", "no tool calls")
+    _unsupported(body, "response_format", lambda v: v == {"type": "text"}, 'only {"type": "text"}')
+    _unsupported(body, "echo", lambda v: v is False, "the prompt is not echoed")
+    _unsupported(body, "suffix", lambda v: v == "", "no insertion")
+    _unsupported(body, "modalities", lambda v: v == ["text"], "text only")
+    for name in ("audio", "prediction", "web_search_options", "reasoning_effort"):
+        _unsupported(body, name, lambda v: False, "not implemented")
+
+
+def _common(body: dict, ctx: ModelInfo) -> dict:
+    if not isinstance(body, dict):
+        raise _bad("", f"the request body must be a JSON object, got {_kind(body)}")
+    _model(body, ctx)
+    _refuse_unsupported(body)
+    n = _integer(body, "n", 1, 1, MAX_N)
+    best_of = _integer(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise _bad("best_of", "not supported by this server (best_of must equal n)", code="unsupported_parameter")
+    stream, include_usage = _stream(body)
+    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
+        raise _bad("user", f"expected a string, got {_kind(body['user'])}")
+    return dict(sampling=_sampling(body), n=n, stop=_stop(body), stream=stream, include_usage=include_usage,
+                model=body["model"])
+
+
+def parse_completion(body, ctx: ModelInfo) -> GenerationRequest:
+    """A /v1/completions body."""
+    common = _common(body, ctx)
+    _check_keys(body, _COMPLETION_KEYS)
+    prompts = _prompts(body, ctx)
+    if len(prompts) * common["n"] > MAX_N * 4:
+        raise _bad("prompt", f"at most {MAX_N * 4} choices (prompts x n) per request")
+    max_tokens = _fits(prompts, _integer(body, "max_tokens", 16, 1), ctx, "max_tokens")
+    logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    return GenerationRequest("completion", prompts, max_tokens, logprobs=logprobs, **common)
+
+
+def _messages(body: dict) -> list[dict]:
+    v = body.get("messages")
+    if not isinstance(v, list) or not v:
+        raise _bad("messages", "required: a non-empty array of messages" if v is None or v == [] else
+                   f"expected an array, got {_kind(v)}")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"expected an object, got {_kind(m)}")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(f"{where}.role", f"must be system, developer, user, assistant or tool, got {role!r}"[:200])
+        content = m.get("content")
+        if isinstance(content, list):            # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"{where}.content[{j}]", 'only {"type": "text", "text": ...} parts are supported')
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise _bad(f"{where}.content", f"expected a string or an array of text parts, got {_kind(content)}")
+        if m.get("tool_calls"):
+            raise _bad(f"{where}.tool_calls", "not supported by this server (no tool calls)",
+                       code="unsupported_parameter")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _bad(f"{where}.name", f"expected a string, got {_kind(name)}")
+        out.append({"role": role, "content": content, **({"name": name} if name else {})})
+    return out
+
+
+def parse_chat(body, ctx: ModelInfo) -> GenerationRequest:
+    """A /v1/chat/completions body: its messages rendered by the chat template, then encoded."""
+    common = _common(body, ctx)
+    _check_keys(body, _CHAT_KEYS)
+    messages = _messages(body)
+    text = ctx.render_chat(messages)
+    ids = _encode(text, "messages", ctx)
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _fits((ids,), _integer(body, param, None, 1), ctx, param)
+    want = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", None, 0, MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    return GenerationRequest("chat", (ids,), max_tokens, logprobs=(top or 0) if want else None, **common)
