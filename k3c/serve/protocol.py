@@ -199,14 +199,14 @@ def _prompts(body: dict, ctx: ModelInfo) -> tuple[tuple[int, ...], ...]:
     raise _bad("prompt", "an array prompt must hold only strings, only token ids or only arrays of token ids")
 
 
-def _fits(prompts, max_tokens: int | None, ctx: ModelInfo, param: str) -> int:
+def _fits(prompts, max_tokens: int | None, ctx: ModelInfo, param: str, prompt_param: str) -> int:
     """max_tokens, checked against the context (None: the rest of the context of the longest prompt)."""
     longest = max(len(p) for p in prompts)
     room = ctx.max_context - longest
     if room < 1:
         raise APIError(400, f"this model's maximum context length is {ctx.max_context} tokens; the prompt holds "
-                       f"{longest} tokens, leaving no room for a completion", param="messages" if param ==
-                       "max_completion_tokens" else "prompt", code="context_length_exceeded")
+                       f"{longest} tokens, leaving no room for a completion", param=prompt_param,
+                       code="context_length_exceeded")
     if max_tokens is None:
         return room
     if longest + max_tokens > ctx.max_context:
@@ -265,7 +265,7 @@ def parse_completion(body, ctx: ModelInfo) -> GenerationRequest:
     prompts = _prompts(body, ctx)
     if len(prompts) * common["n"] > MAX_N * 4:
         raise _bad("prompt", f"at most {MAX_N * 4} choices (prompts x n) per request")
-    max_tokens = _fits(prompts, _integer(body, "max_tokens", 16, 1), ctx, "max_tokens")
+    max_tokens = _fits(prompts, _integer(body, "max_tokens", 16, 1), ctx, "max_tokens", "prompt")
     logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     return GenerationRequest("completion", prompts, max_tokens, logprobs=logprobs, **common)
 
@@ -313,7 +313,7 @@ def parse_chat(body, ctx: ModelInfo) -> GenerationRequest:
     text = ctx.render_chat(messages)
     ids = _encode(text, "messages", ctx)
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _fits((ids,), _integer(body, param, None, 1), ctx, param)
+    max_tokens = _fits((ids,), _integer(body, param, None, 1), ctx, param, "messages")
     want = _boolean(body, "logprobs", False)
     top = _integer(body, "top_logprobs", None, 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want:
