@@ -161,6 +161,7 @@ def _weight_transforms(module: Module, params: list[ParamInfo], by_cat: dict) ->
     if not derived:
         return [], set()
     info = {op.result: p for op, p in zip((o for o in module.ops if o.op == "param"), params)}
+    sharded = "tp" in module.attr_dict or "ep" in module.attr_dict      # the shard pass ran (as classify_params)
     runtime_users: dict[str, int] = {}
     all_users: dict[str, int] = {}
     for op in module.ops:
@@ -182,9 +183,12 @@ def _weight_transforms(module: Module, params: list[ParamInfo], by_cat: dict) ->
         nbytes = math.prod(ty.shape) * DTYPE_BITS.get(ty.dtype, 16) / 8
         frac = src.gpu_fraction if src is not None else 1.0
         cat = src.category if src is not None else "norms, AttnRes and other"
-        out.append({"value": value, "op": op.op, "category": cat, "bytes": nbytes, "gpu_bytes": nbytes * frac})
+        # a rank's IR (sharded.unshard_view restores whole-model types of params only) types a transform's result
+        # with the rank's slice already: that is its per-GPU size, and the whole model's is size / share
+        whole, gpu = (nbytes / frac, nbytes) if sharded else (nbytes, nbytes * frac)
+        out.append({"value": value, "op": op.op, "category": cat, "bytes": whole, "gpu_bytes": gpu})
         if cat in by_cat:
-            by_cat[cat]["gpu_bytes"] += nbytes * frac
+            by_cat[cat]["gpu_bytes"] += gpu
     dropped = {p.name for v, p in info.items() if all_users.get(v, 0) and not runtime_users.get(v, 0)}
     for p in params:
         if p.name in dropped and p.category in by_cat:
