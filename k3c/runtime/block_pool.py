@@ -94,6 +94,19 @@ class BlockPool:
         idx = torch.tensor(pages[: self.pages_for(length)], dtype=torch.long)
         return {layer: pool[idx.to(pool.device)].flatten(0, 1)[:length].clone() for layer, pool in self.pools.items()}
 
+    def page_rows(self, page: int, rows: int) -> dict[int, torch.Tensor]:
+        """Rows [0, rows) of one page, per layer (views into the pools)."""
+        return {layer: pool[page, :rows] for layer, pool in self.pools.items()}
+
+    def write_page(self, page: int, rows: dict[int, torch.Tensor]) -> None:
+        """Fill a held page with rows {layer: [r, W]} (r <= page_size), asynchronously from pinned host memory."""
+        n = 0
+        for layer, pool in self.pools.items():
+            src = rows[layer]
+            n = src.shape[0]
+            pool[page, :n].copy_(src, non_blocking=True)
+        self.filled[page] = max(self.filled[page], n)
+
     def write_rows(self, pages: list[int], rows: dict[int, torch.Tensor], length: int) -> None:
         """Fill freshly allocated pages with rows [0, length) (the inverse of read_rows)."""
         n = self.pages_for(length)

@@ -236,8 +236,11 @@ class Engine:
         self._budget.pop(rid, None)
         self._sampling.pop(rid, None)
         self._stop.pop(rid, None)
-        if self.prefix is not None and seq.length > 0 and self.prefix.on_finish:
-            self.prefix.insert(seq)
+        if self.prefix is not None:
+            if seq.length > 0 and self.prefix.on_finish:
+                self.prefix.insert(seq, final=True)
+            else:
+                self.prefix.forget(rid)
         self.pool.decref(seq.pages)
         seq.pages, seq.kda = [], {}
 
@@ -246,30 +249,45 @@ class Engine:
         return sum(max(0, b) for b in self._budget.values())
 
     def _admit(self) -> None:
+        """Admit waiting requests in order while there is room. Under the prefix cache's working-set policy a
+        request that must wait (its pages could only come from protected checkpoints) lets those behind it try."""
+        passed = []                             # requests left waiting this step, in queue order
+        scan = self.prefix is not None and self.prefix.policy == "working-set"
         while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
-            if self.prefix is not None:
-                self.prefix.resume(seq)
-            ps = self.pool.page_size
-            need = self.pool.pages_for(seq.prompt_len + seq.max_new_tokens) - len(seq.pages)
-            if self.pool.used and seq.length % ps:
-                need += 1                      # the shared partial last page may be copied
-            while self.pool.num_free - self._outstanding() < need and self.prefix is not None \
-                    and self.prefix.evict_for_pages():
-                pass
-            if self.pool.num_free - self._outstanding() < need:
-                self._unresume(seq)
-                if not self.running:            # nothing will free pages: opened sequences hold them
-                    raise CacheFullError(f"MLA cache full: request {seq.rid} needs {need} pages, "
-                                         f"{self.pool.num_free} of {self.pool.num_pages} are free")
-                return                          # wait for running requests to leave
-            self.waiting.popleft()
-            self._budget[seq.rid] = need
-            self.running.append(seq)
-            self.stats["prompt_tokens"] += seq.prompt_len
-            self.stats["resumed_tokens"] += seq.resumed
-            if self.prefix is not None:
-                self.prefix.record(seq)
+            seq = self.waiting.popleft()
+            if self._admit_one(seq):
+                continue
+            passed.append(seq)
+            if not scan:
+                break
+        self.waiting.extendleft(reversed(passed))
+
+    def _admit_one(self, seq: SeqState) -> bool:
+        if self.prefix is not None:
+            self.prefix.resume(seq)
+        ps = self.pool.page_size
+        need = self.pool.pages_for(seq.prompt_len + seq.max_new_tokens) - len(seq.pages)
+        if self.pool.used and seq.length % ps:
+            need += 1                      # the shared partial last page may be copied
+        protect = self.prefix is not None and not self.prefix.admits(seq)
+        while self.pool.num_free - self._outstanding() < need and self.prefix is not None \
+                and self.prefix.evict_for_pages(protect):
+            pass
+        if self.pool.num_free - self._outstanding() < need:
+            self._unresume(seq)
+            if not self.running:            # nothing will free pages: opened sequences hold them
+                raise CacheFullError(f"MLA cache full: request {seq.rid} needs {need} pages, "
+                                     f"{self.pool.num_free} of {self.pool.num_pages} are free")
+            self.stats["admission_waits"] += 1
+            return False                    # wait for running requests to leave (or sessions to go idle)
+        self._budget[seq.rid] = need
+        self.running.append(seq)
+        seq.t_admitted = time.perf_counter()
+        self.stats["prompt_tokens"] += seq.prompt_len
+        self.stats["resumed_tokens"] += seq.resumed
+        if self.prefix is not None:
+            self.prefix.record(seq)
+        return True
 
     def _unresume(self, seq: SeqState) -> None:
         self.pool.decref(seq.pages)

@@ -33,8 +33,11 @@ class SeqState:
     generated: list[int] = field(default_factory=list)
     last_logits: torch.Tensor | None = None       # logits at position length-1
     resumed: int = 0                              # tokens taken from the prefix cache
+    resumed_tier: str | None = None               # the tier they came from (device | host | disk)
+    resumed_from: bytes | None = None             # the key of the checkpoint they came from
     scheduled: bool = True                        # stepped by Engine.step (False: driven by Engine.extend)
     t_added: float = 0.0
+    t_admitted: float | None = None               # when it joined the running batch (queueing ends)
     t_first: float | None = None
 
     @property

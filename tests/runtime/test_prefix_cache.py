@@ -97,7 +97,7 @@ def test_lru_eviction_and_offload(tiny, one_thread, tmp_path):
     one = probe.tier_bytes("device")                           # bytes of the two checkpoints of one request
     probe.clear()
     # device budget for about one request; host for one more; the rest goes to disk
-    pc = PrefixCache(interval=1024, max_bytes=one, host_bytes=one, disk=True, disk_dir=str(tmp_path))
+    pc = PrefixCache(interval=1024, max_bytes=one, host_bytes=one, disk=True, disk_dir=str(tmp_path), policy="lru")
     eng = engine(tiny, pc)
     prompts = [toks(spec, 20, 10 + i) for i in range(3)]
     for p in prompts:
@@ -105,7 +105,8 @@ def test_lru_eviction_and_offload(tiny, one_thread, tmp_path):
     assert pc.tier_bytes("device") <= one and pc.tier_bytes("host") <= one
     tiers = pc.tiers()
     assert tiers["device"] >= 1 and tiers["host"] >= 1 and tiers["disk"] >= 1
-    assert len(os.listdir(tmp_path)) == tiers["disk"]
+    # a file per disk checkpoint (its states) and per page it holds (no page shared here: unrelated prompts)
+    assert len(os.listdir(tmp_path)) == tiers["disk"] + pc.disk_tier.pages == tiers["disk"] * 4
     assert pc.entries[next(iter(pc.entries))].tier == "disk"  # the least recently used went furthest
     cold = engine(tiny)
     for p in prompts:                                          # every tier resumes to the cold run's logits
