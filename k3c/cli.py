@@ -37,6 +37,16 @@ def _positive(name: str, maximum: int | None = None):
     return parse
 
 
+def _count(name: str, maximum: int):
+    """An integer in [0, maximum]."""
+    def parse(text: str) -> int:
+        value = _integer(name, text)
+        if not 0 <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer in [0, {maximum}], got {value}")
+        return value
+    return parse
+
+
 def _seed(text: str) -> int:
     """--seed: an integer in [0, 2**63 - 1]."""
     value = _integer("--seed", text)
@@ -226,6 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default 2)")
     pl.add_argument("--sharded", action="store_true", help="plan rank 0's IR after the shard pass: the split "
                     "k3c run --tp/--ep really holds (docs/distributed.md)")
+    pl.add_argument("--prefix-interval", type=_count("--prefix-interval", MAX_TOKENS), default=0, metavar="N",
+                    help="count the KDA prefix-cache checkpoints of a prefix cache that keeps one every N tokens and "
+                    "at each prompt end (the runtime's PrefixCache default: 32768); 0, the default: no prefix cache")
+    pl.add_argument("--no-seq-parallel", dest="seq_parallel", action="store_false", default=None,
+                    help="plan without sequence parallel: every TP rank holds the whole prefill chunk's AttnRes "
+                    "blocks and computes every mix (with --sharded: the shard pass's seq_parallel=False)")
+    pl.add_argument("--compare-full-attention", action="store_true",
+                    help="also plan the same model with every layer full attention (MLA) and print both KV "
+                    "throughputs (cache bytes / prefill time) by length")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys) instead of text")
     pl.add_argument("--plot", metavar="FILE.png", type=_path("--plot"),
                     help="write the memory breakdown and roofline chart")
@@ -385,7 +404,8 @@ def cmd_plan(args) -> int:
 
     result = plan(args.spec, args.target, tp=args.tp, ep=args.ep, context=args.context, batch=args.batch,
                   kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk, headroom=args.headroom, pp=args.pp,
-                  vpp=args.vpp, measured=args.measured, sharded=args.sharded)
+                  vpp=args.vpp, measured=args.measured, sharded=args.sharded, prefix_interval=args.prefix_interval,
+                  seq_parallel=args.seq_parallel, compare_full_attention=args.compare_full_attention)
     if args.plot:
         write_plot(result, args.plot)
     if args.json:

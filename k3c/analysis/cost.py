@@ -198,8 +198,10 @@ class CostModel:
 
     def __init__(self, module: Module, layout: ParallelLayout, target: Target, weights: WeightReport,
                  facts: ModelFacts | None = None, *, kv_dtype: str = "bf16", kda_chunk: int | None = None,
-                 mla_mode: str = "auto"):
+                 mla_mode: str = "auto", seq_parallel: bool = True):
         self.module, self.layout, self.target, self.weights = module, layout, target, weights
+        # the AttnRes mixes run on T/TP tokens per rank under sequence parallel, on all T without it
+        self.seq_split = layout.tp if seq_parallel else 1
         self.facts = facts or ModelFacts.from_module(module)
         self.kv_dtype = kv_dtype
         self.kda_chunk = kda_chunk or target.kda_chunk
@@ -489,7 +491,7 @@ def _mlp(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
 def _attn_res(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: Step):
     """Naive mix, sequence-sharded over TP: per token rms + score + weighted sum over the sources (6 d each);
     reads every source once and writes the output."""
-    n, d, a = st.tokens / cm.layout.tp, cm.facts.hidden, cm.facts.act_bytes
+    n, d, a = st.tokens / cm.seq_split, cm.facts.hidden, cm.facts.act_bytes
     ns = op.attr("num_sources")
     c = Cost({"bf16": n * ns * 6 * d}, n * (ns + 1) * d * a + sum(p.gpu_bytes for p in params.values()))
     return c, None
@@ -499,7 +501,7 @@ def _attn_res_phase1(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: St
     """Two-phase AttnRes, phase 1 (sequence-sharded over TP): every query of a block group against the completed
     blocks, each block read once: rms (2d) + per query dot and weighted sum (4d) per source and token; writes
     one row of STATS + d per query and token."""
-    n, d, a = st.tokens / cm.layout.tp, cm.facts.hidden, cm.facts.act_bytes
+    n, d, a = st.tokens / cm.seq_split, cm.facts.hidden, cm.facts.act_bytes
     ns, q = op.attr("num_sources"), op.attr("num_queries")
     row = op.types[0].shape[-1] if op.types and isinstance(op.types[0].shape[-1], int) else d
     return Cost({"bf16": n * ns * (2 * d + 4 * q * d)}, n * ns * d * a + n * q * row * a), None
@@ -509,7 +511,7 @@ def _attn_res_phase2(cm: CostModel, op: Op, params: dict[str, ParamInfo], st: St
     """Phase 2, sequence-sharded over TP like phase 1: reads its own phase-1 row (STATS + d), the partial sum
     (modes source/update) and the update (mode update); merges by online softmax (and the next RMSNorm when
     normed); writes the output (and the new partial in mode update)."""
-    n, d, a = st.tokens / cm.layout.tp, cm.facts.hidden, cm.facts.act_bytes
+    n, d, a = st.tokens / cm.seq_split, cm.facts.hidden, cm.facts.act_bytes
     s1 = cm.module.types.get(op.inputs[0]) if op.inputs else None
     row = s1.shape[-1] if s1 is not None and s1.shape and isinstance(s1.shape[-1], int) else d
     mode = op.attr("mode", "none")

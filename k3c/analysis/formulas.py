@@ -35,6 +35,8 @@ FORMULAS: dict[str, str] = {
     "collective_latency": "collectives per step x the target's latency per collective",
     "kv_throughput": "cache bytes(L) / predicted prefill time(L) (K3.md s7)",
     "active_params": "non-routed params - embed_tokens + routed params x top_k / E",
+    "kda_checkpoints": "batch x ceil(context / interval) x (KDA state + conv tails + logits row) per GPU (prefix "
+                       "cache: a checkpoint every interval tokens and at the prompt end; MLA rows are shared pages)",
 }
 
 

@@ -7,8 +7,11 @@ Per GPU, for `batch` sequences of `context` tokens each on one attention replica
   KDA state    batch x heads/TP x head_dim^2 x 4 (fp32) per KDA layer
   conv tails   batch x conv channels/TP x (kernel - 1) x act_bytes per KDA layer
   AttnRes      completed blocks x ceil(prefill_chunk / TP) x hidden x act_bytes (blocks of one prefill chunk,
-               sequence-sharded over TP as in the AttnRes paper s4.2)
+               sequence-sharded over TP as in the AttnRes paper s4.2); x prefill_chunk without sequence parallel
   workspace    activations of one prefill step (`workspace_breakdown`)
+  KDA prefix   batch x ceil(context / interval) checkpoints x (KDA state + conv tails + one logits row), with a
+  checkpoints  prefix-cache interval (k3c.runtime.prefix_cache.PrefixCache: a checkpoint every `interval` tokens and
+               at the prompt end; its MLA rows are the sequence's own pages, shared, so not counted again)
 """
 from __future__ import annotations
 
@@ -206,6 +209,8 @@ class MemoryConfig:
     headroom: float = 0.10
     page_size: int = 64          # MLA cache page (target.mla_page_size)
     kda_chunk: int = 64          # KDA chunk length C (target.kda_chunk)
+    prefix_interval: int = 0     # KDA prefix-cache checkpoint interval in tokens (0: no prefix cache)
+    seq_parallel: bool = True    # AttnRes blocks (and the residual stream) split by tokens over TP in prefill
 
 
 @dataclass
@@ -219,11 +224,13 @@ class MemoryPlan:
     attnres_bytes: float
     workspace_bytes: float
     workspace: dict[str, float] = field(default_factory=dict)
+    kda_checkpoint_bytes: float = 0.0
+    checkpoints: int = 0                 # prefix-cache checkpoints per sequence
 
     @property
     def total_bytes(self) -> float:
         return (self.weights_bytes + self.mla_kv_cache_bytes + self.kda_state_bytes + self.conv_state_bytes
-                + self.attnres_bytes + self.workspace_bytes)
+                + self.attnres_bytes + self.workspace_bytes + self.kda_checkpoint_bytes)
 
     @property
     def usable_bytes(self) -> float:
@@ -237,6 +244,7 @@ class MemoryPlan:
         return {"weights_bytes": self.weights_bytes, "mla_kv_cache_bytes": self.mla_kv_cache_bytes,
                 "kda_state_bytes": self.kda_state_bytes, "conv_state_bytes": self.conv_state_bytes,
                 "attnres_bytes": self.attnres_bytes, "workspace_bytes": self.workspace_bytes,
+                "kda_checkpoint_bytes": self.kda_checkpoint_bytes, "kda_checkpoints_per_sequence": self.checkpoints,
                 "total_bytes": self.total_bytes, "hbm_bytes": self.hbm_bytes, "usable_bytes": self.usable_bytes,
                 "free_bytes": self.usable_bytes - self.total_bytes, "fits": self.fits,
                 "workspace": dict(self.workspace)}
@@ -273,6 +281,25 @@ class MemoryPlanner:
             for op in self.facts.kda for p in filter(None, (_param_of(module, v, by_name) for v in op.inputs))
             if p.role.endswith("conv1d.weight") and len(p.type.shape) == 3)
 
+    @property
+    def logits_row_bytes(self) -> float:
+        """One sequence's last logits row as the runtime holds it (a prefix checkpoint keeps one): the full vocab
+        (lm_head's all_gather gives every TP rank all of it) at the lm_head result's dtype."""
+        head = next((op for op in self.module.ops if op.op == "lm_head"), None)
+        bits = DTYPE_BITS.get(head.types[0].dtype, 16) if head is not None else 8 * self.facts.act_bytes
+        return self.facts.vocab * bits / 8
+
+    def checkpoint_bytes(self) -> float:
+        """One prefix checkpoint of one sequence on one GPU: every KDA layer's state and conv tails (this rank's
+        heads) and the logits row; its MLA rows are page references (prefix_cache.py), not copies."""
+        return self.kda_state_per_seq + self.conv_state_per_seq + self.logits_row_bytes
+
+    @staticmethod
+    def checkpoints(config: MemoryConfig) -> int:
+        """Checkpoints a sequence of `context` tokens leaves: one every interval tokens and one at its end (at an
+        interval boundary they coincide): ceil(context / interval); none without a prefix cache."""
+        return ceil_div(config.context, config.prefix_interval) if config.prefix_interval else 0
+
     def mla_bytes_per_token(self, kv_dtype: str) -> int:
         """Latent-cache bytes of one token over every MLA layer, in the runtime's row format."""
         return sum(kv_row_bytes(kv_dtype, v) for v in self.mla_rows)
@@ -280,10 +307,12 @@ class MemoryPlanner:
     def plan(self, config: MemoryConfig) -> MemoryPlan:
         pages = ceil_div(config.context, config.page_size) * config.page_size
         ws = self.workspace_breakdown(config)
+        n_ckpt = self.checkpoints(config)
         return MemoryPlan(config, self.hbm_bytes, self.weights.gpu_bytes,
                           config.batch * pages * self.mla_bytes_per_token(config.kv_dtype),
                           config.batch * self.kda_state_per_seq, config.batch * self.conv_state_per_seq,
-                          self.attnres_bytes(config), sum(ws.values()), ws)
+                          self.attnres_bytes(config), sum(ws.values()), ws,
+                          config.batch * n_ckpt * self.checkpoint_bytes(), n_ckpt)
 
     def step_tokens(self, config: MemoryConfig) -> int:
         """Tokens of the largest step: one prefill chunk, or one decode step of the whole batch."""
@@ -292,7 +321,8 @@ class MemoryPlanner:
     def attnres_bytes(self, config: MemoryConfig) -> float:
         if not self.facts.attnres_blocks:
             return 0.0
-        tokens = ceil_div(self.step_tokens(config), self.layout.tp)
+        # sequence parallel splits the blocks by tokens over TP; without it every rank holds the whole chunk's
+        tokens = ceil_div(self.step_tokens(config), self.layout.tp if config.seq_parallel else 1)
         return self.facts.attnres_blocks * tokens * self.facts.hidden * self.facts.act_bytes
 
     def workspace_breakdown(self, config: MemoryConfig) -> dict[str, float]:

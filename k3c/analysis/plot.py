@@ -13,7 +13,7 @@ from .roofline import phase_points, roofline_flops_per_s
 KIND_COLORS = {"kda": "#1f77b4", "mla": "#d62728", "moe": "#2ca02c", "mlp": "#9467bd", "attn_res": "#ff7f0e",
                "other": "#7f7f7f"}
 PHASE_MARKERS = {"prefill": "o", "decode": "s", "append-prefill": "^"}
-MEMORY_COLORS = ("#2ca02c", "#98df8a", "#d62728", "#1f77b4", "#aec7e8", "#ff7f0e", "#7f7f7f")
+MEMORY_COLORS = ("#2ca02c", "#98df8a", "#d62728", "#1f77b4", "#aec7e8", "#ff7f0e", "#7f7f7f", "#9467bd")
 
 
 def plot_plan(plan, path: str) -> None:
@@ -57,6 +57,8 @@ def _memory(ax, plan) -> None:
                  ("MLA latent cache", mem.mla_kv_cache_bytes), ("KDA state", mem.kda_state_bytes),
                  ("conv tails", mem.conv_state_bytes), ("AttnRes blocks", mem.attnres_bytes),
                  ("workspace", mem.workspace_bytes)]
+        if mem.kda_checkpoint_bytes:
+            parts.append(("KDA prefix checkpoints", mem.kda_checkpoint_bytes))
         bottom = 0.0
         for (name, value), color in zip(parts, MEMORY_COLORS):
             ax.bar([x], [value / GB], bottom=[bottom / GB], color=color, width=0.55,

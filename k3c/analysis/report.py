@@ -51,6 +51,8 @@ class Plan:
     attnres_pp: dict
     measured: list[Point] = field(default_factory=list)
     plot_path: str | None = None
+    full_attention: list[dict] = field(default_factory=list)      # hybrid.compare_rows, with the variant's plan
+    full_attention_plan: "Plan | None" = None
 
     # ---- JSON ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -66,6 +68,7 @@ class Plan:
                        "dp_attention": self.layout.dp_attention},
             "context": cfg.context, "batch": cfg.batch, "kv_dtype": cfg.kv_dtype,
             "prefill_chunk": cfg.prefill_chunk, "kda_chunk": cfg.kda_chunk, "headroom": cfg.headroom,
+            "prefix_interval": cfg.prefix_interval, "seq_parallel": cfg.seq_parallel,
             "passes": list(self.passes), "ir_ops": self.facts.num_ops,
             "weights_total_bytes": self.weights.total_bytes,
             "routed_expert_bytes": self.weights.routed_expert_bytes,
@@ -78,6 +81,7 @@ class Plan:
             "fit": self.fit,
             "phases": {ph.name: _phase_dict(ph, t) for ph in self.phases},
             "kv_throughput": self.kv_throughput,
+            "full_attention": self.full_attention,
             "mla_modes": self.mla,
             "moe_comm": self.moe_comm,
             "attnres_pp": self.attnres_pp,
@@ -110,9 +114,18 @@ class Plan:
             f"(bf16: 2 B/value; fp8: e4m3 codes + two fp32 per-token scales, the row padded to 16 B, as the runtime "
             f"stores it), in pages of {cfg.page_size} tokens.",
             "KDA recurrent state fp32 (heads/TP x head_dim^2 per layer); conv tails (kernel-1) tokens of the q/k/v "
-            "channels at the activation dtype; prefix-cache state checkpoints (every 32K tokens) not counted.",
+            "channels at the activation dtype; "
+            + (f"prefix-cache checkpoints every {cfg.prefix_interval:,} tokens and at the prompt end "
+               "(k3c.runtime.prefix_cache), each a copy of every KDA layer's state and conv tails and the logits "
+               "row, held in HBM (the runtime's device tier); their MLA rows are the sequence's pages, shared."
+               if cfg.prefix_interval else
+               "no prefix cache (--prefix-interval N counts its KDA checkpoints; the runtime's default "
+               "interval is 32,768)."),
             f"AttnRes: the completed block representations of one prefill chunk ({cfg.prefill_chunk:,} tokens), "
-            "sequence-sharded over TP as in the AttnRes paper (s4.2); cost of each mix also split over TP.",
+            + ("sequence-sharded over TP as in the AttnRes paper (s4.2); cost of each mix also split over TP."
+               if cfg.seq_parallel or lay.tp == 1 else
+               "whole on every TP rank (--no-seq-parallel: the residual stream is not split by tokens); each "
+               "rank computes every mix."),
             "Workspace: activations of the largest step (a prefill chunk, or a decode step of the whole batch): "
             "4 hidden-state buffers, the largest layer's intermediates (layers run one at a time), fp32 logits.",
             f"Headroom {cfg.headroom:.0%} of HBM is kept free (allocator, graphs, communication buffers).",
@@ -194,10 +207,10 @@ class _Lowered:
     stages: list[tuple[str, Module]]
 
 
-def _lowered(model, target: Target, layout: ParallelLayout | None = None) -> _Lowered:
+def _lowered(model, target: Target, layout: ParallelLayout | None = None, seq_parallel: bool = True) -> _Lowered:
     """A spec (a path or a ModelSpec) lowered for `target`; with `layout`, rank 0's slice of it (the shard pass)."""
     spec = model if isinstance(model, ModelSpec) else load_spec(model)
-    shard = {} if layout is None else {"tp": layout.tp, "ep": layout.ep, "rank": 0}
+    shard = {} if layout is None else {"tp": layout.tp, "ep": layout.ep, "rank": 0, "seq_parallel": seq_parallel}
     stages: list[tuple[str, Module]] = []
     module, _ = lower(spec, target, stages=stages, **shard)
     return _Lowered(spec, module, stages)
@@ -223,14 +236,25 @@ def _module_of(model, target: Target) -> tuple[Module, str, list[str]]:
 def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None = None,
          context: int | None = None, batch: int = 1, kv_dtype: str = "bf16",
          prefill_chunk: int = DEFAULT_PREFILL_CHUNK, headroom: float = DEFAULT_HEADROOM, pp: int = 4, vpp: int = 2,
-         measured: str | list[Point] | None = None, mla_mode: str = "auto", sharded: bool = False) -> Plan:
+         measured: str | list[Point] | None = None, mla_mode: str = "auto", sharded: bool = False,
+         prefix_interval: int = 0, seq_parallel: bool | None = None, compare_full_attention: bool = False) -> Plan:
     """Plan serving `model` (a spec path, ModelSpec, CompiledModel or IR Module) on `target` with TP x EP.
     sharded: plan rank 0's IR from the `shard` pass (what `k3c run --tp --ep` holds) instead of applying the
-    planner's split rules to the whole model; a model already sharded is always read that way."""
+    planner's split rules to the whole model; a model already sharded is always read that way.
+    prefix_interval: count the KDA prefix-cache checkpoints of a PrefixCache(interval=...) (0: no prefix cache).
+    seq_parallel: AttnRes blocks split by tokens over TP (None: the sharded IR's own choice, else True).
+    compare_full_attention: also plan the model with every layer MLA and compare KV throughput (hybrid.py)."""
     tgt = get_target(target) if isinstance(target, str) else target
     layout = ParallelLayout.make(tp, ep)
+    if isinstance(prefix_interval, bool) or not isinstance(prefix_interval, int) or prefix_interval < 0:
+        raise ArgumentError(f"--prefix-interval must be an integer >= 0 (0: no prefix cache), got {prefix_interval!r}")
+    if prefix_interval > MAX_TOKENS:
+        raise ArgumentError(f"--prefix-interval must be <= {MAX_TOKENS}, got {prefix_interval}")
+    if seq_parallel is not None and not isinstance(seq_parallel, bool):
+        raise ArgumentError(f"seq_parallel must be True, False or None, got {seq_parallel!r}")
+    spec_of_model = _spec_of(model) if compare_full_attention else None
     if sharded and not isinstance(model, Module) and not hasattr(model, "module"):
-        model = _lowered(model, tgt, layout)
+        model = _lowered(model, tgt, layout, seq_parallel is not False)
     if kv_dtype not in KV_DTYPES:
         raise ArgumentError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     for name, v in (("--batch", batch), ("--prefill-chunk", prefill_chunk), ("--pp", pp), ("--vpp", vpp),
@@ -249,9 +273,16 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
     module, name, passes = _module_of(model, tgt)
     from .sharded import is_sharded, sharded_layout, unshard_view
 
-    if is_sharded(module):          # one rank's IR (shard pass): its own layout and annotations decide the split
+    rank_ir = is_sharded(module)
+    if rank_ir:                     # one rank's IR (shard pass): its own layout and annotations decide the split
         layout = sharded_layout(module, tp if tp != 1 else None, ep)
+        own = module.attr("seq_parallel", True) is not False
+        if seq_parallel is not None and seq_parallel != own and layout.tp > 1:
+            raise ArgumentError(f"--{'' if seq_parallel else 'no-'}seq-parallel: this IR was sharded with sequence "
+                                f"parallel {'on' if own else 'off'}; drop the option or plan the spec")
+        seq_parallel = own
         module = unshard_view(module)
+    seq_parallel = seq_parallel is not False
     facts = ModelFacts.from_module(module)
     if context is None:
         context = facts.max_context or 4096
@@ -260,7 +291,8 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
 
     weights = weight_report(module, layout, facts)
     planner = MemoryPlanner(module, layout, tgt.hbm_bytes, weights, facts)
-    cfg = MemoryConfig(context, batch, kv_dtype, prefill_chunk, headroom, tgt.mla_page_size, tgt.kda_chunk)
+    cfg = MemoryConfig(context, batch, kv_dtype, prefill_chunk, headroom, tgt.mla_page_size, tgt.kda_chunk,
+                       prefix_interval, seq_parallel)
     memory = planner.plan(cfg)
     fit = {"max_context_at_batch": planner.max_context(batch, cfg), "batch": batch,
            "max_batch_at_context": planner.max_batch(context, cfg), "context": context,
@@ -269,7 +301,7 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
            "model_max_context": facts.max_context}
 
     cm = CostModel(module, layout, tgt, weights, facts, kv_dtype=kv_dtype, kda_chunk=tgt.kda_chunk,
-                   mla_mode=mla_mode)
+                   mla_mode=mla_mode, seq_parallel=seq_parallel)
     append_new = min(prefill_chunk, context)
     phases = [cm.prefill(context, batch, prefill_chunk), cm.decode(context, batch),
               cm.append(context, batch, append_new)]
@@ -277,9 +309,29 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
     # one copy of a sequence's cache (not the TP replicas), for the KV throughput
     kvt = kv_throughput(cm, planner.mla_bytes_per_token(kv_dtype), planner.kda_state_per_seq_full,
                         planner.conv_state_per_seq_full, prefill_chunk, KV_THROUGHPUT_LENGTHS)
-    return Plan(name, tgt, layout, cfg, passes, facts, weights, memory, planner, cm, phases, fit, kvt,
-                _mla_section(cm, facts, layout, tgt, kv_dtype, context, append_new),
-                _moe_section(cm, facts, layout, tgt), _attnres_section(facts, pp, vpp, prefill_chunk), points)
+    result = Plan(name, tgt, layout, cfg, passes, facts, weights, memory, planner, cm, phases, fit, kvt,
+                  _mla_section(cm, facts, layout, tgt, kv_dtype, context, append_new),
+                  _moe_section(cm, facts, layout, tgt), _attnres_section(facts, pp, vpp, prefill_chunk), points)
+    if spec_of_model is not None:
+        from .hybrid import compare_rows, full_attention_spec
+
+        variant = full_attention_spec(spec_of_model)
+        # the variant planned the way this plan was: a rank's IR of the same layout, or the planner's split rules
+        full = plan(_lowered(variant, tgt, layout, seq_parallel) if rank_ir else variant, tgt, tp=layout.tp, ep=layout.ep, context=context, batch=batch, kv_dtype=kv_dtype,
+                    prefill_chunk=prefill_chunk, headroom=headroom, pp=pp, vpp=vpp, mla_mode=mla_mode,
+                    prefix_interval=prefix_interval, seq_parallel=seq_parallel)
+        result.full_attention, result.full_attention_plan = compare_rows(kvt, full.kv_throughput), full
+    return result
+
+
+def _spec_of(model) -> ModelSpec:
+    """The spec behind a plan's model (for the full-attention variant); a bare IR Module has none."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Module):
+        raise ArgumentError("--compare-full-attention needs a spec or a compiled model, not a bare IR module")
+    spec = getattr(model, "spec", None)
+    return spec if isinstance(spec, ModelSpec) else load_spec(model)
 
 
 def _ep_words(lay: ParallelLayout) -> str:
@@ -402,7 +454,8 @@ def _weights_lines(p: Plan) -> list[str]:
         freed = sum(q.gpu_bytes for q in w.params if q.name in set(w.dropped))
         out.append(f"  weight transforms    {len(w.derived)} results of {', '.join(ops)} computed at load: "
                    f"{sum(d['gpu_bytes'] for d in w.derived) / GB:,.3f} GB per GPU, replacing {len(w.dropped)} "
-                   f"params only they read ({freed / GB:,.3f} GB per GPU, freed after load)")
+                   f"params only they read ({freed / GB:,.3f} GB per GPU, counted freed after load; k3c's runtime keeps "
+                   "them today: docs/plan.md, plan against the runtime)")
     out.append("")
     rows = []
     for cat, d in w.by_category.items():
@@ -440,9 +493,16 @@ def _memory_lines(p: Plan) -> list[str]:
          f"{cfg.batch} x {len(f.kda)} layers x 3 x {ceil_div(kda0.attr('num_heads'), lay.tp)} heads x "
          f"{kda0.attr('head_dim')} ch x ({kda0.attr('conv_kernel')}-1) x {a:g} B" if kda0 else "no KDA layers"),
         ("AttnRes blocks", mem.attnres_bytes,
-         f"{f.attnres_blocks} blocks x ceil({step_tokens:,}/{lay.tp}) tokens x {f.hidden} x {a:g} B"
+         (f"{f.attnres_blocks} blocks x ceil({step_tokens:,}/{lay.tp}) tokens x {f.hidden} x {a:g} B"
+          if cfg.seq_parallel else
+          f"{f.attnres_blocks} blocks x {step_tokens:,} tokens x {f.hidden} x {a:g} B (not sequence-sharded)")
          if f.attnres_blocks else "no AttnRes"),
         ("workspace", mem.workspace_bytes, f"n = {step_tokens:,} tokens: {ws_text} GB"),
+        ("KDA prefix checkpoints", mem.kda_checkpoint_bytes,
+         f"{cfg.batch} x ceil({cfg.context:,}/{cfg.prefix_interval:,}) = {mem.checkpoints} checkpoints x "
+         f"(KDA state {p.planner.kda_state_per_seq / GB:.4f} + conv tails {p.planner.conv_state_per_seq / GB:.4f}"
+         f" + logits row {p.planner.logits_row_bytes / GB:.4f} GB) [{FORMULAS['kda_checkpoints']}]"
+         if cfg.prefix_interval else "no prefix cache (--prefix-interval N: a checkpoint every N tokens)"),
     ]
     out += [f"2. Memory per GPU: HBM {fmt_bytes(t.hbm_bytes)}, usable {fmt_bytes(mem.usable_bytes)} after "
             f"{cfg.headroom:.0%} headroom"]
@@ -455,6 +515,13 @@ def _memory_lines(p: Plan) -> list[str]:
     fit = p.fit
     cap = fit["model_max_context"]
     at1 = f"; at batch 1: {fit['max_context_at_batch_1']:,}" if cfg.batch != 1 else ""
+    fixed = mem.total_bytes - mem.mla_kv_cache_bytes
+    per_token = p.planner.mla_bytes_per_token(cfg.kv_dtype)
+    pool = mem.usable_bytes - fixed
+    if per_token:
+        out += ["", f"  MLA cache pool after the fixed items: {pool / GB:,.2f} GB = "
+                f"{max(pool, 0) / per_token / 1e6:,.3f} M tokens of {cfg.kv_dtype} latent cache per GPU  [(usable - "
+                f"every item above but the MLA cache) / {per_token:,} B per token]"]
     out += ["", f"  largest context at batch {cfg.batch}: {fit['max_context_at_batch']:,} tokens "
             f"(model max_context {cap:,}){at1}  [largest page multiple with total <= usable]"
             + ("; the weights and fixed buffers alone exceed the usable HBM" if not fit["max_context_at_batch"]
@@ -519,6 +586,18 @@ def _kv_throughput_lines(p: Plan) -> list[str]:
     rows = [[f"{r['context']:,}", _gb(r["cache_bytes"]), fmt_seconds(r["prefill_seconds"]),
              f"{r['bytes_per_s'] / GB:,.3f}"] for r in p.kv_throughput]
     out += _table(["context", "cache GB", "prefill", "GB/s"], rows)
+    if p.full_attention:
+        full = p.full_attention_plan
+        out += ["", f"  against full attention: {full.model}, every layer MLA ({len(full.facts.mla)} MLA layers "
+                f"for {len(p.facts.kda)} KDA + {len(p.facts.mla)} MLA), the same target, layout and options; "
+                "KV throughput = cache bytes / prefill time of each model; ratios full / hybrid"]
+        rows = [[f"{r['context']:,}", _gb(r["hybrid"]["cache_bytes"]), fmt_seconds(r["hybrid"]["prefill_seconds"]),
+                 f"{r['hybrid']['bytes_per_s'] / GB:,.3f}", _gb(r["full_attention"]["cache_bytes"]),
+                 fmt_seconds(r["full_attention"]["prefill_seconds"]),
+                 f"{r['full_attention']['bytes_per_s'] / GB:,.3f}", f"{r['cache_ratio']:,.2f}x",
+                 f"{r['prefill_ratio']:,.2f}x", f"{r['kv_throughput_ratio']:,.2f}x"] for r in p.full_attention]
+        out += _table(["context", "hybrid GB", "prefill", "GB/s", "full GB", "prefill", "GB/s", "cache",
+                       "prefill", "KV throughput"], rows)
     return out
 
 

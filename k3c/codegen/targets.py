@@ -11,7 +11,7 @@ from ..errors import ArgumentError
 class Target:
     name: str
     backend: str                  # hip | cuda | cpu
-    arch: str                     # gfx950, gfx942, sm_90, sm_100, cpu
+    arch: str                     # gfx950, gfx942, sm_90, sm_100, sm_103, cpu
     warp_size: int
     shared_mem_bytes: int         # planning budget per block (LDS on AMD)
     native_mxfp4: bool
@@ -57,6 +57,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            collective_latency_s=9e-6,
            plan_fraction=(("prefill", 0.44, 0.63), ("decode", 0.48, 0.62))),   # bench/plan-check-h200.json
     Target("b200", "cuda", "sm_100", 32, 227 * KiB, True, 2.25e15, 4.5e15, 9.0e15, 8.0e12, 180 * GiB, 900e9),
+    # b300 (Blackwell Ultra, compute capability 10.3: triton 3.9 emits sm_103a cubins with tcgen05 kind::mxf4).
+    # Spec-sheet values (HGX B300, per GPU): 288 GB HBM3e (8 x 36 GiB stacks, held as GiB like mi355x's 288), 8 TB/s,
+    # NVLink 5 1.8 TB/s bidirectional; dense BF16 2.25 / FP8 4.5 / FP4 13.5 PFLOP/s (the sheet's 36 / 72 PFLOP/s
+    # with sparsity and 108 PFLOP/s dense FP4 for 8 GPUs). Nothing here is measured; the latency is the default.
+    Target("b300", "cuda", "sm_103", 32, 227 * KiB, True, 2.25e15, 4.5e15, 13.5e15, 8.0e12, 288 * GiB, 900e9),
     Target("cpu", "cpu", "cpu", 1, 0, False, 1e12, 1e12, 1e12, 1e11, 16 * GiB, 1e10),
 )}
 
