@@ -317,9 +317,10 @@ def plan(model, target: str | Target = "mi355x", *, tp: int = 1, ep: int | None 
 
         variant = full_attention_spec(spec_of_model)
         # the variant planned the way this plan was: a rank's IR of the same layout, or the planner's split rules
-        full = plan(_lowered(variant, tgt, layout, seq_parallel) if rank_ir else variant, tgt, tp=layout.tp, ep=layout.ep, context=context, batch=batch, kv_dtype=kv_dtype,
-                    prefill_chunk=prefill_chunk, headroom=headroom, pp=pp, vpp=vpp, mla_mode=mla_mode,
-                    prefix_interval=prefix_interval, seq_parallel=seq_parallel)
+        full = plan(_lowered(variant, tgt, layout, seq_parallel) if rank_ir else variant, tgt, tp=layout.tp,
+                    ep=layout.ep, context=context, batch=batch, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+                    headroom=headroom, pp=pp, vpp=vpp, mla_mode=mla_mode, prefix_interval=prefix_interval,
+                    seq_parallel=seq_parallel)
         result.full_attention, result.full_attention_plan = compare_rows(kvt, full.kv_throughput), full
     return result
 
@@ -454,8 +455,8 @@ def _weights_lines(p: Plan) -> list[str]:
         freed = sum(q.gpu_bytes for q in w.params if q.name in set(w.dropped))
         out.append(f"  weight transforms    {len(w.derived)} results of {', '.join(ops)} computed at load: "
                    f"{sum(d['gpu_bytes'] for d in w.derived) / GB:,.3f} GB per GPU, replacing {len(w.dropped)} "
-                   f"params only they read ({freed / GB:,.3f} GB per GPU, counted freed after load; k3c's runtime keeps "
-                   "them today: docs/plan.md, plan against the runtime)")
+                   f"params only they read ({freed / GB:,.3f} GB per GPU, counted freed after load; k3c's runtime "
+                   "keeps them today: docs/plan.md, plan against the runtime)")
     out.append("")
     rows = []
     for cat, d in w.by_category.items():
