@@ -188,6 +188,8 @@ class Engine:
         if stop:
             self._stop[seq.rid] = stop
         self.waiting.append(seq)
+        if self.prefix is not None:
+            self.prefix.want(seq)
         return seq.rid
 
     def _stop_ids(self, ids) -> frozenset:
@@ -231,6 +233,8 @@ class Engine:
             raise ArgumentError(f"no sequence with id {rid}")
         if seq in self.waiting:
             self.waiting.remove(seq)
+            if self.prefix is not None:
+                self.prefix.unwant(seq)
         if seq in self.running:
             self.running.remove(seq)
         self._budget.pop(rid, None)
@@ -250,7 +254,8 @@ class Engine:
 
     def _admit(self) -> None:
         """Admit waiting requests in order while there is room. Under the prefix cache's working-set policy a
-        request that must wait (its pages could only come from protected checkpoints) lets those behind it try."""
+        request that must wait (its pages could only come from checkpoints it may not evict: PrefixCache.guard)
+        lets those behind it try."""
         passed = []                             # requests left waiting this step, in queue order
         scan = self.prefix is not None and self.prefix.policy == "working-set"
         while self.waiting and len(self.running) < self.max_batch:
@@ -263,23 +268,24 @@ class Engine:
         self.waiting.extendleft(reversed(passed))
 
     def _admit_one(self, seq: SeqState) -> bool:
-        if self.prefix is not None:
-            self.prefix.resume(seq)
+        if self.prefix is not None and not self.prefix.resume(seq) and self.running:
+            self.stats["admission_waits"] += 1
+            return False                    # its checkpoint is offloaded and there is no room yet to bring it back
         ps = self.pool.page_size
         need = self.pool.pages_for(seq.prompt_len + seq.max_new_tokens) - len(seq.pages)
         if self.pool.used and seq.length % ps:
             need += 1                      # the shared partial last page may be copied
-        protect = self.prefix is not None and not self.prefix.admits(seq)
+        guard = self.prefix.guard(seq) if self.prefix is not None else 0
         while self.pool.num_free - self._outstanding() < need and self.prefix is not None \
-                and self.prefix.evict_for_pages(protect):
+                and self.prefix.evict_for_pages(guard):
             pass
         if self.pool.num_free - self._outstanding() < need:
             self._unresume(seq)
-            if not self.running:            # nothing will free pages: opened sequences hold them
+            if not self.running and not guard:     # nothing will free pages: opened sequences hold them
                 raise CacheFullError(f"MLA cache full: request {seq.rid} needs {need} pages, "
                                      f"{self.pool.num_free} of {self.pool.num_pages} are free")
             self.stats["admission_waits"] += 1
-            return False                    # wait for running requests to leave (or sessions to go idle)
+            return False                    # wait for running requests to leave (or protected sessions to idle)
         self._budget[seq.rid] = need
         self.running.append(seq)
         seq.t_admitted = time.perf_counter()

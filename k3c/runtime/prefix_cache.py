@@ -13,15 +13,19 @@ pages: to host memory (pinned with CUDA) when `host_bytes` > 0, from there to sa
 else dropped.
 
 Which checkpoint goes first is the policy:
-  - "lru": the least recently used.
-  - "working-set" (the default): a session's newest checkpoint (a *leaf*: nothing has resumed from it or extended
+  - "lru" (the default): the least recently used.
+  - "working-set" (for multi-turn sessions past the pool's size): a session's newest checkpoint (a *leaf*: nothing has resumed from it or extended
     it yet) used within `protect_s` seconds is the working set of an active session, whose next turn will resume
     from it. Superseded checkpoints go first, then leaves idle past protect_s, least recently used first within each
-    class; protected leaves only when nothing else is left. And the engine asks before admitting a request that
-    would start cold (`admits`): while requests are running, one whose pages could only come from protected leaves
-    waits instead, and requests behind it that resume may go first. Under LRU, more sessions than the pool holds
-    evict each other's next checkpoint in turn (the hit rate falls off a cliff); here the sessions that fit keep
-    hitting and the others queue until a session goes idle.
+    class; protected leaves only when nothing else is left, and a checkpoint a waiting request will resume from
+    last of all. The engine asks how far a request's admission may go (`guard`): while requests are running, one
+    that would start cold may not evict protected checkpoints, one that resumes may not evict the checkpoints that
+    other waiting requests want; a request that would have to waits, and requests behind it may go first. A cold
+    request waits at most protect_s for room before it may displace protected checkpoints. Under LRU, more sessions
+    than the pool holds evict each other's next checkpoint in turn (the hit rate falls off a cliff); here the
+    sessions that fit keep hitting and the others queue, displacing one session per protect_s at most. The cost is
+    queueing (a cold request can wait protect_s while the device idles): LRU stays the default, where requests
+    are not sessions.
 """
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ from .kv_tiers import DiskTier, HostTier, page_keys
 from ..reference.kda import KDAState
 from .seq_state import SeqState, clone_row, state_bytes
 
-POLICIES = ("working-set", "lru")
+POLICIES = ("lru", "working-set")
+GUARD_NONE, GUARD_WANTED, GUARD_WORKING_SET = 0, 1, 2     # what an eviction for pages must spare (guard())
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Checkpoint:
     pages: list[int] | None = None              # device tier: page ids (one reference each)
     leaf: bool = True                           # nothing resumed from it or extended it yet
     used: float = 0.0                           # when it was inserted or last resumed from (the cache's clock)
+    wanted: int = 0                             # waiting requests that would resume from it
 
     def nbytes(self) -> int:
         """Bytes of its own (KDA states and logits; pages are counted once per tier by the cache)."""
@@ -65,7 +71,7 @@ def _key(tokens) -> bytes:
 
 class PrefixCache:
     def __init__(self, *, interval: int = 32768, max_bytes: int = 8 << 30, host_bytes: int = 0, disk: bool = False,
-                 disk_dir: str | None = None, on_finish: bool = True, policy: str = "working-set",
+                 disk_dir: str | None = None, on_finish: bool = True, policy: str = "lru",
                  protect_s: float = 60.0, clock=time.monotonic):
         for name, v in (("interval", interval), ("max_bytes", max_bytes), ("host_bytes", host_bytes)):
             low = 1 if name == "interval" else 0
@@ -132,22 +138,28 @@ class PrefixCache:
                 best = c
         return best
 
-    def resume(self, seq: SeqState, limit: int | None = None) -> None:
+    def resume(self, seq: SeqState, limit: int | None = None) -> bool:
         """Start `seq` (fresh, not admitted yet) from the deepest checkpoint inside its first `limit` tokens (default
-        its prompt), if any, and if there is room to bring an offloaded one back."""
+        its prompt), if any. An offloaded one comes back into pages freed, if need be, by moving device checkpoints
+        down; False when even that leaves no room (the request should wait rather than recompute what a tier
+        holds), True otherwise (resumed, or nothing to resume from)."""
         c = self.lookup(seq.tokens, seq.prompt_len if limit is None else limit)
         if c is None:
-            return
+            return True
         eng, pool = self.engine, self.pool
         if c.tier == "device":
             pages = list(c.pages)
             pool.incref(pages)
             kda = c.kda
         else:
-            try:
-                pages = pool.alloc(pool.pages_for(c.length))
-            except CacheFullError:
-                return                                   # no room to bring it back: run cold
+            n = pool.pages_for(c.length)
+            guard = GUARD_WANTED if self.engine.running else GUARD_NONE
+            while pool.num_free < n and self.evict_for_pages(guard):
+                pass
+            if pool.num_free < n:
+                self.stats["restore_waits"] += 1
+                return False
+            pages = pool.alloc(n)
             tier = self.host if c.tier == "host" else self.disk_tier
             for p, k in zip(pages, c.page_keys):
                 pool.write_page(p, tier.rows(k))
@@ -155,16 +167,18 @@ class PrefixCache:
             kda = {i: KDAState(s.state.to(eng.device, non_blocking=True),
                                tuple(t.to(eng.device, non_blocking=True) for t in s.conv)) for i, s in kda.items()}
             self.stats[f"restored_{c.tier}"] += 1
-            self.stats["restored_bytes"] += len(pages) * pool.page_bytes
+            self.stats["restored_bytes"] += n * pool.page_bytes
         seq.pages, seq.length, seq.resumed = pages, c.length, c.length
         seq.resumed_tier = c.tier
         seq.kda = {i: (kda[i], 0) for i in eng.kda_layers}
         seq.last_logits = (c.logits if c.tier == "device" else logits).to(eng.device, non_blocking=True)
         seq.resumed_from = c.key
+        return True
 
     def record(self, seq: SeqState) -> None:
         """`seq` was admitted: count it; the checkpoint it resumed from is superseded (its session goes on: the
         new checkpoints are the leaves) and most recently used."""
+        self.unwant(seq)
         c = self.entries.get(seq.resumed_from) if seq.resumed else None
         if c is not None:
             c.leaf, c.used = False, self.clock()
@@ -176,14 +190,38 @@ class PrefixCache:
 
     # -- admission ----------------------------------------------------------------------------------------------
     def protected(self, c: Checkpoint, now: float) -> bool:
-        """Part of an active session's working set (policy working-set): a leaf used within protect_s."""
-        return self.policy == "working-set" and c.leaf and now - c.used <= self.protect_s
+        """Part of an active session's working set (policy working-set): a leaf used within protect_s, or one a
+        waiting request will resume from (however long it waits)."""
+        return self.policy == "working-set" and ((c.leaf and now - c.used <= self.protect_s) or c.wanted > 0)
 
-    def admits(self, seq: SeqState) -> bool:
-        """Whether admitting `seq` may evict protected checkpoints for its pages: under working-set only a request
-        that resumes (a session going on) may, or any request when nothing is running (nothing else would free
-        pages)."""
-        return self.policy != "working-set" or bool(seq.resumed) or not self.engine.running
+    def want(self, seq: SeqState) -> None:
+        """`seq` was queued: the checkpoint it would resume from now is wanted until it is admitted or leaves."""
+        seq.queued_at = self.clock()
+        if self.policy != "working-set":
+            return
+        c = self.lookup(seq.tokens, seq.prompt_len)
+        if c is not None:
+            c.wanted += 1
+            seq.wants = c.key
+
+    def unwant(self, seq: SeqState) -> None:
+        c = self.entries.get(seq.wants) if seq.wants is not None else None
+        if c is not None:
+            c.wanted -= 1
+        seq.wants = None
+
+    def guard(self, seq: SeqState) -> int:
+        """What admitting `seq` may not evict for its pages (GUARD_*). Under LRU: nothing. Under working-set a
+        request that resumes (its session goes on) keeps what other waiting requests want; a cold one keeps the
+        whole working set until it has waited protect_s (then it counts as resuming: a session that waited that
+        long is as active as the idle ones it displaces); when nothing is running, whatever may not be spared
+        would only wait for time to pass, so a resuming request spares nothing."""
+        if self.policy != "working-set":
+            return GUARD_NONE
+        patient = seq.queued_at is not None and self.clock() - seq.queued_at <= self.protect_s
+        if not seq.resumed and patient:
+            return GUARD_WORKING_SET
+        return GUARD_WANTED if self.engine.running else GUARD_NONE
 
     # -- insert and evict ---------------------------------------------------------------------------------------
     def insert(self, seq: SeqState, final: bool = False) -> None:
@@ -224,28 +262,30 @@ class PrefixCache:
         while self.host_bytes and self.tier_bytes("host") > self.host_bytes and self._demote_next("host"):
             pass
 
-    def evict_for_pages(self, protect: bool = False) -> bool:
-        """Move one device checkpoint off the pages (the engine needs room), in policy order; `protect`: never a
-        protected one. False: none left to move."""
-        return self._demote_next("device", protect)
+    def evict_for_pages(self, guard: int = 0) -> bool:
+        """Move one device checkpoint off the pages (the engine needs room), in policy order, sparing what `guard`
+        keeps (GUARD_*). False: none left to move."""
+        return self._demote_next("device", guard)
 
-    def _next(self, tier: str, protect: bool = False) -> Checkpoint | None:
+    def _next(self, tier: str, guard: int = 0) -> Checkpoint | None:
         """The checkpoint of `tier` to move first: LRU, or under working-set superseded ones, then idle leaves, then
-        (unless `protect`) protected leaves, least recently used first within each class."""
-        now, idle, guarded = self.clock(), None, None
+        protected leaves, then those waiting requests want, least recently used first within each class; None
+        when only classes `guard` keeps are left."""
+        if self.policy == "lru":
+            return next((c for c in self.entries.values() if c.tier == tier), None)
+        now, first = self.clock(), [None, None, None, None]
         for c in self.entries.values():
             if c.tier != tier:
                 continue
-            if self.policy == "lru" or not c.leaf:
+            cls = 3 if c.wanted else 2 if self.protected(c, now) else int(c.leaf)
+            if cls == 0:
                 return c
-            if not self.protected(c, now):
-                idle = idle or c
-            else:
-                guarded = guarded or c
-        return idle or (None if protect else guarded)
+            if first[cls] is None:
+                first[cls] = c
+        return next((c for c in first[1:4 - guard] if c is not None), None)
 
-    def _demote_next(self, tier: str, protect: bool = False) -> bool:
-        c = self._next(tier, protect)
+    def _demote_next(self, tier: str, guard: int = 0) -> bool:
+        c = self._next(tier, guard)
         if c is None:
             return False
         self._demote(c)

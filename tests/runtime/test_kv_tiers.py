@@ -75,26 +75,27 @@ def test_offloaded_checkpoints_share_pages_and_resume(tiny, one_thread, tmp_path
 def test_working_set_eviction_order(tiny, one_thread):
     spec, model, w = tiny
     now = [0.0]
-    pc = PrefixCache(interval=1024, protect_s=5, clock=lambda: now[0])
+    pc = PrefixCache(interval=1024, protect_s=5, clock=lambda: now[0], policy="working-set")
     eng = engine(tiny, pc)
     serve(eng, toks(spec, 12, 4), 2)          # session A: prompt end at 12 (superseded), finish at 13 (its leaf)
     now[0] = 10.0
     serve(eng, toks(spec, 12, 5), 2)          # session B, at t = 10
     now[0] = 12.0                             # A's leaf idle (12 s > 5 s), B's protected
     order = []
-    while (c := pc._next("device", protect=True)) is not None:
+    while (c := pc._next("device", guard=2)) is not None:
         order.append((c.length, c.leaf, c.used))
         pc._demote(c)
     assert order == [(12, False, 0.0), (12, False, 10.0), (13, True, 0.0)]   # superseded first, then idle
     assert [(c.length, c.leaf) for c in pc.entries.values()] == [(13, True)]   # B's leaf: only when forced
-    assert pc.evict_for_pages(protect=False) and not pc.entries
+    assert pc.evict_for_pages(guard=0) and not pc.entries
     eng.pool.check_empty()
 
 
 def _contended(tiny, policy):
     """Session A's checkpoint holds 4 of 12 pages; R runs; a cold request C arrives before A's next turn."""
     spec, model, w = tiny
-    pc = PrefixCache(interval=1024, policy=policy)
+    now = [0.0]
+    pc = PrefixCache(interval=1024, policy=policy, protect_s=10, clock=lambda: now[0])
     eng = engine(tiny, pc, num_pages=12)
     a_prompt = toks(spec, 30, 6)
     _, a_out = serve(eng, a_prompt, 2)                       # A's finish checkpoint at 31: pages 0..3
@@ -105,17 +106,22 @@ def _contended(tiny, policy):
     outs += eng.step()
     state = {name: ("running" if eng.seqs[rid] in eng.running else "waiting") for name, rid in (("C", c), ("A1", a1))}
     resumed = eng.seqs[a1].resumed if eng.seqs[a1] in eng.running else 31 in {x.length for x in pc.entries.values()}
+    for _ in range(40):                                      # R and A1 finish; C still waits for A's leaves to idle
+        outs += eng.step()
+    waited = c in eng.seqs and eng.seqs[c] in eng.waiting
+    now[0] = 11.0                                            # protect_s has passed: C may displace them
     while eng.has_work():
         outs += eng.step()
     got = {k: [o.token for o in outs if o.rid == k] for k in (r, c, a1)}
-    return state, resumed, got, eng, pc
+    return state, resumed, got, eng, pc, waited
 
 
 def test_admission_keeps_the_active_session_resident(tiny, one_thread):
-    state, resumed, got, eng, pc = _contended(tiny, "working-set")
+    state, resumed, got, eng, pc, waited = _contended(tiny, "working-set")
+    assert waited
     assert state == {"C": "waiting", "A1": "running"}       # C waits, A's next turn goes first
     assert resumed == 31 and eng.stats["admission_waits"] >= 1
-    lru_state, lru_resumed, lru_got, lru_eng, lru_pc = _contended(tiny, "lru")
+    lru_state, lru_resumed, lru_got, lru_eng, lru_pc, _ = _contended(tiny, "lru")
     assert lru_state == {"C": "running", "A1": "waiting"}  # LRU: C evicts A's checkpoint, A1 will run cold
     assert lru_resumed is False
     assert got == lru_got                                                    # same tokens either way
