@@ -258,14 +258,20 @@ class Engine:
         lets those behind it try."""
         passed = []                             # requests left waiting this step, in queue order
         scan = self.prefix is not None and self.prefix.policy == "working-set"
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting.popleft()
-            if self._admit_one(seq):
-                continue
-            passed.append(seq)
-            if not scan:
-                break
-        self.waiting.extendleft(reversed(passed))
+        try:
+            while self.waiting and len(self.running) < self.max_batch:
+                seq = self.waiting.popleft()
+                try:
+                    admitted = self._admit_one(seq)
+                except BaseException:
+                    self.waiting.appendleft(seq)     # a refusal changes nothing: it stays first in line
+                    raise
+                if not admitted:
+                    passed.append(seq)
+                    if not scan:
+                        break
+        finally:
+            self.waiting.extendleft(reversed(passed))
 
     def _admit_one(self, seq: SeqState) -> bool:
         if self.prefix is not None and not self.prefix.resume(seq) and self.running:

@@ -20,12 +20,12 @@ Which checkpoint goes first is the policy:
     class; protected leaves only when nothing else is left, and a checkpoint a waiting request will resume from
     last of all. The engine asks how far a request's admission may go (`guard`): while requests are running, one
     that would start cold may not evict protected checkpoints, one that resumes may not evict the checkpoints that
-    other waiting requests want; a request that would have to waits, and requests behind it may go first. A cold
-    request waits at most protect_s for room before it may displace protected checkpoints. Under LRU, more sessions
-    than the pool holds evict each other's next checkpoint in turn (the hit rate falls off a cliff); here the
-    sessions that fit keep hitting and the others queue, displacing one session per protect_s at most. The cost is
-    queueing (a cold request can wait protect_s while the device idles): LRU stays the default, where requests
-    are not sessions.
+    other waiting requests want; a request that would have to waits, and requests behind it may go first. On an
+    idle engine a cold request waits at most protect_s before it may displace protected checkpoints. Under LRU, more
+    sessions than the pool holds evict each other's next checkpoint in turn (the hit rate falls off a cliff); here
+    the sessions that fit keep hitting and the others queue until resident sessions end. The cost is queueing (new
+    sessions wait for room; a cold request can wait protect_s while the device idles): LRU stays the default, for
+    requests that are not sessions.
 """
 from __future__ import annotations
 
@@ -193,6 +193,36 @@ class PrefixCache:
         """Part of an active session's working set (policy working-set): a leaf used within protect_s, or one a
         waiting request will resume from (however long it waits)."""
         return self.policy == "working-set" and ((c.leaf and now - c.used <= self.protect_s) or c.wanted > 0)
+
+    def want(self, seq: SeqState) -> None:
+        """`seq` was queued: the checkpoint it would resume from now is wanted until it is admitted or leaves."""
+        seq.queued_at = self.clock()
+        if self.policy != "working-set":
+            return
+        c = self.lookup(seq.tokens, seq.prompt_len)
+        if c is not None:
+            c.wanted += 1
+            seq.wants = c.key
+
+    def unwant(self, seq: SeqState) -> None:
+        c = self.entries.get(seq.wants) if seq.wants is not None else None
+        if c is not None:
+            c.wanted -= 1
+        seq.wants = None
+
+    def guard(self, seq: SeqState) -> int:
+        """What admitting `seq` may not evict for its pages (GUARD_*). Under LRU: nothing. Under working-set a
+        request that resumes (its session goes on) keeps what other waiting requests want; a cold one keeps the
+        whole working set while anything runs (sessions are admitted as resident ones end, not by displacing them
+        one turn at a time, which is the LRU cliff again); on an idle engine a cold request that has waited
+        protect_s spares nothing (a session idle that long counts as ended), and a resuming one spares nothing."""
+        if self.policy != "working-set":
+            return GUARD_NONE
+        if seq.resumed:
+            return GUARD_WANTED if self.engine.running else GUARD_NONE
+        if self.engine.running or (seq.queued_at is not None and self.clock() - seq.queued_at <= self.protect_s):
+            return GUARD_WORKING_SET
+        return GUARD_NONE
 
     def want(self, seq: SeqState) -> None:
         """`seq` was queued: the checkpoint it would resume from now is wanted until it is admitted or leaves."""
