@@ -52,6 +52,16 @@ def add_parser(sub, positive, path, seed) -> None:
     s.add_argument("--prefix-interval", type=positive("--prefix-interval", 1 << 24), default=32768,
                    help="checkpoint every this many tokens inside a sequence, besides prompt ends and finished "
                    "requests (default 32768)")
+    s.add_argument("--disk-dir", type=path("--disk-dir"), metavar="DIR",
+                   help="disk tier of the prefix cache below the host tier: checkpoints evicted from host memory "
+                   "go to safetensors files here (default: none, they are dropped)")
+    s.add_argument("--kv-policy", choices=("lru", "working-set"), default="lru",
+                   help="which prefix-cache checkpoints leave the device first: lru (default), or working-set for "
+                   "multi-turn sessions past the page pool (active sessions' newest checkpoints protected for "
+                   "--protect-s; new sessions wait for room rather than displace them)")
+    s.add_argument("--protect-s", type=_seconds, default=60.0,
+                   help="working-set policy: seconds a session's newest checkpoint stays protected after its last "
+                   "use (default 60)")
     s.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache")
     s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY on /v1 routes (default: the "
                    f"{API_KEY_ENV} environment variable; unset: no key)")
@@ -65,6 +75,39 @@ def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"--port must be an integer in [0, 65535], got {text!r}")
     return int(text)
+
+
+def prefix_cache(args):
+    """The server's PrefixCache from its arguments (None: --no-prefix-cache)."""
+    from ..runtime.prefix_cache import PrefixCache
+
+    if args.no_prefix_cache:
+        return None
+    return PrefixCache(interval=args.prefix_interval, max_bytes=args.prefix_cache_bytes, host_bytes=args.host_bytes,
+                       disk=args.disk_dir is not None, disk_dir=args.disk_dir, policy=args.kv_policy,
+                       protect_s=args.protect_s)
+
+
+def _check_dir(path: str) -> None:
+    """--disk-dir: a writable directory (made if missing), checked before anything loads."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ArgumentError(f"--disk-dir {path}: exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ArgumentError(f"--disk-dir {path}: cannot make the directory ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ArgumentError(f"--disk-dir {path}: not writable")
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v <= 86400:
+        raise argparse.ArgumentTypeError(f"--protect-s must be a number of seconds in [0, 86400], got {text!r}")
+    return v
 
 
 def _bytes(name: str, text: str) -> int:
@@ -94,7 +137,6 @@ def _bind(host: str, port: int) -> socket.socket:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from ..runtime.prefix_cache import PrefixCache
     from ..runtime.text import load_tokenizer
     from ..serve.app import SHUTDOWN_GRACE_S, build_app
     from ..serve.chat import ChatTemplate
@@ -108,11 +150,11 @@ def cmd_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if api_key is not None and not api_key.strip():
         raise ArgumentError("--api-key must not be empty")
+    if args.disk_dir is not None:
+        _check_dir(args.disk_dir)
     sock = _bind(args.host, args.port)          # before the model loads: a taken port fails at once
     try:
-        cache = None if args.no_prefix_cache else PrefixCache(interval=args.prefix_interval,
-                                                              max_bytes=args.prefix_cache_bytes,
-                                                              host_bytes=args.host_bytes)
+        cache = prefix_cache(args)
         context: list[int] = []
 
         def sizes(model):

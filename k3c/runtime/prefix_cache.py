@@ -21,7 +21,7 @@ Which checkpoint goes first is the policy:
     last of all. The engine asks how far a request's admission may go (`guard`): while requests are running, one
     that would start cold may not evict protected checkpoints, one that resumes may not evict the checkpoints that
     other waiting requests want; a request that would have to waits, and requests behind it may go first. On an
-    idle engine a cold request waits at most protect_s before it may displace protected checkpoints. Under LRU, more
+    idle engine a cold request that waited protect_s may displace protected checkpoints, one per protect_s. Under LRU, more
     sessions than the pool holds evict each other's next checkpoint in turn (the hit rate falls off a cliff); here
     the sessions that fit keep hitting and the others queue until resident sessions end. The cost is queueing (new
     sessions wait for room; a cold request can wait protect_s while the device idles): LRU stays the default, for
@@ -91,6 +91,7 @@ class PrefixCache:
         self._lengths: Counter = Counter()
         self._page_holders: Counter = Counter()                            # page -> device checkpoints
         self._newest: dict[int, bytes] = {}                                # rid -> its newest checkpoint
+        self._displaced_at = float("-inf")          # the last cold admission allowed to displace the working set
         self.stats = Counter()
         self.engine = None
 
@@ -193,6 +194,41 @@ class PrefixCache:
         """Part of an active session's working set (policy working-set): a leaf used within protect_s, or one a
         waiting request will resume from (however long it waits)."""
         return self.policy == "working-set" and ((c.leaf and now - c.used <= self.protect_s) or c.wanted > 0)
+
+    def want(self, seq: SeqState) -> None:
+        """`seq` was queued: the checkpoint it would resume from now is wanted until it is admitted or leaves."""
+        seq.queued_at = self.clock()
+        if self.policy != "working-set":
+            return
+        c = self.lookup(seq.tokens, seq.prompt_len)
+        if c is not None:
+            c.wanted += 1
+            seq.wants = c.key
+
+    def unwant(self, seq: SeqState) -> None:
+        c = self.entries.get(seq.wants) if seq.wants is not None else None
+        if c is not None:
+            c.wanted -= 1
+        seq.wants = None
+
+    def guard(self, seq: SeqState) -> int:
+        """What admitting `seq` may not evict for its pages (GUARD_*). Under LRU: nothing. Under working-set a
+        request that resumes (its session goes on) keeps what other waiting requests want (nothing when the engine
+        is idle: then no one else will free pages); a cold one keeps the whole working set (sessions are admitted
+        as resident ones end, not by displacing them a turn at a time, which is the LRU cliff again), except that
+        on an idle engine one cold request per protect_s that has waited protect_s may displace protected
+        checkpoints (a bound on the device idling for room, and on how fast such displacements churn)."""
+        if self.policy != "working-set":
+            return GUARD_NONE
+        if seq.resumed:
+            return GUARD_WANTED if self.engine.running else GUARD_NONE
+        now = self.clock()
+        if self.engine.running or seq.queued_at is None or now - seq.queued_at <= self.protect_s \
+                or now - self._displaced_at <= self.protect_s:
+            return GUARD_WORKING_SET
+        self._displaced_at = now
+        self.stats["displacing_admissions"] += 1
+        return GUARD_WANTED
 
     def want(self, seq: SeqState) -> None:
         """`seq` was queued: the checkpoint it would resume from now is wanted until it is admitted or leaves."""

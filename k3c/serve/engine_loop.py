@@ -111,7 +111,9 @@ class EngineLoop:
     def _main(self) -> None:
         try:
             while self._stop_reason is None:
-                self._drain(block=not self.engine.has_work())
+                # nothing running (at most requests waiting for room, which time or a new request may give them):
+                # wait for the inbox a while instead of spinning on admission attempts
+                self._drain(block=not self.engine.running)
                 if self._stop_reason is None and self.engine.has_work():
                     self._step()
         except BaseException as exc:             # a bug of the loop itself: say so, fail everyone, end

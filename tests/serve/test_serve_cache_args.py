@@ -1,0 +1,39 @@
+"""`k3c serve`'s prefix-cache arguments become the PrefixCache it serves with (policy, tiers, protection); bad ones
+exit 2 naming the argument before anything loads."""
+import pytest
+
+from k3c.cli import build_parser, main
+from k3c.commands.serve import prefix_cache
+
+
+def _args(*extra):
+    return build_parser().parse_args(["serve", "examples/k3-tiny.yaml", *extra])
+
+
+def test_defaults_and_flags(tmp_path):
+    pc = prefix_cache(_args())
+    assert (pc.policy, pc.host_bytes, pc.disk, pc.interval) == ("lru", 0, False, 32768)
+    pc = prefix_cache(_args("--kv-policy", "working-set", "--protect-s", "2.5", "--host-bytes", "4096",
+                            "--disk-dir", str(tmp_path), "--prefix-interval", "64"))
+    assert (pc.policy, pc.protect_s, pc.host_bytes, pc.disk, pc.interval) == ("working-set", 2.5, 4096, True, 64)
+    assert pc.disk_tier.directory == str(tmp_path)
+    assert prefix_cache(_args("--no-prefix-cache")) is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--kv-policy", "mru"], "--kv-policy: invalid choice"),
+    (["--protect-s", "-1"], "--protect-s must be a number of seconds"),
+    (["--protect-s", "nan"], "--protect-s must be a number of seconds"),
+])
+def test_bad_arguments_exit_2(capsys, extra, message):
+    assert main(["serve", "examples/k3-tiny.yaml", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_disk_dir_that_is_a_file(capsys, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["serve", "examples/k3-tiny.yaml", "--port", "0", "--disk-dir", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "--disk-dir" in err and "not a directory" in err and "Traceback" not in err
