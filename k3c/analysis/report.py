@@ -455,8 +455,7 @@ def _weights_lines(p: Plan) -> list[str]:
         freed = sum(q.gpu_bytes for q in w.params if q.name in set(w.dropped))
         out.append(f"  weight transforms    {len(w.derived)} results of {', '.join(ops)} computed at load: "
                    f"{sum(d['gpu_bytes'] for d in w.derived) / GB:,.3f} GB per GPU, replacing {len(w.dropped)} "
-                   f"params only they read ({freed / GB:,.3f} GB per GPU, counted freed after load; k3c's runtime "
-                   "keeps them today: docs/plan.md, plan against the runtime)")
+                   f"params only they read ({freed / GB:,.3f} GB per GPU, freed after load)")
     out.append("")
     rows = []
     for cat, d in w.by_category.items():

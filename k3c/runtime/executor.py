@@ -249,4 +249,9 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
             for i, (result, name) in enumerate(zip(op.results, names)):
                 values[result] = graph.create_node("call_function", operator.getitem, (node, i), name=name + "_")
     graph.output(tuple(values[o] for o in module.outputs) if len(module.outputs) > 1 else values[module.outputs[0]])
+    # params only weight transforms read (kv_b_proj before its split, the AttnRes queries before their fold) were
+    # consumed at load: no call reads them, so the graph does not keep them (what the planner counts as freed)
+    for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:
+        graph.erase_node(node)
+        delattr(root, node.target)
     return fx.GraphModule(root, graph, class_name="K3cGraph")

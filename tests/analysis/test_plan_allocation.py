@@ -2,10 +2,9 @@
 
 For each layout and rank: the plan of that rank's IR (`plan(k3c.compile(spec, tp=, ep=, rank=))`) against the
 tensors the rank's Session holds (its fx graph's buffers: the rank's slices from `init_sharded_weights`, prepared
-by weight_prep, plus the weight-transform results computed at load). Per param and in total, exactly. The one
-documented difference (docs/plan.md, "Plan against the runtime"): the planner counts the params that only weight
-transforms read (kv_b_proj before its mla_kvb_split, the AttnRes queries before attn_res_fold_queries) as freed
-after load; the runtime's graph keeps a buffer for every param, so it holds them as well.
+by weight_prep, plus the weight-transform results computed at load). Per param and in total, exactly: the params
+that only weight transforms read (kv_b_proj before its mla_kvb_split, the AttnRes queries before
+attn_res_fold_queries) are freed after load by both (the graph keeps no buffer no call reads).
 """
 import pytest
 import torch
@@ -54,16 +53,18 @@ def test_sharded_plan_equals_what_each_rank_allocates(spec_mxfp4, tp, ep):
         m, held = _held(spec_mxfp4, tp, ep, rank)
         w = plan(m, "mi355x", context=256).weights
         assert m.module.attr("tp", 1) == tp and m.module.attr("ep", 1) == ep or max(tp, ep) == 1
-        # every param, by name: the plan's per-GPU share is the rank's tensor, byte for byte
+        # every resident param, by name: the plan's per-GPU share is the rank's tensor, byte for byte; the dropped
+        # ones (read only by weight transforms) are not held at all
+        dropped = set(w.dropped)
+        assert dropped and not any(_buffer(n) in held for n in dropped)
         for p in w.params:
-            assert p.gpu_bytes == held[_buffer(p.name)], (rank, p.name)
-        params = {_buffer(p.name) for p in w.params}
+            if p.name not in dropped:
+                assert p.gpu_bytes == held[_buffer(p.name)], (rank, p.name)
+        params = {_buffer(p.name) for p in w.params if p.name not in dropped}
         derived = sum(b for n, b in held.items() if n not in params)
         assert all(n.startswith("w_derived_") for n in held if n not in params)
         assert derived == sum(d["gpu_bytes"] for d in w.derived) > 0, rank
-        # the total: the plan's resident weights + the transform-only params the runtime keeps (module docstring)
-        kept = sum(p.gpu_bytes for p in w.params if p.name in set(w.dropped))
-        assert kept > 0 and sum(held.values()) == w.gpu_bytes + kept, rank
+        assert sum(held.values()) == w.gpu_bytes, rank
         sizes.add(w.gpu_bytes)
     assert len(sizes) == 1          # k3-tiny divides evenly: every rank holds as much
 
@@ -85,8 +86,7 @@ def test_declared_precision_without_quantization_is_the_documented_difference():
     experts at 4.25 bits as deployed, the compiled graph holds them bf16. The difference is exactly that."""
     m, held = _held(k3c.load_spec(TINY), 2, 1, 0)
     w = plan(m, "mi355x", context=256).weights
-    kept = sum(p.gpu_bytes for p in w.params if p.name in set(w.dropped))
     experts = [p for p in w.params if p.category == "routed experts"]
     assert experts and all(p.precision == "mxfp4" for p in experts)
     bf16 = sum(p.gpu_numel * 2 for p in experts)
-    assert sum(held.values()) == w.gpu_bytes + kept - sum(p.gpu_bytes for p in experts) + bf16
+    assert sum(held.values()) == w.gpu_bytes - sum(p.gpu_bytes for p in experts) + bf16
