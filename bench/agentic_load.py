@@ -141,7 +141,7 @@ def run_point(model, w, graph, args, sessions, concurrency: int, config: str, nu
                      policy=policy, protect_s=args.protect_s, clock=clock)
     eng = Engine(model, w, device=args.device, max_batch=args.max_batch, max_context=max_context,
                  num_pages=num_pages, page_size=args.page_size, use_kernels=not args.no_kernels, prefix_cache=pc, graph=graph,
-                 kv_dtype=args.kv_dtype)
+                 kv_dtype=args.kv_dtype, admission=args.admission)
     kv_row = eng.pool.page_bytes // eng.pool.page_size          # MLA bytes per token, every MLA layer
     kda_state = 0                                               # KDA states of a sequence: from a checkpoint
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -222,7 +222,7 @@ def run_point(model, w, graph, args, sessions, concurrency: int, config: str, nu
              "queued_ms_p50": 1e3 * pct([t["queued_s"] for t in turns], 50),
              "tokens_per_s": (tokens_in + tokens_out) / wall, "generated_tokens_per_s": tokens_out / wall,
              "kv_gb_per_s_p50": pct(kvt, 50) / 1e9 if kvt else None,
-             "admission_waits": eng.stats["admission_waits"],
+             "admission_waits": eng.stats["admission_waits"], "preempted": eng.stats["preempted"],
              "prefill_tokens": eng.stats["prefill_tokens"], "decode_tokens": eng.stats["decode_tokens"],
              "cache": {k: v for k, v in pc.stats.items()}, "per_turn": turns if args.per_turn else None}
     pc.clear()
@@ -236,6 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"))
     ap.add_argument("--kv-dtype", default="auto")
+    ap.add_argument("--admission", choices=("reserve", "optimistic"), default="reserve")
     ap.add_argument("--concurrency", default="4,8,12,16,24", help="live sessions per sweep point")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--budget", type=int, default=8, help="sessions the MLA page pool holds (the HBM budget)")

@@ -200,7 +200,8 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
 
 
 def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, interpret, prefill_chunk,
-           cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto", prefix_cache=None) -> dict:
+           cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto", prefix_cache=None,
+           admission: str = "reserve") -> dict:
     """What both modes of `k3c run` set up, timed apart: the model (artifact loaded or spec compiled), its checks
     against `sizes(model)` -> (batch, prompt_len, new_tokens), the weights (given, the model directory's
     checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool)."""
@@ -237,7 +238,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     t = time.perf_counter()
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
                  use_kernels=kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-                 kernel_policy=kernel_policy, kv_dtype=kv_dtype, prefix_cache=prefix_cache)
+                 kernel_policy=kernel_policy, kv_dtype=kv_dtype, prefix_cache=prefix_cache, admission=admission)
     del w                        # the graph holds what it reads
     sync()
     return {"model": model, "eng": eng, "sync": sync, "cuda": cuda, "dtype": dtype, "kernels": kernels,

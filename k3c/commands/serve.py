@@ -62,6 +62,10 @@ def add_parser(sub, positive, path, seed) -> None:
     s.add_argument("--protect-s", type=_seconds, default=60.0,
                    help="working-set policy: seconds a session's newest checkpoint stays protected after its last "
                    "use (default 60)")
+    s.add_argument("--admission", choices=("reserve", "optimistic"), default="reserve",
+                   help="reserve (default): a request joins when its worst case (prompt + max tokens) fits; "
+                   "optimistic: when its prompt fits, preempting the newest sequences (into --host-bytes, or "
+                   "recomputed) when a step runs short")
     s.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache")
     s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY on /v1 routes (default: the "
                    f"{API_KEY_ENV} environment variable; unset: no key)")
@@ -167,7 +171,8 @@ def cmd_serve(args) -> int:
         t0 = time.perf_counter()
         b = _build(args.model, weights=args.weights, seed=args.seed, device=args.device, dtype=args.dtype,
                    use_kernels=not args.no_kernels, interpret=False, prefill_chunk=None, cuda_graphs=None,
-                   kernel_policy="artifact", sizes=sizes, kv_dtype=args.kv_dtype, prefix_cache=cache)
+                   kernel_policy="artifact", sizes=sizes, kv_dtype=args.kv_dtype, prefix_cache=cache,
+                   admission=args.admission)
         model, eng = b["model"], b["eng"]
         tok = load_tokenizer(args.tokenizer, model.spec.vocab_size) if args.tokenizer else model.tokenizer
         if tok is None:

@@ -57,6 +57,14 @@ def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
     return "mha" if mha_s <= both.mqa_seconds else "mqa"
 
 
+# reserve: a request is admitted when the pool holds its worst case (prompt + max_new_tokens) on top of what running
+#   requests may still claim, so a step never runs short;
+# optimistic: admitted when its prompt fits; a step that runs short preempts the most recently admitted sequences
+#   (their state checkpointed into the prefix cache's tiers, or recomputed from their tokens without one) and
+#   re-queues them first in line.
+ADMISSIONS = ("reserve", "optimistic")
+
+
 @dataclass
 class StepOutput:
     rid: int
@@ -71,7 +79,7 @@ class Engine:
                  max_context: int | None = None, num_pages: int | None = None, page_size: int | None = None,
                  use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
                  cuda_graphs: bool | None = None, graph_backend=None, max_graphs: int = 4,
-                 kernel_policy: str = "artifact", kv_dtype: str = "auto"):
+                 kernel_policy: str = "artifact", kv_dtype: str = "auto", admission: str = "reserve"):
         spec = compiled.spec
         if any(op.op == "mla" for op in compiled.module.ops):
             raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
@@ -80,6 +88,9 @@ class Engine:
                         ("page_size", page_size), ("prefill_chunk", prefill_chunk)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ArgumentError(f"{name} must be a positive integer, got {v!r}")
+        if admission not in ADMISSIONS:
+            raise ArgumentError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
+        self.admission = admission
         self.compiled, self.spec = compiled, spec
         self.device = _device(device)
         self.max_batch = max_batch
@@ -274,13 +285,17 @@ class Engine:
             self.waiting.extendleft(reversed(passed))
 
     def _admit_one(self, seq: SeqState) -> bool:
-        if self.prefix is not None and not self.prefix.resume(seq) and self.running:
+        limit = seq.preempted_at               # a preempted sequence resumes where it stopped, if a tier kept it
+        if self.prefix is not None and not self.prefix.resume(seq, limit) and self.running:
             self.stats["admission_waits"] += 1
             return False                    # its checkpoint is offloaded and there is no room yet to bring it back
         ps = self.pool.page_size
-        need = self.pool.pages_for(seq.prompt_len + seq.max_new_tokens) - len(seq.pages)
+        worst = seq.prompt_len + seq.max_new_tokens if self.admission == "reserve" else len(seq.tokens)
+        need = self.pool.pages_for(worst) - len(seq.pages)
         if self.pool.used and seq.length % ps:
             need += 1                      # the shared partial last page may be copied
+        if self.admission == "optimistic":
+            need += len(self.running)           # headroom: a page per running sequence for its next step
         guard = self.prefix.guard(seq) if self.prefix is not None else 0
         while self.pool.num_free - self._outstanding() < need and self.prefix is not None \
                 and self.prefix.evict_for_pages(guard):
@@ -295,11 +310,50 @@ class Engine:
         self._budget[seq.rid] = need
         self.running.append(seq)
         seq.t_admitted = time.perf_counter()
+        if seq.preempted_at is not None:        # back from a preemption: its prompt was counted once
+            self.stats["restored_preempted"] += 1
+            self.stats["restored_preempted_tokens"] += seq.resumed
+            seq.preempted_at = None
+            if self.prefix is not None:
+                self.prefix.unwant(seq)
+            return True
         self.stats["prompt_tokens"] += seq.prompt_len
         self.stats["resumed_tokens"] += seq.resumed
         if self.prefix is not None:
             self.prefix.record(seq)
         return True
+
+    def _fit(self, plan):
+        """Optimistic admission: the plan cut to what the pool can hold, after moving prefix checkpoints off their
+        pages, by preempting the most recently admitted sequences (never the last one: a lone sequence always fits,
+        add_request checks it)."""
+        pool = self.pool
+        while True:
+            total = sum(new + cow for new, cow in self._needs(plan))
+            while total > pool.num_free and self.prefix is not None and self.prefix.evict_for_pages():
+                pass
+            if total <= pool.num_free or len(plan) <= 1:
+                return plan
+            victim = max((s for s, _ in plan), key=lambda s: s.t_admitted)
+            self._preempt(victim)
+            plan = [(s, g) for s, g in plan if s is not victim]
+
+    def _preempt(self, seq: SeqState) -> None:
+        """Take a running sequence off the device: its state becomes a prefix-cache checkpoint (kept in a tier below
+        the device when the cache has one, else dropped: the sequence is recomputed from its tokens), its pages go
+        back, and it waits first in line. Its tokens, sampler and budget of new tokens stay as they were."""
+        self.stats["preempted"] += 1
+        if self.prefix is not None and seq.length and seq.last_logits is not None:
+            self.prefix.park(seq)
+        self.running.remove(seq)
+        self._budget.pop(seq.rid, None)
+        seq.preempted_at = seq.length
+        self.pool.decref(seq.pages)
+        seq.pages, seq.length, seq.resumed, seq.last_logits = [], 0, 0, None
+        seq.kda = {i: None for i in self.kda_layers}
+        self.waiting.appendleft(seq)
+        if self.prefix is not None:
+            self.prefix.want(seq, seq.preempted_at)
 
     def _unresume(self, seq: SeqState) -> None:
         self.pool.decref(seq.pages)
@@ -319,8 +373,10 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Admit, run one segment of every running sequence, sample; finished requests leave."""
         self._admit()
-        work = [s for s in self.running if s.pending > 0]
-        logits = self._run([(s, self._segment(s)) for s in work], evict=True) if work else {}
+        plan = [(s, self._segment(s)) for s in self.running if s.pending > 0]
+        if self.admission == "optimistic":
+            plan = self._fit(plan)
+        logits = self._run(plan, evict=True) if plan else {}
         outs = []
         for seq in self.running:
             if seq.rid in logits:

@@ -195,12 +195,13 @@ class PrefixCache:
         waiting request will resume from (however long it waits)."""
         return self.policy == "working-set" and ((c.leaf and now - c.used <= self.protect_s) or c.wanted > 0)
 
-    def want(self, seq: SeqState) -> None:
-        """`seq` was queued: the checkpoint it would resume from now is wanted until it is admitted or leaves."""
+    def want(self, seq: SeqState, limit: int | None = None) -> None:
+        """`seq` was queued: the checkpoint it would resume from now (inside its first `limit` tokens, default its
+        prompt) is wanted until it is admitted or leaves."""
         seq.queued_at = self.clock()
         if self.policy != "working-set":
             return
-        c = self.lookup(seq.tokens, seq.prompt_len)
+        c = self.lookup(seq.tokens, seq.prompt_len if limit is None else limit)
         if c is not None:
             c.wanted += 1
             seq.wants = c.key
@@ -230,12 +231,13 @@ class PrefixCache:
         self.stats["displacing_admissions"] += 1
         return GUARD_WANTED
 
-    def want(self, seq: SeqState) -> None:
-        """`seq` was queued: the checkpoint it would resume from now is wanted until it is admitted or leaves."""
+    def want(self, seq: SeqState, limit: int | None = None) -> None:
+        """`seq` was queued: the checkpoint it would resume from now (inside its first `limit` tokens, default its
+        prompt) is wanted until it is admitted or leaves."""
         seq.queued_at = self.clock()
         if self.policy != "working-set":
             return
-        c = self.lookup(seq.tokens, seq.prompt_len)
+        c = self.lookup(seq.tokens, seq.prompt_len if limit is None else limit)
         if c is not None:
             c.wanted += 1
             seq.wants = c.key
@@ -260,12 +262,13 @@ class PrefixCache:
             return GUARD_WORKING_SET
         return GUARD_NONE
 
-    def want(self, seq: SeqState) -> None:
-        """`seq` was queued: the checkpoint it would resume from now is wanted until it is admitted or leaves."""
+    def want(self, seq: SeqState, limit: int | None = None) -> None:
+        """`seq` was queued: the checkpoint it would resume from now (inside its first `limit` tokens, default its
+        prompt) is wanted until it is admitted or leaves."""
         seq.queued_at = self.clock()
         if self.policy != "working-set":
             return
-        c = self.lookup(seq.tokens, seq.prompt_len)
+        c = self.lookup(seq.tokens, seq.prompt_len if limit is None else limit)
         if c is not None:
             c.wanted += 1
             seq.wants = c.key
@@ -317,6 +320,15 @@ class PrefixCache:
         self._lengths[n] += 1
         self.stats["inserted"] += 1
         self._enforce()
+
+    def park(self, seq: SeqState) -> None:
+        """A preempted running sequence: checkpoint it and move that checkpoint off the device at once (to the host
+        or disk tier, or dropped when there is none: the engine then recomputes the sequence)."""
+        self.insert(seq)
+        c = self.entries.get(_key(seq.tokens[:seq.length]))
+        if c is not None and c.tier == "device":
+            self._demote(c)
+            self.stats["parked"] += 1
 
     def forget(self, rid: int) -> None:
         """A sequence left without a final checkpoint: stop tracking its newest one."""

@@ -35,6 +35,7 @@ class SeqState:
     resumed: int = 0                              # tokens taken from the prefix cache
     resumed_tier: str | None = None               # the tier they came from (device | host | disk)
     resumed_from: bytes | None = None             # the key of the checkpoint they came from
+    preempted_at: int | None = None               # preempted (optimistic admission) at this length; back: None
     queued_at: float | None = None                # when it was queued (the prefix cache's clock)
     wants: bytes | None = None                    # waiting: the checkpoint it would resume from (kept resident)
     scheduled: bool = True                        # stepped by Engine.step (False: driven by Engine.extend)

@@ -18,10 +18,12 @@ def test_defaults_and_flags(tmp_path):
     assert (pc.policy, pc.protect_s, pc.host_bytes, pc.disk, pc.interval) == ("working-set", 2.5, 4096, True, 64)
     assert pc.disk_tier.directory == str(tmp_path)
     assert prefix_cache(_args("--no-prefix-cache")) is None
+    assert _args().admission == "reserve" and _args("--admission", "optimistic").admission == "optimistic"
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--kv-policy", "mru"], "--kv-policy: invalid choice"),
+    (["--admission", "eager"], "--admission: invalid choice"),
     (["--protect-s", "-1"], "--protect-s must be a number of seconds"),
     (["--protect-s", "nan"], "--protect-s must be a number of seconds"),
 ])
