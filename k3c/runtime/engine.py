@@ -302,7 +302,8 @@ class Engine:
             pass
         if self.pool.num_free - self._outstanding() < need:
             self._unresume(seq)
-            if not self.running and not guard:     # nothing will free pages: opened sequences hold them
+            if not self.running and (not guard or not self.prefix.tiers()["device"]):
+                # nothing will free pages (opened sequences hold them): waiting would be for ever
                 raise CacheFullError(f"MLA cache full: request {seq.rid} needs {need} pages, "
                                      f"{self.pool.num_free} of {self.pool.num_pages} are free")
             self.stats["admission_waits"] += 1

@@ -231,67 +231,6 @@ class PrefixCache:
         self.stats["displacing_admissions"] += 1
         return GUARD_WANTED
 
-    def want(self, seq: SeqState, limit: int | None = None) -> None:
-        """`seq` was queued: the checkpoint it would resume from now (inside its first `limit` tokens, default its
-        prompt) is wanted until it is admitted or leaves."""
-        seq.queued_at = self.clock()
-        if self.policy != "working-set":
-            return
-        c = self.lookup(seq.tokens, seq.prompt_len if limit is None else limit)
-        if c is not None:
-            c.wanted += 1
-            seq.wants = c.key
-
-    def unwant(self, seq: SeqState) -> None:
-        c = self.entries.get(seq.wants) if seq.wants is not None else None
-        if c is not None:
-            c.wanted -= 1
-        seq.wants = None
-
-    def guard(self, seq: SeqState) -> int:
-        """What admitting `seq` may not evict for its pages (GUARD_*). Under LRU: nothing. Under working-set a
-        request that resumes (its session goes on) keeps what other waiting requests want; a cold one keeps the
-        whole working set while anything runs (sessions are admitted as resident ones end, not by displacing them
-        one turn at a time, which is the LRU cliff again); on an idle engine a cold request that has waited
-        protect_s spares nothing (a session idle that long counts as ended), and a resuming one spares nothing."""
-        if self.policy != "working-set":
-            return GUARD_NONE
-        if seq.resumed:
-            return GUARD_WANTED if self.engine.running else GUARD_NONE
-        if self.engine.running or (seq.queued_at is not None and self.clock() - seq.queued_at <= self.protect_s):
-            return GUARD_WORKING_SET
-        return GUARD_NONE
-
-    def want(self, seq: SeqState, limit: int | None = None) -> None:
-        """`seq` was queued: the checkpoint it would resume from now (inside its first `limit` tokens, default its
-        prompt) is wanted until it is admitted or leaves."""
-        seq.queued_at = self.clock()
-        if self.policy != "working-set":
-            return
-        c = self.lookup(seq.tokens, seq.prompt_len if limit is None else limit)
-        if c is not None:
-            c.wanted += 1
-            seq.wants = c.key
-
-    def unwant(self, seq: SeqState) -> None:
-        c = self.entries.get(seq.wants) if seq.wants is not None else None
-        if c is not None:
-            c.wanted -= 1
-        seq.wants = None
-
-    def guard(self, seq: SeqState) -> int:
-        """What admitting `seq` may not evict for its pages (GUARD_*). Under LRU: nothing. Under working-set a
-        request that resumes (its session goes on) keeps what other waiting requests want; a cold one keeps the
-        whole working set until it has waited protect_s (then it counts as resuming: a session that waited that
-        long is as active as the idle ones it displaces); when nothing is running, whatever may not be spared
-        would only wait for time to pass, so a resuming request spares nothing."""
-        if self.policy != "working-set":
-            return GUARD_NONE
-        patient = seq.queued_at is not None and self.clock() - seq.queued_at <= self.protect_s
-        if not seq.resumed and patient:
-            return GUARD_WORKING_SET
-        return GUARD_WANTED if self.engine.running else GUARD_NONE
-
     # -- insert and evict ---------------------------------------------------------------------------------------
     def insert(self, seq: SeqState, final: bool = False) -> None:
         """Checkpoint the first seq.length tokens of a sequence (its state right now); `final`: its last one."""
