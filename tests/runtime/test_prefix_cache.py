@@ -8,29 +8,11 @@ import torch
 
 import k3c
 from k3c.errors import ArgumentError
-from k3c.runtime.engine import Engine
 from k3c.runtime.prefix_cache import PrefixCache
 from numerics import rel
+from prefix_helpers import engine, serve, toks
 
 TINY = "examples/k3-tiny.yaml"
-
-
-def engine(tiny, prefix=None, **kw):
-    spec, model, w = tiny
-    return Engine(model, w, use_kernels=False, max_context=96, page_size=8, max_batch=4, prefix_cache=prefix, **kw)
-
-
-def toks(spec, n, seed):
-    return torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def serve(eng, prompt, new):
-    rid = eng.add_request(prompt, new)
-    seq = eng.seqs[rid]
-    outs = []
-    while eng.has_work():
-        outs += [o for o in eng.step() if o.rid == rid]
-    return seq, outs
 
 
 def test_resumed_requests_match_cold_runs(tiny, one_thread):
