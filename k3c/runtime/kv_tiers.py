@@ -36,11 +36,6 @@ def page_keys(tokens, length: int, page_size: int) -> list[bytes]:
     return keys
 
 
-def file_name(kind: str, key: bytes) -> str:
-    """A disk tier file's name (without .safetensors): a page's rows ("page") or a checkpoint's states ("ckpt")."""
-    return f"{kind}-{key.hex()[:40]}"
-
-
 def rows_bytes(rows: dict[int, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in rows.values())
 
@@ -168,13 +163,13 @@ class DiskTier(RowTier):
             os.unlink(p)
 
     def rows(self, key: bytes) -> dict[int, torch.Tensor]:
-        return {int(k[4:]): v for k, v in self.load(file_name("page", key)).items()}
+        return {int(k[4:]): v for k, v in self.load("page-" + key.hex()[:40]).items()}
 
     def _store(self, key, rows):
-        self.save(file_name("page", key), {f"mla.{layer}": t for layer, t in rows.items()})
+        self.save("page-" + key.hex()[:40], {f"mla.{layer}": t for layer, t in rows.items()})
 
     def _delete(self, key):
-        self.remove(file_name("page", key))
+        self.remove("page-" + key.hex()[:40])
 
     def cleanup(self) -> None:
         """Remove the temp directory this tier made (a named one is left, emptied of this tier's files)."""

@@ -39,7 +39,7 @@ import torch
 
 from ..errors import ArgumentError
 from .block_pool import CacheFullError
-from .kv_tiers import DiskTier, HostTier, file_name, page_keys
+from .kv_tiers import DiskTier, HostTier, page_keys
 from ..reference.kda import KDAState
 from .seq_state import SeqState, clone_row, state_bytes
 
@@ -365,7 +365,7 @@ class PrefixCache:
             tensors[f"kda.{i}.state"] = s.state
             for j, t in enumerate(s.conv):
                 tensors[f"kda.{i}.conv{j}"] = t
-        self.disk_tier.save(file_name("ckpt", c.key), tensors)
+        self.disk_tier.save("ckpt-" + c.key.hex()[:40], tensors)
         c.kda = {i: KDAState(s.state[:0], tuple(t[:0] for t in s.conv)) for i, s in c.kda.items()}  # shapes only
         c.logits = c.logits[:0]
         c.tier = "disk"
@@ -375,7 +375,7 @@ class PrefixCache:
         """(KDA states, logits) of an offloaded checkpoint, on the host."""
         if c.tier == "host":
             return c.kda, c.logits
-        t = self.disk_tier.load(file_name("ckpt", c.key))
+        t = self.disk_tier.load("ckpt-" + c.key.hex()[:40])
         kda = {i: KDAState(t[f"kda.{i}.state"], tuple(t[f"kda.{i}.conv{j}"] for j in range(3))) for i in c.kda}
         return kda, t["logits"]
 
@@ -388,7 +388,7 @@ class PrefixCache:
         else:
             for k in c.page_keys:
                 self.disk_tier.release(k)
-            self.disk_tier.remove(file_name("ckpt", c.key))
+            self.disk_tier.remove("ckpt-" + c.key.hex()[:40])
         del self.entries[c.key]
         self._lengths[c.length] -= 1
         if not self._lengths[c.length]:
