@@ -47,8 +47,9 @@ def _graph_line(eng, stats=None) -> str:
     """CUDA graphs on: how many decode steps were replayed (of `stats`, default the engine's totals), and each
     batch size's graph mode (why it fell back)."""
     stats = eng.stats if stats is None else stats
-    per = "; ".join(f"batch {b}: {dg.report.mode}" + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph"
-                                                       else "") for b, dg in sorted(eng._graphs.items()))
+    per = "; ".join(f"batch {b}" + (f" x {t} tokens" if t > 1 else "") + f": {dg.report.mode}"
+                    + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph" else "")
+                    for (b, t), dg in sorted(eng._graphs.items()))
     return (f"  decode graphs:   {stats.get('decode_graph_calls', 0)} of {stats.get('decode_calls', 0)} decode steps "
             f"replayed; {per or 'none captured (a batch size gets its graph on its second decode step in a row)'}")
 

@@ -208,11 +208,16 @@ class DecodeGraph:
     def __init__(self, compiled, graph, *, batch: int, capacity: int, device, use_kernels: bool = True,
                  dtype: torch.dtype | None = None, page_size: int | None = None,
                  buckets: Sequence[int] | None = None, backend=None, strict: bool = False,
-                 pools: dict[int, torch.Tensor] | None = None, kv_dtype: str = "auto"):
+                 pools: dict[int, torch.Tensor] | None = None, kv_dtype: str = "auto", tokens: int = 1):
         from .devices import target_for
 
-        if batch < 1 or capacity < 1:
-            raise ArgumentError(f"batch and capacity must be positive, got {batch}, {capacity}")
+        if batch < 1 or capacity < 1 or tokens < 1:
+            raise ArgumentError(f"batch, capacity and tokens must be positive, got {batch}, {capacity}, {tokens}")
+        # tokens > 1: a speculative verification call (the last token and a draft per sequence); each run keeps
+        # its KDA inputs and a copy of the states it started from (`trace`, runtime/kda_rollback.py)
+        self.tokens = tokens
+        self.trace: dict | None = None               # the last run's KDA trace (tokens > 1)
+        self._traces: dict = {}                      # bucket (None: eager) -> the trace its runs fill
         self.compiled, self.graph, self.spec = compiled, graph, compiled.spec
         self.device = torch.device(device)
         self.batch, self.use_kernels = batch, use_kernels
@@ -227,7 +232,7 @@ class DecodeGraph:
         self.capacity = self.buckets[-1]
         # ---- static inputs
         dev = self.device
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.ids = torch.zeros(batch, tokens, dtype=torch.long, device=dev)
         kda_cfg = _local_kda(compiled.module, spec.kda) if self.kda_layers else None
         self.kda = {i: _own_state(kda_zero_state(kda_cfg, batch, self.dtype, dev)) for i in self.kda_layers}
         pages = self.capacity // self.page_size
@@ -372,7 +377,10 @@ class DecodeGraph:
         host lengths (the eager path)."""
         c = LayerCaches(self.spec.num_layers)
         for i, st in self.kda.items():
-            c.layers[i] = st
+            # a verification keeps the states it started from (the slots get the new ones at the end)
+            c.layers[i] = st if self.tokens == 1 else _own_state(st)
+        if self.tokens > 1:
+            c.kda_trace = {}
         for i, pool in self.pools.items():
             if max_len is None:
                 c.layers[i] = PagedLatentCache(LatentStore(pool, self.block_table, self.lens), tuple(self.lens))
@@ -393,7 +401,9 @@ class DecodeGraph:
                         st.state.copy_(new.state)
                         for d, s in zip(st.conv, new.conv):
                             d.copy_(s)
-                self.lens_dev.add_(1)
+                self.lens_dev.add_(self.tokens)
+                if self.tokens > 1:          # a replay refills these tensors: they are the trace of every replay
+                    self._traces[max_len] = cache.kda_trace
         return (logits,)
 
     def _capture(self, bucket: int) -> None:
@@ -421,16 +431,17 @@ class DecodeGraph:
             return False
 
     def step(self, next_ids) -> torch.Tensor:
-        """One decode step: next_ids [B] (tensor or ints) -> logits [B, vocab]. Replays return the graph's static
-        output buffer (overwritten by the next step: clone it to keep)."""
-        need = max(self.lens) + 1
+        """One decode step: next_ids [B] (tensor or ints) -> logits [B, vocab]; with tokens > 1, next_ids [B,
+        tokens] -> logits [B, tokens, vocab] and `trace` the KDA trace of this call. Replays return the graph's
+        static output buffer (overwritten by the next step: clone it to keep)."""
+        need = max(self.lens) + self.tokens
         if need > self.capacity:
             raise ArgumentError(f"sequences of {max(self.lens)} cached tokens are at capacity {self.capacity}")
         ids = next_ids if isinstance(next_ids, torch.Tensor) else torch.tensor(next_ids, dtype=torch.long)
-        if ids.numel() != self.batch:
-            raise ArgumentError(f"expected {self.batch} token ids, got {ids.numel()}")
-        self.ids.copy_(ids.reshape(self.batch, 1), non_blocking=True)
-        out = None
+        if ids.numel() != self.batch * self.tokens:
+            raise ArgumentError(f"expected {self.batch} x {self.tokens} token ids, got {ids.numel()}")
+        self.ids.copy_(ids.reshape(self.batch, self.tokens), non_blocking=True)
+        out, bucket = None, None
         if self.report.mode == "graph":
             bucket = pick_bucket(self.buckets, need)
             if bucket in self._replays or self._try_capture(bucket):
@@ -439,10 +450,12 @@ class DecodeGraph:
                 self.report.replays += 1
                 out = outs[0]
         if out is None:
+            bucket = None
             out = self._run(None, commit=True)[0]
             self.report.eager_steps += 1
-        self.lens = [n + 1 for n in self.lens]
-        return out[:, 0]
+        self.lens = [n + self.tokens for n in self.lens]
+        self.trace = self._traces.get(bucket)
+        return out[:, 0] if self.tokens == 1 else out
 
     def eager_step(self, next_ids, *, device_lengths: bool = False) -> torch.Tensor:
         """The same step run eagerly on the same buffers, whatever the mode: through the executor's ordinary

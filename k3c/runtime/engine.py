@@ -79,7 +79,8 @@ class Engine:
                  max_context: int | None = None, num_pages: int | None = None, page_size: int | None = None,
                  use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
                  cuda_graphs: bool | None = None, graph_backend=None, max_graphs: int = 4,
-                 kernel_policy: str = "artifact", kv_dtype: str = "auto", admission: str = "reserve"):
+                 kernel_policy: str = "artifact", kv_dtype: str = "auto", admission: str = "reserve",
+                 speculation=None):
         spec = compiled.spec
         if any(op.op == "mla" for op in compiled.module.ops):
             raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
@@ -131,6 +132,9 @@ class Engine:
         self.prefix = prefix_cache
         if prefix_cache is not None:
             prefix_cache.attach(self)
+        self.speculation = speculation              # runtime/speculative.py Speculation, or None
+        self._traces: dict = {}                     # rid -> (KDA trace of its last verification call, row)
+        self._captured = False                      # a CUDA graph was captured this step (its time is not a rate)
         # decode steps through captured CUDA graphs (runtime/cuda_graph.py), one DecodeGraph per batch size. None:
         # on where they can be captured (a CUDA device with kernels, or a stand-in backend). A batch size gets its
         # graph on its second decode step in a row (a capture costs ~10 eager steps: a batch that shrinks every
@@ -143,9 +147,9 @@ class Engine:
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
         self._graph_backend = graph_backend         # a stand-in capture backend (tests); None: CUDA graphs
-        self._graphs: OrderedDict = OrderedDict()   # batch size -> DecodeGraph, least recently used first
-        self._last_decode_batch = None              # batch size of the previous decode call
-        self._graph_bt: dict = {}                   # batch size -> the block-table key its graph holds
+        self._graphs: OrderedDict = OrderedDict()   # (batch, tokens) -> DecodeGraph, least recently used first
+        self._last_decode_batch = None              # (batch, tokens) of the previous decode / verification call
+        self._graph_bt: dict = {}                   # (batch, tokens) -> the block-table key its graph holds
 
     def describe(self) -> str:
         return describe_graph(self.compiled, self.use_kernels)
@@ -251,6 +255,8 @@ class Engine:
         self._budget.pop(rid, None)
         self._sampling.pop(rid, None)
         self._stop.pop(rid, None)
+        if self.speculation is not None:
+            self.speculation.drafter.forget(rid)
         if self.prefix is not None:
             if seq.length > 0 and self.prefix.on_finish:
                 self.prefix.insert(seq, final=True)
@@ -372,18 +378,34 @@ class Engine:
         return seq.tokens[seq.length:end]
 
     def step(self) -> list[StepOutput]:
-        """Admit, run one segment of every running sequence, sample; finished requests leave."""
+        """Admit, run one segment of every running sequence, sample; finished requests leave. With speculation,
+        decoding sequences run their last token and a draft in one call and may emit several tokens."""
         self._admit()
         plan = [(s, self._segment(s)) for s in self.running if s.pending > 0]
-        if self.admission == "optimistic":
-            plan = self._fit(plan)
-        logits = self._run(plan, evict=True) if plan else {}
-        outs = []
+        drafts = self._draft(plan) if self.speculation is not None else {}
+        decoding = sum(1 for s, g in plan if len(g) == 1 and s.generated)
+        t0 = time.perf_counter()
+        if drafts:
+            spec_plan = [(s, drafts[s.rid][1] if s.rid in drafts else g) for s, g in plan]
+            if self.admission == "optimistic":
+                spec_plan = self._fit(spec_plan)
+            try:
+                logits = self._run(spec_plan, evict=True, trace=True)
+                drafts = {r: v for r, v in drafts.items() if r in logits}    # _fit may have preempted some
+            except CacheFullError:        # the padded drafts do not fit beside the batch: decode plainly
+                drafts = {}
+                self.stats["spec_fallbacks"] += 1
+        if not drafts:
+            if self.admission == "optimistic":
+                plan = self._fit(plan)
+            logits = self._run(plan, evict=True) if plan else {}
+        outs = self._verify(drafts, logits) if drafts else []
         for seq in self.running:
-            if seq.rid in logits:
+            if seq.rid in logits and seq.rid not in drafts:
                 seq.last_logits = logits[seq.rid][-1]
                 self._maybe_checkpoint(seq)
-        ready = [s for s in self.running if not s.pending and s.last_logits is not None]   # others: prefilling
+        ready = [s for s in self.running if not s.pending and s.last_logits is not None
+                 and s.rid not in drafts]     # others: prefilling
         # one sample() (greedy rows: one argmax) and one device sync for the whole batch
         drawn = [self._sampling.get(s.rid, (GREEDY, None)) for s in ready]
         picks = sample(torch.stack([s.last_logits for s in ready]), [p for p, _ in drawn],
@@ -398,8 +420,134 @@ class Engine:
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)
+        if self.speculation is not None and decoding and decoding == len(plan) and not self._captured:
+            emitted = Counter(o.rid for o in outs)
+            self.speculation.observe(decoding, time.perf_counter() - t0,
+                              sum(emitted.values()) / len(emitted) if drafts else None)
+        self._captured = False
         self.stats["steps"] += 1
         return outs
+
+    # -- speculative decoding (runtime/speculative.py) ------------------------------------------------------------
+    def _draft(self, plan) -> dict[int, tuple[list[int], list[int]]]:
+        """{rid: (draft, the call's segment: last token + draft padded to the call's bucket)} for the decoding
+        sequences of this plan that draft this step; empty when none does (or speculation does not pay)."""
+        from .speculative import propose
+
+        spec = self.speculation
+        rows = [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
+        if not rows or not spec.wanted(len(rows)):
+            return {}
+        ks = []
+        for s in rows:
+            k = min(spec.draft_len, s.max_new_tokens - len(s.generated) - 1, self.max_context - s.length - 1)
+            if self.prefix is not None:          # a checkpoint boundary is not crossed (as prefill pieces do)
+                iv = self.prefix.interval
+                k = min(k, (s.length // iv + 1) * iv - s.length - 1)
+            ks.append(max(0, k))
+        got = propose(spec, [s.rid for s in rows], [s.tokens for s in rows], ks)
+        got = [list(d)[:k] for d, k in zip(got, ks)]
+        longest = max(len(d) for d in got)
+        if longest == 0:
+            self.stats["spec_empty_steps"] += 1
+            return {}
+        pad = spec.bucket(longest)
+        out = {}
+        for s, d in zip(rows, got):
+            if s.length + 1 + pad > self.max_context:
+                continue                       # no room for the padded call: this one decodes plainly
+            seg = [s.tokens[-1]] + d + [d[-1] if d else s.tokens[-1]] * (pad - len(d))
+            out[s.rid] = (d, seg)
+        return out
+
+    def _verify(self, drafts, logits) -> list[StepOutput]:
+        """Accept or reject each drafting sequence's draft, emit its tokens, roll back what was not kept."""
+        from .kda_rollback import replay_prefix
+        from .speculative import accept_greedy, accept_sampled
+
+        seqs = [self.seqs[r] for r in drafts]
+        greedy = [s for s in seqs if s.rid not in self._sampling]
+        picks = {}
+        if greedy:                             # one argmax and one device sync for every greedy row
+            top = torch.stack([logits[s.rid] for s in greedy]).argmax(-1).tolist()
+            picks = {s.rid: t for s, t in zip(greedy, top)}
+        outs, regroup = [], {}
+        for seq in seqs:
+            draft, seg = drafts[seq.rid]
+            if seq.rid in picks:
+                emitted = accept_greedy(picks[seq.rid], draft)
+                seed = None
+            else:
+                params, gen = self._sampling[seq.rid]
+                emitted = accept_sampled(logits[seq.rid], draft, params, gen)
+                seed = params.seed
+            stop = self._stop.get(seq.rid, ())
+            cut = next((i + 1 for i, t in enumerate(emitted) if t in stop), len(emitted))
+            emitted = emitted[:cut]
+            keep = len(emitted)                # call tokens kept: the last token and the accepted drafts
+            base = seq.length - len(seg)
+            self.stats["spec_drafted"] += len(draft)
+            self.stats["spec_accepted"] += keep - 1
+            self.stats["spec_calls"] += 1
+            if keep < len(seg):
+                trace, row = self._traces[seq.rid]
+                regroup.setdefault((id(trace), keep), (trace, []))[1].append((seq, row))
+                self._rewind_pages(seq, base + keep)
+            seq.length = base + keep
+            seq.last_logits = logits[seq.rid][keep - 1]
+            now = time.perf_counter()
+            for i, tok in enumerate(emitted):
+                seq.generated.append(tok)
+                seq.tokens.append(tok)
+                done = i == len(emitted) - 1 and (seq.done or tok in stop)
+                outs.append(StepOutput(seq.rid, tok, logits[seq.rid][i], done, seed))
+            if seq.t_first is None:
+                seq.t_first = now
+        for (_, keep), (trace, members) in regroup.items():   # KDA states back to the last kept token
+            rows = [r for _, r in members]
+            for i in self.kda_layers:
+                st = replay_prefix(trace[i], rows, keep)
+                for j, (seq, _) in enumerate(members):
+                    seq.kda[i] = (st, j)
+        self._traces = {}
+        for seq in seqs:
+            self._maybe_checkpoint(seq)
+            if seq.done or (seq.generated and seq.generated[-1] in self._stop.get(seq.rid, ())):
+                self.finish(seq.rid)
+        return outs
+
+    def _rewind_pages(self, seq: SeqState, n: int) -> None:
+        """Release the MLA rows of `seq` past its first n tokens: pages wholly past them go back to the pool (and
+        to the request's page budget); the last kept page's high-water mark comes down to n (rows written in place
+        on a shared page were past every other holder's: Engine._needs copies otherwise)."""
+        pool = self.pool
+        if not pool.used:
+            return
+        keep = pool.pages_for(n)
+        extra = seq.pages[keep:]
+        if extra:
+            pool.decref(extra)
+            seq.pages = seq.pages[:keep]
+            if seq.rid in self._budget:
+                self._budget[seq.rid] += len(extra)
+        if n % pool.page_size:
+            p = seq.pages[n // pool.page_size]
+            pool.filled[p] = min(pool.filled[p], n % pool.page_size)
+
+    def rewind(self, rid: int, n: int, kda: dict) -> None:
+        """An opened sequence back to its first n consumed tokens, with `kda` {KDA layer: row reference} its states
+        at that point (kept from an earlier extend: states are never changed in place). The draft model's follow
+        of its target (speculative.DraftModelDrafter)."""
+        seq = self.seqs.get(rid)
+        if seq is None or seq.scheduled:
+            raise ArgumentError(f"no opened sequence with id {rid}")
+        if not 0 <= n <= seq.length:
+            raise ArgumentError(f"sequence {rid}: cannot rewind {seq.length} tokens to {n}")
+        self._rewind_pages(seq, n)
+        seq.length = n
+        del seq.tokens[n:]
+        seq.kda = dict(kda)
+        seq.last_logits = None
 
     def _maybe_checkpoint(self, seq: SeqState) -> None:
         if self.prefix is not None and (seq.length == seq.prompt_len or seq.length % self.prefix.interval == 0):
@@ -529,8 +677,9 @@ class Engine:
         for seq, before in undo:        # pages replaced by a copy lose this sequence's reference
             self.pool.decref([p for p in before if p not in seq.pages])
 
-    def _run(self, plan, evict: bool) -> dict[int, torch.Tensor]:
-        """One graph call per group of equal segment length (at most max_batch rows each). {rid: logits [T, V]}."""
+    def _run(self, plan, evict: bool, trace: bool = False) -> dict[int, torch.Tensor]:
+        """One graph call per group of equal segment length (at most max_batch rows each). {rid: logits [T, V]}.
+        trace: keep each call's KDA inputs (self._traces) for a rollback inside it (speculative verification)."""
         undo = self._reserve(plan, evict)
         groups: dict[int, list] = {}
         for seq, seg in plan:
@@ -541,7 +690,7 @@ class Engine:
             for t, items in groups.items():
                 for i in range(0, len(items), self.max_batch):
                     chunk = items[i:i + self.max_batch]
-                    logits = self._call([s for s, _ in chunk], [g for _, g in chunk])
+                    logits = self._call([s for s, _ in chunk], [g for _, g in chunk], trace=trace and t > 1)
                     for j, (seq, _) in enumerate(chunk):
                         out[seq.rid] = logits[j]
                         done.add(seq.rid)
@@ -579,31 +728,33 @@ class Engine:
         return out
 
     # -- decode through captured graphs -------------------------------------------------------------------------
-    def _decode_graph(self, batch: int):
-        """The DecodeGraph of this batch size over the engine's page pools (created, not captured, on first use):
-        length buckets of page_size x 2^k up to max_context, each captured on its first step. None while the batch
-        size is new (its first step runs eagerly)."""
+    def _decode_graph(self, batch: int, tokens: int = 1):
+        """The DecodeGraph of this batch size and tokens per sequence (1: decode; more: speculative verification)
+        over the engine's page pools (created, not captured, on first use): length buckets of page_size x 2^k up
+        to max_context, each captured on its first step. None while the shape is new (its first call runs
+        eagerly)."""
         from .cuda_graph import DecodeGraph
 
-        dg = self._graphs.get(batch)
+        key = (batch, tokens)
+        dg = self._graphs.get(key)
         if dg is not None:
-            self._graphs.move_to_end(batch)
+            self._graphs.move_to_end(key)
             return dg
-        if self._last_decode_batch != batch:
+        if self._last_decode_batch != key:
             return None
         while len(self._graphs) >= self.max_graphs:
-            _, old = self._graphs.popitem(last=False)
+            old_key, old = self._graphs.popitem(last=False)
             self._rehome(old, set())
-            self._graph_bt.pop(old.batch, None)
+            self._graph_bt.pop(old_key, None)
         ps, buckets, b = self.pool.page_size, [], self.pool.page_size
         while b < self.max_context:
             buckets.append(b)
             b *= 2
         dg = DecodeGraph(self.compiled, self.graph, batch=batch, capacity=self.max_context, device=self.device,
                          use_kernels=self.use_kernels, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=ps,
-                         buckets=buckets,
+                         buckets=buckets, tokens=tokens,
                          backend=self._graph_backend, pools=self.pool.pools if self.mla_layers else None)
-        self._graphs[batch] = dg
+        self._graphs[key] = dg
         self.stats["decode_graphs_created"] += 1
         return dg
 
@@ -641,30 +792,41 @@ class Engine:
                         d.copy_(src)
         if self.mla_layers:
             bt = self._block_table(seqs)
-            if self._graph_bt.get(dg.batch) is not self._bt_key:   # changes once per page_size steps
+            key = (dg.batch, dg.tokens)
+            if self._graph_bt.get(key) is not self._bt_key:   # changes once per page_size steps
                 dg.set_block_table(bt)
-                self._graph_bt[dg.batch] = self._bt_key
+                self._graph_bt[key] = self._bt_key
         dg.set_lengths([s.length for s in seqs])
-        return dg.step(ids.reshape(-1)).clone()        # the replay's output buffer is overwritten next step
+        return dg.step(ids.reshape(dg.batch, dg.tokens)).clone()   # the replay's output is overwritten next step
 
-    def _call(self, seqs: list[SeqState], segments: list[list[int]]) -> torch.Tensor:
+    def _call(self, seqs: list[SeqState], segments: list[list[int]], trace: bool = False) -> torch.Tensor:
+        """One graph call of equal-length segments; trace: a verification call (T > 1) whose KDA inputs are kept
+        for a rollback (self._traces), through a CUDA graph per (batch, T) like decode steps."""
         B, T = len(segments), len(segments[0])
         ids = self._h2d(torch.tensor(segments, dtype=torch.long))
         lens = [s.length for s in seqs]
         modes = self.mla_modes(T, lens) if self.mla_layers else {}
         dg = None
-        if T == 1 and self.cuda_graphs and all(m == "mqa" for m in modes.values()):
-            dg = self._decode_graph(B)
-            if dg is not None and (dg.report.mode != "graph" or max(lens) + 1 > dg.capacity):
+        graphable = T == 1 or trace
+        if graphable and self.cuda_graphs and all(m == "mqa" for m in modes.values()):
+            dg = self._decode_graph(B, T)
+            if dg is not None and (dg.report.mode != "graph" or max(lens) + T > dg.capacity):
                 dg = None                              # not capturable (reported) or past the last bucket
-        self._last_decode_batch = B if T == 1 else None
+        self._last_decode_batch = (B, T) if graphable else None
+        kda_trace = None
         if dg is not None:
             t0 = time.perf_counter()
-            logits = self._graph_step(dg, seqs, ids)[:, None]
-            states, ran = dg.kda, modes
-            self.stats["decode_graph_calls"] += 1
+            captured = len(dg.report.captured)
+            logits = self._graph_step(dg, seqs, ids)
+            if T == 1:
+                logits = logits[:, None]
+            self._captured |= len(dg.report.captured) != captured
+            states, ran, kda_trace = dg.kda, modes, dg.trace
+            self.stats["decode_graph_calls" if T == 1 else "verify_graph_calls"] += 1
         else:
             cache = LayerCaches(self.spec.num_layers, self.kv_dtype)
+            if trace:
+                cache.kda_trace = kda_trace = {}
             for i in self.kda_layers:
                 cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
             if self.mla_layers:
@@ -676,7 +838,10 @@ class Engine:
             with torch.no_grad():
                 logits = self.graph(ids, cache)
             states, ran = cache.layers, dict(getattr(cache, "modes", {}))
-        kind = "decode" if T == 1 else "prefill"
+        kind = "decode" if T == 1 else "verify" if trace else "prefill"
+        if trace:
+            for j, seq in enumerate(seqs):
+                self._traces[seq.rid] = (kda_trace, j)
         self.stats[f"{kind}_calls"] += 1
         self.stats[f"{kind}_tokens"] += B * T
         self.stats[f"{kind}_seconds_launch"] += time.perf_counter() - t0     # host time (no device sync)

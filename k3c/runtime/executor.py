@@ -24,7 +24,7 @@ from ..ir import Module
 from ..ir.mxfp4_weights import is_mxfp4
 from ..ir.ops import bind, get_op_def
 from .. import reference as ref
-from . import distributed, kernel_impls, routing_replay
+from . import distributed, kda_rollback, kernel_impls, routing_replay
 from .kernel_impls import mxfp4_linear
 from .kernel_impls.latent_format import check_kv_dtype
 
@@ -65,6 +65,7 @@ def torch_lm_head(a, cache, data, w):
 
 
 def torch_kda(a, cache, data, w):
+    kda_rollback.record(cache, torch_kda, a, data, w, cache.layers[a["layer"]])
     y, state = ref.kda_layer(data[0], w, KDASpec.from_attrs(a), a["norm_eps"], cache.layers[a["layer"]])
     cache.layers[a["layer"]] = state
     return y

@@ -22,6 +22,7 @@ from ...frontend.spec import KDASpec
 from ... import reference as ref
 from ...reference.kda import KDAState
 from ...reference.norms import acc
+from ..kda_rollback import record
 from ..devices import interpreted, target_for, torch_dtype, tt_dtype
 from ..launcher import launch
 from .basic import gemm
@@ -45,6 +46,13 @@ def cu_seqlens(lengths, device) -> torch.Tensor:
     for n in lengths:
         out.append(out[-1] + int(n))
     return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _equal_cu(t: int, b: int, device) -> torch.Tensor:
+    """cu_seqlens of b sequences of t tokens, made once per shape: a call captured in a CUDA graph (multi-token
+    verification, runtime/cuda_graph.py) may not copy from the host, and its warm-up runs create it first."""
+    return cu_seqlens([t] * b, device)
 
 
 def _plan(head_dim: int, dtype: torch.dtype, device, chunk=None, block_v=None, dot=None, chunk_warps=None,
@@ -220,6 +228,7 @@ def torch_kda_attn(a, cache, data, w):
     b, t = xq.shape[:2]
     h, d = a["num_heads"], a["head_dim"]
     st = _state(cache, a, b, xq.dtype, xq.device)
+    record(cache, torch_kda_attn, a, data, w, st)
     feats, tails = [], []
     for x, name, tail in zip((xq, xk, xv), "qkv", st.conv):
         y, nt = ref.short_conv(x, w[f"{name}_conv1d.weight"], tail)
@@ -257,6 +266,7 @@ def launch_kda_attn(a, cache, data, w):
     b, t = xq.shape[:2]
     h, d = a["num_heads"], a["head_dim"]
     st = _state(cache, a, b, xq.dtype, xq.device)
+    record(cache, launch_kda_attn, a, data, w, st)
     conv_w = tuple(w[f"{p}_conv1d.weight"] for p in "qkv")
     common = dict(num_heads=h, head_dim=d, gate=a["gate"], gate_lower_bound=a["gate_lower_bound"],
                   l2norm_eps=a["l2norm_eps"])
@@ -266,7 +276,7 @@ def launch_kda_attn(a, cache, data, w):
                                  st.conv, st.state, norm_eps=DECODE_NORM_EPS, fuse_out=False, **common)
         cache.layers[a["layer"]] = KDAState(s, tails)
         return o.view(b, t, h, d)
-    cu = cu_seqlens([t] * b, xq.device)
+    cu = _equal_cu(t, b, xq.device)
     dot = run_dot(tt_dtype(xq.dtype), a["dot"])
     # bf16 matmul operands: the prep writes q / k / v in bf16 (half the bytes; the products round them anyway)
     packed, tails = kda_prep(*flat, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), st.conv, cu,

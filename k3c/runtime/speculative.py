@@ -1,0 +1,276 @@
+"""Speculative decoding: drafters, verification and the controller that decides how much to draft.
+
+    spec = Speculation(NgramDrafter(), draft_len=4)               # prompt lookup; or DraftModelDrafter(engine)
+    eng = Engine(model, w, device="cuda", speculation=spec)        # step() then emits up to 1 + draft_len tokens
+
+A step of a decoding sequence: the drafter proposes up to k tokens after its context; the engine runs the last
+token and the drafts as one call of 1 + k tokens (rows of one call padded to the same length: a pad is a draft that
+is rejected), which gives the target's logits after each of them; `accept` keeps the longest prefix of drafts the
+target agrees with, plus one token of the target's own (the bonus): 1 to k + 1 tokens per call. Then the engine
+rolls back what was not kept: MLA rows past the kept length are released (their pages go back to the pool) and each
+KDA layer's state is recomputed up to the last kept token (runtime/kda_rollback.py).
+
+Greedy requests keep a draft when it is the target's argmax: the output is non-speculative decoding's, token for
+token. Sampled requests use rejection sampling (Leviathan et al. 2023, Chen et al. 2023) against the drafter's
+distribution q, here a point mass (the drafters propose deterministically): draft d is kept with probability
+p(d), where p is the request's filtered distribution (runtime/sampling.py); on a rejection the token is drawn from
+p with d removed, renormalised (the residual max(0, p - q)); after k kept drafts the bonus is drawn from p. Every
+emitted token is then distributed exactly as plain sampling's (tests/runtime/test_speculative.py measures it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ArgumentError
+from .sampling import SamplingParams, filtered_probs
+
+
+# ---- drafters ----------------------------------------------------------------------------------------------------
+class NgramDrafter:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens
+    (n from max_n down to min_n; the longest match wins), no model. Agentic contexts repeat spans of tool output and
+    code, which is where this drafts well."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 2, window: int = 4096):
+        if not 1 <= min_n <= max_n:
+            raise ArgumentError(f"NgramDrafter: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+
+    def propose(self, contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
+        return [self._one(c, k) if k > 0 else [] for c, k in zip(contexts, ks)]
+
+    def _one(self, ctx: list[int], k: int) -> list[int]:
+        hay = ctx[-self.window:] if self.window else ctx
+        n_all = len(hay)
+        for n in range(min(self.max_n, n_all - 1), self.min_n - 1, -1):
+            tail = hay[n_all - n:]
+            # the latest start before the tail itself whose n tokens equal the tail
+            for s in range(n_all - n - 1, -1, -1):
+                if hay[s:s + n] == tail:
+                    return hay[s + n:s + n + k]
+        return []
+
+    def forget(self, rid: int) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A small model sharing the target's tokenizer (e.g. examples/k3-stdlib-draft), run by its own Engine: each
+    request has an opened sequence there that follows the request's tokens; drafts are its greedy continuation,
+    one batched call per drafted position. The draft sequence's KDA states after each drafted position are kept (a
+    reference each: states are never changed in place), so following the target after a rejection is a rewind."""
+
+    name = "draft"
+
+    def __init__(self, engine):
+        if engine.cuda_graphs:
+            raise ArgumentError("the draft model's engine must run without CUDA graphs (cuda_graphs=False): its "
+                                "states are kept by reference between calls")
+        self.engine = engine
+        self._seqs: dict[int, int] = {}                 # target rid -> draft engine rid
+        self._marks: dict[int, dict[int, dict]] = {}    # target rid -> {consumed length: KDA refs at that length}
+
+    def propose_for(self, rids: list[int], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
+        eng = self.engine
+        live = [(r, c, k) for r, c, k in zip(rids, contexts, ks) if k > 0]
+        out = {r: [] for r in rids}
+        if not live:
+            return [out[r] for r in rids]
+        catch, segs = [], []
+        for rid, ctx, k in live:
+            drid = self._follow(rid, ctx)
+            seq = eng.seqs[drid]
+            catch.append(drid)
+            segs.append(ctx[seq.length:])
+        logits = eng.extend(catch, segs)
+        nxt = torch.stack([lg[-1] for lg in logits]).argmax(-1).tolist()
+        drafting = list(zip([r for r, _, _ in live], catch, [k for _, _, k in live], nxt))
+        for rid, drid, k, tok in drafting:
+            out[rid].append(tok)
+            self._mark(rid, drid)
+        step = 1
+        while True:
+            rows = [(rid, drid) for rid, drid, k, _ in drafting if k > step]
+            if not rows:
+                break
+            logits = eng.extend([d for _, d in rows], [[out[r][-1]] for r, _ in rows])
+            toks = torch.stack([lg[-1] for lg in logits]).argmax(-1).tolist()
+            for (rid, drid), tok in zip(rows, toks):
+                out[rid].append(tok)
+                self._mark(rid, drid)
+            step += 1
+        return [out[r] for r in rids]
+
+    def _mark(self, rid: int, drid: int) -> None:
+        seq = self.engine.seqs[drid]
+        self._marks[rid][seq.length] = dict(seq.kda)
+
+    def _follow(self, rid: int, ctx: list[int]) -> int:
+        """The draft sequence of `rid`, rewound to the longest prefix of ctx it holds a state for."""
+        eng = self.engine
+        drid = self._seqs.get(rid)
+        if drid is None:
+            drid = self._seqs[rid] = eng.open()
+            self._marks[rid] = {}
+            return drid
+        seq = eng.seqs[drid]
+        common = 0
+        for a, b in zip(seq.tokens, ctx):
+            if a != b:
+                break
+            common += 1
+        if common == len(ctx):          # nothing new to feed: step back one token to get the next logits
+            common -= 1
+        if common < seq.length:
+            marks = self._marks[rid]
+            back = max((n for n in marks if n <= common), default=None)
+            if back is None:            # no state that early: start over
+                eng.finish(drid)
+                drid = self._seqs[rid] = eng.open()
+                self._marks[rid] = {}
+                return drid
+            eng.rewind(drid, back, marks[back])
+        self._marks[rid] = {n: m for n, m in self._marks[rid].items() if n <= eng.seqs[drid].length}
+        return drid
+
+    def forget(self, rid: int) -> None:
+        drid = self._seqs.pop(rid, None)
+        self._marks.pop(rid, None)
+        if drid is not None:
+            self.engine.finish(drid)
+
+
+# ---- verification ------------------------------------------------------------------------------------------------
+def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
+    """Emitted tokens of a greedy row: target[i] is the target's argmax after the i-th call token (the last
+    context token, then each draft); the drafts up to the first disagreement, then the target's own token."""
+    out = []
+    for i, d in enumerate(drafts):
+        if target[i] != d:
+            break
+        out.append(d)
+    out.append(target[len(out)])
+    return out
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One token from a distribution [V] (fp32, sums to ~1) with one uniform from the request's generator."""
+    u = torch.rand(1, generator=gen).item()
+    cdf = probs.double().cumsum(0)
+    at = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True))
+    return min(at, int(probs.nonzero()[-1]))
+
+
+def accept_sampled(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+                   gen: torch.Generator) -> list[int]:
+    """Emitted tokens of a sampled row (rejection sampling against point-mass drafts): logits [>= len(drafts) + 1,
+    V], row i the target's logits after the i-th call token."""
+    p = filtered_probs(logits[:len(drafts) + 1].float(), params).cpu()
+    out = []
+    for i, d in enumerate(drafts):
+        if torch.rand(1, generator=gen).item() < float(p[i, d]):
+            out.append(d)
+            continue
+        resid = p[i].clone()
+        resid[d] = 0.0
+        if float(resid.sum()) <= 0.0:     # p was a point mass at d: accepted with probability 1 above
+            out.append(d)
+            continue
+        out.append(_draw(resid / resid.sum(), gen))
+        return out
+    out.append(_draw(p[len(drafts)], gen))
+    return out
+
+
+# ---- the controller ----------------------------------------------------------------------------------------------
+@dataclass
+class Speculation:
+    """What the engine drafts with and how much: `drafter` (NgramDrafter or DraftModelDrafter), at most
+    `draft_len` tokens a step. With `adaptive`, drafting pays for itself or stops: the engine measures the seconds
+    of its plain decode calls and of its verification calls per batch size, and the tokens a verification emits
+    per sequence; when a verification's tokens per second fall below plain decoding's, it decodes plainly and
+    probes again every `probe_every` steps (a probe is one verification step). The first verifications at a new
+    batch size, before both rates are known, run as they come."""
+
+    drafter: object
+    draft_len: int = 4
+    adaptive: bool = True
+    probe_every: int = 32
+    buckets: tuple[int, ...] = ()          # draft lengths calls are padded to (one CUDA graph each); () = powers of 2
+    stats: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.draft_len, bool) or not isinstance(self.draft_len, int) or not 1 <= self.draft_len <= 64:
+            raise ArgumentError(f"draft_len must be an integer in [1, 64], got {self.draft_len!r}")
+        if not self.buckets:
+            b, out = 1, []
+            while b < self.draft_len:
+                out.append(b)
+                b *= 2
+            self.buckets = tuple(out) + (self.draft_len,)
+        self._plain: dict[int, float] = {}     # batch -> EMA seconds of a plain decode step
+        self._verify: dict[int, float] = {}    # batch -> EMA seconds of a verification step
+        self._gain: dict[int, float] = {}      # batch -> EMA tokens per sequence of a verification step
+        self._since: dict[int, int] = {}       # batch -> plain steps since the last probe
+
+    def bucket(self, d: int) -> int:
+        """The padded draft length of a call whose longest draft is d (> 0)."""
+        return next(b for b in self.buckets if b >= d)
+
+    def wanted(self, batch: int) -> bool:
+        """Whether this step of `batch` decoding sequences should draft."""
+        if not self.adaptive or batch not in self._plain or batch not in self._verify:
+            return True
+        pays = self._gain[batch] / self._verify[batch] > 1.0 / self._plain[batch]
+        if pays:
+            return True
+        self._since[batch] = self._since.get(batch, 0) + 1
+        if self._since[batch] >= self.probe_every:
+            self._since[batch] = 0
+            return True
+        return False
+
+    def observe(self, batch: int, seconds: float, tokens_per_seq: float | None) -> None:
+        """A decode step's wall time (tokens_per_seq None: a plain step)."""
+        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new   # noqa: E731
+        if tokens_per_seq is None:
+            self._plain[batch] = ema(self._plain.get(batch), seconds)
+        else:
+            self._verify[batch] = ema(self._verify.get(batch), seconds)
+            self._gain[batch] = ema(self._gain.get(batch), tokens_per_seq)
+
+    def rates(self) -> dict[int, dict]:
+        """Per batch size: plain and verification step seconds, tokens per verification, whether it pays."""
+        out = {}
+        for b in sorted(set(self._plain) | set(self._verify)):
+            row = {"plain_s": self._plain.get(b), "verify_s": self._verify.get(b), "tokens": self._gain.get(b)}
+            if row["plain_s"] and row["verify_s"]:
+                row["speedup"] = row["tokens"] / row["verify_s"] * row["plain_s"]
+            out[b] = row
+        return out
+
+
+def propose(spec: Speculation, rids: list[int], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
+    d = spec.drafter
+    if hasattr(d, "propose_for"):
+        return d.propose_for(rids, contexts, ks)
+    return d.propose(contexts, ks)
+
+
+def parse_speculate(text: str, draft_len: int, load_draft=None) -> Speculation:
+    """`--speculate ngram` or `draft:PATH` (load_draft(PATH) -> the draft Engine)."""
+    if text == "ngram":
+        return Speculation(NgramDrafter(), draft_len=draft_len)
+    if text.startswith("draft:") and len(text) > 6:
+        if load_draft is None:
+            raise ArgumentError("--speculate draft:PATH needs a draft model loader")
+        return Speculation(DraftModelDrafter(load_draft(text[6:])), draft_len=draft_len)
+    raise ArgumentError(f"--speculate must be ngram or draft:PATH, got {text!r}")
+
+
+__all__ = ["NgramDrafter", "DraftModelDrafter", "Speculation", "accept_greedy", "accept_sampled", "propose",
+           "parse_speculate"]
