@@ -196,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps through captured CUDA graphs (runtime/cuda_graph.py; default: on with --device "
                    "cuda and kernels; falls back to the ordinary step where capture is impossible, reported)")
+    r.add_argument("--speculate", metavar="ngram|draft:PATH",
+                   help="speculative decoding: ngram (prompt lookup in the sequence's own context) or draft:PATH (a "
+                        "draft model directory sharing the tokenizer, e.g. examples/k3-stdlib-draft)")
+    r.add_argument("--draft-len", type=_positive("--draft-len", 64), default=4,
+                   help="most draft tokens verified per step with --speculate (default 4)")
     r.add_argument("--prefill-chunk", type=_positive("--prefill-chunk", MAX_TOKENS),
                    help="prefill at most this many tokens per sequence and step (default: the whole prompt)")
     r.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
@@ -348,7 +353,7 @@ def cmd_run(args) -> int:
     if args.tp > 1 or (args.ep or 1) > 1:       # one process per rank (or this process under torchrun)
         unsupported = flag or ("--warmup" if args.warmup else "--no-warmup" if args.warmup is not None else None) \
             or ("--prompt" if text else None) or (sampled[0] if sampled else None) \
-            or ("--kv-dtype" if args.kv_dtype != "auto" else None)
+            or ("--kv-dtype" if args.kv_dtype != "auto" else None) or ("--speculate" if args.speculate else None)
         if unsupported:
             raise ArgumentError(f"k3c run: {unsupported} is not supported with --tp/--ep yet (one process per rank)")
         from .commands.ranks import run_report_distributed
@@ -368,7 +373,8 @@ def cmd_run(args) -> int:
                               top_k=args.top_k or 0, seed=args.seed if text else args.seed or 0)
     common = dict(weights=args.weights, device=args.device, dtype=args.dtype, use_kernels=not args.no_kernels,
                   interpret=args.interpret, prefill_chunk=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
-                  warmup=args.warmup, kernel_policy=args.kernel_policy, sampling=sampling, kv_dtype=args.kv_dtype)
+                  warmup=args.warmup, kernel_policy=args.kernel_policy, sampling=sampling, kv_dtype=args.kv_dtype,
+                  speculate=args.speculate, draft_len=args.draft_len)
     if not text:
         print(run_report(args.spec, batch=args.batch or 1, prompt_len=args.prompt_len or 16,
                          new_tokens=args.new_tokens or 8, seed=args.seed or 0, **common))

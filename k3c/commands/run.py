@@ -43,6 +43,20 @@ def _peak_memory_bytes(device: str) -> int:
     return int(peak_kib) * 1024
 
 
+def speculation_line(eng, stats) -> str:
+    """Speculative decoding: what drafted, how much of it the target kept, tokens per verification call."""
+    sp = eng.speculation
+    drafted, kept, calls = (stats.get(k, 0) for k in ("spec_drafted", "spec_accepted", "spec_calls"))
+    rate = f"{kept / drafted:.1%}" if drafted else "n/a"
+    per = f"{(kept + calls) / calls:.2f}" if calls else "n/a"
+    plain = stats.get("decode_calls", 0)
+    return (f"  speculation:     {sp.drafter.name}, draft length <= {sp.draft_len}: {kept} of {drafted} drafted "
+            f"tokens accepted ({rate}), {per} tokens per sequence and verification ({calls} sequence-verifications "
+            f"in {stats.get('verify_calls', 0)} calls, {stats.get('verify_graph_calls', 0)} graph replays), "
+            f"{plain} plain decode steps"
+            + (" (adaptive: drafting only where it pays)" if sp.adaptive else ""))
+
+
 def _graph_line(eng, stats=None) -> str:
     """CUDA graphs on: how many decode steps were replayed (of `stats`, default the engine's totals), and each
     batch size's graph mode (why it fell back)."""
@@ -202,7 +216,7 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
 
 def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, interpret, prefill_chunk,
            cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto", prefix_cache=None,
-           admission: str = "reserve") -> dict:
+           admission: str = "reserve", speculate: str | None = None, draft_len: int = 4) -> dict:
     """What both modes of `k3c run` set up, timed apart: the model (artifact loaded or spec compiled), its checks
     against `sizes(model)` -> (batch, prompt_len, new_tokens), the weights (given, the model directory's
     checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool)."""
@@ -237,15 +251,47 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     w, t_prep = _graph_weights(model, weights or default, seed, torch_dtype, device, sync)
     t_weights = time.perf_counter() - t
     t = time.perf_counter()
+    speculation = None
+    if speculate is not None:
+        speculation = build_speculation(speculate, draft_len, model, device=device, torch_dtype=torch_dtype,
+                                        use_kernels=kernels, max_batch=batch, max_context=prompt_len + new_tokens,
+                                        kernel_policy=kernel_policy, sync=sync)
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
                  use_kernels=kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-                 kernel_policy=kernel_policy, kv_dtype=kv_dtype, prefix_cache=prefix_cache, admission=admission)
+                 kernel_policy=kernel_policy, kv_dtype=kv_dtype, prefix_cache=prefix_cache, admission=admission,
+                 speculation=speculation)
     del w                        # the graph holds what it reads
     sync()
     return {"model": model, "eng": eng, "sync": sync, "cuda": cuda, "dtype": dtype, "kernels": kernels,
             "cpu_default": use_kernels and not kernels, "weights": weights or default, "default_weights": default,
             "seed": seed,
             "t_model": t_model, "t_weights": t_weights, "t_prep": t_prep, "t_engine": time.perf_counter() - t}
+
+
+def build_speculation(speculate: str, draft_len: int, model, *, device: str, torch_dtype, use_kernels: bool,
+                      max_batch: int, max_context: int, kernel_policy: str, sync):
+    """--speculate ngram | draft:PATH: the Speculation (a draft model gets its own Engine, without CUDA graphs,
+    on the same device and dtype; it must share the target's vocabulary)."""
+    from ..runtime.engine import Engine
+    from ..runtime.speculative import parse_speculate
+
+    def load_draft(path: str):
+        draft = _load_model(path, device)
+        if draft.spec.vocab_size != model.spec.vocab_size:
+            raise ArgumentError(f"--speculate draft:{path}: its vocabulary has {draft.spec.vocab_size} tokens, the "
+                                f"model's {model.spec.vocab_size} (a draft model must share the tokenizer)")
+        if draft.spec.max_context < max_context:
+            raise ArgumentError(f"--speculate draft:{path}: its max_context {draft.spec.max_context} is below the "
+                                f"run's {max_context} tokens")
+        ckpt = model_checkpoint(path)
+        if ckpt is None:
+            raise ArgumentError(f"--speculate draft:{path}: no checkpoint (model.safetensors) there: a draft model "
+                                f"with random weights would draft noise")
+        w, _ = _graph_weights(draft, ckpt, 0, torch_dtype, device, sync)
+        return Engine(draft, w, device=device, max_batch=max_batch, max_context=max_context,
+                      use_kernels=use_kernels, cuda_graphs=False, kernel_policy=kernel_policy)
+
+    return parse_speculate(speculate, draft_len, load_draft)
 
 
 def _passes(b: dict, ids, new_tokens: int, warmup: bool | None, progress: bool | None, rows=None, stop=()):
@@ -280,7 +326,8 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
                new_tokens: int = 8, seed: int = 0, device: str = "cpu", dtype: str | None = None,
                use_kernels: bool = True, interpret: bool = False, prefill_chunk: int | None = None,
                progress: bool | None = None, cuda_graphs: bool | None = None, warmup: bool | None = None,
-               kernel_policy: str = "artifact", sampling=None, kv_dtype: str = "auto") -> str:
+               kernel_policy: str = "artifact", sampling=None, kv_dtype: str = "auto", speculate: str | None = None,
+               draft_len: int = 4) -> str:
     """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
     then decode steps (greedy, or under `sampling`: runtime.sampling.params_for_rows). Timed apart: weights
     (given, else a Hugging Face model directory's own checkpoint, else random, drawn on the device; then prepared
@@ -309,7 +356,8 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
 
     b = _build(spec_or_artifact, weights=weights, seed=seed, device=device, dtype=dtype, use_kernels=use_kernels,
                interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-               kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype)
+               kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype, speculate=speculate,
+               draft_len=draft_len)
     model, eng, spec = b["model"], b["eng"], b["model"].spec
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, spec.vocab_size, (batch, prompt_len), generator=gen)
@@ -339,7 +387,7 @@ def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, 
              sampling=None, seed: int = 0, device: str = "cpu", dtype: str | None = None, use_kernels: bool = True,
              interpret: bool = False, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
              warmup: bool | None = None, kernel_policy: str = "artifact", warn=None,
-             kv_dtype: str = "auto") -> tuple[str, str]:
+             kv_dtype: str = "auto", speculate: str | None = None, draft_len: int = 4) -> tuple[str, str]:
     """Text in, text out through the same engine path as run_report: `prompt` encoded with the model's tokenizer,
     continued by up to `new_tokens` tokens (greedy, or under `sampling`; ending at the EOS token, not shown).
     Random weights (no `weights` and no checkpoint in the model directory) are drawn from `seed`, and
@@ -370,7 +418,8 @@ def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, 
 
     b = _build(spec_or_artifact, weights=weights, seed=seed, device=device, dtype=dtype, use_kernels=use_kernels,
                interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
-               kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype)
+               kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype, speculate=speculate,
+               draft_len=draft_len)
     if b["weights"] is None and warn is not None:
         warn(f"k3c: warning: the weights are random (no --weights, and {spec_or_artifact} holds no checkpoint): "
              f"the text is noise")
@@ -386,7 +435,7 @@ def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, 
 def _text_stats(b: dict, warm, run, prompt_tokens: int, new_tokens: int, ended: bool, params, kernels: str
                 ) -> list[str]:
     passed = "warm-up pass excluded" if warm else "no warm-up: includes first-call costs"
-    decoded = run["stats"].get("decode_tokens", 0)
+    decoded = run["stats"].get("generated_tokens", 0) - 1      # after the first (speculation: several a step)
     weights = (f"{b['weights']}" + (" (the model directory's checkpoint)" if b["default_weights"] else "")
                if b["weights"] else f"random (seed {b['seed']})")
     how = ("greedy" if params.greedy else f"sampled: temperature {params.temperature:g}, top-p {params.top_p:g}, "
@@ -399,6 +448,7 @@ def _text_stats(b: dict, warm, run, prompt_tokens: int, new_tokens: int, ended: 
         (f"  decode:          {decoded / run['decode_s']:,.1f} tokens/s ({decoded} tokens after the first; {passed})"
          if decoded else "  decode:          (none: the first token is the prefill's)"),
         f"  weights:         {weights}",
+        *([speculation_line(b["eng"], run["stats"])] if b["eng"].speculation is not None else []),
         kernels,
     ]
 
@@ -472,8 +522,9 @@ def _pass_lines(eng, warm: dict | None, run: dict, batch: int, prompt_len: int, 
 
     spec = eng.spec
     first = warm or run
-    n_decoded = run["stats"].get("decode_tokens", 0)
-    steps = run["stats"].get("decode_calls", 0)
+    # tokens after each request's first (speculation emits several a step), in plain and verification steps
+    n_decoded = run["stats"].get("generated_tokens", 0) - batch
+    steps = run["stats"].get("decode_calls", 0) + run["stats"].get("verify_calls", 0)
     finite = bool(torch.isfinite(run["last_logits"].float()).all())
     modes = ", ".join(f"layer {layer} {mode} x{n}" for (layer, mode), n in sorted(run["modes"].items()))
     passed = "timed pass, warm-up excluded" if warm else "no warm-up: includes first-call costs"
@@ -502,6 +553,7 @@ def _pass_lines(eng, warm: dict | None, run: dict, batch: int, prompt_len: int, 
          else "  MLA cache:       none (no MLA layers)"),
         f"  MLA modes:       {modes or '(no MLA layers)'} (timed pass)",
         *([_graph_line(eng, run["stats"]) + " (timed pass)"] if eng.cuda_graphs else []),
+        *([speculation_line(eng, run["stats"]) + " (timed pass)"] if eng.speculation is not None else []),
         f"  logits finite:   {finite}",
         f"  tokens[0]:       {run['tokens'][0]}",
     ]

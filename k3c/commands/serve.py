@@ -67,6 +67,11 @@ def add_parser(sub, positive, path, seed) -> None:
                    "optimistic: when its prompt fits, preempting the newest sequences (into --host-bytes, or "
                    "recomputed) when a step runs short")
     s.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache")
+    s.add_argument("--speculate", metavar="ngram|draft:PATH",
+                   help="speculative decoding: ngram (prompt lookup) or draft:PATH (a draft model directory sharing "
+                        "the tokenizer); greedy requests stay token-identical, sampled ones keep their distribution")
+    s.add_argument("--draft-len", type=positive("--draft-len", 64), default=4,
+                   help="most draft tokens verified per step with --speculate (default 4)")
     s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY on /v1 routes (default: the "
                    f"{API_KEY_ENV} environment variable; unset: no key)")
     s.add_argument("--no-kernels", action="store_true", help="torch ops on a GPU too")
@@ -172,7 +177,7 @@ def cmd_serve(args) -> int:
         b = _build(args.model, weights=args.weights, seed=args.seed, device=args.device, dtype=args.dtype,
                    use_kernels=not args.no_kernels, interpret=False, prefill_chunk=None, cuda_graphs=None,
                    kernel_policy="artifact", sizes=sizes, kv_dtype=args.kv_dtype, prefix_cache=cache,
-                   admission=args.admission)
+                   admission=args.admission, speculate=args.speculate, draft_len=args.draft_len)
         model, eng = b["model"], b["eng"]
         tok = load_tokenizer(args.tokenizer, model.spec.vocab_size) if args.tokenizer else model.tokenizer
         if tok is None:

@@ -411,6 +411,7 @@ class Engine:
         picks = sample(torch.stack([s.last_logits for s in ready]), [p for p, _ in drawn],
                        [g for _, g in drawn]).tolist() if ready else []
         now = time.perf_counter()
+        self.stats["generated_tokens"] += len(ready)
         for seq, tok, (params, _) in zip(ready, picks, drawn):
             seq.generated.append(tok)
             seq.tokens.append(tok)
@@ -484,6 +485,7 @@ class Engine:
             stop = self._stop.get(seq.rid, ())
             cut = next((i + 1 for i, t in enumerate(emitted) if t in stop), len(emitted))
             emitted = emitted[:cut]
+            self.stats["generated_tokens"] += len(emitted)
             keep = len(emitted)                # call tokens kept: the last token and the accepted drafts
             base = seq.length - len(seg)
             self.stats["spec_drafted"] += len(draft)

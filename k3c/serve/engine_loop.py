@@ -182,8 +182,8 @@ class EngineLoop:
         self.steps += 1
         now = time.perf_counter()
         m = self.metrics
-        if outs:
-            m.batch.observe(len(outs))
+        if outs:                                 # sequences stepped (speculation emits several tokens each)
+            m.batch.observe(len({o.rid for o in outs}))
         for o in outs:
             job = self._jobs.get(o.rid)
             if job is None:

@@ -2,7 +2,8 @@
 
 Requests by endpoint and outcome; prompt, cached-prompt and generated tokens; histograms of time to first token,
 inter-token latency, request latency and the batch each engine step ran; gauges of the running and waiting
-requests, the MLA page pool, the prefix cache (checkpoints and bytes per tier) and its hit rate. The engine loop
+requests, the MLA page pool, the prefix cache (checkpoints and bytes per tier) and its hit rate, and with
+speculative decoding the draft tokens verified and kept. The engine loop
 updates them after every step; /metrics renders them as Prometheus text.
 """
 from __future__ import annotations
@@ -46,6 +47,10 @@ class ServerMetrics:
                                   ("tier",), registry=r)
         self.hit_rate = Gauge("k3c_prefix_cache_hit_rate", "prompt tokens resumed / prompt tokens, since start",
                               registry=r)
+        self.spec_drafted = Gauge("k3c_spec_draft_tokens", "draft tokens verified since start (speculation)",
+                                  registry=r)
+        self.spec_accepted = Gauge("k3c_spec_accepted_tokens", "draft tokens the model kept since start",
+                                   registry=r)
 
     def observe_engine(self, engine) -> None:
         """Gauges from the engine's state (engine thread, after a step)."""
@@ -62,6 +67,9 @@ class ServerMetrics:
                 self.prefix_entries.labels(tier).set(tiers.get(tier, 0))
                 self.prefix_bytes.labels(tier).set(cache.tier_bytes(tier))
             self.hit_rate.set(cache.hit_rate())
+        if getattr(engine, "speculation", None) is not None:
+            self.spec_drafted.set(engine.stats.get("spec_drafted", 0))
+            self.spec_accepted.set(engine.stats.get("spec_accepted", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
