@@ -134,6 +134,7 @@ class Engine:
             prefix_cache.attach(self)
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
         self._traces: dict = {}                     # rid -> (KDA trace of its last verification call, row)
+        self.accept_counts: Counter = Counter()     # drafts kept in one sequence-verification -> how often
         self._captured = False                      # a CUDA graph was captured this step (its time is not a rate)
         # decode steps through captured CUDA graphs (runtime/cuda_graph.py), one DecodeGraph per batch size. None:
         # on where they can be captured (a CUDA device with kernels, or a stand-in backend). A batch size gets its
@@ -490,6 +491,7 @@ class Engine:
             base = seq.length - len(seg)
             self.stats["spec_drafted"] += len(draft)
             self.stats["spec_accepted"] += keep - 1
+            self.accept_counts[keep - 1] += 1
             self.stats["spec_calls"] += 1
             if keep < len(seg):
                 trace, row = self._traces[seq.rid]

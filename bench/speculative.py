@@ -1,0 +1,274 @@
+"""Speculative decoding: acceptance and decode tokens/s with and without it, on code and on tool-output copying.
+
+    python bench/speculative.py --device cuda --out bench/speculative-h200.json           # H200: both parts
+    python bench/speculative.py --device cpu --no-kernels --small --skip-wide               # CI size
+
+Part 1, the trained example model (examples/k3-stdlib, its checkpoint; acceptance means something only on trained
+weights). Two workloads of prompts cut from k3c's own source files (Python the model never saw):
+  code   the first --prompt-tokens tokens of a file, continued;
+  copy   an agent's tool call: "# $ cat FILE" + --prompt-tokens tokens of the file as the tool's output, then
+         "# FILE, unchanged:" + the output's first line: a continuation that copies the output.
+Per batch size (--batches) and configuration (plain; ngram = prompt lookup; draft = examples/k3-stdlib-draft when
+present; --draft-len tokens at most, the adaptive controller on): one untimed pass (JIT, CUDA graph captures), then
+the timed pass of the same requests. Decode tokens/s = tokens after each request's first / the time after every
+request has its first token (warm-up and compile excluded). Also: drafts accepted / drafted, tokens per
+verification, and greedy identity with the plain pass (requests whose tokens are equal).
+
+Part 2, k3-wide-shaped timing (--wide spec, random weights, --wide-context tokens of random prompt): what a verified
+draft costs at K3's widths. Random weights draft nothing worth measuring, so the drafter replays part 1's acceptance:
+for each request it proposes the plain pass's own next tokens, as many as a draw from part 1's histogram of accepted
+drafts per verification (that workload, --replay-batch), then a wrong token. Tokens/s against plain decoding,
+adaptive controller on (it turns speculation off where a verification's tokens per second are below plain decoding's)
+and off (every step drafts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+SOURCES = ["k3c/runtime/engine.py", "k3c/runtime/prefix_cache.py", "k3c/runtime/block_pool.py",
+           "k3c/runtime/sampling.py", "k3c/runtime/cuda_graph.py", "k3c/runtime/kv_tiers.py", "k3c/frontend/spec.py",
+           "k3c/ir/core.py", "k3c/codegen/writer.py", "k3c/analysis/cost.py", "k3c/runtime/launcher.py",
+           "k3c/passes/attnres_split.py", "k3c/runtime/seq_state.py", "k3c/quant/mx.py", "k3c/cli.py",
+           "k3c/runtime/checkpoint.py"]
+
+
+def prompts(tok, workload: str, n: int, length: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        path = SOURCES[i % len(SOURCES)]
+        text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+        ids = tok.encode(text)
+        start = (i // len(SOURCES)) * length % max(1, len(ids) - length)
+        body = ids[start:start + length]
+        if workload == "code":
+            out.append(body)
+            continue
+        chunk = tok.decode(body)
+        first = chunk.split("\n", 1)[0] + "\n"
+        out.append(tok.encode(f"# $ cat {path}\n{chunk}\n# {path}, unchanged:\n{first}"))
+    return out
+
+
+def timed_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
+    before = dict(eng.stats)
+    hist_before = dict(eng.accept_counts)
+    sync()
+    rids = [eng.add_request(p, new_tokens) for p in ps]
+    got = {r: [] for r in rids}
+    t0 = time.perf_counter()
+    first = None
+    while eng.has_work():
+        for o in eng.step():
+            got[o.rid].append(o.token)
+        if first is None and all(got[r] for r in rids):
+            sync()
+            first = time.perf_counter()
+    sync()
+    end = time.perf_counter()
+    st = {k: v - before.get(k, 0) for k, v in eng.stats.items()}
+    hist = {k: v - hist_before.get(k, 0) for k, v in eng.accept_counts.items() if v - hist_before.get(k, 0)}
+    after_first = sum(len(v) - 1 for v in got.values())
+    return {"tokens": [got[r] for r in rids], "decode_tokens_per_s": after_first / (end - first),
+            "decode_s": end - first, "ttft_s": first - t0, "drafted": st.get("spec_drafted", 0),
+            "accepted": st.get("spec_accepted", 0), "verifications": st.get("spec_calls", 0),
+            "verify_calls": st.get("verify_calls", 0), "verify_graph_calls": st.get("verify_graph_calls", 0),
+            "decode_calls": st.get("decode_calls", 0), "decode_graph_calls": st.get("decode_graph_calls", 0),
+            "accept_hist": {int(k): v for k, v in sorted(hist.items())}}
+
+
+def summary(r: dict, plain: dict | None) -> dict:
+    out = {k: v for k, v in r.items() if k != "tokens"}
+    if r["drafted"]:
+        out["acceptance"] = r["accepted"] / r["drafted"]
+    if r["verifications"]:
+        out["tokens_per_verification"] = (r["accepted"] + r["verifications"]) / r["verifications"]
+    if plain is not None:
+        out["speedup"] = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        out["identical"] = sum(a == b for a, b in zip(r["tokens"], plain["tokens"]))
+        out["requests"] = len(r["tokens"])
+    return out
+
+
+class ReplayDrafter:
+    """Part 2's drafter: the plain pass's next tokens, as many as a draw from an acceptance histogram, then a
+    wrong one (so the target rejects there, as the trained model's drafts were rejected)."""
+
+    name = "replay"
+
+    def __init__(self, hist: dict[int, int], seed: int, vocab: int):
+        self.values = [k for k, n in hist.items() for _ in range(n)] or [0]
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.refs: dict[int, tuple[int, list[int]]] = {}      # rid -> (prompt length, plain tokens)
+
+    def propose_for(self, rids, contexts, ks):
+        out = []
+        for rid, ctx, k in zip(rids, contexts, ks):
+            plen, ref = self.refs[rid]
+            g = len(ctx) - plen
+            a = min(self.rng.choice(self.values), k)
+            d = ref[g:g + a]
+            if len(d) < k and g + len(d) < len(ref):
+                d = d + [(ref[g + len(d)] + 1) % self.vocab]
+            out.append(d[:k])
+        return out
+
+    def forget(self, rid):
+        pass
+
+
+def part_trained(args, dev, dtype, sync) -> dict:
+    from k3c.commands.run import _graph_weights, _load_model
+    from k3c.runtime.engine import Engine
+    from k3c.runtime.speculative import DraftModelDrafter, NgramDrafter, Speculation
+
+    path = os.path.join(ROOT, "examples", "k3-stdlib")
+    model = _load_model(path, args.device)
+    w, _ = _graph_weights(model, path, 0, dtype, args.device, sync)
+    draft_dir = os.path.join(ROOT, "examples", "k3-stdlib-draft")
+    draft = None
+    if os.path.exists(os.path.join(draft_dir, "model.safetensors")) and not args.no_draft:
+        draft = _load_model(draft_dir, args.device)
+        dw, _ = _graph_weights(draft, draft_dir, 0, dtype, args.device, sync)
+    kernels = not args.no_kernels
+    rows = []
+    for workload in args.workloads:
+        for b in args.batches:
+            ps = prompts(model.tokenizer, workload, b, args.prompt_tokens)
+            ctx = max(len(p) for p in ps) + args.new_tokens + args.draft_len + 2
+            configs = {"plain": None, "ngram": lambda: Speculation(NgramDrafter(), args.draft_len)}
+            if draft is not None:
+                configs["draft"] = lambda: Speculation(DraftModelDrafter(Engine(
+                    draft, dw, device=args.device, max_batch=b, max_context=ctx, use_kernels=kernels,
+                    cuda_graphs=False)), args.draft_len)
+            plain = None
+            for name, make in configs.items():
+                eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, use_kernels=kernels,
+                             speculation=make() if make else None, max_graphs=8)
+                timed_pass(eng, ps, args.new_tokens, sync)                       # warm-up: JIT, captures
+                r = timed_pass(eng, ps, args.new_tokens, sync)
+                if plain is None:
+                    plain = r
+                row = {"model": "k3-stdlib", "workload": workload, "batch": b, "config": name,
+                       **summary(r, None if name == "plain" else plain)}
+                if eng.speculation is not None:
+                    row["controller"] = {str(k): v for k, v in eng.speculation.rates().items()}
+                rows.append(row)
+                print(line(row), flush=True)
+                del eng
+    return {"rows": rows}
+
+
+def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
+    import k3c
+    from e2e import make_weights
+    from k3c.runtime.engine import Engine
+    from k3c.runtime.session import load_graph
+    from k3c.runtime.speculative import Speculation
+
+    spec = k3c.load_spec(args.wide)
+    model = k3c.compile(spec, target="h200" if dev.type == "cuda" else "cpu")
+    w = make_weights(spec, model.module, args.device, dtype, reference=False)
+    graph = load_graph(model, w, dev, not args.no_kernels)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for workload in args.workloads:
+        hist = next((r["accept_hist"] for r in trained_rows if r["workload"] == workload and r["config"] == "ngram"
+                     and r["batch"] == args.replay_batch), None) or {0: 1}
+        for b in args.batches:
+            ps = torch.randint(0, spec.vocab_size, (b, args.wide_context), generator=gen).tolist()
+            ctx = args.wide_context + args.new_tokens + args.draft_len + 2
+            plain_eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, graph=graph,
+                               use_kernels=not args.no_kernels)
+            timed_pass(plain_eng, ps, args.new_tokens, sync)
+            plain = timed_pass(plain_eng, ps, args.new_tokens, sync)
+            row = {"model": spec.name, "workload": workload, "batch": b, "config": "plain", **summary(plain, None)}
+            rows.append(row)
+            print(line(row), flush=True)
+            del plain_eng
+            for adaptive in (True, False):
+                drafter = ReplayDrafter(hist, 1, spec.vocab_size)
+                eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, graph=graph,
+                             use_kernels=not args.no_kernels, max_graphs=8,
+                             speculation=Speculation(drafter, args.draft_len, adaptive=adaptive))
+                for warm in (True, False):
+                    base = eng._next_rid
+                    for i, p in enumerate(ps):
+                        drafter.refs[base + i] = (len(p), plain["tokens"][i])
+                    r = timed_pass(eng, ps, args.new_tokens, sync)
+                row = {"model": spec.name, "workload": workload, "batch": b,
+                       "config": "replay" + ("" if adaptive else " (adaptive off)"), "replayed_hist": hist,
+                       **summary(r, plain), "controller": {str(k): v for k, v in eng.speculation.rates().items()}}
+                rows.append(row)
+                print(line(row), flush=True)
+                del eng
+    return {"rows": rows, "context": args.wide_context}
+
+
+def line(r: dict) -> str:
+    extra = ""
+    if "acceptance" in r:
+        extra = (f", acceptance {r['acceptance']:.1%}, {r.get('tokens_per_verification', 0):.2f} tokens/verification"
+                 f" ({r['verify_graph_calls']}/{r['verify_calls']} graph calls)")
+    if "speedup" in r:
+        extra += f", {r['speedup']:.2f}x plain, identical {r['identical']}/{r['requests']}"
+    return (f"{r['model']:>10} {r['workload']:>4} b{r['batch']:<3} {r['config']:<20} "
+            f"{r['decode_tokens_per_s']:9.1f} tok/s{extra}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"))
+    ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--workloads", default="copy,code")
+    ap.add_argument("--prompt-tokens", type=int, default=384)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--no-draft", action="store_true", help="skip the draft-model configuration")
+    ap.add_argument("--wide", default=os.path.join(ROOT, "examples", "k3-wide.yaml"))
+    ap.add_argument("--wide-context", type=int, default=2048)
+    ap.add_argument("--replay-batch", type=int, default=1)
+    ap.add_argument("--skip-wide", action="store_true")
+    ap.add_argument("--skip-trained", action="store_true")
+    ap.add_argument("--small", action="store_true", help="CI size: batches 1,2, 48-token prompts, 16 new tokens")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if args.small:
+        args.batches, args.prompt_tokens, args.new_tokens, args.wide_context = "1,2", 48, 16, 64
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.workloads = args.workloads.split(",")
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype)[6:],
+           "torch": torch.__version__, "draft_len": args.draft_len, "new_tokens": args.new_tokens,
+           "prompt_tokens": args.prompt_tokens}
+    trained = part_trained(args, dev, dtype, sync) if not args.skip_trained else {"rows": []}
+    out["trained"] = trained
+    if not args.skip_wide:
+        out["wide"] = part_wide(args, dev, dtype, sync, trained["rows"])
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
