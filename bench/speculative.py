@@ -7,7 +7,7 @@ Part 1, the trained example model (examples/k3-stdlib, its checkpoint; acceptanc
 weights). Two workloads of prompts cut from k3c's own source files (Python the model never saw):
   code   the first --prompt-tokens tokens of a file, continued;
   copy   an agent's tool call: "# $ cat FILE" + --prompt-tokens tokens of the file as the tool's output, then
-         "# FILE, unchanged:" + the output's first line: a continuation that copies the output.
+         "# FILE, unchanged:" + the first half of the output.s lines: a continuation that copies the output.
 Per batch size (--batches) and configuration (plain; ngram = prompt lookup; draft = examples/k3-stdlib-draft when
 present; --draft-len tokens at most, the adaptive controller on): one untimed pass (JIT, CUDA graph captures), then
 the timed pass of the same requests. Decode tokens/s = tokens after each request's first / the time after every
@@ -55,8 +55,9 @@ def prompts(tok, workload: str, n: int, length: int) -> list[list[int]]:
             out.append(body)
             continue
         chunk = tok.decode(body)
-        first = chunk.split("\n", 1)[0] + "\n"
-        out.append(tok.encode(f"# $ cat {path}\n{chunk}\n# {path}, unchanged:\n{first}"))
+        lines = chunk.split("\n")
+        head = "\n".join(lines[:max(1, len(lines) // 2)]) + "\n"       # the answer has begun quoting it
+        out.append(tok.encode(f"# $ cat {path}\n{chunk}\n# {path}, unchanged:\n{head}"))
     return out
 
 

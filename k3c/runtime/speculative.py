@@ -193,8 +193,9 @@ class Speculation:
     `draft_len` tokens a step. With `adaptive`, drafting pays for itself or stops: the engine measures the seconds
     of its plain decode calls and of its verification calls per batch size, and the tokens a verification emits
     per sequence; when a verification's tokens per second fall below plain decoding's, it decodes plainly and
-    probes again every `probe_every` steps (a probe is one verification step). The first verifications at a new
-    batch size, before both rates are known, run as they come."""
+    probes again every `probe_every` steps (a probe is one verification step). A new batch size verifies until its
+    verification rate is known, then decodes plainly until the plain rate is; steps that captured a CUDA graph and
+    the first step of each kind are not rates."""
 
     drafter: object
     draft_len: int = 4
@@ -216,6 +217,7 @@ class Speculation:
         self._verify: dict[int, float] = {}    # batch -> EMA seconds of a verification step
         self._gain: dict[int, float] = {}      # batch -> EMA tokens per sequence of a verification step
         self._since: dict[int, int] = {}       # batch -> plain steps since the last probe
+        self._seen: dict[tuple, int] = {}      # (batch, plain?) -> steps observed
 
     def bucket(self, d: int) -> int:
         """The padded draft length of a call whose longest draft is d (> 0)."""
@@ -223,8 +225,10 @@ class Speculation:
 
     def wanted(self, batch: int) -> bool:
         """Whether this step of `batch` decoding sequences should draft."""
-        if not self.adaptive or batch not in self._plain or batch not in self._verify:
-            return True
+        if not self.adaptive or batch not in self._verify:
+            return True                        # verifications first (their graphs are captured meanwhile)
+        if batch not in self._plain:
+            return False                       # then plain steps, until both rates are known
         pays = self._gain[batch] / self._verify[batch] > 1.0 / self._plain[batch]
         if pays:
             return True
@@ -235,7 +239,12 @@ class Speculation:
         return False
 
     def observe(self, batch: int, seconds: float, tokens_per_seq: float | None) -> None:
-        """A decode step's wall time (tokens_per_seq None: a plain step)."""
+        """A decode step's wall time (tokens_per_seq None: a plain step). The first of each kind per batch size is
+        left out: it runs eagerly (a shape's graph is made on its second call in a row)."""
+        kind = (batch, tokens_per_seq is None)
+        self._seen[kind] = self._seen.get(kind, 0) + 1
+        if self._seen[kind] == 1:
+            return
         ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new   # noqa: E731
         if tokens_per_seq is None:
             self._plain[batch] = ema(self._plain.get(batch), seconds)
