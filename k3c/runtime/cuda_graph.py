@@ -208,7 +208,8 @@ class DecodeGraph:
     def __init__(self, compiled, graph, *, batch: int, capacity: int, device, use_kernels: bool = True,
                  dtype: torch.dtype | None = None, page_size: int | None = None,
                  buckets: Sequence[int] | None = None, backend=None, strict: bool = False,
-                 pools: dict[int, torch.Tensor] | None = None, kv_dtype: str = "auto", tokens: int = 1):
+                 pools: dict[int, torch.Tensor] | None = None, kv_dtype: str = "auto", tokens: int = 1,
+                 kda_slots: dict | None = None):
         from .devices import target_for
 
         if batch < 1 or capacity < 1 or tokens < 1:
@@ -234,7 +235,10 @@ class DecodeGraph:
         dev = self.device
         self.ids = torch.zeros(batch, tokens, dtype=torch.long, device=dev)
         kda_cfg = _local_kda(compiled.module, spec.kda) if self.kda_layers else None
-        self.kda = {i: _own_state(kda_zero_state(kda_cfg, batch, self.dtype, dev)) for i in self.kda_layers}
+        # kda_slots: another DecodeGraph's of this batch size (the engine's decode and verification graphs share
+        # them, so switching between the two copies no state)
+        self.kda = kda_slots if kda_slots is not None else \
+            {i: _own_state(kda_zero_state(kda_cfg, batch, self.dtype, dev)) for i in self.kda_layers}
         pages = self.capacity // self.page_size
         self.kv_dtype = pool_dtype(kv_dtype, self.dtype)    # own pools' row format; given pools keep theirs
         width = row_width(spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, self.kv_dtype) if spec.mla else 0

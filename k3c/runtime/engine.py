@@ -757,6 +757,7 @@ class Engine:
         dg = DecodeGraph(self.compiled, self.graph, batch=batch, capacity=self.max_context, device=self.device,
                          use_kernels=self.use_kernels, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=ps,
                          buckets=buckets, tokens=tokens,
+                         kda_slots=next((g.kda for (b, _), g in self._graphs.items() if b == batch), None),
                          backend=self._graph_backend, pools=self.pool.pools if self.mla_layers else None)
         self._graphs[key] = dg
         self.stats["decode_graphs_created"] += 1
