@@ -167,6 +167,7 @@ def part_trained(args, dev, dtype, sync) -> dict:
                     row["controller"] = {str(k): v for k, v in eng.speculation.rates().items()}
                 rows.append(row)
                 print(line(row), flush=True)
+                args.save(rows=rows)
                 del eng
     return {"rows": rows}
 
@@ -213,6 +214,7 @@ def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
                        **summary(r, plain), "controller": {str(k): v for k, v in eng.speculation.rates().items()}}
                 rows.append(row)
                 print(line(row), flush=True)
+                args.save(rows=rows)
                 del eng
     return {"rows": rows, "context": args.wide_context}
 
@@ -244,6 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replay-batch", type=int, default=1)
     ap.add_argument("--skip-wide", action="store_true")
     ap.add_argument("--skip-trained", action="store_true")
+    ap.add_argument("--replay-from", metavar="JSON", help="part 1's rows from an earlier run of this bench")
     ap.add_argument("--small", action="store_true", help="CI size: batches 1,2, 48-token prompts, 16 new tokens")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -261,13 +264,26 @@ def main(argv=None) -> int:
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype)[6:],
            "torch": torch.__version__, "draft_len": args.draft_len, "new_tokens": args.new_tokens,
            "prompt_tokens": args.prompt_tokens}
-    trained = part_trained(args, dev, dtype, sync) if not args.skip_trained else {"rows": []}
+    out["trained"] = {"rows": []}
+
+    def save(rows=None):
+        """The JSON so far (after every row: a run cut short keeps what it measured)."""
+        if rows is not None:
+            out["partial"] = rows
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(out, fh, indent=1)
+
+    args.save = save
+    if args.replay_from:
+        with open(args.replay_from) as fh:
+            out["trained"] = trained = json.load(fh)["trained"]
+    else:
+        trained = part_trained(args, dev, dtype, sync) if not args.skip_trained else {"rows": []}
     out["trained"] = trained
     if not args.skip_wide:
         out["wide"] = part_wide(args, dev, dtype, sync, trained["rows"])
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1)
+    save()
     return 0
 
 

@@ -1,0 +1,48 @@
+"""bench/speculative.py in its small mode (CPU, fp32, kernels off): the trained model's rows and the replayed k3-tiny
+timing rows are there and consistent: speculation emitted exactly plain decoding's tokens, the accepted counts add up
+to the histogram, and the replay drafter reproduced the acceptance it was given."""
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+sys.path.insert(0, BENCH)
+
+import speculative  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spec") / "spec.json"
+    assert speculative.main(["--device", "cpu", "--no-kernels", "--small", "--no-draft", "--workloads", "code",
+                             "--wide", "examples/k3-tiny.yaml", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_trained_rows_identical_to_plain_decoding(result):
+    rows = result["trained"]["rows"]
+    assert {(r["batch"], r["config"]) for r in rows} == {(b, c) for b in (1, 2) for c in ("plain", "ngram")}
+    for r in rows:
+        assert r["decode_tokens_per_s"] > 0
+        if r["config"] == "plain":
+            assert r["drafted"] == 0 and r["verify_calls"] == 0
+            continue
+        assert r["identical"] == r["requests"]                 # greedy, fp32: token for token
+        assert sum(r["accept_hist"].values()) == r["verifications"]
+        assert sum(int(k) * n for k, n in r["accept_hist"].items()) == r["accepted"] <= r["drafted"]
+        if r["verifications"]:
+            assert 1 <= r["tokens_per_verification"] <= result["draft_len"] + 1
+
+
+def test_replayed_acceptance_follows_the_histogram(result):
+    rows = [r for r in result["wide"]["rows"] if r["config"] == "replay (adaptive off)"]
+    assert rows
+    for r in rows:
+        assert r["identical"] == r["requests"]
+        hist = {int(k): n for k, n in r["replayed_hist"].items()}
+        got = r["accept_hist"]
+        # every verification kept exactly one of the replayed counts (capped by the draft length and the budget)
+        assert set(int(k) for k in got) <= {min(k, result["draft_len"]) for k in hist} | set(range(result["draft_len"]))
+        assert r["verifications"] > 0 and r["speedup"] > 0
