@@ -151,6 +151,7 @@ class Engine:
         self._graphs: OrderedDict = OrderedDict()   # (batch, tokens) -> DecodeGraph, least recently used first
         self._last_decode_batch = None              # (batch, tokens) of the previous decode / verification call
         self._graph_bt: dict = {}                   # (batch, tokens) -> the block-table key its graph holds
+        self._shape_calls: Counter = Counter()      # (batch, tokens) -> eager calls so far (graphs from the second)
 
     def describe(self) -> str:
         return describe_graph(self.compiled, self.use_kernels)
@@ -744,8 +745,8 @@ class Engine:
         if dg is not None:
             self._graphs.move_to_end(key)
             return dg
-        if self._last_decode_batch != key:
-            return None
+        if self._last_decode_batch != key and self._shape_calls[key] < 2:
+            return None                             # a shape's first call runs eagerly (a shrinking batch stays so)
         while len(self._graphs) >= self.max_graphs:
             old_key, old = self._graphs.popitem(last=False)
             self._rehome(old, set())
@@ -818,6 +819,8 @@ class Engine:
             if dg is not None and (dg.report.mode != "graph" or max(lens) + T > dg.capacity):
                 dg = None                              # not capturable (reported) or past the last bucket
         self._last_decode_batch = (B, T) if graphable else None
+        if graphable:
+            self._shape_calls[(B, T)] += 1
         kda_trace = None
         if dg is not None:
             t0 = time.perf_counter()

@@ -201,18 +201,14 @@ class Speculation:
     draft_len: int = 4
     adaptive: bool = True
     probe_every: int = 32
-    buckets: tuple[int, ...] = ()          # draft lengths calls are padded to (one CUDA graph each); () = powers of 2
+    buckets: tuple[int, ...] = ()          # draft lengths calls are padded to (one CUDA graph each); () = draft_len
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.draft_len, bool) or not isinstance(self.draft_len, int) or not 1 <= self.draft_len <= 64:
             raise ArgumentError(f"draft_len must be an integer in [1, 64], got {self.draft_len!r}")
-        if not self.buckets:
-            b, out = 1, []
-            while b < self.draft_len:
-                out.append(b)
-                b *= 2
-            self.buckets = tuple(out) + (self.draft_len,)
+        if not self.buckets:       # one verification shape per batch size: its graph is captured once and hit
+            self.buckets = (self.draft_len,)
         self._plain: dict[int, float] = {}     # batch -> EMA seconds of a plain decode step
         self._verify: dict[int, float] = {}    # batch -> EMA seconds of a verification step
         self._gain: dict[int, float] = {}      # batch -> EMA tokens per sequence of a verification step
