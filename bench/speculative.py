@@ -108,7 +108,7 @@ class ReplayDrafter:
     name = "replay"
 
     def __init__(self, hist: dict[int, int], seed: int, vocab: int):
-        self.values = [k for k, n in hist.items() for _ in range(n)] or [0]
+        self.values = [int(k) for k, n in hist.items() for _ in range(n)] or [0]   # JSON keys are text
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.refs: dict[int, tuple[int, list[int]]] = {}      # rid -> (prompt length, plain tokens)
