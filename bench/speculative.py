@@ -102,8 +102,10 @@ def summary(r: dict, plain: dict | None) -> dict:
 
 
 class ReplayDrafter:
-    """Part 2's drafter: the plain pass's next tokens, as many as a draw from an acceptance histogram, then a
-    wrong one (so the target rejects there, as the trained model's drafts were rejected)."""
+    """Part 2's drafter: as many drafts as a draw from an acceptance histogram, then a wrong one. Random weights'
+    logits are near ties, so a verification's argmax is not plain decoding's (bf16 rounding of a T-token chunk):
+    `forced_accept` (patched in for accept_greedy) keeps exactly the drawn count, so the calls, rollbacks and
+    tokens per verification are those of the trained model's acceptance; the tokens themselves mean nothing."""
 
     name = "replay"
 
@@ -112,6 +114,7 @@ class ReplayDrafter:
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.refs: dict[int, tuple[int, list[int]]] = {}      # rid -> (prompt length, plain tokens)
+        self.kept: dict[tuple, int] = {}                        # a proposal -> the drafts to keep of it
 
     def propose_for(self, rids, contexts, ks):
         out = []
@@ -119,11 +122,17 @@ class ReplayDrafter:
             plen, ref = self.refs[rid]
             g = len(ctx) - plen
             a = min(self.rng.choice(self.values), k)
-            d = ref[g:g + a]
-            if len(d) < k and g + len(d) < len(ref):
-                d = d + [(ref[g + len(d)] + 1) % self.vocab]
-            out.append(d[:k])
+            d = (ref[g:g + a] + [1] * a)[:a]
+            if len(d) < k:
+                d = d + [(ref[g + len(d)] + 1) % self.vocab if g + len(d) < len(ref) else 0]
+            d = d[:k]
+            self.kept[tuple(d)] = a
+            out.append(d)
         return out
+
+    def forced_accept(self, target, drafts):
+        a = min(self.kept.get(tuple(drafts), 0), len(drafts))
+        return list(drafts[:a]) + [target[a]]
 
     def forget(self, rid):
         pass
@@ -177,8 +186,10 @@ def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
     from e2e import make_weights
     from k3c.runtime.engine import Engine
     from k3c.runtime.session import load_graph
+    from k3c.runtime import speculative as speculative_rt
     from k3c.runtime.speculative import Speculation
 
+    true_accept = speculative_rt.accept_greedy
     spec = k3c.load_spec(args.wide)
     model = k3c.compile(spec, target="h200" if dev.type == "cuda" else "cpu")
     w = make_weights(spec, model.module, args.device, dtype, reference=False)
@@ -201,6 +212,7 @@ def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
             del plain_eng
             for adaptive in (True, False):
                 drafter = ReplayDrafter(hist, 1, spec.vocab_size)
+                speculative_rt.accept_greedy = drafter.forced_accept
                 eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, graph=graph,
                              use_kernels=not args.no_kernels, max_graphs=8,
                              speculation=Speculation(drafter, args.draft_len, adaptive=adaptive))
@@ -216,6 +228,7 @@ def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
                 print(line(row), flush=True)
                 args.save(rows=rows)
                 del eng
+    speculative_rt.accept_greedy = true_accept
     return {"rows": rows, "context": args.wide_context}
 
 

@@ -1,6 +1,6 @@
 """bench/speculative.py in its small mode (CPU, fp32, kernels off): the trained model's rows and the replayed k3-tiny
-timing rows are there and consistent: speculation emitted exactly plain decoding's tokens, the accepted counts add up
-to the histogram, and the replay drafter reproduced the acceptance it was given."""
+timing rows are there and consistent: speculation emitted exactly plain decoding's tokens (trained rows), the
+accepted counts add up to the histogram, and the replay drafter kept the counts it was given."""
 import json
 import os
 import sys
@@ -40,9 +40,9 @@ def test_replayed_acceptance_follows_the_histogram(result):
     rows = [r for r in result["wide"]["rows"] if r["config"] == "replay (adaptive off)"]
     assert rows
     for r in rows:
-        assert r["identical"] == r["requests"]
         hist = {int(k): n for k, n in r["replayed_hist"].items()}
-        got = r["accept_hist"]
-        # every verification kept exactly one of the replayed counts (capped by the draft length and the budget)
-        assert set(int(k) for k in got) <= {min(k, result["draft_len"]) for k in hist} | set(range(result["draft_len"]))
-        assert r["verifications"] > 0 and r["speedup"] > 0
+        got = {int(k): n for k, n in r["accept_hist"].items()}
+        # every verification kept one of the replayed counts, or fewer where the request's budget capped the draft
+        top = max(min(k, result["draft_len"]) for k in hist)
+        assert got and max(got) <= top
+        assert sum(got.values()) == r["verifications"] > 0 and r["speedup"] > 0
