@@ -745,8 +745,10 @@ class Engine:
         if dg is not None:
             self._graphs.move_to_end(key)
             return dg
-        if self._last_decode_batch != key and self._shape_calls[key] < 2:
-            return None                             # a shape's first call runs eagerly (a shrinking batch stays so)
+        # a decode shape gets its graph on its second call in a row (a batch that shrinks every step stays eager);
+        # a verification shape on its second call at all (verifications alternate with plain decode steps)
+        if self._last_decode_batch != key and (tokens == 1 or self._shape_calls[key] < 2):
+            return None
         while len(self._graphs) >= self.max_graphs:
             old_key, old = self._graphs.popitem(last=False)
             self._rehome(old, set())
