@@ -41,6 +41,7 @@ from .executor import LayerCaches
 from .kernel_impls.latent_format import encode_rows, pool_dtype, row_width
 from .kernel_impls.mla import DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table
 from ..reference.kda import KDAState, kda_zero_state
+from .kda_rollback import KDATokens
 
 # ops whose decode path has a host sync or a data-dependent shape on every impl / on the torch impl
 _COLLECTIVES = ("all_reduce", "all_gather", "seq_scatter", "reduce_scatter", "seq_gather")
@@ -214,8 +215,8 @@ class DecodeGraph:
 
         if batch < 1 or capacity < 1 or tokens < 1:
             raise ArgumentError(f"batch, capacity and tokens must be positive, got {batch}, {capacity}, {tokens}")
-        # tokens > 1: a speculative verification call (the last token and a draft per sequence); each run keeps
-        # its KDA inputs and a copy of the states it started from (`trace`, runtime/kda_rollback.py)
+        # tokens > 1: a speculative verification call (the last token and a draft per sequence); each run writes
+        # the KDA states after every token into static buffers (`trace`, runtime/kda_rollback.py)
         self.tokens = tokens
         self.trace: dict | None = None               # the last run's KDA trace (tokens > 1)
         self._traces: dict = {}                      # bucket (None: eager) -> the trace its runs fill
@@ -239,6 +240,8 @@ class DecodeGraph:
         # them, so switching between the two copies no state)
         self.kda = kda_slots if kda_slots is not None else \
             {i: _own_state(kda_zero_state(kda_cfg, batch, self.dtype, dev)) for i in self.kda_layers}
+        # the states after each of a verification's tokens (shared by its buckets: tokens x the slots' bytes)
+        self.kda_tokens = {i: KDATokens.like(st, tokens) for i, st in self.kda.items()} if tokens > 1 else {}
         pages = self.capacity // self.page_size
         self.kv_dtype = pool_dtype(kv_dtype, self.dtype)    # own pools' row format; given pools keep theirs
         width = row_width(spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, self.kv_dtype) if spec.mla else 0
@@ -381,10 +384,9 @@ class DecodeGraph:
         host lengths (the eager path)."""
         c = LayerCaches(self.spec.num_layers)
         for i, st in self.kda.items():
-            # a verification keeps the states it started from (the slots get the new ones at the end)
-            c.layers[i] = st if self.tokens == 1 else _own_state(st)
+            c.layers[i] = st
         if self.tokens > 1:
-            c.kda_trace = {}
+            c.kda_trace, c.kda_token_buffers = {}, self.kda_tokens
         for i, pool in self.pools.items():
             if max_len is None:
                 c.layers[i] = PagedLatentCache(LatentStore(pool, self.block_table, self.lens), tuple(self.lens))

@@ -392,7 +392,7 @@ class Engine:
             if self.admission == "optimistic":
                 spec_plan = self._fit(spec_plan)
             try:
-                logits = self._run(spec_plan, evict=True, trace=True)
+                logits = self._run(spec_plan, evict=True, trace=set(drafts))
                 drafts = {r: v for r, v in drafts.items() if r in logits}    # _fit may have preempted some
             except CacheFullError:        # the padded drafts do not fit beside the batch: decode plainly
                 drafts = {}
@@ -465,7 +465,7 @@ class Engine:
 
     def _verify(self, drafts, logits) -> list[StepOutput]:
         """Accept or reject each drafting sequence's draft, emit its tokens, roll back what was not kept."""
-        from .kda_rollback import replay_prefix
+        from .kda_rollback import restore
         from .speculative import accept_greedy, accept_sampled
 
         seqs = [self.seqs[r] for r in drafts]
@@ -474,7 +474,7 @@ class Engine:
         if greedy:                             # one argmax and one device sync for every greedy row
             top = torch.stack([logits[s.rid] for s in greedy]).argmax(-1).tolist()
             picks = {s.rid: t for s, t in zip(greedy, top)}
-        outs, regroup = [], {}
+        outs, kept = [], {}                    # id(trace) -> (trace, {row: kept count}, the call's KDA states)
         for seq in seqs:
             draft, seg = drafts[seq.rid]
             if seq.rid in picks:
@@ -494,9 +494,9 @@ class Engine:
             self.stats["spec_accepted"] += keep - 1
             self.accept_counts[keep - 1] += 1
             self.stats["spec_calls"] += 1
+            trace, row = self._traces[seq.rid]
+            kept.setdefault(id(trace), (trace, {}, {i: seq.kda[i][0] for i in self.kda_layers}))[1][row] = keep
             if keep < len(seg):
-                trace, row = self._traces[seq.rid]
-                regroup.setdefault((id(trace), keep), (trace, []))[1].append((seq, row))
                 self._rewind_pages(seq, base + keep)
             seq.length = base + keep
             seq.last_logits = logits[seq.rid][keep - 1]
@@ -508,12 +508,10 @@ class Engine:
                 outs.append(StepOutput(seq.rid, tok, logits[seq.rid][i], done, seed))
             if seq.t_first is None:
                 seq.t_first = now
-        for (_, keep), (trace, members) in regroup.items():   # KDA states back to the last kept token
-            rows = [r for _, r in members]
-            for i in self.kda_layers:
-                st = replay_prefix(trace[i], rows, keep)
-                for j, (seq, _) in enumerate(members):
-                    seq.kda[i] = (st, j)
+        for trace, rows, states in kept.values():       # KDA states back to the last kept token
+            if trace:
+                T, B = next(iter(trace.values())).states.shape[:2]
+                restore(trace, states, [rows.get(j, T) for j in range(B)])
         self._traces = {}
         for seq in seqs:
             self._maybe_checkpoint(seq)
@@ -682,20 +680,21 @@ class Engine:
         for seq, before in undo:        # pages replaced by a copy lose this sequence's reference
             self.pool.decref([p for p in before if p not in seq.pages])
 
-    def _run(self, plan, evict: bool, trace: bool = False) -> dict[int, torch.Tensor]:
+    def _run(self, plan, evict: bool, trace: set[int] = frozenset()) -> dict[int, torch.Tensor]:
         """One graph call per group of equal segment length (at most max_batch rows each). {rid: logits [T, V]}.
-        trace: keep each call's KDA inputs (self._traces) for a rollback inside it (speculative verification)."""
+        trace: the ids of the sequences whose calls keep every token's KDA states (self._traces) for a rollback
+        inside them (speculative verification); they run apart from prefill pieces of the same length."""
         undo = self._reserve(plan, evict)
-        groups: dict[int, list] = {}
+        groups: dict[tuple, list] = {}
         for seq, seg in plan:
-            groups.setdefault(len(seg), []).append((seq, seg))
+            groups.setdefault((len(seg), seq.rid in trace), []).append((seq, seg))
         out: dict[int, torch.Tensor] = {}
         done = set()
         try:
-            for t, items in groups.items():
+            for (t, traced), items in groups.items():
                 for i in range(0, len(items), self.max_batch):
                     chunk = items[i:i + self.max_batch]
-                    logits = self._call([s for s, _ in chunk], [g for _, g in chunk], trace=trace and t > 1)
+                    logits = self._call([s for s, _ in chunk], [g for _, g in chunk], trace=traced and t > 1)
                     for j, (seq, _) in enumerate(chunk):
                         out[seq.rid] = logits[j]
                         done.add(seq.rid)

@@ -1,18 +1,23 @@
 """Restoring KDA layers to a token inside a multi-token call (speculative verification).
 
 A KDA layer's recurrent state and conv tails cannot be "un-appended": after a verification call of T tokens, a
-sequence that keeps only the first n < T of them needs the state after token n. k3c recomputes it from the chunk
-start: while the call runs, every KDA op records its inputs (the projections entering the layer's attention op,
-[B, T, ...]) and the state it started from (`record`, when the cache carries a `kda_trace` dict); afterwards
-`replay_prefix` runs the same op implementation (the kernels or the torch path that ran) on the first n tokens of
-the chosen rows, from that state. Cost: one KDA attention op over n tokens per layer and group of equal n, against
-keeping per-token states (T x the state, 38 MB a sequence at k3-wide, written on every call whether or not a token
-is rejected): recomputing only moves what a rejection needs (docs/runtime.md, "Speculative decoding").
+sequence that keeps only the first n < T of them needs the state after token n. k3c keeps the state after every
+token of the call: a traced call (the cache carries a `kda_trace` dict) runs each KDA op token by token through the
+one-token path that plain decoding runs (the fused decode kernel, or the reference recurrence), writing the state
+and conv tails after token t into per-token buffers [T, B, ...] (`step_tokens`); `restore` then copies each row's
+state after its kept count into the call's committed states, one gather per tensor and layer for the whole batch.
+
+Why per-token states and not a recompute from the chunk start (what k3c did first): the recompute is one eager
+KDA op per layer and kept-count group after the call, host-bound launches that cost 2 ms a rollback at
+examples/k3-stdlib (0.34 ms a layer), more than the verification call itself; the per-token states cost T x the
+state's bytes of writes inside the call, which a CUDA graph captures (docs/runtime.md, "Speculative decoding";
+docs/perf.md has the figures). Stepping token by token also makes a verification's KDA numerics those of plain
+decoding.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -20,45 +25,71 @@ from ..reference.kda import KDAState
 
 
 @dataclass
-class KDACall:
-    """One KDA op of a traced call: the implementation that ran, its attrs / params, its data inputs ([B, T, ...]
-    each) and the batch state it started from (None: every sequence fresh)."""
+class KDATokens:
+    """The states after each token of a traced call: states [T, B, H, K, V] fp32, conv tails (q, k, v) [T, B, C,
+    kernel-1]; index t holds the state after token t + 1."""
 
-    fn: Callable
-    attrs: Any
-    params: dict
-    data: tuple
-    state: KDAState | None
+    states: torch.Tensor
+    conv: tuple[torch.Tensor, ...]
 
+    @classmethod
+    def like(cls, state: KDAState, tokens: int) -> "KDATokens":
+        return cls(state.state.new_empty(tokens, *state.state.shape),
+                   tuple(c.new_empty(tokens, *c.shape) for c in state.conv))
 
-def record(cache, fn: Callable, attrs, data: tuple, params: dict, state: KDAState | None) -> None:
-    """Keep what replay_prefix needs of this KDA op, when the cache asks for it (speculative verification)."""
-    trace = getattr(cache, "kda_trace", None)
-    if trace is not None:
-        trace[attrs["layer"]] = KDACall(fn, attrs, params, data, state)
+    def at(self, t: int) -> KDAState:
+        return KDAState(self.states[t], tuple(c[t] for c in self.conv))
 
 
-class _OneLayer:
-    """The cache interface a KDA op implementation uses: `layers[layer]` read, then replaced by the new state."""
+def copy_state(dst: KDAState, src: KDAState) -> None:
+    """src's state and conv tails into dst's buffers."""
+    dst.state.copy_(src.state)
+    for d, s in zip(dst.conv, src.conv):
+        d.copy_(s)
 
-    def __init__(self, layer: int, state: KDAState | None):
-        self.layers = [None] * (layer + 1)
-        self.layers[layer] = state
+
+def traced(cache) -> bool:
+    """Whether this call keeps per-token KDA states (a speculative verification)."""
+    return getattr(cache, "kda_trace", None) is not None
 
 
-def replay_prefix(call: KDACall, rows: list[int], n: int) -> KDAState:
-    """The state (batch of len(rows), in that order) after the first n tokens of the traced call's `rows`."""
-    T = call.data[0].shape[1]
-    if not 1 <= n <= T:
-        raise ValueError(f"replay_prefix: n = {n} outside [1, {T}]")
-    dev = call.data[0].device
-    idx = torch.tensor(rows, dtype=torch.long, device=dev)
-    data = tuple(x.index_select(0, idx)[:, :n] for x in call.data)
-    st = call.state
-    if st is not None:
-        st = KDAState(st.state.index_select(0, idx), tuple(t.index_select(0, idx) for t in st.conv))
-    layer = call.attrs["layer"]
-    tmp = _OneLayer(layer, st)
-    with torch.no_grad():
-        call.fn(call.attrs, tmp, data, call.params)
-    return tmp.layers[layer]
+def step_tokens(cache, layer: int, data: tuple, state: KDAState, step: Callable) -> tuple[torch.Tensor, KDAState]:
+    """A KDA op of a traced call run token by token: step(data_t, state, out) with data_t the op's inputs at token t
+    ([B, 1, ...] each) runs one token from `state`, writes the new state and tails into `out` (a KDAState of
+    buffers) and returns the token's output [B, 1, ...]. The buffers are the cache's static ones
+    (`kda_token_buffers`, a CUDA graph's) when it has them, else new; they are recorded in cache.kda_trace.
+    Returns (the outputs [B, T, ...], the state after the last token)."""
+    T = data[0].shape[1]
+    bufs = getattr(cache, "kda_token_buffers", {}).get(layer)
+    if bufs is None or bufs.states.shape[:2] != (T, state.state.shape[0]):
+        bufs = KDATokens.like(state, T)
+    outs = []
+    for t in range(T):
+        out = bufs.at(t)
+        outs.append(step(tuple(x[:, t:t + 1] for x in data), state, out))
+        state = out
+    cache.kda_trace[layer] = bufs
+    return torch.cat(outs, 1), state
+
+
+def restore(trace: dict[int, KDATokens], states: dict[int, KDAState], keeps: list[int]) -> None:
+    """Row b of each KDA layer's committed state (states[layer], the call's rows in order) back to its state after
+    the first keeps[b] tokens of the traced call (1 <= keeps[b] <= T), in place."""
+    if not trace:
+        return
+    T, B = next(iter(trace.values())).states.shape[:2]
+    if len(keeps) != B or not all(1 <= k <= T for k in keeps):
+        raise ValueError(f"restore: keep counts {keeps} for {B} rows of a {T}-token call")
+    if all(k == T for k in keeps):
+        return
+    if len(set(keeps)) == 1:                         # one kept count: a slice, no index tensor
+        pick = lambda t: t[keeps[0] - 1]             # noqa: E731
+    else:
+        dev = next(iter(trace.values())).states.device
+        idx = torch.tensor([(k - 1) * B + b for b, k in enumerate(keeps)], dtype=torch.long, device=dev)
+        pick = lambda t: t.flatten(0, 1).index_select(0, idx)   # noqa: E731
+    for layer, bufs in trace.items():
+        dst = states[layer]
+        dst.state.copy_(pick(bufs.states))
+        for d, s in zip(dst.conv, bufs.conv):
+            d.copy_(pick(s))

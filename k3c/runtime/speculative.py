@@ -28,34 +28,74 @@ from .sampling import SamplingParams, filtered_probs
 
 
 # ---- drafters ----------------------------------------------------------------------------------------------------
+class _NgramIndex:
+    """Where each n-gram of a context last ended (n in [min_n, max_n]), for the n-grams that end before the
+    context's last token: built once, then extended by the tokens a sequence gains (a dict update per token and
+    n), so a lookup costs O(max_n) whatever the context's length."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.ns = range(max_n, min_n - 1, -1)
+        self.ends: dict[tuple, int] = {}
+        self.length = 0                       # n-grams ending at positions < length are in
+        self.last = None                      # ctx[length - 1] when indexed (a cheap check that ctx extends it)
+
+    def extend(self, ctx: list[int]) -> None:
+        upto = len(ctx) - 1                   # the tail's own n-grams end at len(ctx): not matches of themselves
+        for end in range(max(self.length, 1), upto + 1):
+            for n in self.ns:
+                if n <= end:
+                    self.ends[tuple(ctx[end - n:end])] = end
+        self.length = max(self.length, upto + 1)
+        self.last = ctx[self.length - 1] if self.length else None
+
+    def extends(self, ctx: list[int]) -> bool:
+        return len(ctx) >= self.length and (self.length == 0 or ctx[self.length - 1] == self.last)
+
+    def lookup(self, ctx: list[int], k: int) -> list[int]:
+        for n in self.ns:
+            if n < len(ctx):
+                end = self.ends.get(tuple(ctx[len(ctx) - n:]))
+                if end is not None:
+                    return ctx[end:end + k]
+        return []
+
+
 class NgramDrafter:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens
     (n from max_n down to min_n; the longest match wins), no model. Agentic contexts repeat spans of tool output and
-    code, which is where this drafts well."""
+    code, which is where this drafts well. Each request keeps an index of its context's n-grams, extended by the
+    tokens it gains, so drafting a batch costs microseconds a sequence at any context length."""
 
     name = "ngram"
 
-    def __init__(self, max_n: int = 4, min_n: int = 2, window: int = 4096):
+    def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
             raise ArgumentError(f"NgramDrafter: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.max_n, self.min_n, self.window = max_n, min_n, window
+        self.max_n, self.min_n = max_n, min_n
+        self._index: dict[int, _NgramIndex] = {}
 
     def propose(self, contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
-        return [self._one(c, k) if k > 0 else [] for c, k in zip(contexts, ks)]
+        """Drafts for contexts without a request id (an index built for each)."""
+        return [self._draft(_NgramIndex(self.min_n, self.max_n), c, k) for c, k in zip(contexts, ks)]
 
-    def _one(self, ctx: list[int], k: int) -> list[int]:
-        hay = ctx[-self.window:] if self.window else ctx
-        n_all = len(hay)
-        for n in range(min(self.max_n, n_all - 1), self.min_n - 1, -1):
-            tail = hay[n_all - n:]
-            # the latest start before the tail itself whose n tokens equal the tail
-            for s in range(n_all - n - 1, -1, -1):
-                if hay[s:s + n] == tail:
-                    return hay[s + n:s + n + k]
-        return []
+    def propose_for(self, rids: list[int], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
+        out = []
+        for rid, ctx, k in zip(rids, contexts, ks):
+            idx = self._index.get(rid)
+            if idx is None or not idx.extends(ctx):       # new, or not the context it indexed: start over
+                idx = self._index[rid] = _NgramIndex(self.min_n, self.max_n)
+            out.append(self._draft(idx, ctx, k))
+        return out
+
+    @staticmethod
+    def _draft(idx: _NgramIndex, ctx: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        idx.extend(ctx)
+        return idx.lookup(ctx, k)
 
     def forget(self, rid: int) -> None:
-        pass
+        self._index.pop(rid, None)
 
 
 class DraftModelDrafter:

@@ -5,8 +5,8 @@ On the CPU in fp32 with the trained example model examples/k3-stdlib (kernels of
     is nearly always wrong) the engine emits plain greedy decoding's tokens, token for token, under continuous
     batching, stop tokens and small max_new_tokens (the draft caps);
   - rollback exactness: after a partly rejected draft each KDA layer's state and conv tails and the MLA rows of the
-    sequence are those of a fresh engine that consumed only the kept tokens; replay_prefix against a KDA op run
-    token by token;
+    sequence are those of a fresh engine that consumed only the kept tokens; `restore` against the KDA layers
+    stepped token by token;
   - the page pool: pages held / free after every step are plain decoding's at the same lengths, the admission
     reserve is neither leaked nor overdrawn, every page comes back;
   - sampling: rejection sampling (accept_sampled) emits tokens distributed as plain sampling's (chi-square at
@@ -26,7 +26,6 @@ import k3c
 from k3c.errors import ArgumentError
 from k3c.frontend import parse_spec_text
 from k3c.runtime.engine import Engine
-from k3c.runtime.kda_rollback import replay_prefix
 from k3c.runtime.sampling import SamplingParams, filtered_probs
 from k3c.runtime.seq_state import row_state
 from k3c.runtime.speculative import (DraftModelDrafter, NgramDrafter, Speculation, accept_greedy,
@@ -228,6 +227,28 @@ def test_ngram_drafter_and_accept_greedy_units():
     assert d.propose([[5, 6, 5]], [4]) == [[6, 5]]          # the continuation may reach the tail itself
     with pytest.raises(ArgumentError):
         NgramDrafter(max_n=1, min_n=2)
+    # a request's index, extended as its context grows (and rebuilt for a context it did not index), drafts what a
+    # scan of the whole context finds
+    import random
+
+    def scan(ctx, k, max_n=4, min_n=2):
+        for n in range(min(max_n, len(ctx) - 1), min_n - 1, -1):
+            for s in range(len(ctx) - n - 1, -1, -1):
+                if ctx[s:s + n] == ctx[len(ctx) - n:]:
+                    return ctx[s + n:s + n + k]
+        return []
+
+    rng, inc = random.Random(0), NgramDrafter()
+    for rid in range(40):
+        ctx = [rng.randrange(6) for _ in range(rng.randrange(1, 10))]
+        for _ in range(50):
+            k = rng.randrange(0, 5)
+            assert inc.propose_for([rid], [ctx], [k]) == [scan(ctx, k) if k else []]
+            ctx = ctx + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        ctx = ctx[:5] + [9] * 3                  # not the context it indexed
+        assert inc.propose_for([rid], [ctx], [2]) == [scan(ctx, 2)]
+        inc.forget(rid)
+    assert not inc._index
     assert accept_greedy([4, 5, 6], [4, 5]) == [4, 5, 6]
     assert accept_greedy([4, 9, 6], [4, 5]) == [4, 9]
     assert accept_greedy([3, 5, 6], [4, 5]) == [3]
@@ -374,55 +395,39 @@ def test_rollback_state_equals_fresh_prefix(stdlib, prompts, reference):
         assert got[r] == reference[i][:len(got[r])]
 
 
-class _OneCache:
-    def __init__(self, layer, state):
-        self.layers = [None] * (layer + 1)
-        self.layers[layer] = state
+def test_restore_against_token_by_token_kda(stdlib, prompts):
+    """A traced 6-token call of two sequences (started from their prefilled states) keeps every token's KDA state:
+    `restore` with keep counts (n_a, n_b) gives each row the state of the same sequences stepped one token at a
+    time (plain decoding's T = 1 path) over its first n tokens, for equal and different counts, in place of the
+    call's committed states; n = T leaves them as the call made them; counts outside [1, T] are refused."""
+    from k3c.runtime.kda_rollback import restore
 
-
-def test_replay_prefix_against_token_by_token_kda(stdlib, prompts):
-    """replay_prefix(call, rows, n) of a traced 6-token call of two sequences (started from their prefilled
-    states) equals the KDA op stepped token by token (its T = 1 recurrent path) from the same state over the
-    first n tokens; n = T gives the state the call itself produced; the rows may come in any order."""
-    eng = engine(stdlib)
-    a, b = eng.open(), eng.open()
-    eng.extend([a, b], [prompts[1], prompts[2]])
-    sa, sb = eng.seqs[a], eng.seqs[b]
-    seg_a, seg_b = [11, 12, 13, 14, 15, 16], prompts[0][:6]
-    eng._run([(sa, seg_a), (sb, seg_b)], evict=True, trace=True)     # the engine's traced (verification) call
-    trace, row_a = eng._traces[a]
-    assert eng._traces[b][0] is trace and row_a == 0 and eng._traces[b][1] == 1
     T = 6
-    for layer in eng.kda_layers:
-        call = trace[layer]
-        assert call.data[0].shape[:2] == (2, T) and call.state is not None
-        for rows in ([0], [1], [1, 0]):
-            for n in (1, 2, 5, T):
-                got = replay_prefix(call, rows, n)
-                for j, r in enumerate(rows):
-                    st = type(call.state)(call.state.state[r:r + 1], tuple(t[r:r + 1] for t in call.state.conv))
-                    for t in range(n):
-                        tmp = _OneCache(layer, st)
-                        with torch.no_grad():
-                            call.fn(call.attrs, tmp, tuple(x[r:r + 1, t:t + 1] for x in call.data), call.params)
-                        st = tmp.layers[layer]
-                    mine = (got.state[j:j + 1], *(c[j:j + 1] for c in got.conv))
-                    for x, y in zip(mine, (st.state, *st.conv)):
-                        assert _rel_max(x, y) <= 1e-5, (layer, rows, n)
-        full = replay_prefix(call, [0, 1], T)
-        for j, s in enumerate((sa, sb)):
-            for x, y in zip((full.state[j:j + 1], *(c[j:j + 1] for c in full.conv)), _states(s.kda[layer])):
-                assert _rel_max(x, y) <= 1e-6
-        with pytest.raises(ValueError):
-            replay_prefix(call, [0], 0)
-        with pytest.raises(ValueError):
-            replay_prefix(call, [0], T + 1)
-    # and against the whole model: a fresh engine that consumed the prompt and 3 of the 6 tokens
-    _, f = fresh_prefix(stdlib, prompts[1] + seg_a[:3])
-    for layer in eng.kda_layers:
-        st = replay_prefix(trace[layer], [0], 3)
-        for x, y in zip((st.state, *st.conv), _states(f.kda[layer])):
-            assert _rel_max(x, y) <= 1e-5
+    seg_a, seg_b = [11, 12, 13, 14, 15, 16], prompts[0][:T]
+    for keeps in ((T, T), (3, 3), (1, 5), (6, 2)):
+        eng, step = engine(stdlib), engine(stdlib)
+        got_rows = []
+        for e in (eng, step):
+            a, b = e.open(), e.open()
+            e.extend([a, b], [prompts[1], prompts[2]])
+            got_rows.append((a, b))
+        (a, b), (sa_, sb_) = got_rows
+        sa, sb = eng.seqs[a], eng.seqs[b]
+        eng._run([(sa, seg_a), (sb, seg_b)], evict=True, trace={a, b})   # the engine's traced (verification) call
+        trace, row_a = eng._traces[a]
+        assert eng._traces[b][0] is trace and row_a == 0 and eng._traces[b][1] == 1
+        assert set(trace) == set(eng.kda_layers) and trace[eng.kda_layers[0]].states.shape[:2] == (T, 2)
+        for r, seg, n in ((sa_, seg_a, keeps[0]), (sb_, seg_b, keeps[1])):
+            for tok in seg[:n]:
+                step.extend([r], [[tok]])
+        restore(trace, {i: sa.kda[i][0] for i in eng.kda_layers}, list(keeps))
+        for seq, r in ((sa, sa_), (sb, sb_)):
+            for layer in eng.kda_layers:
+                for x, y in zip(_states(seq.kda[layer]), _states(step.seqs[r].kda[layer])):
+                    assert _rel_max(x, y) <= 1e-5, (keeps, layer)
+        for bad in ([0, T], [T + 1, 1], [1]):
+            with pytest.raises(ValueError):
+                restore(trace, {i: sa.kda[i][0] for i in eng.kda_layers}, bad)
 
 
 # ---- 4. the page pool ---------------------------------------------------------------------------------------------

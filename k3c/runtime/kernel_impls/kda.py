@@ -22,7 +22,7 @@ from ...frontend.spec import KDASpec
 from ... import reference as ref
 from ...reference.kda import KDAState
 from ...reference.norms import acc
-from ..kda_rollback import record
+from ..kda_rollback import copy_state, step_tokens, traced
 from ..devices import interpreted, target_for, torch_dtype, tt_dtype
 from ..launcher import launch
 from .basic import gemm
@@ -160,10 +160,11 @@ def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, 
                head_dim: int, gate: str, gate_lower_bound: float, l2norm_eps: float, norm_eps: float,
                inplace: bool = False, fuse_out: bool = True, decode_block_v: int | None = None,
                decode_warps: int | None = None, decode_split: bool | None = None, ir_op: str = "kda_attn",
-               loc: str = ""):
+               loc: str = "", out: KDAState | None = None):
     """One token per sequence: x* [B, H*D] (xb [B, H]), tails (q, k, v) [B, H*D, KW-1], state [B, H, D, D] fp32.
     Returns (y [B, H*D] = RMSNorm(o) x sigmoid(xg), new tails, new state); with inplace the tails and the state are
-    updated in place (and returned). Without fuse_out (xg, o_norm_w ignored), y is the fp32 o [B, H*D].
+    updated in place (and returned); with `out` (a KDAState of contiguous buffers) they are written there. Without
+    fuse_out (xg, o_norm_w ignored), y is the fp32 o [B, H*D].
     decode_block_v / decode_warps / decode_split override the target's plan (benchmarks, tests)."""
     H, D = num_heads, head_dim
     B = xq.shape[0]
@@ -183,6 +184,10 @@ def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, 
         # V-split programs all read the q / k tails: those are written out of place, then copied back
         new_tails = tuple(torch.empty_like(t) for t in tails) if split else tails
         new_state = state
+    elif out is not None:
+        if out.state.dtype != torch.float32 or not all(t.is_contiguous() for t in (out.state, *out.conv)):
+            raise CodegenError("kda_decode out= needs contiguous buffers (an fp32 state)")
+        new_tails, new_state = tuple(out.conv), out.state
     else:
         new_tails = tuple(torch.empty_like(t) for t in tails)
         new_state = torch.empty(B, H, D, D, dtype=torch.float32, device=xq.device)
@@ -223,12 +228,26 @@ def torch_kda_proj(a, cache, data, w):
 
 
 def torch_kda_attn(a, cache, data, w):
-    """Eager semantics of kda_attn (the reference's kda_layer between the projections and the output norm)."""
+    """Eager semantics of kda_attn (the reference's kda_layer between the projections and the output norm); a
+    traced call (speculative verification) steps token by token, keeping every token's state."""
+    b = data[0].shape[0]
+    st = _state(cache, a, b, data[0].dtype, data[0].device)
+    if traced(cache) and data[0].shape[1] > 1:
+        def one(d, s, out):
+            o, new = _torch_attn(a, d, w, s)
+            copy_state(out, new)
+            return o
+        o, st = step_tokens(cache, a["layer"], data, st, one)
+    else:
+        o, st = _torch_attn(a, data, w, st)
+    cache.layers[a["layer"]] = st
+    return o
+
+
+def _torch_attn(a, data, w, st: KDAState):
     xq, xk, xv, xf, xb = data
-    b, t = xq.shape[:2]
+    t = xq.shape[1]
     h, d = a["num_heads"], a["head_dim"]
-    st = _state(cache, a, b, xq.dtype, xq.device)
-    record(cache, torch_kda_attn, a, data, w, st)
     feats, tails = [], []
     for x, name, tail in zip((xq, xk, xv), "qkv", st.conv):
         y, nt = ref.short_conv(x, w[f"{name}_conv1d.weight"], tail)
@@ -241,8 +260,7 @@ def torch_kda_attn(a, cache, data, w):
         o, s = ref.kda_recurrent(q, k, v, g, beta, initial_state=st.state)
     else:
         o, s = ref.kda_chunked(q, k, v, g, beta, initial_state=st.state)
-    cache.layers[a["layer"]] = KDAState(s, tuple(tails))
-    return o
+    return o, KDAState(s, tuple(tails))
 
 
 def torch_kda_out(a, cache, data, w):
@@ -261,31 +279,39 @@ def launch_kda_proj(a, cache, data, w):
 
 def launch_kda_attn(a, cache, data, w):
     """T = 1: the fused decode kernel (prep + recurrent step + conv tail update; kda_out follows); T > 1: the prep
-    kernel, then the chunk kernel."""
-    xq, xk, xv, xf, xb = data
+    kernel, then the chunk kernel; a traced T > 1 call (speculative verification): the decode kernel token by
+    token, each token's state written to its own buffer (kda_rollback.step_tokens)."""
+    xq = data[0]
     b, t = xq.shape[:2]
     h, d = a["num_heads"], a["head_dim"]
     st = _state(cache, a, b, xq.dtype, xq.device)
-    record(cache, launch_kda_attn, a, data, w, st)
     conv_w = tuple(w[f"{p}_conv1d.weight"] for p in "qkv")
     common = dict(num_heads=h, head_dim=d, gate=a["gate"], gate_lower_bound=a["gate_lower_bound"],
                   l2norm_eps=a["l2norm_eps"])
-    flat = [x.reshape(b * t, -1) for x in (xq, xk, xv, xf, xb)]
+
+    def one(d1, s, out=None):
+        o, tails, new = kda_decode(*(x.reshape(b, -1) for x in d1), None, conv_w, _fp32(w["A_log"]),
+                                   _fp32(w["dt_bias"]), None, s.conv, s.state, norm_eps=DECODE_NORM_EPS,
+                                   fuse_out=False, out=out, **common)
+        return o.view(b, 1, h, d) if out is not None else (o.view(b, 1, h, d), KDAState(new, tails))
+
     if t == 1:
-        o, tails, s = kda_decode(*flat, None, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), None,
-                                 st.conv, st.state, norm_eps=DECODE_NORM_EPS, fuse_out=False, **common)
-        cache.layers[a["layer"]] = KDAState(s, tails)
-        return o.view(b, t, h, d)
-    cu = _equal_cu(t, b, xq.device)
-    dot = run_dot(tt_dtype(xq.dtype), a["dot"])
-    # bf16 matmul operands: the prep writes q / k / v in bf16 (half the bytes; the products round them anyway)
-    packed, tails = kda_prep(*flat, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), st.conv, cu,
-                             max_len=t, qkv_dtype=torch.bfloat16 if dot == "bf16" else torch.float32, **common)
-    q, k, v, g, beta = unpack(packed, h, d)
-    o, s = kda_chunk(q, k, v, g, beta, cu, st.state, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot,
-                     max_len=t)
-    cache.layers[a["layer"]] = KDAState(s, tails)
-    return o.view(b, t, h, d)
+        o, st = one(data, st)
+    elif traced(cache):
+        o, st = step_tokens(cache, a["layer"], data, st, one)
+    else:
+        flat = [x.reshape(b * t, -1) for x in data]
+        cu = _equal_cu(t, b, xq.device)
+        dot = run_dot(tt_dtype(xq.dtype), a["dot"])
+        # bf16 matmul operands: the prep writes q / k / v in bf16 (half the bytes; the products round them anyway)
+        packed, tails = kda_prep(*flat, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), st.conv, cu,
+                                 max_len=t, qkv_dtype=torch.bfloat16 if dot == "bf16" else torch.float32, **common)
+        q, k, v, g, beta = unpack(packed, h, d)
+        o, s = kda_chunk(q, k, v, g, beta, cu, st.state, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot,
+                         max_len=t)
+        o, st = o.view(b, t, h, d), KDAState(s, tails)
+    cache.layers[a["layer"]] = st
+    return o
 
 
 def launch_kda_out(a, cache, data, w):
