@@ -10,7 +10,7 @@ weights). Two workloads of prompts cut from k3c's own source files (Python the m
          "# FILE, unchanged:" + the first half of the output.s lines: a continuation that copies the output.
 Per batch size (--batches) and configuration (plain; ngram = prompt lookup; draft = examples/k3-stdlib-draft when
 present; --draft-len tokens at most, the adaptive controller on): one untimed pass (JIT, CUDA graph captures), then
-the timed pass of the same requests. Decode tokens/s = tokens after each request's first / the time after every
+the timed pass of the same requests; batch 1 times --b1-requests prompts, each alone, one after the other. Decode tokens/s = tokens after each request's first / the time after every
 request has its first token (warm-up and compile excluded). Also: drafts accepted / drafted, tokens per
 verification, and greedy identity with the plain pass (requests whose tokens are equal).
 
@@ -88,6 +88,23 @@ def timed_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
             "accept_hist": {int(k): v for k, v in sorted(hist.items())}}
 
 
+def timed_requests(eng, ps: list[list[int]], new_tokens: int, sync, together: bool) -> dict:
+    """timed_pass of the prompts as one batch (together), or of each prompt alone, one after the other (batch 1
+    over several prompts: one prompt's acceptance is not a workload's); alone, the figures are the sums."""
+    if together:
+        return timed_pass(eng, ps, new_tokens, sync)
+    runs = [timed_pass(eng, [p], new_tokens, sync) for p in ps]
+    out = {k: sum(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+    out["tokens"] = [r["tokens"][0] for r in runs]
+    out["decode_tokens_per_s"] = sum(len(t) - 1 for t in out["tokens"]) / out["decode_s"]
+    out["accept_hist"] = {}
+    for r in runs:
+        for k, v in r["accept_hist"].items():
+            out["accept_hist"][k] = out["accept_hist"].get(k, 0) + v
+    out["per_request_tokens_per_s"] = [round(r["decode_tokens_per_s"], 1) for r in runs]
+    return out
+
+
 def summary(r: dict, plain: dict | None) -> dict:
     out = {k: v for k, v in r.items() if k != "tokens"}
     if r["drafted"]:
@@ -155,7 +172,7 @@ def part_trained(args, dev, dtype, sync) -> dict:
     rows = []
     for workload in args.workloads:
         for b in args.batches:
-            ps = prompts(model.tokenizer, workload, b, args.prompt_tokens)
+            ps = prompts(model.tokenizer, workload, b if b > 1 else args.b1_requests, args.prompt_tokens)
             ctx = max(len(p) for p in ps) + args.new_tokens + args.draft_len + 2
             configs = {"plain": None, "ngram": lambda: Speculation(NgramDrafter(), args.draft_len)}
             if draft is not None:
@@ -166,8 +183,8 @@ def part_trained(args, dev, dtype, sync) -> dict:
             for name, make in configs.items():
                 eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, use_kernels=kernels,
                              speculation=make() if make else None, max_graphs=8)
-                timed_pass(eng, ps, args.new_tokens, sync)                       # warm-up: JIT, captures
-                r = timed_pass(eng, ps, args.new_tokens, sync)
+                timed_pass(eng, ps[:b], args.new_tokens, sync)                   # warm-up: JIT, captures
+                r = timed_requests(eng, ps, args.new_tokens, sync, together=b > 1)
                 if plain is None:
                     plain = r
                 row = {"model": "k3-stdlib", "workload": workload, "batch": b, "config": name,
@@ -250,6 +267,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--workloads", default="copy,code")
+    ap.add_argument("--b1-requests", type=int, default=8, help="prompts batch 1 runs, one after the other")
     ap.add_argument("--prompt-tokens", type=int, default=384)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=4)
@@ -265,6 +283,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.small:
         args.batches, args.prompt_tokens, args.new_tokens, args.wide_context = "1,2", 48, 16, 64
+        args.b1_requests = 2
     args.batches = [int(b) for b in args.batches.split(",")]
     args.workloads = args.workloads.split(",")
     dev = torch.device(args.device)

@@ -382,11 +382,11 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Admit, run one segment of every running sequence, sample; finished requests leave. With speculation,
         decoding sequences run their last token and a draft in one call and may emit several tokens."""
+        t0 = time.perf_counter()               # the controller times whole steps: drafting to the last output
         self._admit()
         plan = [(s, self._segment(s)) for s in self.running if s.pending > 0]
         drafts = self._draft(plan) if self.speculation is not None else {}
         decoding = sum(1 for s, g in plan if len(g) == 1 and s.generated)
-        t0 = time.perf_counter()
         if drafts:
             spec_plan = [(s, drafts[s.rid][1] if s.rid in drafts else g) for s, g in plan]
             if self.admission == "optimistic":

@@ -230,19 +230,24 @@ def accept_sampled(logits: torch.Tensor, drafts: list[int], params: SamplingPara
 @dataclass
 class Speculation:
     """What the engine drafts with and how much: `drafter` (NgramDrafter or DraftModelDrafter), at most
-    `draft_len` tokens a step. With `adaptive`, drafting pays for itself or stops: the engine measures the seconds
-    of its plain decode calls and of its verification calls per batch size, and the tokens a verification emits
-    per sequence; when a verification's tokens per second fall below plain decoding's, it decodes plainly and
-    probes again every `probe_every` steps (a probe is one verification step). A new batch size verifies until its
-    verification rate is known, then decodes plainly until the plain rate is; steps that captured a CUDA graph and
-    the first step of each kind are not rates."""
+    `draft_len` tokens a step. With `adaptive`, drafting pays for itself or stops: the engine times its whole decode
+    steps (drafting, the call, acceptance, rollback) per batch size, plain and verifying, and counts the tokens a
+    verification emits per sequence; while a verification's tokens per second are not `margin` above plain
+    decoding's, it decodes plainly and probes (one verification) after `probe_every` steps, twice as long after
+    each probe that did not pay (up to 32x), and only at that longest interval when a verification costs more than
+    draft_len + 1 plain steps (no acceptance could pay for it). A new batch size verifies until its verification
+    rate is known, then decodes plainly until the plain rate is; steps that captured a CUDA graph and the first step
+    of each kind are not rates."""
 
     drafter: object
     draft_len: int = 4
     adaptive: bool = True
     probe_every: int = 32
     buckets: tuple[int, ...] = ()          # draft lengths calls are padded to (one CUDA graph each); () = draft_len
+    margin: float = 0.05
     stats: dict = field(default_factory=dict)
+
+    MAX_BACKOFF = 32
 
     def __post_init__(self):
         if isinstance(self.draft_len, bool) or not isinstance(self.draft_len, int) or not 1 <= self.draft_len <= 64:
@@ -253,11 +258,16 @@ class Speculation:
         self._verify: dict[int, float] = {}    # batch -> EMA seconds of a verification step
         self._gain: dict[int, float] = {}      # batch -> EMA tokens per sequence of a verification step
         self._since: dict[int, int] = {}       # batch -> plain steps since the last probe
+        self._backoff: dict[int, int] = {}     # batch -> the probe interval's multiple of probe_every
         self._seen: dict[tuple, int] = {}      # (batch, plain?) -> steps observed
 
     def bucket(self, d: int) -> int:
         """The padded draft length of a call whose longest draft is d (> 0)."""
         return next(b for b in self.buckets if b >= d)
+
+    def pays(self, batch: int) -> bool:
+        """Whether verifying beats plain decoding at this batch size by the margin (both rates known)."""
+        return self._gain[batch] / self._verify[batch] > (1.0 + self.margin) / self._plain[batch]
 
     def wanted(self, batch: int) -> bool:
         """Whether this step of `batch` decoding sequences should draft."""
@@ -265,12 +275,15 @@ class Speculation:
             return True                        # verifications first (their graphs are captured meanwhile)
         if batch not in self._plain:
             return False                       # then plain steps, until both rates are known
-        pays = self._gain[batch] / self._verify[batch] > 1.0 / self._plain[batch]
-        if pays:
+        if self.pays(batch):
+            self._backoff[batch] = 1
             return True
+        if self._verify[batch] > (self.draft_len + 1) * self._plain[batch]:
+            self._backoff[batch] = self.MAX_BACKOFF          # not even every draft kept would pay
         self._since[batch] = self._since.get(batch, 0) + 1
-        if self._since[batch] >= self.probe_every:
+        if self._since[batch] >= self.probe_every * self._backoff.get(batch, 1):
             self._since[batch] = 0
+            self._backoff[batch] = min(2 * self._backoff.get(batch, 1), self.MAX_BACKOFF)
             return True
         return False
 

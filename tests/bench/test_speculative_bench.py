@@ -29,7 +29,8 @@ def test_trained_rows_identical_to_plain_decoding(result):
         if r["config"] == "plain":
             assert r["drafted"] == 0 and r["verify_calls"] == 0
             continue
-        assert r["identical"] == r["requests"]                 # greedy, fp32: token for token
+        assert r["identical"] == r["requests"] == (2 if r["batch"] == 1 else r["batch"])   # greedy, fp32: token for token
+        assert len(r.get("per_request_tokens_per_s", [0, 0])) == 2   # batch 1: each prompt alone
         assert sum(r["accept_hist"].values()) == r["verifications"]
         assert sum(int(k) * n for k, n in r["accept_hist"].items()) == r["accepted"] <= r["drafted"]
         if r["verifications"]:

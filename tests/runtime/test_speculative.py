@@ -261,6 +261,37 @@ def test_ngram_drafter_and_accept_greedy_units():
             Speculation(NgramDrafter(), draft_len=bad)
 
 
+def test_controller_turns_speculation_off_and_probes_less_and_less():
+    """The adaptive controller (synthetic step times): verifies first, then decodes plainly until both rates are
+    known (the first step of each kind left out); keeps verifying while it pays by the margin; otherwise probes
+    after 32, 64, 128, ... plain steps (capped at 32 x 32), at once at the cap when a verification costs more than
+    draft_len + 1 plain steps; a paying probe resets the interval."""
+    def drive(sp, steps, verify_s, tokens, plain_s=1.0, batch=8):
+        drafted = []
+        for i in range(steps):
+            w = sp.wanted(batch)
+            drafted.append(w)
+            sp.observe(batch, verify_s if w else plain_s, tokens if w else None)
+        return drafted
+
+    sp = Speculation(NgramDrafter(), draft_len=4)
+    d = drive(sp, 6, verify_s=2.0, tokens=3.0)                   # pays: 1.5 tokens per plain-step time
+    assert d[:2] == [True, True] and d[2:4] == [False, False] and all(d[4:])
+    for _ in range(30):                                          # acceptance falls: 1.025x < 1 + margin
+        sp.observe(8, 2.0, 2.05)
+    assert not sp.pays(8)
+    d = drive(sp, 32 + 64 + 128 + 3, verify_s=2.0, tokens=2.05)
+    probes = [i for i, x in enumerate(d) if x]
+    assert probes == [31, 31 + 64, 31 + 64 + 128], probes
+    for _ in range(30):                                          # it pays again: every step drafts
+        sp.observe(8, 2.0, 5.0)
+    assert all(drive(sp, 10, verify_s=2.0, tokens=5.0))
+    costly = Speculation(NgramDrafter(), draft_len=4)
+    d = drive(costly, 2000, verify_s=6.0, tokens=4.0)            # 6 plain steps' time for at most 5 tokens
+    assert sum(d[4:]) == 1 and d.index(True, 4) == 4 + 32 * 32 - 1
+    assert all(drive(Speculation(NgramDrafter(), draft_len=4, adaptive=False), 50, verify_s=9.0, tokens=1.0))
+
+
 # ---- 2. draft models ----------------------------------------------------------------------------------------------
 def tiny_spec(vocab: int, layers: int = 2):
     """examples/k3-tiny.yaml cut to `layers` layers (one KDA then one MLA for 2) with the given vocabulary."""
