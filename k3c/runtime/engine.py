@@ -258,7 +258,7 @@ class Engine:
         self._sampling.pop(rid, None)
         self._stop.pop(rid, None)
         if self.speculation is not None:
-            self.speculation.drafter.forget(rid)
+            self.speculation.forget(rid)
         if self.prefix is not None:
             if seq.length > 0 and self.prefix.on_finish:
                 self.prefix.insert(seq, final=True)
@@ -423,10 +423,10 @@ class Engine:
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)
-        if self.speculation is not None and decoding and decoding == len(plan) and not self._captured:
-            emitted = Counter(o.rid for o in outs)
-            self.speculation.observe(decoding, time.perf_counter() - t0,
-                              sum(emitted.values()) / len(emitted) if drafts else None)
+        if self.speculation is not None and decoding and decoding == len(plan):
+            emitted = Counter(o.rid for o in outs if o.rid in drafts and o.rid in self.seqs) if drafts else None
+            self.speculation.observe([s.rid for s, _ in plan], time.perf_counter() - t0, emitted,
+                                     timed=not self._captured)
         self._captured = False
         self.stats["steps"] += 1
         return outs
@@ -439,7 +439,7 @@ class Engine:
 
         spec = self.speculation
         rows = [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
-        if not rows or not spec.wanted(len(rows)):
+        if not rows or not spec.wanted([s.rid for s in rows]):
             return {}
         ks = []
         for s in rows:

@@ -230,14 +230,18 @@ def accept_sampled(logits: torch.Tensor, drafts: list[int], params: SamplingPara
 @dataclass
 class Speculation:
     """What the engine drafts with and how much: `drafter` (NgramDrafter or DraftModelDrafter), at most
-    `draft_len` tokens a step. With `adaptive`, drafting pays for itself or stops: the engine times its whole decode
-    steps (drafting, the call, acceptance, rollback) per batch size, plain and verifying, and counts the tokens a
-    verification emits per sequence; while a verification's tokens per second are not `margin` above plain
-    decoding's, it decodes plainly and probes (one verification) after `probe_every` steps, twice as long after
-    each probe that did not pay (up to 32x), and only at that longest interval when a verification costs more than
+    `draft_len` tokens a step.
+
+    With `adaptive`, drafting pays for itself or stops. The cost side is per batch size: the engine times its whole
+    decode steps (drafting, the call, acceptance, rollback), plain and verifying, and the controller keeps the
+    median of the last few of each. The gain side is per request: the tokens its verifications emitted (an EMA;
+    a request not yet verified counts as draft_len + 1, so every request is tried). A step drafts when the batch's
+    mean gain per verification second beats plain tokens per second by `margin`; otherwise it decodes plainly and
+    probes (one verification, which refreshes every row's gain) after `probe_every` steps, twice as long after each
+    probe that did not pay (up to 32x), and only at that longest interval when a verification costs more than
     draft_len + 1 plain steps (no acceptance could pay for it). A new batch size verifies until its verification
-    rate is known, then decodes plainly until the plain rate is; steps that captured a CUDA graph and the first step
-    of each kind are not rates."""
+    cost is known, then decodes plainly until the plain cost is; steps that captured a CUDA graph and the first
+    step of each kind are not costs."""
 
     drafter: object
     draft_len: int = 4
@@ -248,66 +252,83 @@ class Speculation:
     stats: dict = field(default_factory=dict)
 
     MAX_BACKOFF = 32
+    SAMPLES = 2                            # step times per (batch, kind) before that cost is known
+    WINDOW = 9                             # the median is over the last WINDOW step times
 
     def __post_init__(self):
         if isinstance(self.draft_len, bool) or not isinstance(self.draft_len, int) or not 1 <= self.draft_len <= 64:
             raise ArgumentError(f"draft_len must be an integer in [1, 64], got {self.draft_len!r}")
         if not self.buckets:       # one verification shape per batch size: its graph is captured once and hit
             self.buckets = (self.draft_len,)
-        self._plain: dict[int, float] = {}     # batch -> EMA seconds of a plain decode step
-        self._verify: dict[int, float] = {}    # batch -> EMA seconds of a verification step
-        self._gain: dict[int, float] = {}      # batch -> EMA tokens per sequence of a verification step
-        self._since: dict[int, int] = {}       # batch -> plain steps since the last probe
-        self._backoff: dict[int, int] = {}     # batch -> the probe interval's multiple of probe_every
-        self._seen: dict[tuple, int] = {}      # (batch, plain?) -> steps observed
+        self._times: dict[tuple, list[float]] = {}   # (batch, plain?) -> the last step times
+        self._seen: dict[tuple, int] = {}            # (batch, plain?) -> steps observed
+        self._gain: dict[int, float] = {}            # request -> EMA tokens per verification
+        self._since: dict[int, int] = {}             # batch -> plain steps since the last probe
+        self._backoff: dict[int, int] = {}           # batch -> the probe interval's multiple of probe_every
 
     def bucket(self, d: int) -> int:
         """The padded draft length of a call whose longest draft is d (> 0)."""
         return next(b for b in self.buckets if b >= d)
 
-    def pays(self, batch: int) -> bool:
-        """Whether verifying beats plain decoding at this batch size by the margin (both rates known)."""
-        return self._gain[batch] / self._verify[batch] > (1.0 + self.margin) / self._plain[batch]
+    def cost(self, batch: int, plain: bool) -> float | None:
+        """The median seconds of a (plain or verifying) step of `batch` sequences; None until known."""
+        t = self._times.get((batch, plain), [])
+        return sorted(t)[len(t) // 2] if len(t) >= self.SAMPLES else None
 
-    def wanted(self, batch: int) -> bool:
-        """Whether this step of `batch` decoding sequences should draft."""
-        if not self.adaptive or batch not in self._verify:
+    def gain(self, rids: list[int]) -> float:
+        """The mean tokens a verification is expected to emit per sequence of these requests."""
+        return sum(self._gain.get(r, self.draft_len + 1.0) for r in rids) / len(rids)
+
+    def pays(self, rids: list[int]) -> bool:
+        """Whether verifying beats plain decoding for these requests by the margin (both costs known)."""
+        b = len(rids)
+        return self.gain(rids) / self.cost(b, False) > (1.0 + self.margin) / self.cost(b, True)
+
+    def wanted(self, rids: list[int]) -> bool:
+        """Whether this step of the decoding requests `rids` should draft."""
+        b = len(rids)
+        if not self.adaptive or self.cost(b, False) is None:
             return True                        # verifications first (their graphs are captured meanwhile)
-        if batch not in self._plain:
-            return False                       # then plain steps, until both rates are known
-        if self.pays(batch):
-            self._backoff[batch] = 1
+        if self.cost(b, True) is None:
+            return False                       # then plain steps, until both costs are known
+        if self.pays(rids):
+            self._backoff[b] = 1
             return True
-        if self._verify[batch] > (self.draft_len + 1) * self._plain[batch]:
-            self._backoff[batch] = self.MAX_BACKOFF          # not even every draft kept would pay
-        self._since[batch] = self._since.get(batch, 0) + 1
-        if self._since[batch] >= self.probe_every * self._backoff.get(batch, 1):
-            self._since[batch] = 0
-            self._backoff[batch] = min(2 * self._backoff.get(batch, 1), self.MAX_BACKOFF)
+        if self.cost(b, False) > (self.draft_len + 1) * self.cost(b, True):
+            self._backoff[b] = self.MAX_BACKOFF              # not even every draft kept would pay
+        self._since[b] = self._since.get(b, 0) + 1
+        if self._since[b] >= self.probe_every * self._backoff.get(b, 1):
+            self._since[b] = 0
+            self._backoff[b] = min(2 * self._backoff.get(b, 1), self.MAX_BACKOFF)
             return True
         return False
 
-    def observe(self, batch: int, seconds: float, tokens_per_seq: float | None) -> None:
-        """A decode step's wall time (tokens_per_seq None: a plain step). The first of each kind per batch size is
-        left out: it runs eagerly (a shape's graph is made on its second call in a row)."""
-        kind = (batch, tokens_per_seq is None)
+    def observe(self, rids: list[int], seconds: float, emitted: dict[int, int] | None, timed: bool = True) -> None:
+        """A decode step of `rids` took `seconds`; emitted: tokens per verified request (None: a plain step).
+        timed=False (a step that captured a CUDA graph) and the first step of each kind per batch size (it runs
+        eagerly: a shape's graph is made on its second call) add no time."""
+        for r, n in (emitted or {}).items():
+            old = self._gain.get(r)
+            self._gain[r] = n if old is None else 0.7 * old + 0.3 * n
+        kind = (len(rids), emitted is None)
         self._seen[kind] = self._seen.get(kind, 0) + 1
-        if self._seen[kind] == 1:
-            return
-        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new   # noqa: E731
-        if tokens_per_seq is None:
-            self._plain[batch] = ema(self._plain.get(batch), seconds)
-        else:
-            self._verify[batch] = ema(self._verify.get(batch), seconds)
-            self._gain[batch] = ema(self._gain.get(batch), tokens_per_seq)
+        if timed and self._seen[kind] > 1:
+            t = self._times.setdefault(kind, [])
+            t.append(seconds)
+            del t[:-self.WINDOW]
+
+    def forget(self, rid: int) -> None:
+        self._gain.pop(rid, None)
+        self.drafter.forget(rid)
 
     def rates(self) -> dict[int, dict]:
-        """Per batch size: plain and verification step seconds, tokens per verification, whether it pays."""
+        """Per batch size: plain and verification step seconds (medians), and the verification step's speedup
+        over plain decoding at a given tokens per verification."""
         out = {}
-        for b in sorted(set(self._plain) | set(self._verify)):
-            row = {"plain_s": self._plain.get(b), "verify_s": self._verify.get(b), "tokens": self._gain.get(b)}
+        for b in sorted({k[0] for k in self._times}):
+            row = {"plain_s": self.cost(b, True), "verify_s": self.cost(b, False)}
             if row["plain_s"] and row["verify_s"]:
-                row["speedup"] = row["tokens"] / row["verify_s"] * row["plain_s"]
+                row["breakeven_tokens"] = row["verify_s"] / row["plain_s"]
             out[b] = row
         return out
 

@@ -277,6 +277,12 @@ def launch_kda_proj(a, cache, data, w):
     return gemm(data[0], w["weight"], ir_op="kda_proj")     # the generated GEMM
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy when its address is not 16-byte aligned (a token's slice of [B, T, H] beta is 8 bytes in): the
+    compiled kernels assume aligned pointers."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def launch_kda_attn(a, cache, data, w):
     """T = 1: the fused decode kernel (prep + recurrent step + conv tail update; kda_out follows); T > 1: the prep
     kernel, then the chunk kernel; a traced T > 1 call (speculative verification): the decode kernel token by
@@ -290,7 +296,7 @@ def launch_kda_attn(a, cache, data, w):
                   l2norm_eps=a["l2norm_eps"])
 
     def one(d1, s, out=None):
-        o, tails, new = kda_decode(*(x.reshape(b, -1) for x in d1), None, conv_w, _fp32(w["A_log"]),
+        o, tails, new = kda_decode(*(_aligned(x.reshape(b, -1)) for x in d1), None, conv_w, _fp32(w["A_log"]),
                                    _fp32(w["dt_bias"]), None, s.conv, s.state, norm_eps=DECODE_NORM_EPS,
                                    fuse_out=False, out=out, **common)
         return o.view(b, 1, h, d) if out is not None else (o.view(b, 1, h, d), KDAState(new, tails))
