@@ -234,8 +234,8 @@ class Speculation:
 
     With `adaptive`, drafting pays for itself or stops. The cost side is per batch size: the engine times its whole
     decode steps (drafting, the call, acceptance, rollback), plain and verifying, and the controller keeps the
-    median of the last few of each. The gain side is per request: the tokens its verifications emitted (an EMA;
-    a request not yet verified counts as draft_len + 1, so every request is tried). A step drafts when the batch's
+    median of the last few of each. The gain side is per request: the tokens its verifications emitted (an EMA; a
+    request not yet verified counts as the mean of every request's so far, draft_len + 1 before the first). A step drafts when the batch's
     mean gain per verification second beats plain tokens per second by `margin`; otherwise it decodes plainly and
     probes (one verification, which refreshes every row's gain) after `probe_every` steps, twice as long after each
     probe that did not pay (up to 32x), and only at that longest interval when a verification costs more than
@@ -252,7 +252,7 @@ class Speculation:
     stats: dict = field(default_factory=dict)
 
     MAX_BACKOFF = 32
-    SAMPLES = 2                            # step times per (batch, kind) before that cost is known
+    SAMPLES = 3                            # step times per (batch, kind) before that cost is known
     WINDOW = 9                             # the median is over the last WINDOW step times
 
     def __post_init__(self):
@@ -263,6 +263,7 @@ class Speculation:
         self._times: dict[tuple, list[float]] = {}   # (batch, plain?) -> the last step times
         self._seen: dict[tuple, int] = {}            # (batch, plain?) -> steps observed
         self._gain: dict[int, float] = {}            # request -> EMA tokens per verification
+        self._all_gain: float | None = None          # EMA over every request's verifications
         self._since: dict[int, int] = {}             # batch -> plain steps since the last probe
         self._backoff: dict[int, int] = {}           # batch -> the probe interval's multiple of probe_every
 
@@ -273,11 +274,13 @@ class Speculation:
     def cost(self, batch: int, plain: bool) -> float | None:
         """The median seconds of a (plain or verifying) step of `batch` sequences; None until known."""
         t = self._times.get((batch, plain), [])
-        return sorted(t)[len(t) // 2] if len(t) >= self.SAMPLES else None
+        return sorted(t)[(len(t) - 1) // 2] if len(t) >= self.SAMPLES else None
 
     def gain(self, rids: list[int]) -> float:
-        """The mean tokens a verification is expected to emit per sequence of these requests."""
-        return sum(self._gain.get(r, self.draft_len + 1.0) for r in rids) / len(rids)
+        """The mean tokens a verification is expected to emit per sequence of these requests (a request not yet
+        verified: every request's mean so far, draft_len + 1 before any)."""
+        prior = self._all_gain if self._all_gain is not None else self.draft_len + 1.0
+        return sum(self._gain.get(r, prior) for r in rids) / len(rids)
 
     def pays(self, rids: list[int]) -> bool:
         """Whether verifying beats plain decoding for these requests by the margin (both costs known)."""
@@ -310,6 +313,7 @@ class Speculation:
         for r, n in (emitted or {}).items():
             old = self._gain.get(r)
             self._gain[r] = n if old is None else 0.7 * old + 0.3 * n
+            self._all_gain = n if self._all_gain is None else 0.95 * self._all_gain + 0.05 * n
         kind = (len(rids), emitted is None)
         self._seen[kind] = self._seen.get(kind, 0) + 1
         if timed and self._seen[kind] > 1:

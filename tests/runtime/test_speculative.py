@@ -266,7 +266,7 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     known (the first step of each kind and capture steps left out; the median of recent steps, so one slow step
     does not decide); keeps verifying while the requests' gains pay by the margin; otherwise probes after 32, 64,
     128, ... plain steps (capped at 32 x 32), at once at the cap when a verification costs more than draft_len + 1
-    plain steps; a paying probe resets the interval. Gains are per request: a new request is tried."""
+    plain steps; a paying probe resets the interval. Gains are per request (an unknown one counts as the mean)."""
     def drive(sp, steps, verify_s, tokens, plain_s=1.0, rids=tuple(range(8))):
         drafted = []
         for i in range(steps):
@@ -278,13 +278,14 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     sp = Speculation(NgramDrafter(), draft_len=4)
     sp.observe(list(range(8)), 50.0, {r: 5 for r in range(8)}, timed=False)   # a capture step: no time
     d = drive(sp, 8, verify_s=2.0, tokens=3.0)                   # pays: 1.5 tokens per plain-step time
-    assert d[:2] == [True, True] and d[2:5] == [False] * 3 and all(d[5:]), d
+    assert d[:3] == [True] * 3 and d[3:7] == [False] * 4 and all(d[7:]), d
     sp.observe(list(range(8)), 40.0, {r: 3 for r in range(8)})   # one slow step: the median holds
     assert sp.wanted(list(range(8)))
     d = drive(sp, 32 + 64 + 128 + 3, verify_s=2.0, tokens=2.05)   # acceptance falls: 1.025x < 1 + margin
     probes = [i for i, x in enumerate(d) if x]
     assert [b - a for a, b in zip(probes[-3:], probes[-2:])] == [32, 64], probes     # then 128 ...
-    assert drive(sp, 1, verify_s=2.0, tokens=2.05, rids=range(1, 9)) == [True]   # request 8 is new: tried
+    sp._gain.pop(7)                               # request 7 unknown: the mean of all (~2.05): not tried
+    assert drive(sp, 1, verify_s=2.0, tokens=2.05) == [False]
     for _ in range(30):                                          # it pays again: every step drafts
         sp.observe(list(range(8)), 2.0, {r: 5 for r in range(8)})
     assert all(drive(sp, 10, verify_s=2.0, tokens=5.0))
@@ -292,7 +293,7 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     assert 3 not in sp._gain
     costly = Speculation(NgramDrafter(), draft_len=4)
     d = drive(costly, 2000, verify_s=6.0, tokens=4.0)            # 6 plain steps' time for at most 5 tokens
-    assert d[:6] == [True] * 3 + [False] * 3 and sum(d[6:]) == 1 and d.index(True, 6) == 6 + 32 * 32 - 1
+    assert d[:8] == [True] * 4 + [False] * 4 and sum(d[8:]) == 1 and d.index(True, 8) == 8 + 32 * 32 - 1
     assert all(drive(Speculation(NgramDrafter(), draft_len=4, adaptive=False), 50, verify_s=9.0, tokens=1.0))
 
 
