@@ -134,6 +134,8 @@ class Engine:
             prefix_cache.attach(self)
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
         self._traces: dict = {}                     # rid -> (KDA trace of its last verification call, row)
+        self._tried = False                         # this step asked the drafter (a step that found nothing is
+                                                    # neither a plain nor a verification cost)
         self.accept_counts: Counter = Counter()     # drafts kept in one sequence-verification -> how often
         self._captured = False                      # a CUDA graph was captured this step (its time is not a rate)
         # decode steps through captured CUDA graphs (runtime/cuda_graph.py), one DecodeGraph per batch size. None:
@@ -423,7 +425,7 @@ class Engine:
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)
-        if self.speculation is not None and decoding and decoding == len(plan):
+        if self.speculation is not None and decoding and decoding == len(plan) and (drafts or not self._tried):
             emitted = Counter(o.rid for o in outs if o.rid in drafts and o.rid in self.seqs) if drafts else None
             self.speculation.observe([s.rid for s, _ in plan], time.perf_counter() - t0, emitted,
                                      timed=not self._captured)
@@ -439,7 +441,8 @@ class Engine:
 
         spec = self.speculation
         rows = [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
-        if not rows or not spec.wanted([s.rid for s in rows]):
+        self._tried = bool(rows) and spec.wanted([s.rid for s in rows])
+        if not self._tried:
             return {}
         ks = []
         for s in rows:

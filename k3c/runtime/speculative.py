@@ -239,9 +239,10 @@ class Speculation:
     mean gain per verification second beats plain tokens per second by `margin`; otherwise it decodes plainly and
     probes (one verification, which refreshes every row's gain) after `probe_every` steps, twice as long after each
     probe that did not pay (up to 32x), and only at that longest interval when a verification costs more than
-    draft_len + 1 plain steps (no acceptance could pay for it). A new batch size verifies until its verification
-    cost is known, then decodes plainly until the plain cost is; steps that captured a CUDA graph and the first
-    step of each kind are not costs."""
+    draft_len + 1 plain steps (no acceptance could pay for it). The first batch size verifies until its
+    verification cost is known, then decodes plainly until the plain cost is; steps that captured a CUDA graph and
+    the first step of each kind are not costs. A batch size without both costs uses the ratio of the nearest one that has
+    them; steps that tried to draft and found nothing are neither kind."""
 
     drafter: object
     draft_len: int = 4
@@ -282,22 +283,31 @@ class Speculation:
         prior = self._all_gain if self._all_gain is not None else self.draft_len + 1.0
         return sum(self._gain.get(r, prior) for r in rids) / len(rids)
 
+    def ratio(self, batch: int) -> float | None:
+        """A verification step's cost in plain steps at this batch size: measured there, else at the nearest batch
+        size where both are (the ratio changes slowly with the batch; a batch that shrinks as requests finish at
+        different speeds would otherwise relearn every size); None when no batch size has both."""
+        known = [b for b in {k[0] for k in self._times} if self.cost(b, False) and self.cost(b, True)]
+        if not known:
+            return None
+        b = batch if batch in known else min(known, key=lambda k: (abs(k - batch), k))
+        return self.cost(b, False) / self.cost(b, True)
+
     def pays(self, rids: list[int]) -> bool:
-        """Whether verifying beats plain decoding for these requests by the margin (both costs known)."""
-        b = len(rids)
-        return self.gain(rids) / self.cost(b, False) > (1.0 + self.margin) / self.cost(b, True)
+        """Whether verifying beats plain decoding for these requests by the margin (the ratio known)."""
+        return self.gain(rids) > (1.0 + self.margin) * self.ratio(len(rids))
 
     def wanted(self, rids: list[int]) -> bool:
         """Whether this step of the decoding requests `rids` should draft."""
         b = len(rids)
-        if not self.adaptive or self.cost(b, False) is None:
-            return True                        # verifications first (their graphs are captured meanwhile)
-        if self.cost(b, True) is None:
-            return False                       # then plain steps, until both costs are known
+        if not self.adaptive:
+            return True
+        if self.ratio(b) is None:              # nothing known: learn at this batch size, verifications first
+            return self.cost(b, False) is None
         if self.pays(rids):
             self._backoff[b] = 1
             return True
-        if self.cost(b, False) > (self.draft_len + 1) * self.cost(b, True):
+        if self.ratio(b) > self.draft_len + 1:
             self._backoff[b] = self.MAX_BACKOFF              # not even every draft kept would pay
         self._since[b] = self._since.get(b, 0) + 1
         if self._since[b] >= self.probe_every * self._backoff.get(b, 1):
@@ -307,9 +317,9 @@ class Speculation:
         return False
 
     def observe(self, rids: list[int], seconds: float, emitted: dict[int, int] | None, timed: bool = True) -> None:
-        """A decode step of `rids` took `seconds`; emitted: tokens per verified request (None: a plain step).
-        timed=False (a step that captured a CUDA graph) and the first step of each kind per batch size (it runs
-        eagerly: a shape's graph is made on its second call) add no time."""
+        """A decode step of `rids` took `seconds`; emitted: tokens per verified request (None: a plain step, one
+        that did not try to draft). timed=False (a step that captured a CUDA graph) and the first step of each kind
+        per batch size (it runs eagerly: a shape's graph is made on its second call) add no time."""
         for r, n in (emitted or {}).items():
             old = self._gain.get(r)
             self._gain[r] = n if old is None else 0.7 * old + 0.3 * n

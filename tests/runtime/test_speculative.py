@@ -266,7 +266,8 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     known (the first step of each kind and capture steps left out; the median of recent steps, so one slow step
     does not decide); keeps verifying while the requests' gains pay by the margin; otherwise probes after 32, 64,
     128, ... plain steps (capped at 32 x 32), at once at the cap when a verification costs more than draft_len + 1
-    plain steps; a paying probe resets the interval. Gains are per request (an unknown one counts as the mean)."""
+    plain steps; a paying probe resets the interval; another batch size uses the nearest one's cost ratio. Gains are
+    per request (an unknown one counts as the mean)."""
     def drive(sp, steps, verify_s, tokens, plain_s=1.0, rids=tuple(range(8))):
         drafted = []
         for i in range(steps):
@@ -289,11 +290,14 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     for _ in range(30):                                          # it pays again: every step drafts
         sp.observe(list(range(8)), 2.0, {r: 5 for r in range(8)})
     assert all(drive(sp, 10, verify_s=2.0, tokens=5.0))
+    assert sp.ratio(5) == sp.ratio(8) == 2.0 and sp.cost(5, True) is None    # a smaller batch: 8's ratio, no
+    assert all(drive(sp, 5, verify_s=2.0, tokens=5.0, rids=range(5)))        # relearning
     sp.forget(3)
     assert 3 not in sp._gain
     costly = Speculation(NgramDrafter(), draft_len=4)
     d = drive(costly, 2000, verify_s=6.0, tokens=4.0)            # 6 plain steps' time for at most 5 tokens
     assert d[:8] == [True] * 4 + [False] * 4 and sum(d[8:]) == 1 and d.index(True, 8) == 8 + 32 * 32 - 1
+    assert not any(drive(costly, 100, verify_s=6.0, tokens=4.0, rids=range(3)))
     assert all(drive(Speculation(NgramDrafter(), draft_len=4, adaptive=False), 50, verify_s=9.0, tokens=1.0))
 
 
