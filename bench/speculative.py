@@ -182,7 +182,7 @@ def part_trained(args, dev, dtype, sync) -> dict:
             plain = None
             for name, make in configs.items():
                 eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, use_kernels=kernels,
-                             speculation=make() if make else None, max_graphs=8)
+                             speculation=make() if make else None, max_graphs=args.max_graphs)
                 timed_pass(eng, ps[:b], args.new_tokens, sync)                   # warm-up: JIT, captures
                 r = timed_requests(eng, ps, args.new_tokens, sync, together=b > 1)
                 if plain is None:
@@ -220,7 +220,7 @@ def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
             ps = torch.randint(0, spec.vocab_size, (b, args.wide_context), generator=gen).tolist()
             ctx = args.wide_context + args.new_tokens + args.draft_len + 2
             plain_eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, graph=graph,
-                               use_kernels=not args.no_kernels)
+                               use_kernels=not args.no_kernels, max_graphs=args.max_graphs)
             timed_pass(plain_eng, ps, args.new_tokens, sync)
             plain = timed_pass(plain_eng, ps, args.new_tokens, sync)
             row = {"model": spec.name, "workload": workload, "batch": b, "config": "plain", **summary(plain, None)}
@@ -231,7 +231,7 @@ def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
                 drafter = ReplayDrafter(hist, 1, spec.vocab_size)
                 speculative_rt.accept_greedy = drafter.forced_accept
                 eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, graph=graph,
-                             use_kernels=not args.no_kernels, max_graphs=8,
+                             use_kernels=not args.no_kernels, max_graphs=args.max_graphs,
                              speculation=Speculation(drafter, args.draft_len, adaptive=adaptive))
                 for warm in (True, False):
                     base = eng._next_rid
@@ -268,6 +268,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--workloads", default="copy,code")
     ap.add_argument("--b1-requests", type=int, default=8, help="prompts batch 1 runs, one after the other")
+    ap.add_argument("--max-graphs", type=int, default=32,
+                    help="CUDA graphs an engine keeps: speculation's requests finish at different steps, so a batch "
+                         "shrinks through every size, each a decode and a verification graph; evicting the full "
+                         "batch's graphs in the warm-up would make the timed pass capture them again")
     ap.add_argument("--prompt-tokens", type=int, default=384)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=4)
