@@ -322,7 +322,7 @@ class Speculation:
         per batch size (it runs eagerly: a shape's graph is made on its second call) add no time."""
         for r, n in (emitted or {}).items():
             old = self._gain.get(r)
-            self._gain[r] = n if old is None else 0.85 * old + 0.15 * n   # one rejection streak is not a trend
+            self._gain[r] = n if old is None else 0.7 * old + 0.3 * n
             self._all_gain = n if self._all_gain is None else 0.95 * self._all_gain + 0.05 * n
         kind = (len(rids), emitted is None)
         self._seen[kind] = self._seen.get(kind, 0) + 1
