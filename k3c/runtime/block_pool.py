@@ -22,9 +22,12 @@ class BlockPool:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
-        # layer -> pool tensor; empty for a model without MLA layers (then no page is ever needed)
-        self.pools = {layer: torch.zeros(num_pages, page_size, w, dtype=dtype, device=device)
+        # layer -> pool tensor; empty for a model without MLA layers (then no page is ever needed). One page more
+        # than num_pages: `scratch`, never handed out, where the padding rows of a graph call run for a smaller
+        # batch write their rows (Engine._graph_step)
+        self.pools = {layer: torch.zeros(num_pages + 1, page_size, w, dtype=dtype, device=device)
                       for layer, w in widths.items()}
+        self.scratch = num_pages
         self.ref = [0] * num_pages
         self.filled = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))        # pop() hands out low ids first

@@ -744,6 +744,10 @@ class Engine:
 
         key = (batch, tokens)
         dg = self._graphs.get(key)
+        if dg is None:             # a graph of up to twice the batch runs it with padding rows (a batch that
+            dg = min((g for (b, t), g in self._graphs.items()                      # shrinks as requests finish
+                      if t == tokens and batch < b <= 2 * batch), key=lambda g: g.batch, default=None)
+            key = (dg.batch, tokens) if dg is not None else key
         if dg is not None:
             self._graphs.move_to_end(key)
             return dg
@@ -784,30 +788,42 @@ class Engine:
     def _graph_step(self, dg, seqs: list[SeqState], ids: torch.Tensor) -> torch.Tensor:
         """One decode step of `seqs` through `dg`. The batch's KDA rows live in dg's static slots: kept there while
         the same sequences step in the same order (each sequence's state is a row reference to a slot), copied in
-        when the batch changes, after any other sequence still referring to those slots got its own copy."""
+        when the batch changes, after any other sequence still referring to those slots got its own copy. A graph
+        of a larger batch runs the rows past len(seqs) as padding: token 0 at length 0 on the pool's scratch page,
+        on whatever their KDA slots hold; every op is row-independent, so they change nothing the real rows see,
+        and their outputs are dropped."""
+        B, pad = len(seqs), dg.batch - len(seqs)
         same = all(s.kda.get(i) is not None and s.kda[i][0] is dg.kda[i] and s.kda[i][1] == j
                    for j, s in enumerate(seqs) for i in self.kda_layers)
-        if not same:
+        if not same or pad:
             self._rehome(dg, {id(s) for s in seqs})   # slots about to be overwritten: give their rows a home
+        if not same:
             for i in self.kda_layers:
                 g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
                 slot = dg.kda[i]
                 if g is None:
-                    slot.state.zero_()
+                    slot.state[:B].zero_()
                     for t in slot.conv:
-                        t.zero_()
+                        t[:B].zero_()
                 else:
-                    slot.state.copy_(g.state)
+                    slot.state[:B].copy_(g.state)
                     for d, src in zip(slot.conv, g.conv):
-                        d.copy_(src)
+                        d[:B].copy_(src)
         if self.mla_layers:
             bt = self._block_table(seqs)
             key = (dg.batch, dg.tokens)
-            if self._graph_bt.get(key) is not self._bt_key:   # changes once per page_size steps
+            if self._graph_bt.get(key) != (self._bt_key, B):   # changes once per page_size steps
+                if pad:
+                    bt = torch.cat([bt, torch.full((pad, bt.shape[1]), self.pool.scratch, dtype=bt.dtype,
+                                                   device=bt.device)])
                 dg.set_block_table(bt)
-                self._graph_bt[key] = self._bt_key
-        dg.set_lengths([s.length for s in seqs])
-        return dg.step(ids.reshape(dg.batch, dg.tokens)).clone()   # the replay's output is overwritten next step
+                self._graph_bt[key] = (self._bt_key, B)
+        dg.set_lengths([s.length for s in seqs] + [0] * pad)
+        if pad:
+            ids = torch.cat([ids.reshape(B, dg.tokens), ids.new_zeros(pad, dg.tokens)])
+            self.stats["padded_graph_rows"] += pad
+        # the replay's output is overwritten next step
+        return dg.step(ids.reshape(dg.batch, dg.tokens))[:B].clone()
 
     def _call(self, seqs: list[SeqState], segments: list[list[int]], trace: bool = False) -> torch.Tensor:
         """One graph call of equal-length segments; trace: a verification call (T > 1) whose KDA inputs are kept

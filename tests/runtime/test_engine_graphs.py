@@ -54,12 +54,14 @@ def case():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_graphs,created", [(4, 2), (1, 3)])
-def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case, max_graphs, created):
+@pytest.mark.parametrize("max_graphs,created,padded", [(4, 2, 0), (1, 2, 5)])
+def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case, max_graphs, created, padded):
     """A batch size gets its graph on its second decode step in a row: B=1 and B=2 (4 graphs allowed); with one
-    graph allowed, B=2 drops B=1's graph (its KDA rows rehomed first), and the final B=1 run makes it again."""
+    graph allowed, B=2 drops B=1's graph (its KDA rows rehomed first), and the final B=1 steps run in the B=2 graph
+    with a padding row (the scratch page, length 0): the same tokens and logits."""
     model, w, prompts, without = case
     eng, with_graphs = run(model, w, True, prompts, NEWS, JOINS, max_graphs)
+    assert eng.stats["padded_graph_rows"] == padded
     assert eng.stats["decode_graph_calls"] > 0
     assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
     assert len(eng._graphs) <= max_graphs
