@@ -39,6 +39,10 @@ from .seq_state import SeqState, gather_kda
 from .session import _device, check_token_ids, describe_graph, load_graph
 
 
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
     """MHA or MQA for one MLA call of `new` tokens per sequence after `cached[b]` cached tokens, from the cost model
     (analysis.cost.mla_mode_costs) over every sequence of the call, on `target`:
@@ -801,6 +805,8 @@ class Engine:
             for i in self.kda_layers:
                 g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
                 slot = dg.kda[i]
+                if g is not None and _shares(g.state, slot.state):   # rows of this very slot (a view of them)
+                    g = KDAState(g.state.clone(), tuple(t.clone() for t in g.conv))
                 if g is None:
                     slot.state[:B].zero_()
                     for t in slot.conv:

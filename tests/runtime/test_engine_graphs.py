@@ -88,3 +88,18 @@ def test_graphs_off_by_default_and_skipped_without_capture():
         while eng.has_work():
             eng.step()
     assert eng.stats["decode_graph_calls"] == 0 and eng.stats["decode_calls"] > 0
+
+
+@pytest.mark.slow
+def test_shrinking_batch_runs_padded_in_the_larger_graph(one_thread, case):
+    """Three requests start together and the first finishes early: the remaining two (rows 1 and 2 of the B=3
+    graph's KDA slots) run in the B=3 graph with one padding row, their states moved to rows 0 and 1 (a copy out
+    of the very slot they lived in), with the tokens and logits of the ordinary decode."""
+    model, w, prompts, _ = case
+    news, joins = (4, 9, 9), {0: [0, 1, 2]}
+    _, without = run(model, w, False, prompts, news, joins)
+    eng, with_graphs = run(model, w, True, prompts, news, joins)
+    assert eng.stats["padded_graph_rows"] > 0 and set(eng._graphs) == {(3, 1)}
+    for a, b in zip(with_graphs, without):
+        assert [o.token for o in a] == [o.token for o in b]
+        assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5
