@@ -395,14 +395,17 @@ class Engine:
         decoding = sum(1 for s, g in plan if len(g) == 1 and s.generated)
         if drafts:
             spec_plan = [(s, drafts[s.rid][1] if s.rid in drafts else g) for s, g in plan]
-            if self.admission == "optimistic":
-                spec_plan = self._fit(spec_plan)
-            try:
-                logits = self._run(spec_plan, evict=True, trace=set(drafts))
-                drafts = {r: v for r, v in drafts.items() if r in logits}    # _fit may have preempted some
-            except CacheFullError:        # the padded drafts do not fit beside the batch: decode plainly
+            # drafts are optional: where their pages are not free they are dropped, never paid for by preempting
+            # a sequence or evicting a prefix checkpoint (the plain plan below does what plain decoding would)
+            if self.admission == "optimistic" and sum(n + c for n, c in self._needs(spec_plan)) > self.pool.num_free:
                 drafts = {}
                 self.stats["spec_fallbacks"] += 1
+            else:
+                try:
+                    logits = self._run(spec_plan, evict=True, trace=set(drafts))
+                except CacheFullError:        # the padded drafts do not fit beside the batch: decode plainly
+                    drafts = {}
+                    self.stats["spec_fallbacks"] += 1
         if not drafts:
             if self.admission == "optimistic":
                 plan = self._fit(plan)
@@ -742,22 +745,27 @@ class Engine:
     def _decode_graph(self, batch: int, tokens: int = 1):
         """The DecodeGraph of this batch size and tokens per sequence (1: decode; more: speculative verification)
         over the engine's page pools (created, not captured, on first use): length buckets of page_size x 2^k up
-        to max_context, each captured on its first step. None while the shape is new (its first call runs
-        eagerly)."""
+        to max_context, each captured on its first step. A shape without its graph runs in the smallest larger
+        batch's graph of the same tokens (padding rows, Engine._graph_step) when that one is at most twice its
+        size, or until its own is due; None while the shape is new and no larger graph exists (an eager call)."""
         from .cuda_graph import DecodeGraph
 
         key = (batch, tokens)
+        # a decode shape gets its graph on its second call in a row (a batch that shrinks every step stays eager);
+        # a verification shape on its second call at all (verifications alternate with plain decode steps)
+        turn = self._last_decode_batch == key or (tokens > 1 and self._shape_calls[key] >= 2)
         dg = self._graphs.get(key)
-        if dg is None:             # a graph of up to twice the batch runs it with padding rows (a batch that
-            dg = min((g for (b, t), g in self._graphs.items()                      # shrinks as requests finish
-                      if t == tokens and batch < b <= 2 * batch), key=lambda g: g.batch, default=None)
+        if dg is None:             # a larger batch's graph runs this one with padding rows: one of up to twice the
+            larger = sorted((g for (b, t), g in self._graphs.items() if t == tokens and b > batch),   # batch
+                            key=lambda g: g.batch)                        # always, a larger one instead of an
+            dg = next((g for g in larger if g.batch <= 2 * batch), None)  # eager step until this shape's turn
+            if dg is None and larger and not turn:
+                dg = larger[0]
             key = (dg.batch, tokens) if dg is not None else key
         if dg is not None:
             self._graphs.move_to_end(key)
             return dg
-        # a decode shape gets its graph on its second call in a row (a batch that shrinks every step stays eager);
-        # a verification shape on its second call at all (verifications alternate with plain decode steps)
-        if self._last_decode_batch != key and (tokens == 1 or self._shape_calls[key] < 2):
+        if not turn:
             return None
         while len(self._graphs) >= self.max_graphs:
             old_key, old = self._graphs.popitem(last=False)

@@ -65,3 +65,19 @@ def test_bad_admission(tiny):
     spec, model, w = tiny
     with pytest.raises(ArgumentError, match="admission must be one of reserve, optimistic"):
         Engine(model, w, use_kernels=False, admission="greedy")
+
+
+def test_speculation_drops_drafts_rather_than_preempt(tiny, one_thread, reference):
+    """Optimistic admission with prompt lookup on a tight pool: padded drafts that do not fit are dropped, never
+    paid for by preempting a sequence; the greedy requests' tokens are the roomy run's (the sampled one draws
+    through rejection sampling: other draws) and no more preemptions happen than in the same run without
+    speculation."""
+    from k3c.runtime.speculative import NgramDrafter, Speculation
+
+    plain, eng_plain, _ = _run(tiny, num_pages=13, admission="optimistic")
+    spec = Speculation(NgramDrafter(min_n=1), draft_len=6, adaptive=False)
+    out, eng, _ = _run(tiny, num_pages=13, admission="optimistic", speculation=spec)
+    assert plain == reference and out[:3] == reference[:3] and len(out[3]) == len(reference[3])
+    assert eng.stats["spec_calls"] > 0 and eng.stats["spec_fallbacks"] > 0
+    assert eng.stats["preempted"] <= eng_plain.stats["preempted"]
+    eng.pool.check_empty()
