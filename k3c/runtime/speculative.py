@@ -262,6 +262,8 @@ class Speculation:
         if not self.buckets:       # one verification shape per batch size: its graph is captured once and hit
             self.buckets = (self.draft_len,)
         self._times: dict[tuple, list[float]] = {}   # (batch, plain?) -> the last step times
+        self._median: dict[tuple, float] = {}        # (batch, plain?) -> their median, once SAMPLES are in
+        self._ratio: dict[int, float] = {}           # batch -> verification / plain median, both known
         self._seen: dict[tuple, int] = {}            # (batch, plain?) -> steps observed
         self._gain: dict[int, float] = {}            # request -> EMA tokens per verification
         self._all_gain: float | None = None          # EMA over every request's verifications
@@ -274,8 +276,7 @@ class Speculation:
 
     def cost(self, batch: int, plain: bool) -> float | None:
         """The median seconds of a (plain or verifying) step of `batch` sequences; None until known."""
-        t = self._times.get((batch, plain), [])
-        return sorted(t)[(len(t) - 1) // 2] if len(t) >= self.SAMPLES else None
+        return self._median.get((batch, plain))
 
     def gain(self, rids: list[int]) -> float:
         """The mean tokens a verification is expected to emit per sequence of these requests (a request not yet
@@ -287,11 +288,10 @@ class Speculation:
         """A verification step's cost in plain steps at this batch size: measured there, else at the nearest batch
         size where both are (the ratio changes slowly with the batch; a batch that shrinks as requests finish at
         different speeds would otherwise relearn every size); None when no batch size has both."""
-        known = [b for b in {k[0] for k in self._times} if self.cost(b, False) and self.cost(b, True)]
-        if not known:
+        if not self._ratio:
             return None
-        b = batch if batch in known else min(known, key=lambda k: (abs(k - batch), k))
-        return self.cost(b, False) / self.cost(b, True)
+        b = batch if batch in self._ratio else min(self._ratio, key=lambda k: (abs(k - batch), k))
+        return self._ratio[b]
 
     def pays(self, rids: list[int]) -> bool:
         """Whether verifying beats plain decoding for these requests by the margin (the ratio known)."""
@@ -330,14 +330,19 @@ class Speculation:
             t = self._times.setdefault(kind, [])
             t.append(seconds)
             del t[:-self.WINDOW]
+            if len(t) >= self.SAMPLES:        # medians and ratios kept current here: wanted() runs every step
+                self._median[kind] = sorted(t)[(len(t) - 1) // 2]
+                b = kind[0]
+                if (b, True) in self._median and (b, False) in self._median:
+                    self._ratio[b] = self._median[(b, False)] / self._median[(b, True)]
 
     def forget(self, rid: int) -> None:
         self._gain.pop(rid, None)
         self.drafter.forget(rid)
 
     def rates(self) -> dict[int, dict]:
-        """Per batch size: plain and verification step seconds (medians), and the verification step's speedup
-        over plain decoding at a given tokens per verification."""
+        """Per batch size: plain and verification step seconds (medians) and, both known, the tokens per
+        verification at which verifying breaks even with plain decoding."""
         out = {}
         for b in sorted({k[0] for k in self._times}):
             row = {"plain_s": self.cost(b, True), "verify_s": self.cost(b, False)}
