@@ -156,7 +156,7 @@ class Engine:
         self._graph_backend = graph_backend         # a stand-in capture backend (tests); None: CUDA graphs
         self._graphs: OrderedDict = OrderedDict()   # (batch, tokens) -> DecodeGraph, least recently used first
         self._last_decode_batch = None              # (batch, tokens) of the previous decode / verification call
-        self._graph_bt: dict = {}                   # (batch, tokens) -> the block-table key its graph holds
+        self._graph_bt: dict = {}                   # (batch, tokens) -> (block-table key, rows) its graph holds
         self._shape_calls: Counter = Counter()      # (batch, tokens) -> eager calls so far (graphs from the second)
 
     def describe(self) -> str:
@@ -505,7 +505,9 @@ class Engine:
             self.accept_counts[keep - 1] += 1
             self.stats["spec_calls"] += 1
             trace, row = self._traces[seq.rid]
-            kept.setdefault(id(trace), (trace, {}, {i: seq.kda[i][0] for i in self.kda_layers}))[1][row] = keep
+            if id(trace) not in kept:
+                kept[id(trace)] = (trace, {}, {i: seq.kda[i][0] for i in self.kda_layers})
+            kept[id(trace)][1][row] = keep
             if keep < len(seg):
                 self._rewind_pages(seq, base + keep)
             seq.length = base + keep
@@ -755,10 +757,12 @@ class Engine:
         # a verification shape on its second call at all (verifications alternate with plain decode steps)
         turn = self._last_decode_batch == key or (tokens > 1 and self._shape_calls[key] >= 2)
         dg = self._graphs.get(key)
-        if dg is None:             # a larger batch's graph runs this one with padding rows: one of up to twice the
-            larger = sorted((g for (b, t), g in self._graphs.items() if t == tokens and b > batch),   # batch
-                            key=lambda g: g.batch)                        # always, a larger one instead of an
-            dg = next((g for g in larger if g.batch <= 2 * batch), None)  # eager step until this shape's turn
+        if dg is None:
+            # a larger batch's graph runs this one with padding rows: one of up to twice the batch always, a larger
+            # one instead of an eager step until this shape's own graph is due
+            larger = sorted((g for (b, t), g in self._graphs.items() if t == tokens and b > batch),
+                            key=lambda g: g.batch)
+            dg = next((g for g in larger if g.batch <= 2 * batch), None)
             if dg is None and larger and not turn:
                 dg = larger[0]
             key = (dg.batch, tokens) if dg is not None else key
@@ -826,7 +830,8 @@ class Engine:
         if self.mla_layers:
             bt = self._block_table(seqs)
             key = (dg.batch, dg.tokens)
-            if self._graph_bt.get(key) != (self._bt_key, B):   # changes once per page_size steps
+            held = self._graph_bt.get(key)
+            if held is None or held[0] is not self._bt_key or held[1] != B:   # changes once per page_size steps
                 if pad:
                     bt = torch.cat([bt, torch.full((pad, bt.shape[1]), self.pool.scratch, dtype=bt.dtype,
                                                    device=bt.device)])

@@ -295,16 +295,16 @@ def launch_kda_attn(a, cache, data, w):
     common = dict(num_heads=h, head_dim=d, gate=a["gate"], gate_lower_bound=a["gate_lower_bound"],
                   l2norm_eps=a["l2norm_eps"])
 
-    def one(d1, s, out=None):
+    def one(d1, s, out=None):          # one token: (o [B, 1, H, D], the new state; in `out` when given)
         o, tails, new = kda_decode(*(_aligned(x.reshape(b, -1)) for x in d1), None, conv_w, _fp32(w["A_log"]),
                                    _fp32(w["dt_bias"]), None, s.conv, s.state, norm_eps=DECODE_NORM_EPS,
                                    fuse_out=False, out=out, **common)
-        return o.view(b, 1, h, d) if out is not None else (o.view(b, 1, h, d), KDAState(new, tails))
+        return o.view(b, 1, h, d), KDAState(new, tails)
 
     if t == 1:
         o, st = one(data, st)
     elif traced(cache):
-        o, st = step_tokens(cache, a["layer"], data, st, one)
+        o, st = step_tokens(cache, a["layer"], data, st, lambda d1, s, out: one(d1, s, out)[0])
     else:
         flat = [x.reshape(b * t, -1) for x in data]
         cu = _equal_cu(t, b, xq.device)
