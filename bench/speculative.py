@@ -85,6 +85,7 @@ def timed_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
             "accepted": st.get("spec_accepted", 0), "verifications": st.get("spec_calls", 0),
             "verify_calls": st.get("verify_calls", 0), "verify_graph_calls": st.get("verify_graph_calls", 0),
             "decode_calls": st.get("decode_calls", 0), "decode_graph_calls": st.get("decode_graph_calls", 0),
+            "padded_graph_rows": st.get("padded_graph_rows", 0),
             "accept_hist": {int(k): v for k, v in sorted(hist.items())}}
 
 
@@ -256,6 +257,9 @@ def line(r: dict) -> str:
                  f" ({r['verify_graph_calls']}/{r['verify_calls']} graph calls)")
     if "speedup" in r:
         extra += f", {r['speedup']:.2f}x plain, identical {r['identical']}/{r['requests']}"
+    eager = r["decode_calls"] + r["verify_calls"] - r["decode_graph_calls"] - r["verify_graph_calls"]
+    if eager:       # steps that ran without a graph (new batch shapes): host-bound, often what a loss is
+        extra += f", {eager} eager decode/verify calls"
     return (f"{r['model']:>10} {r['workload']:>4} b{r['batch']:<3} {r['config']:<20} "
             f"{r['decode_tokens_per_s']:9.1f} tok/s{extra}")
 
