@@ -286,11 +286,14 @@ class Speculation:
 
     def ratio(self, batch: int) -> float | None:
         """A verification step's cost in plain steps at this batch size: measured there, else at the nearest batch
-        size where both are (the ratio changes slowly with the batch; a batch that shrinks as requests finish at
-        different speeds would otherwise relearn every size); None when no batch size has both."""
-        if not self._ratio:
+        size within a factor of two where both are (the ratio changes slowly with the batch; a batch that shrinks
+        as requests finish at different speeds would otherwise relearn every size); None when none has both (then
+        this batch size learns its own: a verification of 32 sequences costs several plain steps where one of a
+        single sequence costs about one)."""
+        near = [b for b in self._ratio if batch <= 2 * b and b <= 2 * batch]    # within a factor of two
+        if not near:
             return None
-        b = batch if batch in self._ratio else min(self._ratio, key=lambda k: (abs(k - batch), k))
+        b = batch if batch in self._ratio else min(near, key=lambda k: (abs(k - batch), k))
         return self._ratio[b]
 
     def pays(self, rids: list[int]) -> bool:
@@ -302,7 +305,7 @@ class Speculation:
         b = len(rids)
         if not self.adaptive:
             return True
-        if self.ratio(b) is None:              # nothing known: learn at this batch size, verifications first
+        if self.ratio(b) is None:              # nothing near known: learn at this batch size, verifications first
             return self.cost(b, False) is None
         if self.pays(rids):
             self._backoff[b] = 1

@@ -292,12 +292,15 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     assert all(drive(sp, 10, verify_s=2.0, tokens=5.0))
     assert sp.ratio(5) == sp.ratio(8) == 2.0 and sp.cost(5, True) is None    # a smaller batch: 8's ratio, no
     assert all(drive(sp, 5, verify_s=2.0, tokens=5.0, rids=range(5)))        # relearning
+    assert sp.ratio(3) is None and sp.ratio(17) is None                      # past a factor of two: its own,
+    d = drive(sp, 10, verify_s=2.0, tokens=5.0, rids=range(20, 23))          # verifications first, then plain
+    assert d[:4] == [True] * 4 and d[4:8] == [False] * 4 and all(d[8:]) and sp.ratio(3) == 2.0
     sp.forget(3)
     assert 3 not in sp._gain
     costly = Speculation(NgramDrafter(), draft_len=4)
     d = drive(costly, 2000, verify_s=6.0, tokens=4.0)            # 6 plain steps' time for at most 5 tokens
     assert d[:8] == [True] * 4 + [False] * 4 and sum(d[8:]) == 1 and d.index(True, 8) == 8 + 32 * 32 - 1
-    assert not any(drive(costly, 100, verify_s=6.0, tokens=4.0, rids=range(3)))
+    assert not any(drive(costly, 100, verify_s=6.0, tokens=4.0, rids=range(5)))   # 8's ratio: off at once
     assert all(drive(Speculation(NgramDrafter(), draft_len=4, adaptive=False), 50, verify_s=9.0, tokens=1.0))
 
 
