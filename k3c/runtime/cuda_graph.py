@@ -121,6 +121,17 @@ def _own_state(st: KDAState) -> KDAState:
     return KDAState(st.state.clone(), tuple(t.clone() for t in st.conv))
 
 
+def kda_token_buffers(compiled, batch: int, tokens: int, dtype, device) -> dict:
+    """{KDA layer: KDATokens of `batch` rows x `tokens` tokens}: per-token state buffers that verification graphs
+    of up to `batch` sequences can share (DecodeGraph(kda_tokens=))."""
+    spec = compiled.spec
+    layers = [i for i, k in enumerate(spec.layer_kinds) if k == "kda"]
+    if not layers:
+        return {}
+    zero = kda_zero_state(_local_kda(compiled.module, spec.kda), batch, dtype, device)
+    return {i: KDATokens.like(zero, tokens) for i in layers}
+
+
 def _local_kda(module, cfg):
     """The KDA config of this rank's heads: a TP-sharded graph's KDA ops carry num_heads / tp (the `shard` pass)."""
     import dataclasses
@@ -210,7 +221,7 @@ class DecodeGraph:
                  dtype: torch.dtype | None = None, page_size: int | None = None,
                  buckets: Sequence[int] | None = None, backend=None, strict: bool = False,
                  pools: dict[int, torch.Tensor] | None = None, kv_dtype: str = "auto", tokens: int = 1,
-                 kda_slots: dict | None = None):
+                 kda_slots: dict | None = None, kda_tokens: dict | None = None):
         from .devices import target_for
 
         if batch < 1 or capacity < 1 or tokens < 1:
@@ -240,8 +251,13 @@ class DecodeGraph:
         # them, so switching between the two copies no state)
         self.kda = kda_slots if kda_slots is not None else \
             {i: _own_state(kda_zero_state(kda_cfg, batch, self.dtype, dev)) for i in self.kda_layers}
-        # the states after each of a verification's tokens (shared by its buckets: tokens x the slots' bytes)
-        self.kda_tokens = {i: KDATokens.like(st, tokens) for i, st in self.kda.items()} if tokens > 1 else {}
+        # the states after each of a verification's tokens (shared by its buckets: tokens x the slots' bytes);
+        # kda_tokens: buffers of at least this batch and these tokens to take the first rows of (the engine's
+        # verification graphs of every batch size share one set: one verification call runs at a time)
+        self.kda_tokens = {}
+        if tokens > 1:
+            self.kda_tokens = {i: KDATokens.like(st, tokens) for i, st in self.kda.items()} if kda_tokens is None \
+                else {i: kda_tokens[i].rows(batch) for i in self.kda}
         pages = self.capacity // self.page_size
         self.kv_dtype = pool_dtype(kv_dtype, self.dtype)    # own pools' row format; given pools keep theirs
         width = row_width(spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, self.kv_dtype) if spec.mla else 0

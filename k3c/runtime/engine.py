@@ -157,6 +157,7 @@ class Engine:
         self._graphs: OrderedDict = OrderedDict()   # (batch, tokens) -> DecodeGraph, least recently used first
         self._last_decode_batch = None              # (batch, tokens) of the previous decode / verification call
         self._graph_bt: dict = {}                   # (batch, tokens) -> (block-table key, rows) its graph holds
+        self._kda_tokens: dict = {}                 # tokens -> per-token KDA buffers the verification graphs share
         self._shape_calls: Counter = Counter()      # (batch, tokens) -> eager calls so far (graphs from the second)
 
     def describe(self) -> str:
@@ -783,10 +784,21 @@ class Engine:
                          use_kernels=self.use_kernels, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=ps,
                          buckets=buckets, tokens=tokens,
                          kda_slots=next((g.kda for (b, _), g in self._graphs.items() if b == batch), None),
+                         kda_tokens=self._verify_buffers(tokens) if tokens > 1 else None,
                          backend=self._graph_backend, pools=self.pool.pools if self.mla_layers else None)
         self._graphs[key] = dg
         self.stats["decode_graphs_created"] += 1
         return dg
+
+    def _verify_buffers(self, tokens: int) -> dict:
+        """{KDA layer: KDATokens of max_batch rows}: the per-token states every verification graph of `tokens`
+        tokens writes into its first rows (tokens x max_batch x the state's bytes once, not per batch size)."""
+        from .cuda_graph import kda_token_buffers
+
+        if tokens not in self._kda_tokens:
+            self._kda_tokens[tokens] = kda_token_buffers(self.compiled, self.max_batch, tokens, self.dtype,
+                                                         self.device)
+        return self._kda_tokens[tokens]
 
     def _rehome(self, dg, members: set[int]) -> None:
         """Sequences (other than `members`, by id) whose KDA rows live in dg's slots get their own copy, before the

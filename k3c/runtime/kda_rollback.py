@@ -40,6 +40,10 @@ class KDATokens:
     def at(self, t: int) -> KDAState:
         return KDAState(self.states[t], tuple(c[t] for c in self.conv))
 
+    def rows(self, batch: int) -> "KDATokens":
+        """The first `batch` rows (views: each token's rows stay contiguous)."""
+        return KDATokens(self.states[:, :batch], tuple(c[:, :batch] for c in self.conv))
+
 
 def copy_state(dst: KDAState, src: KDAState) -> None:
     """src's state and conv tails into dst's buffers."""
@@ -61,7 +65,7 @@ def step_tokens(cache, layer: int, data: tuple, state: KDAState, step: Callable)
     Returns (the outputs [B, T, ...], the state after the last token)."""
     T = data[0].shape[1]
     bufs = getattr(cache, "kda_token_buffers", {}).get(layer)
-    if bufs is None or bufs.states.shape[:2] != (T, state.state.shape[0]):
+    if bufs is None or bufs.states.shape[:2] != (T, state.state.shape[0]) or not bufs.states[0].is_contiguous():
         bufs = KDATokens.like(state, T)
     outs = []
     for t in range(T):
@@ -84,10 +88,11 @@ def restore(trace: dict[int, KDATokens], states: dict[int, KDAState], keeps: lis
         return
     if len(set(keeps)) == 1:                         # one kept count: a slice, no index tensor
         pick = lambda t: t[keeps[0] - 1]             # noqa: E731
-    else:
+    else:                                            # row b's state after keeps[b] tokens (buffers may be views)
         dev = next(iter(trace.values())).states.device
-        idx = torch.tensor([(k - 1) * B + b for b, k in enumerate(keeps)], dtype=torch.long, device=dev)
-        pick = lambda t: t.flatten(0, 1).index_select(0, idx)   # noqa: E731
+        at = torch.tensor([k - 1 for k in keeps], dtype=torch.long, device=dev)
+        rows = torch.arange(B, device=dev)
+        pick = lambda t: t[at, rows]                 # noqa: E731
     for layer, bufs in trace.items():
         dst = states[layer]
         dst.state.copy_(pick(bufs.states))

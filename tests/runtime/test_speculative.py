@@ -721,7 +721,7 @@ def test_greedy_rows_exact_beside_sampled_rows(stdlib, prompts, reference):
 def test_verification_graph_greedy_identity(one_thread):
     """Kernels on (Triton interpreter) with EagerBackend: verification calls of (batch, 1 + draft) tokens run
     through a DecodeGraph(tokens=T) from their second call in a row; drafts are half rejected, so the KDA rollback
-    replays the graph's trace. Tokens equal the plain kernel engine's; logits within 1e-5; every page back."""
+    restores from the graph's per-token buffers (views of the engine's shared ones). Tokens equal the plain kernel engine's; logits within 1e-5; every page back."""
     from k3c.runtime.cuda_graph import EagerBackend
 
     spec = tiny_spec(256)
@@ -736,7 +736,8 @@ def test_verification_graph_greedy_identity(one_thread):
             outs.setdefault(o.rid, []).append(o)
     ref = [outs[r] for r in rids]
     scripts = [(p, [o.token for o in r], 1) for p, r in zip(prompts, ref)]
-    eng = Engine(model, w, **kw, graph_backend=EagerBackend(),
+    # max_batch 3: the verification graph of 2 writes the first 2 rows of the engine's shared per-token buffers
+    eng = Engine(model, w, **{**kw, "max_batch": 3}, graph_backend=EagerBackend(),
                  speculation=Speculation(ScriptedDrafter(scripts, 256), draft_len=2, adaptive=False))
     got = {}
     rids = [eng.add_request(p, 9) for p in prompts]
@@ -752,5 +753,8 @@ def test_verification_graph_greedy_identity(one_thread):
     assert st["spec_drafted"] > st["spec_accepted"] > 0
     assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
     assert any(dg.tokens == 3 for dg in eng._graphs.values())
+    assert eng._kda_tokens[3][eng.kda_layers[0]].states.shape[:2] == (3, 3)
+    assert all(dg.kda_tokens[i].states.shape[:2] == (3, dg.batch) for dg in eng._graphs.values() if dg.tokens == 3
+               for i in eng.kda_layers)
     eng.pool.check_empty()
     plain.pool.check_empty()
