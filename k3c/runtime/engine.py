@@ -138,8 +138,6 @@ class Engine:
             prefix_cache.attach(self)
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
         self._traces: dict = {}                     # rid -> (KDA trace of its last verification call, row)
-        self._tried = False                         # this step asked the drafter (a step that found nothing is
-                                                    # neither a plain nor a verification cost)
         self.accept_counts: Counter = Counter()     # drafts kept in one sequence-verification -> how often
         self._captured = False                      # a CUDA graph was captured this step (its time is not a rate)
         # decode steps through captured CUDA graphs (runtime/cuda_graph.py), one DecodeGraph per batch size. None:
@@ -392,7 +390,8 @@ class Engine:
         t0 = time.perf_counter()               # the controller times whole steps: drafting to the last output
         self._admit()
         plan = [(s, self._segment(s)) for s in self.running if s.pending > 0]
-        drafts = self._draft(plan) if self.speculation is not None else {}
+        # tried: the drafter was asked (a step that asked and found nothing is no cost sample)
+        drafts, tried = self._draft(plan) if self.speculation is not None else ({}, False)
         decoding = sum(1 for s, g in plan if len(g) == 1 and s.generated)
         if drafts:
             spec_plan = [(s, drafts[s.rid][1] if s.rid in drafts else g) for s, g in plan]
@@ -433,7 +432,7 @@ class Engine:
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)
-        if self.speculation is not None and decoding and decoding == len(plan) and (drafts or not self._tried):
+        if self.speculation is not None and decoding and decoding == len(plan) and (drafts or not tried):
             emitted = Counter(o.rid for o in outs if o.rid in drafts and o.rid in self.seqs) if drafts else None
             self.speculation.observe([s.rid for s, _ in plan], time.perf_counter() - t0, emitted,
                                      timed=not self._captured)
@@ -442,16 +441,16 @@ class Engine:
         return outs
 
     # -- speculative decoding (runtime/speculative.py) ------------------------------------------------------------
-    def _draft(self, plan) -> dict[int, tuple[list[int], list[int]]]:
-        """{rid: (draft, the call's segment: last token + draft padded to the call's bucket)} for the decoding
-        sequences of this plan that draft this step; empty when none does (or speculation does not pay)."""
+    def _draft(self, plan) -> tuple[dict[int, tuple[list[int], list[int]]], bool]:
+        """({rid: (draft, the call's segment: last token + draft padded to the call's bucket)} for the decoding
+        sequences of this plan that draft this step, empty when none does; whether the drafter was asked (False:
+        speculation does not pay this step)."""
         from .speculative import propose
 
         spec = self.speculation
         rows = [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
-        self._tried = bool(rows) and spec.wanted([s.rid for s in rows])
-        if not self._tried:
-            return {}
+        if not rows or not spec.wanted([s.rid for s in rows]):
+            return {}, False
         ks = []
         for s in rows:
             k = min(spec.draft_len, s.max_new_tokens - len(s.generated) - 1, self.max_context - s.length - 1)
@@ -464,7 +463,7 @@ class Engine:
         longest = max(len(d) for d in got)
         if longest == 0:
             self.stats["spec_empty_steps"] += 1
-            return {}
+            return {}, True
         pad = spec.bucket(longest)
         out = {}
         for s, d in zip(rows, got):
@@ -472,7 +471,7 @@ class Engine:
                 continue                       # no room for the padded call: this one decodes plainly
             seg = [s.tokens[-1]] + d + [d[-1] if d else s.tokens[-1]] * (pad - len(d))
             out[s.rid] = (d, seg)
-        return out
+        return out, True
 
     def _verify(self, drafts, logits) -> list[StepOutput]:
         """Accept or reject each drafting sequence's draft, emit its tokens, roll back what was not kept."""

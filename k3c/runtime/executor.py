@@ -71,12 +71,8 @@ def torch_kda(a, cache, data, w):
     if kda_rollback.traced(cache) and x.shape[1] > 1:      # a speculative verification: every token's state kept
         if state is None:
             state = ref.kda_zero_state(cfg, x.shape[0], x.dtype, x.device)
-
-        def one(d, s, out):
-            y, new = ref.kda_layer(d[0], w, cfg, a["norm_eps"], s)
-            kda_rollback.copy_state(out, new)
-            return y
-        y, state = kda_rollback.step_tokens(cache, a["layer"], data, state, one)
+        y, state = kda_rollback.step_tokens(cache, a["layer"], data, state,
+                                            lambda d, s, out: ref.kda_layer(d[0], w, cfg, a["norm_eps"], s))
     else:
         y, state = ref.kda_layer(x, w, cfg, a["norm_eps"], state)
     cache.layers[a["layer"]] = state

@@ -45,13 +45,6 @@ class KDATokens:
         return KDATokens(self.states[:, :batch], tuple(c[:, :batch] for c in self.conv))
 
 
-def copy_state(dst: KDAState, src: KDAState) -> None:
-    """src's state and conv tails into dst's buffers."""
-    dst.state.copy_(src.state)
-    for d, s in zip(dst.conv, src.conv):
-        d.copy_(s)
-
-
 def traced(cache) -> bool:
     """Whether this call keeps per-token KDA states (a speculative verification)."""
     return getattr(cache, "kda_trace", None) is not None
@@ -59,10 +52,10 @@ def traced(cache) -> bool:
 
 def step_tokens(cache, layer: int, data: tuple, state: KDAState, step: Callable) -> tuple[torch.Tensor, KDAState]:
     """A KDA op of a traced call run token by token: step(data_t, state, out) with data_t the op's inputs at token t
-    ([B, 1, ...] each) runs one token from `state`, writes the new state and tails into `out` (a KDAState of
-    buffers) and returns the token's output [B, 1, ...]. The buffers are the cache's static ones
-    (`kda_token_buffers`, a CUDA graph's) when it has them, else new; they are recorded in cache.kda_trace.
-    Returns (the outputs [B, T, ...], the state after the last token)."""
+    ([B, 1, ...] each) runs one token from `state` and returns (its output [B, 1, ...], the new state); the new
+    state lands in `out`, this token's buffers (a step may write it there itself, else it is copied). The buffers
+    are the cache's static ones (`kda_token_buffers`, a CUDA graph's) when it has them, else new; they are recorded
+    in cache.kda_trace. Returns (the outputs [B, T, ...], the state after the last token)."""
     T = data[0].shape[1]
     bufs = getattr(cache, "kda_token_buffers", {}).get(layer)
     if bufs is None or bufs.states.shape[:2] != (T, state.state.shape[0]) or not bufs.states[0].is_contiguous():
@@ -70,7 +63,12 @@ def step_tokens(cache, layer: int, data: tuple, state: KDAState, step: Callable)
     outs = []
     for t in range(T):
         out = bufs.at(t)
-        outs.append(step(tuple(x[:, t:t + 1] for x in data), state, out))
+        y, new = step(tuple(x[:, t:t + 1] for x in data), state, out)
+        if new.state is not out.state:
+            out.state.copy_(new.state)
+            for d, src in zip(out.conv, new.conv):
+                d.copy_(src)
+        outs.append(y)
         state = out
     cache.kda_trace[layer] = bufs
     return torch.cat(outs, 1), state
@@ -81,7 +79,8 @@ def restore(trace: dict[int, KDATokens], states: dict[int, KDAState], keeps: lis
     the first keeps[b] tokens of the traced call (1 <= keeps[b] <= T), in place."""
     if not trace:
         return
-    T, B = next(iter(trace.values())).states.shape[:2]
+    first = next(iter(trace.values())).states
+    T, B = first.shape[:2]
     if len(keeps) != B or not all(1 <= k <= T for k in keeps):
         raise ValueError(f"restore: keep counts {keeps} for {B} rows of a {T}-token call")
     if all(k == T for k in keeps):
@@ -89,7 +88,7 @@ def restore(trace: dict[int, KDATokens], states: dict[int, KDAState], keeps: lis
     if len(set(keeps)) == 1:                         # one kept count: a slice, no index tensor
         pick = lambda t: t[keeps[0] - 1]             # noqa: E731
     else:                                            # row b's state after keeps[b] tokens (buffers may be views)
-        dev = next(iter(trace.values())).states.device
+        dev = first.device
         at = torch.tensor([k - 1 for k in keeps], dtype=torch.long, device=dev)
         rows = torch.arange(B, device=dev)
         pick = lambda t: t[at, rows]                 # noqa: E731

@@ -19,7 +19,7 @@ emitted token is then distributed exactly as plain sampling's (tests/runtime/tes
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -234,15 +234,15 @@ class Speculation:
 
     With `adaptive`, drafting pays for itself or stops. The cost side is per batch size: the engine times its whole
     decode steps (drafting, the call, acceptance, rollback), plain and verifying, and the controller keeps the
-    median of the last few of each. The gain side is per request: the tokens its verifications emitted (an EMA; a
-    request not yet verified counts as the mean of every request's so far, draft_len + 1 before the first). A step drafts when the batch's
-    mean gain per verification second beats plain tokens per second by `margin`; otherwise it decodes plainly and
-    probes (one verification, which refreshes every row's gain) after `probe_every` steps, twice as long after each
-    probe that did not pay (up to 32x), and only at that longest interval when a verification costs more than
-    draft_len + 1 plain steps (no acceptance could pay for it). The first batch size verifies until its
-    verification cost is known, then decodes plainly until the plain cost is; steps that captured a CUDA graph and
-    the first step of each kind are not costs. A batch size without both costs uses the ratio of the nearest one that has
-    them; steps that tried to draft and found nothing are neither kind."""
+    median of the last few of each (steps that captured a CUDA graph, the first step of each kind and steps that
+    tried to draft and found nothing are no sample). A batch size without both costs uses the cost ratio of the
+    nearest one within a factor of two that has them; with none, it verifies until its verification cost is known,
+    then decodes plainly until the plain cost is. The gain side is per request: the tokens its verifications
+    emitted (an EMA; a request not yet verified counts as the mean of every request's so far, draft_len + 1 before
+    the first). A step drafts when the batch's mean gain beats the cost ratio by `margin`; otherwise it decodes
+    plainly and probes (one verification, which refreshes every row's gain) after `probe_every` steps, twice as
+    long after each probe that did not pay (up to 32x), and only at that longest interval when a verification
+    costs more than draft_len + 1 plain steps (no acceptance could pay for it)."""
 
     drafter: object
     draft_len: int = 4
@@ -250,7 +250,6 @@ class Speculation:
     probe_every: int = 32
     buckets: tuple[int, ...] = ()          # draft lengths calls are padded to (one CUDA graph each); () = draft_len
     margin: float = 0.05
-    stats: dict = field(default_factory=dict)
 
     MAX_BACKOFF = 32
     SAMPLES = 3                            # step times per (batch, kind) before that cost is known
@@ -296,21 +295,22 @@ class Speculation:
         b = batch if batch in self._ratio else min(near, key=lambda k: (abs(k - batch), k))
         return self._ratio[b]
 
-    def pays(self, rids: list[int]) -> bool:
-        """Whether verifying beats plain decoding for these requests by the margin (the ratio known)."""
-        return self.gain(rids) > (1.0 + self.margin) * self.ratio(len(rids))
+    def pays(self, rids: list[int], ratio: float) -> bool:
+        """Whether verifying beats plain decoding for these requests by the margin, at this cost ratio."""
+        return self.gain(rids) > (1.0 + self.margin) * ratio
 
     def wanted(self, rids: list[int]) -> bool:
         """Whether this step of the decoding requests `rids` should draft."""
         b = len(rids)
         if not self.adaptive:
             return True
-        if self.ratio(b) is None:              # nothing near known: learn at this batch size, verifications first
+        ratio = self.ratio(b)
+        if ratio is None:                      # nothing near known: learn at this batch size, verifications first
             return self.cost(b, False) is None
-        if self.pays(rids):
+        if self.pays(rids, ratio):
             self._backoff[b] = 1
             return True
-        if self.ratio(b) > self.draft_len + 1:
+        if ratio > self.draft_len + 1:
             self._backoff[b] = self.MAX_BACKOFF              # not even every draft kept would pay
         self._since[b] = self._since.get(b, 0) + 1
         if self._since[b] >= self.probe_every * self._backoff.get(b, 1):

@@ -22,7 +22,7 @@ from ...frontend.spec import KDASpec
 from ... import reference as ref
 from ...reference.kda import KDAState
 from ...reference.norms import acc
-from ..kda_rollback import copy_state, step_tokens, traced
+from ..kda_rollback import step_tokens, traced
 from ..devices import interpreted, target_for, torch_dtype, tt_dtype
 from ..launcher import launch
 from .basic import gemm
@@ -233,11 +233,7 @@ def torch_kda_attn(a, cache, data, w):
     b = data[0].shape[0]
     st = _state(cache, a, b, data[0].dtype, data[0].device)
     if traced(cache) and data[0].shape[1] > 1:
-        def one(d, s, out):
-            o, new = _torch_attn(a, d, w, s)
-            copy_state(out, new)
-            return o
-        o, st = step_tokens(cache, a["layer"], data, st, one)
+        o, st = step_tokens(cache, a["layer"], data, st, lambda d, s, out: _torch_attn(a, d, w, s))
     else:
         o, st = _torch_attn(a, data, w, st)
     cache.layers[a["layer"]] = st
@@ -304,7 +300,7 @@ def launch_kda_attn(a, cache, data, w):
     if t == 1:
         o, st = one(data, st)
     elif traced(cache):
-        o, st = step_tokens(cache, a["layer"], data, st, lambda d1, s, out: one(d1, s, out)[0])
+        o, st = step_tokens(cache, a["layer"], data, st, one)
     else:
         flat = [x.reshape(b * t, -1) for x in data]
         cu = _equal_cu(t, b, xq.device)
