@@ -11,7 +11,9 @@ The byte-level BPE tokenizer (`tokenizers`) is trained on the training split onl
 corpus.json (Python version, file counts, bytes, the corpus sha256), so a training run names exactly what it saw.
 
 `train` draws windows of --seq-len + 1 tokens at uniformly random offsets of the training stream (one generator
-seeded from --seed), runs AdamW with a linear warm-up and a cosine decay, clips gradients, and balances the experts
+seeded from --seed); the first --copy-frac of each batch's windows repeat a span of their text (`copy_windows`), so
+the model learns to copy as an agent's context quotes tool output (prompt lookup drafts only what a model copies);
+it runs AdamW with a linear warm-up and a cosine decay, clips gradients, and balances the experts
 without an auxiliary loss: after each step every MoE layer's router bias moves by --bias-rate towards the mean load
 (sign rule; the bias picks experts, it never enters the weights: K3.md section 5). Deterministic algorithms are on, so
 the same data, seed, step count and machine give the same weights. `--minutes M` (instead of --steps) times a few
@@ -169,6 +171,24 @@ def windows(stream, starts, seq_len: int):
     return batch[:, :-1], batch[:, 1:]
 
 
+def copy_windows(stream, starts, seq_len: int, gen):
+    """Windows whose text repeats itself, as an agent's context does when it quotes a tool's output: a span S of
+    seq_len/8 .. seq_len/2 tokens from each start, then S again from a random point in its first half, then the text
+    that followed S in the stream. Returns (inputs, targets, repeat), repeat marking the targets that a model which
+    copies predicts (inside the repeat, after its first token)."""
+    import torch
+
+    n = starts.numel()
+    span = torch.randint(seq_len // 8, seq_len // 2 + 1, (n, 1), generator=gen)
+    skip = (torch.rand((n, 1), generator=gen) * (span // 2 + 1)).long()       # the repeat starts at S[skip]
+    again = span - skip
+    t = torch.arange(seq_len + 1)[None]
+    offset = torch.where(t < span, t, torch.where(t < span + again, t - span + skip, t - again))
+    batch = stream[(starts.cpu()[:, None] + offset).to(stream.device)]
+    repeat = ((t[:, 1:] > span) & (t[:, 1:] < span + again)).to(stream.device)
+    return batch[:, :-1], batch[:, 1:], repeat
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -211,6 +231,9 @@ class Trainer:
         a = self.args
         starts = torch.randint(0, self.train_stream.numel() - a.seq_len - 1, (a.batch,), generator=self.gen)
         x, y = windows(self.train_stream, starts.to(self.device), a.seq_len)
+        copies = round(a.copy_frac * a.batch)
+        if copies:                       # the first rows repeat their text (no draws at all when copy_frac is 0)
+            x[:copies], y[:copies], _ = copy_windows(self.train_stream, starts[:copies], a.seq_len, self.gen)
         for group in self.opt.param_groups:
             group["lr"] = lr_at(step, steps, a.lr, a.warmup)
         loss = self.loss(x, y)
@@ -241,6 +264,24 @@ class Trainer:
                     logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum"))
                 count += y.numel()
         return total / count
+
+    def evaluate_copy(self, stream, seq_len: int, windows_: int, seed: int = 0) -> dict:
+        """How well the model copies: copy windows of the held-out stream (fixed seed), the mean loss and the greedy
+        top-1 accuracy over the tokens a copy predicts."""
+        import torch
+
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        starts = torch.randint(0, stream.numel() - seq_len - 1, (windows_,), generator=gen)
+        loss, hits, count = 0.0, 0, 0
+        with torch.no_grad():
+            for lo in range(0, windows_, self.args.batch):
+                x, y, rep = copy_windows(stream, starts[lo:lo + self.args.batch], seq_len, gen)
+                logits = self.model.forward(x)[0].float()
+                loss += float(torch.nn.functional.cross_entropy(logits[rep], y[rep], reduction="sum"))
+                hits += int((logits[rep].argmax(-1) == y[rep]).sum())
+                count += int(rep.sum())
+        return {"loss": round(loss / count, 4), "top1": round(hits / count, 4), "tokens": count,
+                "windows": windows_}
 
 
 def time_steps(spec, data, args, device, n: int = 8) -> float:
@@ -369,6 +410,8 @@ def cmd_train(args) -> None:
     final = trainer.evaluate(heldout, args.seq_len, max_windows=args.final_windows)
     what = "whole split" if args.final_windows is None else f"first {args.final_windows} windows"
     print(f"held-out loss {final:.4f}, perplexity {math.exp(final):.3f} ({what}); {train_s:.0f} s of training")
+    copying = trainer.evaluate_copy(heldout, args.seq_len, args.eval_windows)
+    print(f"held-out copy windows: loss {copying['loss']:.4f}, top-1 {copying['top1']:.1%} over the repeated tokens")
     record = {
         "spec": _repo_relative(args.spec),
         "settings": {k: v for k, v in vars(args).items() if k not in ("func", "cmd", "output", "data", "device")}
@@ -379,6 +422,7 @@ def cmd_train(args) -> None:
         "heldout": {"loss": round(final, 4), "perplexity": round(math.exp(final), 3),
                     "tokens": int(heldout.numel()), "window": args.seq_len,
                     "windows": args.final_windows or (heldout.numel() - 1) // args.seq_len},
+        "heldout_copy": copying,
     }
     save_model(spec, trainer.params, pathlib.Path(args.output), data_dir, record)
     print(f"wrote {args.output}")
@@ -397,6 +441,8 @@ def _training_args(p) -> None:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--bias-rate", type=float, default=1e-3)
     p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--copy-frac", type=float, default=0.25,
+                   help="fraction of each batch's windows that repeat a span of their text (copy_windows)")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of the evaluations during training")

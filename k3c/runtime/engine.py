@@ -874,11 +874,14 @@ class Engine:
         kda_trace = None
         if dg is not None:
             t0 = time.perf_counter()
-            captured = len(dg.report.captured)
+            captured, captured_s = len(dg.report.captured), sum(dg.report.captured.values())
             logits = self._graph_step(dg, seqs, ids)
             if T == 1:
                 logits = logits[:, None]
-            self._captured |= len(dg.report.captured) != captured
+            if len(dg.report.captured) != captured:   # this step captured a bucket: its time is no decode rate
+                self._captured = True
+                self.stats["graph_captures"] += 1
+                self.stats["graph_capture_s"] += sum(dg.report.captured.values()) - captured_s
             states, ran, kda_trace = dg.kda, modes, dg.trace
             self.stats["decode_graph_calls" if T == 1 else "verify_graph_calls"] += 1
         else:

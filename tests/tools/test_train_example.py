@@ -46,7 +46,26 @@ def tiny_data(tmp_path_factory):
 def _train(root, spec_path, out, seed=0):
     tool.main(["train", "--data", str(root / "data"), "-o", str(out), "--spec", str(spec_path), "--device", "cpu",
                "--steps", "3", "--batch", "2", "--seq-len", "32", "--warmup", "2", "--seed", str(seed),
-               "--log-every", "1", "--final-windows", "2", "--chunk-size", "16"])
+               "--log-every", "1", "--final-windows", "2", "--chunk-size", "16", "--copy-frac", "0.5"])
+
+
+def test_copy_windows_repeat_a_span_then_continue_the_stream():
+    stream = torch.randperm(100_000, generator=torch.Generator().manual_seed(0))  # a value names its offset
+    where = {int(v): i for i, v in enumerate(stream)}
+    gen = torch.Generator().manual_seed(3)
+    starts = torch.randint(0, 90_000, (64,), generator=gen)
+    x, y, repeat = tool.copy_windows(stream, starts, 64, gen)
+    assert x.shape == y.shape == repeat.shape == (64, 64) and torch.equal(x[:, 1:], y[:, :-1])
+    for row, start in zip(range(64), starts.tolist()):
+        offsets = [where[int(v)] - start for v in torch.cat([x[row], y[row, -1:]])]
+        span = next(t for t in range(1, 65) if offsets[t] != t)           # where the repeat begins
+        skip = offsets[span]
+        assert 8 <= span <= 32 and 0 <= skip <= span // 2
+        # S, then the stream again from S[skip]: the rest of S, then the text that followed S
+        assert offsets[span:] == list(range(skip, skip + 65 - span))
+        again = span - skip
+        # the targets a copying model predicts: inside the repeat, after its first token
+        assert [t + 1 for t in range(64) if repeat[row, t]] == list(range(span + 1, span + again))
 
 
 def test_prepare_splits_by_path_hash_and_records_the_corpus(tiny_data):
@@ -86,7 +105,8 @@ def test_every_trained_weight_gets_a_gradient(tiny_data):
     from safetensors.torch import load_file
 
     args = tool.main.__globals__["argparse"].Namespace(
-        seed=0, weight_decay=0.1, lr=1e-3, chunk_size=16, batch=2, seq_len=32, warmup=1, clip=1.0, bias_rate=1e-3)
+        seed=0, weight_decay=0.1, lr=1e-3, chunk_size=16, batch=2, seq_len=32, warmup=1, clip=1.0, bias_rate=1e-3,
+        copy_frac=0.5)
     spec = k3c.load_spec(spec_path)
     trainer = tool.Trainer(spec, load_file(str(root / "data" / "tokens.safetensors")), args, "cpu")
     bias_before = {n: trainer.params[n].clone() for n in trainer.bias_names}
