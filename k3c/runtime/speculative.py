@@ -19,6 +19,7 @@ emitted token is then distributed exactly as plain sampling's (tests/runtime/tes
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -240,14 +241,17 @@ class Speculation:
     then decodes plainly until the plain cost is. The gain side is per request: the tokens its verifications
     emitted (an EMA; a request not yet verified counts as the mean of every request's so far, draft_len + 1 before
     the first). A step drafts when the batch's mean gain beats the cost ratio by `margin`; otherwise it decodes
-    plainly and probes (one verification, which refreshes every row's gain) after `probe_every` steps, twice as
-    long after each probe that did not pay (up to 32x), and only at that longest interval when a verification
-    costs more than draft_len + 1 plain steps (no acceptance could pay for it)."""
+    plainly and probes (one verification, which refreshes every row's gain) every (ratio - 1) / probe_cost plain
+    steps, so that probes which never pay cost at most `probe_cost` of plain decoding's time (a verification of
+    one sequence costs about a plain step: probe often, as copying resumes a few tokens after the model departs
+    from the source; one of 32 costs several: rarely), twice as long after each probe that did not pay (up to
+    32x), and only at that longest interval when a verification costs more than draft_len + 1 plain steps (no
+    acceptance could pay for it)."""
 
     drafter: object
     draft_len: int = 4
     adaptive: bool = True
-    probe_every: int = 32
+    probe_cost: float = 0.05
     buckets: tuple[int, ...] = ()          # draft lengths calls are padded to (one CUDA graph each); () = draft_len
     margin: float = 0.05
 
@@ -267,7 +271,7 @@ class Speculation:
         self._gain: dict[int, float] = {}            # request -> EMA tokens per verification
         self._all_gain: float | None = None          # EMA over every request's verifications
         self._since: dict[int, int] = {}             # batch -> plain steps since the last probe
-        self._backoff: dict[int, int] = {}           # batch -> the probe interval's multiple of probe_every
+        self._backoff: dict[int, int] = {}           # batch -> the multiple of probe_interval
 
     def bucket(self, d: int) -> int:
         """The padded draft length of a call whose longest draft is d (> 0)."""
@@ -295,6 +299,11 @@ class Speculation:
         b = batch if batch in self._ratio else min(near, key=lambda k: (abs(k - batch), k))
         return self._ratio[b]
 
+    def probe_interval(self, ratio: float) -> int:
+        """Plain steps between probes before backoff: a probe that keeps nothing costs ratio - 1 plain steps more
+        than a plain step would."""
+        return max(1, math.ceil((ratio - 1.0) / self.probe_cost))
+
     def pays(self, rids: list[int], ratio: float) -> bool:
         """Whether verifying beats plain decoding for these requests by the margin, at this cost ratio."""
         return self.gain(rids) > (1.0 + self.margin) * ratio
@@ -313,7 +322,7 @@ class Speculation:
         if ratio > self.draft_len + 1:
             self._backoff[b] = self.MAX_BACKOFF              # not even every draft kept would pay
         self._since[b] = self._since.get(b, 0) + 1
-        if self._since[b] >= self.probe_every * self._backoff.get(b, 1):
+        if self._since[b] >= self.probe_interval(ratio) * self._backoff.get(b, 1):
             self._since[b] = 0
             self._backoff[b] = min(2 * self._backoff.get(b, 1), self.MAX_BACKOFF)
             return True

@@ -264,9 +264,9 @@ def test_ngram_drafter_and_accept_greedy_units():
 def test_controller_turns_speculation_off_and_probes_less_and_less():
     """The adaptive controller (synthetic step times): verifies first, then decodes plainly until both costs are
     known (the first step of each kind and capture steps left out; the median of recent steps, so one slow step
-    does not decide); keeps verifying while the requests' gains pay by the margin; otherwise probes after 32, 64,
-    128, ... plain steps (capped at 32 x 32), at once at the cap when a verification costs more than draft_len + 1
-    plain steps; a paying probe resets the interval; another batch size uses the nearest one's cost ratio. Gains are
+    does not decide); keeps verifying while the requests' gains pay by the margin; otherwise probes after n, 2n,
+    4n, ... plain steps (capped at 32n; n = (ratio - 1) / probe_cost: failed probes cost probe_cost of the plain
+    time), at once at the cap when a verification costs more than draft_len + 1 plain steps; a paying probe resets the interval; another batch size uses the nearest one's cost ratio. Gains are
     per request (an unknown one counts as the mean)."""
     def drive(sp, steps, verify_s, tokens, plain_s=1.0, rids=tuple(range(8))):
         drafted = []
@@ -282,9 +282,11 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     assert d[:3] == [True] * 3 and d[3:7] == [False] * 4 and all(d[7:]), d
     sp.observe(list(range(8)), 40.0, {r: 3 for r in range(8)})   # one slow step: the median holds
     assert sp.wanted(list(range(8)))
-    d = drive(sp, 32 + 64 + 128 + 3, verify_s=2.0, tokens=2.05)   # acceptance falls: 1.025x < 1 + margin
+    n = sp.probe_interval(2.0)
+    assert n == 20 and sp.probe_interval(1.01) == 1 and sp.probe_interval(6.0) == 100
+    d = drive(sp, 7 * n + 3, verify_s=2.0, tokens=2.05)           # acceptance falls: 1.025x < 1 + margin
     probes = [i for i, x in enumerate(d) if x]
-    assert [b - a for a, b in zip(probes[-3:], probes[-2:])] == [32, 64], probes     # then 128 ...
+    assert [b - a for a, b in zip(probes[-3:], probes[-2:])] == [n, 2 * n], probes   # then 4n ...
     sp._gain.pop(7)                               # request 7 unknown: the mean of all (~2.05): not tried
     assert drive(sp, 1, verify_s=2.0, tokens=2.05) == [False]
     for _ in range(30):                                          # it pays again: every step drafts
@@ -298,8 +300,8 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     sp.forget(3)
     assert 3 not in sp._gain
     costly = Speculation(NgramDrafter(), draft_len=4)
-    d = drive(costly, 2000, verify_s=6.0, tokens=4.0)            # 6 plain steps' time for at most 5 tokens
-    assert d[:8] == [True] * 4 + [False] * 4 and sum(d[8:]) == 1 and d.index(True, 8) == 8 + 32 * 32 - 1
+    d = drive(costly, 4000, verify_s=6.0, tokens=4.0)            # 6 plain steps' time for at most 5 tokens
+    assert d[:8] == [True] * 4 + [False] * 4 and sum(d[8:]) == 1 and d.index(True, 8) == 8 + 32 * 100 - 1
     assert not any(drive(costly, 100, verify_s=6.0, tokens=4.0, rids=range(5)))   # 8's ratio: off at once
     assert all(drive(Speculation(NgramDrafter(), draft_len=4, adaptive=False), 50, verify_s=9.0, tokens=1.0))
 
