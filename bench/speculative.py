@@ -24,6 +24,7 @@ and off (every step drafts).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -64,6 +65,7 @@ def prompts(tok, workload: str, n: int, length: int) -> list[list[int]]:
 def timed_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
     before = dict(eng.stats)
     hist_before = dict(eng.accept_counts)
+    gc.collect()        # garbage of earlier passes is not collected inside this one (plain and speculative alike)
     sync()
     rids = [eng.add_request(p, new_tokens) for p in ps]
     got = {r: [] for r in rids}
@@ -295,7 +297,7 @@ def main(argv=None) -> int:
                     help="CUDA graphs an engine keeps: speculation's requests finish at different steps, so a batch "
                          "shrinks through every size, each a decode and a verification graph; evicting the full "
                          "batch's graphs in the warm-up would make the timed pass capture them again")
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes of each configuration (part 1): the median")
+    ap.add_argument("--repeats", type=int, default=5, help="timed passes of each configuration (part 1): the median")
     ap.add_argument("--prompt-tokens", type=int, default=384)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=4)

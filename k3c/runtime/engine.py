@@ -511,13 +511,14 @@ class Engine:
             if keep < len(seg):
                 self._rewind_pages(seq, base + keep)
             seq.length = base + keep
-            seq.last_logits = logits[seq.rid][keep - 1]
+            rows = logits[seq.rid].unbind(0)
+            seq.last_logits = rows[keep - 1]
             now = time.perf_counter()
-            for i, tok in enumerate(emitted):
-                seq.generated.append(tok)
-                seq.tokens.append(tok)
-                done = i == len(emitted) - 1 and (seq.done or tok in stop)
-                outs.append(StepOutput(seq.rid, tok, logits[seq.rid][i], done, seed))
+            seq.generated.extend(emitted)
+            seq.tokens.extend(emitted)
+            done = seq.done or emitted[-1] in stop
+            outs.extend(StepOutput(seq.rid, tok, rows[i], done and i == keep - 1, seed)
+                        for i, tok in enumerate(emitted))
             if seq.t_first is None:
                 seq.t_first = now
         for trace, rows, states in kept.values():       # KDA states back to the last kept token
@@ -707,8 +708,8 @@ class Engine:
                 for i in range(0, len(items), self.max_batch):
                     chunk = items[i:i + self.max_batch]
                     logits = self._call([s for s, _ in chunk], [g for _, g in chunk], trace=traced and t > 1)
-                    for j, (seq, _) in enumerate(chunk):
-                        out[seq.rid] = logits[j]
+                    for (seq, _), rows in zip(chunk, logits.unbind(0)):     # one call for every row's view
+                        out[seq.rid] = rows
                         done.add(seq.rid)
         except BaseException:
             self._rollback([u for u in undo if u[0].rid not in done])
