@@ -9,9 +9,11 @@ weights). Two workloads of prompts cut from k3c's own source files (Python the m
   copy   an agent's tool call: "# $ cat FILE" + --prompt-tokens tokens of the file as the tool's output, then
          "# FILE, unchanged:" + the first half of the output.s lines: a continuation that copies the output.
 Per batch size (--batches) and configuration (plain; ngram = prompt lookup; draft = examples/k3-stdlib-draft when
-present; --draft-len tokens at most, the adaptive controller on): untimed passes until one captures no CUDA graph (JIT, captures; at most 4), then
-the timed pass of the same requests; batch 1 times --b1-requests prompts, each alone, one after the other. Decode tokens/s = tokens after each request's first / the time after every
-request has its first token (warm-up and compile excluded). Also: drafts accepted / drafted, tokens per
+present; --draft-len tokens at most, the adaptive controller on): untimed passes until one captures no CUDA graph
+(JIT, captures; at most 6), then --repeats timed passes of the same requests, the median reported (every run's
+rate and graph captures listed); batch 1 times --b1-requests prompts, each alone, one after the other. Decode
+tokens/s = tokens after each request's first / the time after every request has its first token (warm-up and
+compile excluded). Also: drafts accepted / drafted, tokens per
 verification, and greedy identity with the plain pass (requests whose tokens are equal).
 
 Part 2, k3-wide-shaped timing (--wide spec, random weights, --wide-context tokens of random prompt): what a verified
@@ -92,7 +94,7 @@ def timed_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
             "accept_hist": {int(k): v for k, v in sorted(hist.items())}}
 
 
-def warm_up(eng, ps: list[list[int]], new_tokens: int, sync, passes: int = 4) -> int:
+def warm_up(eng, ps: list[list[int]], new_tokens: int, sync, passes: int = 6) -> int:
     """Untimed passes until one captures no CUDA graph (JIT, captures: a server pays them once at start, and a
     batch that shrinks as its requests finish at different steps meets a new shape in each of the first passes);
     the passes it took."""
@@ -203,6 +205,7 @@ def part_trained(args, dev, dtype, sync) -> dict:
                 runs = [timed_requests(eng, ps, args.new_tokens, sync, together=b > 1) for _ in range(args.repeats)]
                 r = sorted(runs, key=lambda x: x["decode_tokens_per_s"])[len(runs) // 2]
                 r["runs_tokens_per_s"] = [round(x["decode_tokens_per_s"], 1) for x in runs]
+                r["runs_graph_captures"] = [x["graph_captures"] for x in runs]
                 if plain is None:
                     plain = r
                 row = {"model": "k3-stdlib", "workload": workload, "batch": b, "config": name,
