@@ -79,6 +79,8 @@ class StepOutput:
 
 
 class Engine:
+    PADDED_CALLS = 8    # calls a batch size runs padded in a larger graph before its own is captured
+
     def __init__(self, compiled, weights: dict[str, torch.Tensor], *, device: str = "cpu", max_batch: int = 8,
                  max_context: int | None = None, num_pages: int | None = None, page_size: int | None = None,
                  use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
@@ -760,11 +762,13 @@ class Engine:
         dg = self._graphs.get(key)
         if dg is None:
             # a larger batch's graph runs this one with padding rows: one of up to twice the batch always, a larger
-            # one instead of an eager step until this shape's own graph is due
+            # one until this shape's own graph is due and it has run PADDED_CALLS times (a capture costs ~10 eager
+            # steps; the tail of a batch whose requests finish one by one passes through sizes for a few steps
+            # each, and under speculation through verification shapes too)
             larger = sorted((g for (b, t), g in self._graphs.items() if t == tokens and b > batch),
                             key=lambda g: g.batch)
             dg = next((g for g in larger if g.batch <= 2 * batch), None)
-            if dg is None and larger and not turn:
+            if dg is None and larger and not (turn and self._shape_calls[key] >= self.PADDED_CALLS):
                 dg = larger[0]
             key = (dg.batch, tokens) if dg is not None else key
         if dg is not None:
