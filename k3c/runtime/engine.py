@@ -487,6 +487,8 @@ class Engine:
             top = torch.stack([logits[s.rid] for s in greedy]).argmax(-1).tolist()
             picks = {s.rid: t for s, t in zip(greedy, top)}
         outs, kept = [], {}                    # id(trace) -> (trace, {row: kept count}, the call's KDA states)
+        drafted = accepted = 0
+        now = time.perf_counter()
         for seq in seqs:
             draft, seg = drafts[seq.rid]
             if seq.rid in picks:
@@ -497,15 +499,13 @@ class Engine:
                 emitted = accept_sampled(logits[seq.rid], draft, params, gen)
                 seed = params.seed
             stop = self._stop.get(seq.rid, ())
-            cut = next((i + 1 for i, t in enumerate(emitted) if t in stop), len(emitted))
-            emitted = emitted[:cut]
-            self.stats["generated_tokens"] += len(emitted)
+            if stop:
+                emitted = emitted[:next((i + 1 for i, t in enumerate(emitted) if t in stop), len(emitted))]
             keep = len(emitted)                # call tokens kept: the last token and the accepted drafts
             base = seq.length - len(seg)
-            self.stats["spec_drafted"] += len(draft)
-            self.stats["spec_accepted"] += keep - 1
+            drafted += len(draft)
+            accepted += keep - 1
             self.accept_counts[keep - 1] += 1
-            self.stats["spec_calls"] += 1
             trace, row = self._traces[seq.rid]
             if id(trace) not in kept:
                 kept[id(trace)] = (trace, {}, {i: seq.kda[i][0] for i in self.kda_layers})
@@ -515,7 +515,6 @@ class Engine:
             seq.length = base + keep
             rows = logits[seq.rid].unbind(0)
             seq.last_logits = rows[keep - 1]
-            now = time.perf_counter()
             seq.generated.extend(emitted)
             seq.tokens.extend(emitted)
             done = seq.done or emitted[-1] in stop
@@ -523,6 +522,10 @@ class Engine:
                         for i, tok in enumerate(emitted))
             if seq.t_first is None:
                 seq.t_first = now
+        self.stats["generated_tokens"] += len(outs)
+        self.stats["spec_drafted"] += drafted
+        self.stats["spec_accepted"] += accepted
+        self.stats["spec_calls"] += len(seqs)
         for trace, rows, states in kept.values():       # KDA states back to the last kept token
             if trace:
                 T, B = next(iter(trace.values())).states.shape[:2]

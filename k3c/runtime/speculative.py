@@ -42,10 +42,12 @@ class _NgramIndex:
 
     def extend(self, ctx: list[int]) -> None:
         upto = len(ctx) - 1                   # the tail's own n-grams end at len(ctx): not matches of themselves
-        for end in range(max(self.length, 1), upto + 1):
-            for n in self.ns:
-                if n <= end:
-                    self.ends[tuple(ctx[end - n:end])] = end
+        start = max(self.length, 1)
+        for n in self.ns:                     # the n-grams ending at start..upto, in one dict update per n
+            lo = max(start, n)
+            if lo <= upto:
+                cols = [ctx[lo - n + i:upto - n + i + 1] for i in range(n)]
+                self.ends.update(zip(zip(*cols), range(lo, upto + 1)))
         self.length = max(self.length, upto + 1)
         self.last = ctx[self.length - 1] if self.length else None
 
