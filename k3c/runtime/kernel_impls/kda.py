@@ -300,6 +300,9 @@ def launch_kda_attn(a, cache, data, w):
     if t == 1:
         o, st = one(data, st)
     elif traced(cache):
+        # token-major storage: each token's [B, ...] inputs are then contiguous, one copy per input and layer instead
+        # of one per input and token (the kernel takes contiguous rows)
+        data = tuple(x.transpose(0, 1).contiguous().transpose(0, 1) for x in data)
         o, st = step_tokens(cache, a["layer"], data, st, one)
     else:
         flat = [x.reshape(b * t, -1) for x in data]
