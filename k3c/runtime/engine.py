@@ -434,6 +434,8 @@ class Engine:
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)
+        if self.speculation is not None:
+            self.speculation.settle(self.seqs)             # shadow drafts that this step's tokens decide
         if self.speculation is not None and decoding and decoding == len(plan) and (drafts or not tried):
             emitted = Counter(o.rid for o in outs if o.rid in drafts and o.rid in self.seqs) if drafts else None
             self.speculation.observe([s.rid for s, _ in plan], time.perf_counter() - t0, emitted,
@@ -451,15 +453,17 @@ class Engine:
 
         spec = self.speculation
         rows = [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
-        if not rows or not spec.wanted([s.rid for s in rows]):
+        if not rows:
             return {}, False
-        ks = []
-        for s in rows:
-            k = min(spec.draft_len, s.max_new_tokens - len(s.generated) - 1, self.max_context - s.length - 1)
-            if self.prefix is not None:          # a checkpoint boundary is not crossed (as prefill pieces do)
-                iv = self.prefix.interval
-                k = min(k, (s.length // iv + 1) * iv - s.length - 1)
-            ks.append(max(0, k))
+        if not spec.wanted([s.rid for s in rows]):
+            shadow = set(spec.shadow_rids([s.rid for s in rows]))      # scored later against what follows
+            if shadow:
+                rows = [s for s in rows if s.rid in shadow]
+                for s, d in zip(rows, propose(spec, [s.rid for s in rows], [s.tokens for s in rows],
+                                              [self._draft_room(s) for s in rows])):
+                    spec.shadow(s.rid, len(s.tokens), d)
+            return {}, False
+        ks = [self._draft_room(s) for s in rows]
         got = propose(spec, [s.rid for s in rows], [s.tokens for s in rows], ks)
         got = [list(d)[:k] for d, k in zip(got, ks)]
         longest = max(len(d) for d in got)
@@ -474,6 +478,14 @@ class Engine:
             seg = [s.tokens[-1]] + d + [d[-1] if d else s.tokens[-1]] * (pad - len(d))
             out[s.rid] = (d, seg)
         return out, True
+
+    def _draft_room(self, s: SeqState) -> int:
+        """The most tokens sequence s may draft this step."""
+        k = min(self.speculation.draft_len, s.max_new_tokens - len(s.generated) - 1, self.max_context - s.length - 1)
+        if self.prefix is not None:              # a checkpoint boundary is not crossed (as prefill pieces do)
+            iv = self.prefix.interval
+            k = min(k, (s.length // iv + 1) * iv - s.length - 1)
+        return max(0, k)
 
     def _verify(self, drafts, logits) -> list[StepOutput]:
         """Accept or reject each drafting sequence's draft, emit its tokens, roll back what was not kept."""

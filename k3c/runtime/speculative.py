@@ -70,6 +70,7 @@ class NgramDrafter:
     tokens it gains, so drafting a batch costs microseconds a sequence at any context length."""
 
     name = "ngram"
+    cheap = True        # drafting costs microseconds: plain steps may shadow-draft (Speculation.shadow_rids)
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
@@ -108,6 +109,7 @@ class DraftModelDrafter:
     reference each: states are never changed in place), so following the target after a rejection is a rewind."""
 
     name = "draft"
+    cheap = False
 
     def __init__(self, engine):
         if engine.cuda_graphs:
@@ -248,7 +250,11 @@ class Speculation:
     one sequence costs about a plain step: probe often, as copying resumes a few tokens after the model departs
     from the source; one of 32 costs several: rarely), twice as long after each probe that did not pay (up to
     32x), and only at that longest interval when a verification costs more than draft_len + 1 plain steps (no
-    acceptance could pay for it)."""
+    acceptance could pay for it). With a cheap drafter (prompt lookup), plain steps also shadow-draft: up to
+    `shadow_rows` rows a step (round robin, one pending draft a row) look up a draft, and once the tokens that
+    follow decide it, the tokens a verification would have emitted count in the row's gain as a verified one's do,
+    at no verification cost: a copy that resumes after the model departed from its source turns drafting back on
+    within a few tokens."""
 
     drafter: object
     draft_len: int = 4
@@ -256,6 +262,7 @@ class Speculation:
     probe_cost: float = 0.05
     buckets: tuple[int, ...] = ()          # draft lengths calls are padded to (one CUDA graph each); () = draft_len
     margin: float = 0.05
+    shadow_rows: int = 4
 
     MAX_BACKOFF = 32
     SAMPLES = 3                            # step times per (batch, kind) before that cost is known
@@ -274,6 +281,8 @@ class Speculation:
         self._all_gain: float | None = None          # EMA over every request's verifications
         self._since: dict[int, int] = {}             # batch -> plain steps since the last probe
         self._backoff: dict[int, int] = {}           # batch -> the multiple of probe_interval
+        self._shadow: dict[int, tuple[int, list[int]]] = {}   # request -> (context length, its pending shadow draft)
+        self._shadow_turn = 0
 
     def bucket(self, d: int) -> int:
         """The padded draft length of a call whose longest draft is d (> 0)."""
@@ -335,9 +344,7 @@ class Speculation:
         that did not try to draft). timed=False (a step that captured a CUDA graph) and the first step of each kind
         per batch size (it runs eagerly: a shape's graph is made on its second call) add no time."""
         for r, n in (emitted or {}).items():
-            old = self._gain.get(r)
-            self._gain[r] = n if old is None else 0.7 * old + 0.3 * n
-            self._all_gain = n if self._all_gain is None else 0.95 * self._all_gain + 0.05 * n
+            self._credit(r, n)
         kind = (len(rids), emitted is None)
         self._seen[kind] = self._seen.get(kind, 0) + 1
         if timed and self._seen[kind] > 1:
@@ -350,8 +357,47 @@ class Speculation:
                 if (b, True) in self._median and (b, False) in self._median:
                     self._ratio[b] = self._median[(b, False)] / self._median[(b, True)]
 
+    def _credit(self, rid: int, n: int) -> None:
+        """A verification of request rid emitted (or would have emitted) n tokens."""
+        old = self._gain.get(rid)
+        self._gain[rid] = n if old is None else 0.7 * old + 0.3 * n
+        self._all_gain = n if self._all_gain is None else 0.95 * self._all_gain + 0.05 * n
+
+    def shadow_rids(self, rids: list[int]) -> list[int]:
+        """Of a plain step's requests, those to shadow-draft: none unless the drafter is cheap and the controller
+        adaptive; else up to shadow_rows without a pending shadow draft, taken round robin."""
+        if not self.adaptive or not getattr(self.drafter, "cheap", False) or self.shadow_rows <= 0:
+            return []
+        free = [r for r in rids if r not in self._shadow]
+        if not free:
+            return []
+        at = self._shadow_turn % len(free)
+        self._shadow_turn += self.shadow_rows
+        return (free[at:] + free[:at])[:self.shadow_rows]
+
+    def shadow(self, rid: int, length: int, draft: list[int]) -> None:
+        """Request rid's drafter proposed `draft` after its first `length` tokens, on a plain step."""
+        if draft:
+            self._shadow[rid] = (length, list(draft))
+
+    def settle(self, seqs: dict) -> None:
+        """Score the pending shadow drafts against their requests' tokens ({request: its sequence, whose `tokens`
+        are its context so far}) where those decide them (a mismatch, or every drafted position filled): a verification would have kept the matching
+        drafts plus one token of the target's."""
+        for rid in [r for r in self._shadow if r in seqs]:
+            length, draft = self._shadow[rid]
+            new = seqs[rid].tokens[length:length + len(draft)]
+            kept = 0
+            while kept < len(new) and new[kept] == draft[kept]:
+                kept += 1
+            if kept == len(new) < len(draft):     # every token so far matches, and more are drafted: wait
+                continue
+            del self._shadow[rid]
+            self._credit(rid, kept + 1)
+
     def forget(self, rid: int) -> None:
         self._gain.pop(rid, None)
+        self._shadow.pop(rid, None)
         self.drafter.forget(rid)
 
     def rates(self) -> dict[int, dict]:

@@ -306,6 +306,50 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     assert all(drive(Speculation(NgramDrafter(), draft_len=4, adaptive=False), 50, verify_s=9.0, tokens=1.0))
 
 
+def test_shadow_drafts_score_plain_steps():
+    """On plain steps a cheap drafter's drafts are scored against the tokens that follow (shadow drafting): up to
+    shadow_rows requests a step, round robin, one pending draft each; a draft is decided by its first mismatch or
+    once every drafted position is filled, and credits kept + 1 tokens to the request's gain, which turns
+    verification back on once it pays. None for a draft model (not cheap) or without the adaptive controller."""
+    class Seq:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+    sp = Speculation(NgramDrafter(), draft_len=4, shadow_rows=2)
+    assert sp.shadow_rids([1, 2, 3]) == [1, 2] and sp.shadow_rids([1, 2, 3]) == [3, 1]
+    sp.shadow(1, 3, [7, 8, 9])
+    sp.shadow(2, 3, [])                                # nothing drafted: nothing pending
+    assert sorted(sp.shadow_rids([1, 2, 3])) == [2, 3]  # 1 has a pending draft
+    seqs = {1: Seq([0, 0, 0, 7, 8])}
+    sp.settle(seqs)                                    # 7, 8 match and 9 is not decided yet
+    assert 1 in sp._shadow and 1 not in sp._gain
+    seqs[1].tokens += [9]
+    sp.settle(seqs)
+    assert 1 not in sp._shadow and sp._gain[1] == 4    # all three kept, plus the target's own token
+    sp.shadow(1, 6, [5, 5])
+    seqs[1].tokens += [4, 5]
+    sp.settle(seqs)
+    assert sp._gain[1] == 0.7 * 4 + 0.3 * 1            # rejected at once: one token
+    sp.shadow(2, 0, [1])
+    sp.forget(2)
+    assert 2 not in sp._shadow
+    # gains raised by shadows turn drafting back on: costs known (verify = 2 plain steps), gain 1.2 -> off
+    for _ in range(5):
+        sp.observe([1], 1.0, None)
+        sp.observe([1], 2.0, {1: 1})
+    assert not sp.wanted([1])
+    for _ in range(4):
+        sp.shadow(1, len(seqs[1].tokens), [3, 3, 3, 3])
+        seqs[1].tokens += [3] * 4
+        sp.settle(seqs)
+    assert sp._gain[1] > 2.1 and sp.wanted([1])
+    assert Speculation(NgramDrafter(), draft_len=4, adaptive=False).shadow_rids([1]) == []
+
+    class Costly(NgramDrafter):
+        cheap = False
+    assert Speculation(Costly(), draft_len=4).shadow_rids([1]) == []
+
+
 # ---- 2. draft models ----------------------------------------------------------------------------------------------
 def tiny_spec(vocab: int, layers: int = 2):
     """examples/k3-tiny.yaml cut to `layers` layers (one KDA then one MLA for 2) with the given vocabulary."""
