@@ -250,8 +250,9 @@ class Speculation:
     one sequence costs about a plain step: probe often, as copying resumes a few tokens after the model departs
     from the source; one of 32 costs several: rarely), twice as long after each probe that did not pay (up to
     32x), and only at that longest interval when a verification costs more than draft_len + 1 plain steps (no
-    acceptance could pay for it). With a cheap drafter (prompt lookup), plain steps also shadow-draft: up to
-    `shadow_rows` rows a step (round robin, one pending draft a row) look up a draft, and once the tokens that
+    acceptance could pay for it). With a cheap drafter (prompt lookup), plain steps also shadow-draft (unless no
+    acceptance could pay): up to `shadow_rows` rows a step (round robin, one pending draft a row; each costs a
+    lookup, ~10 us of host time) look up a draft, and once the tokens that
     follow decide it, the tokens a verification would have emitted count in the row's gain as a verified one's do,
     at no verification cost: a copy that resumes after the model departed from its source turns drafting back on
     within a few tokens."""
@@ -262,7 +263,7 @@ class Speculation:
     probe_cost: float = 0.05
     buckets: tuple[int, ...] = ()          # draft lengths calls are padded to (one CUDA graph each); () = draft_len
     margin: float = 0.05
-    shadow_rows: int = 4
+    shadow_rows: int = 2
 
     MAX_BACKOFF = 32
     SAMPLES = 3                            # step times per (batch, kind) before that cost is known
@@ -367,6 +368,9 @@ class Speculation:
         """Of a plain step's requests, those to shadow-draft: none unless the drafter is cheap and the controller
         adaptive; else up to shadow_rows without a pending shadow draft, taken round robin."""
         if not self.adaptive or not getattr(self.drafter, "cheap", False) or self.shadow_rows <= 0:
+            return []
+        ratio = self.ratio(len(rids))
+        if ratio is not None and ratio > self.draft_len + 1:     # no acceptance could pay: nothing to learn
             return []
         free = [r for r in rids if r not in self._shadow]
         if not free:
