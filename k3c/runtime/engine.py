@@ -141,7 +141,9 @@ class Engine:
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
         self._traces: dict = {}                     # rid -> (KDA trace of its last verification call, row)
         self.accept_counts: Counter = Counter()     # drafts kept in one sequence-verification -> how often
-        self._captured = False                      # a CUDA graph was captured this step (its time is not a rate)
+        # a CUDA graph was captured this step, or the batch's KDA rows moved into a graph's slots (a batch that
+        # changed): its time is no decode step's cost
+        self._untimed = False
         # decode steps through captured CUDA graphs (runtime/cuda_graph.py), one DecodeGraph per batch size. None:
         # on where they can be captured (a CUDA device with kernels, or a stand-in backend). A batch size gets its
         # graph on its second decode step in a row (a capture costs ~10 eager steps: a batch that shrinks every
@@ -439,8 +441,8 @@ class Engine:
         if self.speculation is not None and decoding and decoding == len(plan) and (drafts or not tried):
             emitted = Counter(o.rid for o in outs if o.rid in drafts and o.rid in self.seqs) if drafts else None
             self.speculation.observe([s.rid for s, _ in plan], time.perf_counter() - t0, emitted,
-                                     timed=not self._captured)
-        self._captured = False
+                                     timed=not self._untimed)
+        self._untimed = False
         self.stats["steps"] += 1
         return outs
 
@@ -845,6 +847,7 @@ class Engine:
         if not same or pad:
             self._rehome(dg, {id(s) for s in seqs})   # slots about to be overwritten: give their rows a home
         if not same:
+            self._untimed = True
             for i in self.kda_layers:
                 g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
                 slot = dg.kda[i]
@@ -899,7 +902,7 @@ class Engine:
             if T == 1:
                 logits = logits[:, None]
             if len(dg.report.captured) != captured:   # this step captured a bucket: its time is no decode rate
-                self._captured = True
+                self._untimed = True
                 self.stats["graph_captures"] += 1
                 self.stats["graph_capture_s"] += sum(dg.report.captured.values()) - captured_s
             states, ran, kda_trace = dg.kda, modes, dg.trace

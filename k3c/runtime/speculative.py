@@ -239,12 +239,13 @@ class Speculation:
 
     With `adaptive`, drafting pays for itself or stops. The cost side is per batch size: the engine times its whole
     decode steps (drafting, the call, acceptance, rollback), plain and verifying, and the controller keeps the
-    median of the last few of each (steps that captured a CUDA graph, the first step of each kind and steps that
-    tried to draft and found nothing are no sample). A batch size without both costs uses the cost ratio of the
+    median of the last few of each (steps that captured a CUDA graph or moved the batch's KDA rows into a graph's
+    slots, the first step of each kind and steps that tried to draft and found nothing are no sample). A batch size without both costs uses the cost ratio of the
     nearest one within a factor of two that has them; with none, it verifies until its verification cost is known,
     then decodes plainly until the plain cost is. The gain side is per request: the tokens its verifications
     emitted (an EMA; a request not yet verified counts as the mean of every request's so far, draft_len + 1 before
-    the first). A step drafts when the batch's mean gain beats the cost ratio by `margin`; otherwise it decodes
+    the first). A step drafts when the gain of three quarters of the batch's requests beats the cost ratio by
+    `margin` (`pays`); otherwise it decodes
     plainly and probes (one verification, which refreshes every row's gain) every (ratio - 1) / probe_cost plain
     steps, so that probes which never pay cost at most `probe_cost` of plain decoding's time (a verification of
     one sequence costs about a plain step: probe often, as copying resumes a few tokens after the model departs
@@ -317,8 +318,13 @@ class Speculation:
         return max(1, math.ceil((ratio - 1.0) / self.probe_cost))
 
     def pays(self, rids: list[int], ratio: float) -> bool:
-        """Whether verifying beats plain decoding for these requests by the margin, at this cost ratio."""
-        return self.gain(rids) > (1.0 + self.margin) * ratio
+        """Whether verifying beats plain decoding by the margin, at this cost ratio, for three quarters of these
+        requests: a request whose verifications emit fewer tokens than they cost in plain steps is slowed down by
+        each (at batch 32, ~3 plain steps for a verification at k3-stdlib), and a fixed batch ends with its slowest
+        request; the batch's mean gain would trade those requests for the others."""
+        prior = self._all_gain if self._all_gain is not None else self.draft_len + 1.0
+        gains = sorted(self._gain.get(r, prior) for r in rids)
+        return gains[len(gains) // 4] > (1.0 + self.margin) * ratio
 
     def wanted(self, rids: list[int]) -> bool:
         """Whether this step of the decoding requests `rids` should draft."""

@@ -304,6 +304,12 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     assert d[:8] == [True] * 4 + [False] * 4 and sum(d[8:]) == 1 and d.index(True, 8) == 8 + 32 * 100 - 1
     assert not any(drive(costly, 100, verify_s=6.0, tokens=4.0, rids=range(5)))   # 8's ratio: off at once
     assert all(drive(Speculation(NgramDrafter(), draft_len=4, adaptive=False), 50, verify_s=9.0, tokens=1.0))
+    mixed = Speculation(NgramDrafter(), draft_len=4)           # the lower quartile decides, not the mean
+    mixed.observe(list(range(8)), 1.0, {r: 5 if r > 1 else 1 for r in range(8)})
+    assert mixed.pays(list(range(8)), 2.0)                     # two of eight slowed: a quarter, still drafts
+    for _ in range(6):
+        mixed.observe(list(range(8)), 1.0, {2: 1})
+    assert mixed.gain(list(range(8))) > 3.0 and not mixed.pays(list(range(8)), 2.0)   # three: the mean would
 
 
 def test_shadow_drafts_score_plain_steps():
