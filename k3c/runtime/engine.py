@@ -158,7 +158,8 @@ class Engine:
         self._graph_backend = graph_backend         # a stand-in capture backend (tests); None: CUDA graphs
         self._graphs: OrderedDict = OrderedDict()   # (batch, tokens) -> DecodeGraph, least recently used first
         self._last_decode_batch = None              # (batch, tokens) of the previous decode / verification call
-        self._graph_bt: dict = {}                   # (batch, tokens) -> (block-table key, rows) its graph holds
+        self._graph_bt: dict = {}                   # (batch, tokens) -> (block-table key, slots) its graph holds
+        self._rows_key, self._rows_dev = None, None # Engine._device_rows
         self._kda_tokens: dict = {}                 # tokens -> per-token KDA buffers the verification graphs share
         self._shape_calls: Counter = Counter()      # (batch, tokens) -> eager calls so far (graphs from the second)
 
@@ -834,20 +835,59 @@ class Engine:
                     other.kda[i] = (KDAState(st.state[j:j + 1].clone(), tuple(t[j:j + 1].clone() for t in st.conv)),
                                     0)
 
-    def _graph_step(self, dg, seqs: list[SeqState], ids: torch.Tensor) -> torch.Tensor:
-        """One decode step of `seqs` through `dg`. The batch's KDA rows live in dg's static slots: kept there while
-        the same sequences step in the same order (each sequence's state is a row reference to a slot), copied in
-        when the batch changes, after any other sequence still referring to those slots got its own copy. A graph
-        of a larger batch runs the rows past len(seqs) as padding: token 0 at length 0 on the pool's scratch page,
-        on whatever their KDA slots hold; every op is row-independent, so they change nothing the real rows see,
-        and their outputs are dropped."""
-        B, pad = len(seqs), dg.batch - len(seqs)
-        same = all(s.kda.get(i) is not None and s.kda[i][0] is dg.kda[i] and s.kda[i][1] == j
-                   for j, s in enumerate(seqs) for i in self.kda_layers)
-        if not same or pad:
+    def _home(self, seqs: list[SeqState], tokens: int):
+        """(graph, each sequence's row) when the KDA slots of one batch size's graphs already hold every sequence's
+        rows (one row in every layer, no two alike), that batch is at most twice len(seqs) and its graph of
+        `tokens` tokens exists: the call runs there with the rows in place (a departed request's row is a padding
+        row) instead of gathering the batch into a smaller graph's slots (~1 ms at batch 32 of k3-stdlib, each time
+        a request of a speculating batch finishes). None otherwise."""
+        if not self.kda_layers:
+            return None
+        first = seqs[0].kda.get(self.kda_layers[0])
+        if first is None:
+            return None
+        home = next((g for g in self._graphs.values() if g.kda[self.kda_layers[0]] is first[0]), None)
+        if home is None or home.batch > 2 * len(seqs):
+            return None
+        key = (home.batch, tokens)
+        dg = self._graphs.get(key)
+        slots = self._slots(home, seqs) if dg is not None else None
+        if slots is None:
+            return None
+        self._graphs.move_to_end(key)
+        return dg, slots
+
+    def _slots(self, dg, seqs: list[SeqState]) -> list[int] | None:
+        """The row of dg's KDA slots each sequence's states live in, or None unless all of them live there (at one
+        row in every layer, no two sequences at the same row)."""
+        slots = []
+        for s in seqs:
+            j = None
+            for i in self.kda_layers:
+                r = s.kda.get(i)
+                if r is None or r[0] is not dg.kda[i] or (j is not None and r[1] != j):
+                    return None
+                j = r[1]
+            slots.append(j)
+        return slots if len(set(slots)) == len(slots) else None
+
+    def _graph_step(self, dg, seqs: list[SeqState], segments: list[list[int]],
+                    slots: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """One decode step of `seqs` through `dg`: (their logits, the slot row each ran in). The batch's KDA rows live
+        in dg's static slots: each sequence's state is a row reference to a slot, and a sequence whose rows are
+        there runs in place; otherwise the batch is copied into rows 0..B-1, after any other sequence still
+        referring to those slots got its own copy. The graph's other rows run as padding: token 0 at length 0 on
+        the pool's scratch page, on whatever their KDA slots hold; every op is row-independent, so they change
+        nothing the real rows see, and their outputs are dropped."""
+        B, T, pad = len(seqs), dg.tokens, dg.batch - len(seqs)
+        if slots is None:
+            slots = self._slots(dg, seqs) if self.kda_layers else list(range(B))
+        if slots is None or pad:
             self._rehome(dg, {id(s) for s in seqs})   # slots about to be overwritten: give their rows a home
-        if not same:
+        if slots is None:
+            slots = list(range(B))
             self._untimed = True
+            self.stats["graph_slot_gathers"] += 1
             for i in self.kda_layers:
                 g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
                 slot = dg.kda[i]
@@ -861,44 +901,59 @@ class Engine:
                     slot.state[:B].copy_(g.state)
                     for d, src in zip(slot.conv, g.conv):
                         d[:B].copy_(src)
+        in_order = slots == list(range(B))
+        rows = [[0] * T for _ in range(dg.batch)]
+        lens = [0] * dg.batch
+        for j, seg, s in zip(slots, segments, seqs):
+            rows[j] = seg
+            lens[j] = s.length
         if self.mla_layers:
             bt = self._block_table(seqs)
             key = (dg.batch, dg.tokens)
             held = self._graph_bt.get(key)
-            if held is None or held[0] is not self._bt_key or held[1] != B:   # changes once per page_size steps
-                if pad:
-                    bt = torch.cat([bt, torch.full((pad, bt.shape[1]), self.pool.scratch, dtype=bt.dtype,
-                                                   device=bt.device)])
+            if held is None or held[0] is not self._bt_key or held[1] != slots:   # changes once per page_size steps
+                if not in_order or pad:
+                    full = torch.full((dg.batch, bt.shape[1]), self.pool.scratch, dtype=bt.dtype, device=bt.device)
+                    full[self._device_rows(slots)] = bt
+                    bt = full
                 dg.set_block_table(bt)
-                self._graph_bt[key] = (self._bt_key, B)
-        dg.set_lengths([s.length for s in seqs] + [0] * pad)
-        if pad:
-            ids = torch.cat([ids.reshape(B, dg.tokens), ids.new_zeros(pad, dg.tokens)])
-            self.stats["padded_graph_rows"] += pad
+                self._graph_bt[key] = (self._bt_key, slots)
+        dg.set_lengths(lens)
+        self.stats["padded_graph_rows"] += pad
+        out = dg.step(self._h2d(torch.tensor(rows, dtype=torch.long)))
         # the replay's output is overwritten next step
-        return dg.step(ids.reshape(dg.batch, dg.tokens))[:B].clone()
+        return (out[:B].clone() if in_order else out.index_select(0, self._device_rows(slots))), slots
+
+    def _device_rows(self, slots: list[int]) -> torch.Tensor:
+        """`slots` as a device index (the last one kept: a batch runs in the same rows for many steps)."""
+        key = tuple(slots)
+        if self._rows_key != key:
+            self._rows_key, self._rows_dev = key, self._h2d(torch.tensor(slots, dtype=torch.long))
+        return self._rows_dev
 
     def _call(self, seqs: list[SeqState], segments: list[list[int]], trace: bool = False) -> torch.Tensor:
         """One graph call of equal-length segments; trace: a verification call (T > 1) whose KDA inputs are kept
         for a rollback (self._traces), through a CUDA graph per (batch, T) like decode steps."""
         B, T = len(segments), len(segments[0])
-        ids = self._h2d(torch.tensor(segments, dtype=torch.long))
         lens = [s.length for s in seqs]
         modes = self.mla_modes(T, lens) if self.mla_layers else {}
         dg = None
         graphable = T == 1 or trace
+        home = None
         if graphable and self.cuda_graphs and all(m == "mqa" for m in modes.values()):
-            dg = self._decode_graph(B, T)
+            home = self._home(seqs, T)
+            dg = home[0] if home else self._decode_graph(B, T)
             if dg is not None and (dg.report.mode != "graph" or max(lens) + T > dg.capacity):
                 dg = None                              # not capturable (reported) or past the last bucket
         self._last_decode_batch = (B, T) if graphable else None
         if graphable:
             self._shape_calls[(B, T)] += 1
         kda_trace = None
+        slots = range(B)                               # the KDA state row of each sequence after the call
         if dg is not None:
             t0 = time.perf_counter()
             captured, captured_s = len(dg.report.captured), sum(dg.report.captured.values())
-            logits = self._graph_step(dg, seqs, ids)
+            logits, slots = self._graph_step(dg, seqs, segments, home[1] if home and home[0] is dg else None)
             if T == 1:
                 logits = logits[:, None]
             if len(dg.report.captured) != captured:   # this step captured a bucket: its time is no decode rate
@@ -908,6 +963,7 @@ class Engine:
             states, ran, kda_trace = dg.kda, modes, dg.trace
             self.stats["decode_graph_calls" if T == 1 else "verify_graph_calls"] += 1
         else:
+            ids = self._h2d(torch.tensor(segments, dtype=torch.long))
             cache = LayerCaches(self.spec.num_layers, self.kv_dtype)
             if trace:
                 cache.kda_trace = kda_trace = {}
@@ -924,12 +980,12 @@ class Engine:
             states, ran = cache.layers, dict(getattr(cache, "modes", {}))
         kind = "decode" if T == 1 else "verify" if trace else "prefill"
         if trace:
-            for j, seq in enumerate(seqs):
+            for j, seq in zip(slots, seqs):
                 self._traces[seq.rid] = (kda_trace, j)
         self.stats[f"{kind}_calls"] += 1
         self.stats[f"{kind}_tokens"] += B * T
         self.stats[f"{kind}_seconds_launch"] += time.perf_counter() - t0     # host time (no device sync)
-        for j, seq in enumerate(seqs):                 # commit: nothing above changed a sequence
+        for j, seq in zip(slots, seqs):                # commit: nothing above changed a sequence
             for i in self.kda_layers:
                 seq.kda[i] = (states[i], j)
             self.pool.mark_written(seq.pages, seq.length, seq.length + T)

@@ -54,14 +54,16 @@ def case():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_graphs,created,padded", [(4, 2, 0), (1, 2, 5)])
-def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case, max_graphs, created, padded):
-    """A batch size gets its graph on its second decode step in a row: B=1 and B=2 (4 graphs allowed); with one
-    graph allowed, B=2 drops B=1's graph (its KDA rows rehomed first), and the final B=1 steps run in the B=2 graph
-    with a padding row (the scratch page, length 0): the same tokens and logits."""
+@pytest.mark.parametrize("max_graphs,created,gathers", [(4, 2, 3), (1, 2, 3)])
+def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case, max_graphs, created, gathers):
+    """A batch size gets its graph on its second decode step in a row: B=1, then B=2 (with one graph allowed, B=2
+    drops B=1's graph, its KDA rows rehomed first); the batch's rows are gathered into a graph's slots when it
+    changes by a join (three times), and a request left alone after its partner finished stays in its row of the
+    B=2 graph, beside a padding row (the scratch page, length 0): the same tokens and logits."""
     model, w, prompts, without = case
     eng, with_graphs = run(model, w, True, prompts, NEWS, JOINS, max_graphs)
-    assert eng.stats["padded_graph_rows"] == padded
+    assert eng.stats["padded_graph_rows"] == 5
+    assert eng.stats["graph_slot_gathers"] == gathers
     assert eng.stats["decode_graph_calls"] > 0
     assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
     assert len(eng._graphs) <= max_graphs
@@ -92,14 +94,15 @@ def test_graphs_off_by_default_and_skipped_without_capture():
 
 @pytest.mark.slow
 def test_shrinking_batch_runs_padded_in_the_larger_graph(one_thread, case):
-    """Three requests start together and the first finishes early: the remaining two (rows 1 and 2 of the B=3
-    graph's KDA slots) run in the B=3 graph with one padding row, their states moved to rows 0 and 1 (a copy out
-    of the very slot they lived in), with the tokens and logits of the ordinary decode."""
+    """Three requests start together and the first finishes early: the remaining two run on in rows 1 and 2 of the
+    B=3 graph's KDA slots, row 0 a padding row (no copy of their states: the one gather is the batch's first graph
+    step), with the tokens and logits of the ordinary decode."""
     model, w, prompts, _ = case
     news, joins = (4, 9, 9), {0: [0, 1, 2]}
     _, without = run(model, w, False, prompts, news, joins)
     eng, with_graphs = run(model, w, True, prompts, news, joins)
     assert eng.stats["padded_graph_rows"] > 0 and set(eng._graphs) == {(3, 1)}
+    assert eng.stats["graph_slot_gathers"] == 1
     for a, b in zip(with_graphs, without):
         assert [o.token for o in a] == [o.token for o in b]
         assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5
