@@ -231,6 +231,7 @@ class DecodeGraph:
         self.tokens = tokens
         self.trace: dict | None = None               # the last run's KDA trace (tokens > 1)
         self._traces: dict = {}                      # bucket (None: eager) -> the trace its runs fill
+        self._restore = None                         # kda_rollback.CapturedRestore, made on the first restore()
         self.compiled, self.graph, self.spec = compiled, graph, compiled.spec
         self.device = torch.device(device)
         self.batch, self.use_kernels = batch, use_kernels
@@ -478,6 +479,22 @@ class DecodeGraph:
         self.lens = [n + self.tokens for n in self.lens]
         self.trace = self._traces.get(bucket)
         return out[:, 0] if self.tokens == 1 else out
+
+    def restore(self, keeps: list[int]) -> None:
+        """After a verification step (tokens > 1): row b of the KDA slots back to its state after the first keeps[b]
+        tokens of the step. The step's trace lives in the static per-token buffers, so the restore is captured
+        once (kda_rollback.CapturedRestore: one replay, not a gather per tensor and layer); eager otherwise."""
+        from .kda_rollback import CapturedRestore, restore
+
+        trace = self.trace
+        if not trace:
+            raise ArgumentError("restore() follows a verification step (tokens > 1)")
+        if self.report.mode != "graph" or any(trace[i] is not self.kda_tokens.get(i) for i in trace):
+            restore(trace, self.kda, keeps)
+            return
+        if self._restore is None:
+            self._restore = CapturedRestore(self.backend, self.kda_tokens, self.kda)
+        self._restore(keeps)
 
     def eager_step(self, next_ids, *, device_lengths: bool = False) -> torch.Tensor:
         """The same step run eagerly on the same buffers, whatever the mode: through the executor's ordinary

@@ -139,7 +139,8 @@ class Engine:
         if prefix_cache is not None:
             prefix_cache.attach(self)
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
-        self._traces: dict = {}                     # rid -> (KDA trace of its last verification call, row)
+        self._traces: dict = {}                     # rid -> (KDA trace of its last verification call, row, its
+        #                                             DecodeGraph or None)
         self.accept_counts: Counter = Counter()     # drafts kept in one sequence-verification -> how often
         # a CUDA graph was captured this step, or the batch's KDA rows moved into a graph's slots (a batch that
         # changed): its time is no decode step's cost
@@ -521,9 +522,9 @@ class Engine:
             drafted += len(draft)
             accepted += keep - 1
             self.accept_counts[keep - 1] += 1
-            trace, row = self._traces[seq.rid]
+            trace, row, dg = self._traces[seq.rid]
             if id(trace) not in kept:
-                kept[id(trace)] = (trace, {}, {i: seq.kda[i][0] for i in self.kda_layers})
+                kept[id(trace)] = (trace, {}, {i: seq.kda[i][0] for i in self.kda_layers}, dg)
             kept[id(trace)][1][row] = keep
             if keep < len(seg):
                 self._rewind_pages(seq, base + keep)
@@ -541,10 +542,14 @@ class Engine:
         self.stats["spec_drafted"] += drafted
         self.stats["spec_accepted"] += accepted
         self.stats["spec_calls"] += len(seqs)
-        for trace, rows, states in kept.values():       # KDA states back to the last kept token
+        for trace, rows, states, dg in kept.values():   # KDA states back to the last kept token
             if trace:
                 T, B = next(iter(trace.values())).states.shape[:2]
-                restore(trace, states, [rows.get(j, T) for j in range(B)])
+                keeps = [rows.get(j, T) for j in range(B)]
+                if dg is not None:                    # a graph's static slots: its captured restore
+                    dg.restore(keeps)
+                else:
+                    restore(trace, states, keeps)
         self._traces = {}
         for seq in seqs:
             self._maybe_checkpoint(seq)
@@ -981,7 +986,7 @@ class Engine:
         kind = "decode" if T == 1 else "verify" if trace else "prefill"
         if trace:
             for j, seq in zip(slots, seqs):
-                self._traces[seq.rid] = (kda_trace, j)
+                self._traces[seq.rid] = (kda_trace, j, dg)
         self.stats[f"{kind}_calls"] += 1
         self.stats[f"{kind}_tokens"] += B * T
         self.stats[f"{kind}_seconds_launch"] += time.perf_counter() - t0     # host time (no device sync)

@@ -43,11 +43,17 @@ class _NgramIndex:
     def extend(self, ctx: list[int]) -> None:
         upto = len(ctx) - 1                   # the tail's own n-grams end at len(ctx): not matches of themselves
         start = max(self.length, 1)
-        for n in self.ns:                     # the n-grams ending at start..upto, in one dict update per n
-            lo = max(start, n)
-            if lo <= upto:
-                cols = [ctx[lo - n + i:upto - n + i + 1] for i in range(n)]
-                self.ends.update(zip(zip(*cols), range(lo, upto + 1)))
+        ends = self.ends
+        if upto - start < 8:                  # a few tokens (a decode step's): one slice a key costs least
+            for n in self.ns:
+                for e in range(max(start, n), upto + 1):
+                    ends[tuple(ctx[e - n:e])] = e
+        else:
+            for n in self.ns:                 # the n-grams ending at start..upto, in one dict update per n
+                lo = max(start, n)
+                if lo <= upto:
+                    cols = [ctx[lo - n + i:upto - n + i + 1] for i in range(n)]
+                    ends.update(zip(zip(*cols), range(lo, upto + 1)))
         self.length = max(self.length, upto + 1)
         self.last = ctx[self.length - 1] if self.length else None
 

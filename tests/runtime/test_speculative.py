@@ -509,7 +509,7 @@ def test_restore_against_token_by_token_kda(stdlib, prompts):
         (a, b), (sa_, sb_) = got_rows
         sa, sb = eng.seqs[a], eng.seqs[b]
         eng._run([(sa, seg_a), (sb, seg_b)], evict=True, trace={a, b})   # the engine's traced (verification) call
-        trace, row_a = eng._traces[a]
+        trace, row_a, _ = eng._traces[a]
         assert eng._traces[b][0] is trace and row_a == 0 and eng._traces[b][1] == 1
         assert set(trace) == set(eng.kda_layers) and trace[eng.kda_layers[0]].states.shape[:2] == (T, 2)
         for r, seg, n in ((sa_, seg_a, keeps[0]), (sb_, seg_b, keeps[1])):
@@ -523,6 +523,42 @@ def test_restore_against_token_by_token_kda(stdlib, prompts):
         for bad in ([0, T], [T + 1, 1], [1]):
             with pytest.raises(ValueError):
                 restore(trace, {i: sa.kda[i][0] for i in eng.kda_layers}, bad)
+
+
+def test_captured_restore_equals_eager_restore():
+    """CapturedRestore (one capture through the graph backend, then a keep-count copy and a replay a rollback) gives
+    every layer's slots, state and conv tails, exactly what the eager `restore` gives, over successive rollbacks
+    with different keep counts (the replay reads the new counts); all counts = T changes nothing; bad counts are
+    refused."""
+    from k3c.runtime.cuda_graph import EagerBackend
+    from k3c.reference.kda import KDAState
+    from k3c.runtime.kda_rollback import CapturedRestore, KDATokens, restore
+
+    g = torch.Generator().manual_seed(0)
+    T, B = 4, 3
+
+    def state():
+        return KDAState(torch.randn(B, 2, 4, 5, generator=g), tuple(torch.randn(B, 6, 3, generator=g) for _ in range(3)))
+
+    layers = (1, 3)
+    trace = {i: KDATokens.like(state(), T) for i in layers}
+    for t in trace.values():
+        for x in (t.states, *t.conv):
+            x.copy_(torch.randn(x.shape, generator=g))
+    slots = {i: state() for i in layers}
+    backend = EagerBackend()
+    cap = CapturedRestore(backend, trace, slots)
+    for keeps in ([2, 4, 1], [4, 4, 4], [1, 1, 3], [3, 2, 4]):
+        want = {i: KDAState(s.state.clone(), tuple(c.clone() for c in s.conv)) for i, s in slots.items()}
+        restore(trace, want, list(keeps))
+        cap(list(keeps))
+        for i in layers:
+            for x, y in zip((slots[i].state, *slots[i].conv), (want[i].state, *want[i].conv)):
+                assert torch.equal(x, y), (keeps, i)
+    assert backend.captures == 1 and backend.replays == 3
+    for bad in ([0, 1, 1], [1, 5, 1], [1, 1]):
+        with pytest.raises(ValueError):
+            cap(bad)
 
 
 # ---- 4. the page pool ---------------------------------------------------------------------------------------------
@@ -773,7 +809,8 @@ def test_greedy_rows_exact_beside_sampled_rows(stdlib, prompts, reference):
 def test_verification_graph_greedy_identity(one_thread):
     """Kernels on (Triton interpreter) with EagerBackend: verification calls of (batch, 1 + draft) tokens run
     through a DecodeGraph(tokens=T) from their second call in a row; drafts are half rejected, so the KDA rollback
-    restores from the graph's per-token buffers (views of the engine's shared ones). Tokens equal the plain kernel engine's; logits within 1e-5; every page back."""
+    restores from the graph's per-token buffers (views of the engine's shared ones), through the graph's captured
+    restore. Tokens equal the plain kernel engine's; logits within 1e-5; every page back."""
     from k3c.runtime.cuda_graph import EagerBackend
 
     spec = tiny_spec(256)
@@ -806,6 +843,8 @@ def test_verification_graph_greedy_identity(one_thread):
     assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
     assert any(dg.tokens == 3 for dg in eng._graphs.values())
     assert eng._kda_tokens[3][eng.kda_layers[0]].states.shape[:2] == (3, 3)
+    # rollbacks inside a graph's slots ran through its captured restore (kda_rollback.CapturedRestore)
+    assert any(dg._restore is not None and dg._restore._replay is not None for dg in eng._graphs.values())
     assert all(dg.kda_tokens[i].states.shape[:2] == (3, dg.batch) for dg in eng._graphs.values() if dg.tokens == 3
                for i in eng.kda_layers)
     eng.pool.check_empty()
