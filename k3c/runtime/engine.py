@@ -434,6 +434,8 @@ class Engine:
             seq.tokens.append(tok)
             if seq.t_first is None:
                 seq.t_first = now
+                if self.speculation is not None:
+                    self.speculation.prepare(seq.rid, seq.tokens)
             done = seq.done or tok in self._stop.get(seq.rid, ())
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:

@@ -138,6 +138,11 @@ class CapturedRestore:
         first = next(iter(trace.values())).states
         self.tokens, self.batch = first.shape[:2]
         self.keeps = torch.full((self.batch,), self.tokens, dtype=torch.long, device=first.device)
+        # the counts' host side: one pinned buffer (a fresh pinned tensor a call can cost a pinned allocation,
+        # which waits for the device); `_copied` marks when its last copy has left it
+        cuda = first.device.type == "cuda"
+        self._host = torch.empty(self.batch, dtype=torch.long, pin_memory=cuda)
+        self._copied = torch.cuda.Event() if cuda else None
         self._rows = torch.arange(self.batch, device=first.device)
         self._replay = None
 
@@ -161,7 +166,12 @@ class CapturedRestore:
             raise ValueError(f"restore: keep counts {keeps} for {self.batch} rows of a {self.tokens}-token call")
         if all(k == self.tokens for k in keeps):
             return
-        self.keeps.copy_(_to_device(torch.tensor(keeps, dtype=torch.long), self.keeps.device), non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()                 # the previous counts have been copied out
+        self._host.copy_(torch.tensor(keeps, dtype=torch.long))
+        self.keeps.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if self._replay is None:
             # the body reads trace buffers and writes the slots, never the reverse: running it again (the
             # backend's warm-ups, then the replay) gives the same rows
