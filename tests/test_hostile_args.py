@@ -429,7 +429,7 @@ def test_user_errors_are_one_line():
 def test_ctrl_c_during_run_is_one_line():
     env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "k3c.cli", "run", TINY, "--batch", "2", "--prompt-len", "32",
-                             "--new-tokens", "64", "--interpret"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--new-tokens", "2048", "--interpret"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
