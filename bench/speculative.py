@@ -20,8 +20,8 @@ verification, and greedy identity with the plain pass (requests whose tokens are
 Part 2, k3-wide-shaped timing (--wide spec, random weights, --wide-context tokens of random prompt): what a verified
 draft costs at K3's widths. Random weights draft nothing worth measuring, so the drafter replays part 1's acceptance:
 for each request it proposes the plain pass's own next tokens, as many as a draw from part 1's histogram of accepted
-drafts per verification (that workload, --replay-batch or the nearest batch part 1 ran), then a wrong token. Tokens/s against plain decoding,
-adaptive controller on (it turns speculation off where a verification's tokens per second are below plain decoding's)
+drafts per verification (that workload, --replay-batch or the nearest batch part 1 ran), then a wrong token.
+Tokens/s against plain decoding, adaptive controller on (it turns speculation off where a verification's tokens per second are below plain decoding's)
 and off (every step drafts).
 """
 from __future__ import annotations
@@ -242,13 +242,12 @@ def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
     for workload in args.workloads:
         # part 1's histogram at --replay-batch, else at the nearest batch part 1 ran; none: refuse (a replay of
         # nothing would only show the controller switching itself off)
-        ran = sorted({r["batch"] for r in trained_rows if r["workload"] == workload and r["config"] == "ngram"
-                      and r.get("accept_hist")}, key=lambda b: (abs(b - args.replay_batch), b))
-        if not ran:
+        hists = {r["batch"]: r["accept_hist"] for r in trained_rows
+                 if r["workload"] == workload and r["config"] == "ngram" and r.get("accept_hist")}
+        if not hists:
             raise SystemExit(f"bench/speculative.py: part 2 replays part 1's ngram acceptance of {workload!r}: "
                              f"run part 1 (or pass --replay-from) with that workload")
-        hist = next(r["accept_hist"] for r in trained_rows if r["workload"] == workload and r["config"] == "ngram"
-                    and r["batch"] == ran[0])
+        hist = hists[min(hists, key=lambda b: (abs(b - args.replay_batch), b))]
         for b in args.batches:
             ps = torch.randint(0, spec.vocab_size, (b, args.wide_context), generator=gen).tolist()
             ctx = args.wide_context + args.new_tokens + args.draft_len + 2

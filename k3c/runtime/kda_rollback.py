@@ -102,9 +102,7 @@ def restore(trace: dict[int, KDATokens], states: dict[int, KDAState], keeps: lis
         return
     first = next(iter(trace.values())).states
     T, B = first.shape[:2]
-    if len(keeps) != B or not all(1 <= k <= T for k in keeps):
-        raise ValueError(f"restore: keep counts {keeps} for {B} rows of a {T}-token call")
-    if all(k == T for k in keeps):
+    if not _needs_restore(keeps, T, B):
         return
     if len(set(keeps)) == 1:                         # one kept count: a slice, no index tensor
         for layer, bufs in trace.items():
@@ -113,11 +111,25 @@ def restore(trace: dict[int, KDATokens], states: dict[int, KDAState], keeps: lis
             for d, s in zip(dst.conv, bufs.conv):
                 d.copy_(s[keeps[0] - 1])
         return
-    index: dict[int, torch.Tensor] = {}              # rows between tokens -> the rows' flat indices
+    _gather_rows(trace, states, lambda step: _to_device(torch.tensor([(k - 1) * step + b for b, k in enumerate(keeps)]),
+                                                        first.device))
+
+
+def _needs_restore(keeps: list[int], tokens: int, batch: int) -> bool:
+    """Whether keep counts (one a row, each in [1, tokens]; else ValueError) leave any row to restore."""
+    if len(keeps) != batch or not all(1 <= k <= tokens for k in keeps):
+        raise ValueError(f"restore: keep counts {keeps} for {batch} rows of a {tokens}-token call")
+    return not all(k == tokens for k in keeps)
+
+
+def _gather_rows(trace: dict[int, KDATokens], states: dict[int, KDAState], index_for) -> None:
+    """Every layer's state and conv tails gathered from its trace rows: index_for(step) gives the flat row indices
+    (row b of token t is t * step + b), made once per step size."""
+    index: dict[int, torch.Tensor] = {}
     for layer, bufs in trace.items():
         flats, step = bufs.token_rows
         if step not in index:
-            index[step] = _to_device(torch.tensor([(k - 1) * step + b for b, k in enumerate(keeps)]), first.device)
+            index[step] = index_for(step)
         dst = states[layer]
         for d, flat in zip((dst.state, *dst.conv), flats):
             # straight into d, unless d is a view of the buffer itself (an eager call's state after its last token)
@@ -147,24 +159,12 @@ class CapturedRestore:
         self._replay = None
 
     def _body(self) -> tuple:
-        index: dict[int, torch.Tensor] = {}
-        for layer, bufs in self.trace.items():
-            flats, step = bufs.token_rows
-            if step not in index:
-                index[step] = (self.keeps - 1) * step + self._rows
-            dst = self.states[layer]
-            for d, flat in zip((dst.state, *dst.conv), flats):
-                if d.is_contiguous():
-                    torch.index_select(flat, 0, index[step], out=d)
-                else:
-                    d.copy_(flat.index_select(0, index[step]))
+        _gather_rows(self.trace, self.states, lambda step: (self.keeps - 1) * step + self._rows)
         return ()
 
     def __call__(self, keeps: list[int]) -> None:
         """Row b of every layer's slots back to its state after the first keeps[b] tokens (1 <= keeps[b] <= T)."""
-        if len(keeps) != self.batch or not all(1 <= k <= self.tokens for k in keeps):
-            raise ValueError(f"restore: keep counts {keeps} for {self.batch} rows of a {self.tokens}-token call")
-        if all(k == self.tokens for k in keeps):
+        if not _needs_restore(keeps, self.tokens, self.batch):
             return
         if self._copied is not None:
             self._copied.synchronize()                 # the previous counts have been copied out

@@ -89,13 +89,15 @@ class NgramDrafter:
         return [self._draft(_NgramIndex(self.min_n, self.max_n), c, k) for c, k in zip(contexts, ks)]
 
     def propose_for(self, rids: list[int], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
-        out = []
-        for rid, ctx, k in zip(rids, contexts, ks):
-            idx = self._index.get(rid)
-            if idx is None or not idx.extends(ctx):       # new, or not the context it indexed: start over
-                idx = self._index[rid] = _NgramIndex(self.min_n, self.max_n)
-            out.append(self._draft(idx, ctx, k))
-        return out
+        return [self._indexed(rid, ctx).lookup(ctx, k) if k > 0 else [] for rid, ctx, k in zip(rids, contexts, ks)]
+
+    def _indexed(self, rid: int, ctx: list[int]) -> _NgramIndex:
+        """Request rid's index, extended to ctx (a new one when ctx is not the context it indexed)."""
+        idx = self._index.get(rid)
+        if idx is None or not idx.extends(ctx):
+            idx = self._index[rid] = _NgramIndex(self.min_n, self.max_n)
+        idx.extend(ctx)
+        return idx
 
     @staticmethod
     def _draft(idx: _NgramIndex, ctx: list[int], k: int) -> list[int]:
@@ -107,8 +109,7 @@ class NgramDrafter:
     def prepare(self, rid: int, ctx: list[int]) -> None:
         """Index request rid's context now (its prompt, as its first token is out): building a long prompt's index
         is prefill-side work (~0.5 us a token), which would otherwise land in its first decode step."""
-        idx = self._index[rid] = _NgramIndex(self.min_n, self.max_n)
-        idx.extend(ctx)
+        self._indexed(rid, ctx)
 
     def forget(self, rid: int) -> None:
         self._index.pop(rid, None)
