@@ -457,6 +457,8 @@ COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "run": cmd_run, "pla
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        if argv is None:                # the program itself: a caller's in-process main([...]) has torch already
+            _import_torch_holding_ctrl_c()
         args = build_parser().parse_args(argv)
         if args.version:
             from . import __version__
@@ -485,6 +487,25 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         _maybe_traceback()
         return 1
+
+
+def _import_torch_holding_ctrl_c() -> None:
+    """Import torch with a Ctrl-C held until the import is done, then raised. torch's extension initialisation
+    can swallow a KeyboardInterrupt raised inside it, and the program then runs on as if no Ctrl-C had come (a
+    Ctrl-C in the first fraction of a second was lost). Only where SIGINT has Python's default handler."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        import torch  # noqa: F401
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signo, _frame: held.append(signo))
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _exit_quietly(code: int) -> None:

@@ -426,6 +426,23 @@ def test_user_errors_are_one_line():
 
 
 # ---- Ctrl-C: one line, exit 130 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("delay", [0.1, 0.2, 0.25, 0.3, 0.4])
+def test_ctrl_c_while_starting_is_one_line(delay):
+    """A Ctrl-C during `import torch` was swallowed by torch's extension init, and the run went on."""
+    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "k3c.cli", "run", TINY, "--batch", "2", "--prompt-len", "32",
+                             "--new-tokens", "2048", "--interpret"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err == "k3c: interrupted\n", err
+
+
 def test_ctrl_c_during_run_is_one_line():
     env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "k3c.cli", "run", TINY, "--batch", "2", "--prompt-len", "32",
