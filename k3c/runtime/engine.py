@@ -22,7 +22,6 @@ from __future__ import annotations
 import numbers
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
 
 import torch
 
@@ -69,13 +68,26 @@ def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
 ADMISSIONS = ("reserve", "optimistic")
 
 
-@dataclass
 class StepOutput:
-    rid: int
-    token: int               # the token chosen from the logits under the request's SamplingParams (default greedy)
-    logits: torch.Tensor     # [vocab] logits it was chosen from
-    finished: bool           # max_new_tokens reached, or `token` is one of the request's stop tokens
-    seed: int | None = None  # the seed of the request's draws (its own, or drawn when it named none); None: greedy
+    """One emitted token: rid, token (chosen from `logits` under the request's SamplingParams, default greedy),
+    logits ([vocab]), finished (max_new_tokens reached, or `token` is one of the request's stop tokens), seed (the
+    seed of the request's draws, its own or drawn when it named none; None: greedy). A verification's outputs hold
+    the call's [tokens, vocab] logits and their row (`row`): the [vocab] view is made when read, as most outputs'
+    logits never are (a view a token is host time in every verification step)."""
+
+    __slots__ = ("rid", "token", "_logits", "_row", "finished", "seed")
+
+    def __init__(self, rid: int, token: int, logits: torch.Tensor, finished: bool, seed: int | None = None,
+                 row: int | None = None):
+        self.rid, self.token, self._logits, self._row, self.finished, self.seed = (rid, token, logits, row,
+                                                                                   finished, seed)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self._logits if self._row is None else self._logits[self._row]
+
+    def __repr__(self) -> str:
+        return (f"StepOutput(rid={self.rid}, token={self.token}, finished={self.finished}, seed={self.seed})")
 
 
 class Engine:
@@ -396,8 +408,11 @@ class Engine:
         t0 = time.perf_counter()               # the controller times whole steps: drafting to the last output
         self._admit()
         plan = [(s, self._segment(s)) for s in self.running if s.pending > 0]
-        # tried: the drafter was asked (a step that asked and found nothing is no cost sample)
-        drafts, tried = self._draft(plan) if self.speculation is not None else ({}, False)
+        # tried: the drafter was asked (a step that asked and found nothing is no cost sample); shadows: the rows a
+        # plain step shadow-drafts, after its call is launched (host work the device's time hides)
+        t_draft = time.perf_counter()
+        drafts, tried, shadows = self._draft(plan) if self.speculation is not None else ({}, False, [])
+        bookkeeping = 0.0 if drafts else time.perf_counter() - t_draft    # deciding not to verify (see below)
         decoding = sum(1 for s, g in plan if len(g) == 1 and s.generated)
         if drafts:
             spec_plan = [(s, drafts[s.rid][1] if s.rid in drafts else g) for s, g in plan]
@@ -416,6 +431,9 @@ class Engine:
             if self.admission == "optimistic":
                 plan = self._fit(plan)
             logits = self._run(plan, evict=True) if plan else {}
+        # speculation's own bookkeeping on a step that does not verify is no part of a plain step's cost: the
+        # controller weighs verifying against decoding without speculation
+        bookkeeping += self._shadow_draft(shadows) if shadows else 0.0
         outs = self._verify(drafts, logits) if drafts else []
         for seq in self.running:
             if seq.rid in logits and seq.rid not in drafts:
@@ -441,41 +459,49 @@ class Engine:
             if done:
                 self.finish(seq.rid)
         if self.speculation is not None:
+            t_settle = time.perf_counter()
             self.speculation.settle(self.seqs)             # shadow drafts that this step's tokens decide
+            if not drafts:
+                bookkeeping += time.perf_counter() - t_settle
         if self.speculation is not None and decoding and decoding == len(plan) and (drafts or not tried):
-            emitted = Counter(o.rid for o in outs if o.rid in drafts and o.rid in self.seqs) if drafts else None
-            self.speculation.observe([s.rid for s, _ in plan], time.perf_counter() - t0, emitted,
+            # the gain of a request is what its verifications emit when it has a draft (a step without one for most
+            # rows does not verify: Speculation.worth)
+            emitted = Counter(o.rid for o in outs if o.rid in drafts and drafts[o.rid][0]
+                              and o.rid in self.seqs) if drafts else None
+            self.speculation.observe([s.rid for s, _ in plan], time.perf_counter() - t0 - bookkeeping, emitted,
                                      timed=not self._untimed)
         self._untimed = False
         self.stats["steps"] += 1
         return outs
 
     # -- speculative decoding (runtime/speculative.py) ------------------------------------------------------------
-    def _draft(self, plan) -> tuple[dict[int, tuple[list[int], list[int]]], bool]:
+    def _draft(self, plan) -> tuple[dict[int, tuple[list[int], list[int]]], bool, list[SeqState]]:
         """({rid: (draft, the call's segment: last token + draft padded to the call's bucket)} for the decoding
         sequences of this plan that draft this step, empty when none does; whether the drafter was asked (False:
-        speculation does not pay this step)."""
+        speculation does not pay this step); the rows to shadow-draft when it does not (Engine._shadow_draft)."""
         from .speculative import propose
 
         spec = self.speculation
         rows = [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
         if not rows:
-            return {}, False
+            return {}, False, []
         if not spec.wanted([s.rid for s in rows]):
             shadow = set(spec.shadow_rids([s.rid for s in rows]))      # scored later against what follows
-            if shadow:
-                rows = [s for s in rows if s.rid in shadow]
-                for s, d in zip(rows, propose(spec, [s.rid for s in rows], [s.tokens for s in rows],
-                                              [self._draft_room(s) for s in rows])):
-                    spec.shadow(s.rid, len(s.tokens), d)
-            return {}, False
+            return {}, False, [s for s in rows if s.rid in shadow]
         ks = [self._draft_room(s) for s in rows]
         got = propose(spec, [s.rid for s in rows], [s.tokens for s in rows], ks)
         got = [list(d)[:k] for d, k in zip(got, ks)]
+        spec.found([s.rid for s in rows], [len(d) for d in got])
         longest = max(len(d) for d in got)
         if longest == 0:
             self.stats["spec_empty_steps"] += 1
-            return {}, True
+            return {}, True, []
+        if not spec.worth([s.rid for s in rows], [len(d) for d in got]):
+            # too few rows found a draft to pay for verifying them all: a plain step, the drafts scored as shadows
+            for s, d in zip(rows, got):
+                spec.shadow(s.rid, len(s.tokens), d)
+            self.stats["spec_declined_steps"] += 1
+            return {}, False, []
         pad = spec.bucket(longest)
         out = {}
         for s, d in zip(rows, got):
@@ -483,7 +509,20 @@ class Engine:
                 continue                       # no room for the padded call: this one decodes plainly
             seg = [s.tokens[-1]] + d + [d[-1] if d else s.tokens[-1]] * (pad - len(d))
             out[s.rid] = (d, seg)
-        return out, True
+        return out, True, []
+
+    def _shadow_draft(self, rows: list[SeqState]) -> float:
+        """The drafter's proposals for `rows` after their current context, kept by the controller to be scored
+        against the tokens that follow (Speculation.shadow); the host seconds it took."""
+        from .speculative import propose
+
+        t0 = time.perf_counter()
+        spec = self.speculation
+        got = propose(spec, [s.rid for s in rows], [s.tokens for s in rows], [self._draft_room(s) for s in rows])
+        spec.found([s.rid for s in rows], [len(d) for d in got])
+        for s, d in zip(rows, got):
+            spec.shadow(s.rid, len(s.tokens), d)
+        return time.perf_counter() - t0
 
     def _draft_room(self, s: SeqState) -> int:
         """The most tokens sequence s may draft this step."""
@@ -531,13 +570,13 @@ class Engine:
             if keep < len(seg):
                 self._rewind_pages(seq, base + keep)
             seq.length = base + keep
-            rows = logits[seq.rid].unbind(0)
+            rows = logits[seq.rid]
             seq.last_logits = rows[keep - 1]
             seq.generated.extend(emitted)
             seq.tokens.extend(emitted)
             done = seq.done or emitted[-1] in stop
-            outs.extend(StepOutput(seq.rid, tok, rows[i], done and i == keep - 1, seed)
-                        for i, tok in enumerate(emitted))
+            outs.extend(StepOutput(seq.rid, tok, rows, False, seed, row=i) for i, tok in enumerate(emitted[:-1]))
+            outs.append(StepOutput(seq.rid, emitted[-1], seq.last_logits, done, seed))
             if seq.t_first is None:
                 seq.t_first = now
         self.stats["generated_tokens"] += len(outs)

@@ -36,6 +36,8 @@ class _NgramIndex:
 
     def __init__(self, min_n: int, max_n: int):
         self.ns = range(max_n, min_n - 1, -1)
+        self.max_n, self.min_n = max_n, min_n
+        self.cuts = range(max_n - min_n + 1)  # a max_n-gram's suffixes, longest first: n = max_n - cut
         self.ends: dict[tuple, int] = {}
         self.length = 0                       # n-grams ending at positions < length are in
         self.last = None                      # ctx[length - 1] when indexed (a cheap check that ctx extends it)
@@ -44,10 +46,16 @@ class _NgramIndex:
         upto = len(ctx) - 1                   # the tail's own n-grams end at len(ctx): not matches of themselves
         start = max(self.length, 1)
         ends = self.ends
-        if upto - start < 8:                  # a few tokens (a decode step's): one slice a key costs least
-            for n in self.ns:
-                for e in range(max(start, n), upto + 1):
-                    ends[tuple(ctx[e - n:e])] = e
+        if upto - start < 8:                  # a few tokens (a decode step's): one tuple an end, its suffixes the keys
+            for e in range(start, upto + 1):
+                if e >= self.max_n:
+                    g = tuple(ctx[e - self.max_n:e])
+                    for c in self.cuts:
+                        ends[g[c:]] = e
+                else:
+                    for n in self.ns:
+                        if n <= e:
+                            ends[tuple(ctx[e - n:e])] = e
         else:
             for n in self.ns:                 # the n-grams ending at start..upto, in one dict update per n
                 lo = max(start, n)
@@ -61,9 +69,11 @@ class _NgramIndex:
         return len(ctx) >= self.length and (self.length == 0 or ctx[self.length - 1] == self.last)
 
     def lookup(self, ctx: list[int], k: int) -> list[int]:
+        tail = tuple(ctx[-self.max_n:])       # its suffixes are the shorter n-grams
+        get = self.ends.get
         for n in self.ns:
             if n < len(ctx):
-                end = self.ends.get(tuple(ctx[len(ctx) - n:]))
+                end = get(tail[len(tail) - n:])
                 if end is not None:
                     return ctx[end:end + k]
         return []
@@ -251,25 +261,26 @@ class Speculation:
     `draft_len` tokens a step.
 
     With `adaptive`, drafting pays for itself or stops. The cost side is per batch size: the engine times its whole
-    decode steps (drafting, the call, acceptance, rollback), plain and verifying, and the controller keeps the
-    median of the last few of each (steps that captured a CUDA graph or moved the batch's KDA rows into a graph's
-    slots, the first step of each kind and steps that tried to draft and found nothing are no sample). A batch size without both costs uses the cost ratio of the
-    nearest one within a factor of two that has them; with none, it verifies until its verification cost is known,
-    then decodes plainly until the plain cost is. The gain side is per request: the tokens its verifications
-    emitted (an EMA; a request not yet verified counts as the mean of every request's so far, draft_len + 1 before
-    the first). A step drafts when the gain of three quarters of the batch's requests beats the cost ratio by
-    `margin` (`pays`); otherwise it decodes
-    plainly and probes (one verification, which refreshes every row's gain) every (ratio - 1) / probe_cost plain
-    steps, so that probes which never pay cost at most `probe_cost` of plain decoding's time (a verification of
-    one sequence costs about a plain step: probe often, as copying resumes a few tokens after the model departs
-    from the source; one of 32 costs several: rarely), twice as long after each probe that did not pay (up to
-    32x), and only at that longest interval when a verification costs more than draft_len + 1 plain steps (no
-    acceptance could pay for it). With a cheap drafter (prompt lookup), plain steps also shadow-draft (unless no
-    acceptance could pay): up to `shadow_rows` rows a step (round robin, one pending draft a row; each costs a
-    lookup, ~10 us of host time) look up a draft, and once the tokens that
-    follow decide it, the tokens a verification would have emitted count in the row's gain as a verified one's do,
-    at no verification cost: a copy that resumes after the model departed from its source turns drafting back on
-    within a few tokens."""
+    decode steps, verifying ones (drafting, the call, acceptance, rollback) and plain ones (without their shadow
+    drafting and scoring: the alternative to verifying is decoding without speculation), and the controller keeps
+    the median of the last few of each (steps that captured a CUDA graph or moved the batch's KDA rows into a
+    graph's slots, the first step of each kind and steps that tried to draft and found nothing are no sample). A
+    batch size without both costs uses the cost ratio of the nearest one within a factor of two that has them; with
+    none, it verifies until its verification cost is known, then decodes plainly until the plain cost is. The gain
+    side is per request: the tokens its verifications emitted when it had a draft (an EMA; a request not yet
+    verified counts as the mean of every request's so far, draft_len + 1 before the first) and how often its drafter
+    finds one (an EMA; a verification without a draft emits one token): `expected`. A step drafts when the expected
+    tokens of three quarters of the batch's requests beat the cost ratio by `margin` (`pays`), and verifies the
+    drafts in hand only when they pass the same test with the rows that found none counted at one token (`worth`;
+    otherwise it decodes plainly and scores them as shadow drafts). Otherwise it decodes plainly and probes (asks
+    the drafter, which refreshes every row's gain) every (ratio - 1) / probe_cost plain steps, twice as long after
+    each probe that did not pay (up to 32x), and only at that longest interval when a verification costs more than
+    draft_len + 1 plain steps (no acceptance could pay for it). With a cheap drafter (prompt lookup), plain steps
+    also shadow-draft (unless no acceptance could pay), after their call is launched: up to `shadow_rows` rows a
+    step (round robin, one pending draft a row; each costs a lookup, a few us of host time) look up a draft, and
+    once the tokens that follow decide it, the tokens a verification would have emitted count in the row's gain as
+    a verified one's do, at no verification cost: a copy that resumes after the model departed from its source
+    turns drafting back on within a few tokens."""
 
     drafter: object
     draft_len: int = 4
@@ -292,7 +303,9 @@ class Speculation:
         self._median: dict[tuple, float] = {}        # (batch, plain?) -> their median, once SAMPLES are in
         self._ratio: dict[int, float] = {}           # batch -> verification / plain median, both known
         self._seen: dict[tuple, int] = {}            # (batch, plain?) -> steps observed
-        self._gain: dict[int, float] = {}            # request -> EMA tokens per verification
+        self._gain: dict[int, float] = {}            # request -> EMA tokens per verification with a draft
+        self._found: dict[int, float] = {}           # request -> EMA of whether its drafter found a draft
+        self._all_found = 1.0                        # that EMA over every request's
         self._all_gain: float | None = None          # EMA over every request's verifications
         self._since: dict[int, int] = {}             # batch -> plain steps since the last probe
         self._backoff: dict[int, int] = {}           # batch -> the multiple of probe_interval
@@ -335,8 +348,34 @@ class Speculation:
         requests: a request whose verifications emit fewer tokens than they cost in plain steps is slowed down by
         each (at batch 32, ~3 plain steps for a verification at k3-stdlib), and a fixed batch ends with its slowest
         request; the batch's mean gain would trade those requests for the others."""
+        gains = sorted(self.expected(r) for r in rids)
+        return gains[len(gains) // 4] > (1.0 + self.margin) * ratio
+
+    def expected(self, rid: int) -> float:
+        """The tokens a verification of request rid is expected to emit: its gain when it has a draft, weighted by
+        how often its drafter finds one (a verification without one emits one token)."""
         prior = self._all_gain if self._all_gain is not None else self.draft_len + 1.0
-        gains = sorted(self._gain.get(r, prior) for r in rids)
+        hit = self._found.get(rid, self._all_found)
+        return hit * self._gain.get(rid, prior) + (1.0 - hit)
+
+    def found(self, rids: list[int], lengths: list[int]) -> None:
+        """The drafter was asked for these requests' drafts and found drafts of these lengths (0: none)."""
+        for r, n in zip(rids, lengths):
+            hit = 1.0 if n else 0.0
+            old = self._found.get(r)
+            self._found[r] = hit if old is None else 0.8 * old + 0.2 * hit
+            self._all_found = 0.95 * self._all_found + 0.05 * hit
+
+    def worth(self, rids: list[int], found: list[int]) -> bool:
+        """Whether verifying the drafts in hand pays (found: each request's draft length this step, 0 for none):
+        `pays`, with a request that found no draft counted at the one token it would emit. Rows of one call are
+        padded to its longest draft, so a row without one pays a verification's cost for a plain step's token.
+        True while the cost ratio is unknown or the controller is not adaptive."""
+        ratio = self.ratio(len(rids)) if self.adaptive else None
+        if ratio is None:
+            return True
+        prior = self._all_gain if self._all_gain is not None else self.draft_len + 1.0
+        gains = sorted(self._gain.get(r, prior) if n else 1.0 for r, n in zip(rids, found))
         return gains[len(gains) // 4] > (1.0 + self.margin) * ratio
 
     def wanted(self, rids: list[int]) -> bool:
@@ -425,6 +464,7 @@ class Speculation:
 
     def forget(self, rid: int) -> None:
         self._gain.pop(rid, None)
+        self._found.pop(rid, None)
         self._shadow.pop(rid, None)
         self.drafter.forget(rid)
 

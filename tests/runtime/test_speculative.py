@@ -312,6 +312,28 @@ def test_controller_turns_speculation_off_and_probes_less_and_less():
     assert mixed.gain(list(range(8))) > 3.0 and not mixed.pays(list(range(8)), 2.0)   # three: the mean would
 
 
+def test_drafts_in_hand_decide_a_verification():
+    """A request's expected tokens a verification weigh its gain with a draft by how often its drafter finds one;
+    a step verifies the drafts in hand only when three quarters of its rows would pay (a row without a draft at one
+    token), and always while the cost ratio is unknown."""
+    sp = Speculation(NgramDrafter(), draft_len=4)
+    rids = list(range(8))
+    assert sp.worth(rids, [0] * 8)                               # no cost ratio yet: verify (and learn it)
+    for _ in range(4):                                           # the first of each kind is no sample
+        sp.observe(rids, 2.0, {r: 4 for r in rids})
+        sp.observe(rids, 1.0, None)
+    assert sp.ratio(8) == 2.0 and sp.expected(0) == 4.0
+    assert sp.worth(rids, [3] * 6 + [0] * 2)                     # two of eight without one: the quartile pays
+    assert not sp.worth(rids, [3] * 5 + [0] * 3)                 # three: it does not
+    for _ in range(10):
+        sp.found(rids, [3] * 4 + [0] * 4)                        # half the rows rarely find a draft
+    assert sp.expected(7) < 1.5 < 3.9 < sp.expected(0)
+    assert not sp.pays(rids, 2.0) and sp.pays(rids[:4], 2.0)
+    sp.forget(7)
+    assert 7 not in sp._found and abs(sp.expected(7) - (sp._all_found * 4.0 + 1.0 - sp._all_found)) < 1e-9
+    assert Speculation(NgramDrafter(), draft_len=4, adaptive=False).worth(rids, [0] * 8)
+
+
 def test_shadow_drafts_score_plain_steps():
     """On plain steps a cheap drafter's drafts are scored against the tokens that follow (shadow drafting): up to
     shadow_rows requests a step, round robin, one pending draft each; a draft is decided by its first mismatch or
