@@ -426,13 +426,19 @@ def test_user_errors_are_one_line():
 
 
 # ---- Ctrl-C: one line, exit 130 --------------------------------------------------------------------------------
+def _sigint_default():
+    """The child's SIGINT at its default action: a suite run in the background (a non-interactive shell's `&`)
+    starts its processes with SIGINT ignored, which Python keeps."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("delay", [0.1, 0.2, 0.25, 0.3, 0.4])
 def test_ctrl_c_while_starting_is_one_line(delay):
     """A Ctrl-C during `import torch` was swallowed by torch's extension init, and the run went on."""
     env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "k3c.cli", "run", TINY, "--batch", "2", "--prompt-len", "32",
                              "--new-tokens", "2048", "--interpret"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     try:
@@ -447,7 +453,7 @@ def test_ctrl_c_during_run_is_one_line():
     env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "k3c.cli", "run", TINY, "--batch", "2", "--prompt-len", "32",
                              "--new-tokens", "2048", "--interpret"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_sigint_default)
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
