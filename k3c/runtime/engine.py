@@ -87,7 +87,7 @@ class StepOutput:
         return self._logits if self._row is None else self._logits[self._row]
 
     def __repr__(self) -> str:
-        return (f"StepOutput(rid={self.rid}, token={self.token}, finished={self.finished}, seed={self.seed})")
+        return f"StepOutput(rid={self.rid}, token={self.token}, finished={self.finished}, seed={self.seed})"
 
 
 class Engine:
@@ -485,18 +485,20 @@ class Engine:
         rows = [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
         if not rows:
             return {}, False, []
-        if not spec.wanted([s.rid for s in rows]):
-            shadow = set(spec.shadow_rids([s.rid for s in rows]))      # scored later against what follows
+        rids = [s.rid for s in rows]
+        if not spec.wanted(rids):
+            shadow = set(spec.shadow_rids(rids))      # scored later against what follows
             return {}, False, [s for s in rows if s.rid in shadow]
         ks = [self._draft_room(s) for s in rows]
-        got = propose(spec, [s.rid for s in rows], [s.tokens for s in rows], ks)
+        got = propose(spec, rids, [s.tokens for s in rows], ks)
         got = [list(d)[:k] for d, k in zip(got, ks)]
-        spec.found([s.rid for s in rows], [len(d) for d in got])
-        longest = max(len(d) for d in got)
+        lengths = [len(d) for d in got]
+        spec.found(rids, lengths)
+        longest = max(lengths)
         if longest == 0:
             self.stats["spec_empty_steps"] += 1
             return {}, True, []
-        if not spec.worth([s.rid for s in rows], [len(d) for d in got]):
+        if not spec.worth(rids, lengths):
             # too few rows found a draft to pay for verifying them all: a plain step, the drafts scored as shadows
             for s, d in zip(rows, got):
                 spec.shadow(s.rid, len(s.tokens), d)

@@ -323,8 +323,17 @@ class Speculation:
     def gain(self, rids: list[int]) -> float:
         """The mean tokens a verification is expected to emit per sequence of these requests (a request not yet
         verified: every request's mean so far, draft_len + 1 before any)."""
-        prior = self._all_gain if self._all_gain is not None else self.draft_len + 1.0
+        prior = self._prior()
         return sum(self._gain.get(r, prior) for r in rids) / len(rids)
+
+    def _prior(self) -> float:
+        """The gain of a request not yet verified: every request's mean so far, draft_len + 1 before any."""
+        return self._all_gain if self._all_gain is not None else self.draft_len + 1.0
+
+    def _beats(self, gains, ratio: float) -> bool:
+        """Whether the lower quartile of these per-request tokens a verification beats the cost ratio by margin."""
+        gains = sorted(gains)
+        return gains[len(gains) // 4] > (1.0 + self.margin) * ratio
 
     def ratio(self, batch: int) -> float | None:
         """A verification step's cost in plain steps at this batch size: measured there, else at the nearest batch
@@ -348,15 +357,13 @@ class Speculation:
         requests: a request whose verifications emit fewer tokens than they cost in plain steps is slowed down by
         each (at batch 32, ~3 plain steps for a verification at k3-stdlib), and a fixed batch ends with its slowest
         request; the batch's mean gain would trade those requests for the others."""
-        gains = sorted(self.expected(r) for r in rids)
-        return gains[len(gains) // 4] > (1.0 + self.margin) * ratio
+        return self._beats((self.expected(r) for r in rids), ratio)
 
     def expected(self, rid: int) -> float:
         """The tokens a verification of request rid is expected to emit: its gain when it has a draft, weighted by
         how often its drafter finds one (a verification without one emits one token)."""
-        prior = self._all_gain if self._all_gain is not None else self.draft_len + 1.0
         hit = self._found.get(rid, self._all_found)
-        return hit * self._gain.get(rid, prior) + (1.0 - hit)
+        return hit * self._gain.get(rid, self._prior()) + (1.0 - hit)
 
     def found(self, rids: list[int], lengths: list[int]) -> None:
         """The drafter was asked for these requests' drafts and found drafts of these lengths (0: none)."""
@@ -374,9 +381,8 @@ class Speculation:
         ratio = self.ratio(len(rids)) if self.adaptive else None
         if ratio is None:
             return True
-        prior = self._all_gain if self._all_gain is not None else self.draft_len + 1.0
-        gains = sorted(self._gain.get(r, prior) if n else 1.0 for r, n in zip(rids, found))
-        return gains[len(gains) // 4] > (1.0 + self.margin) * ratio
+        prior = self._prior()
+        return self._beats((self._gain.get(r, prior) if n else 1.0 for r, n in zip(rids, found)), ratio)
 
     def wanted(self, rids: list[int]) -> bool:
         """Whether this step of the decoding requests `rids` should draft."""
