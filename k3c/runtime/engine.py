@@ -408,11 +408,13 @@ class Engine:
         t0 = time.perf_counter()               # the controller times whole steps: drafting to the last output
         self._admit()
         plan = [(s, self._segment(s)) for s in self.running if s.pending > 0]
-        # tried: the drafter was asked (a step that asked and found nothing is no cost sample); shadows: the rows a
-        # plain step shadow-drafts, after its call is launched (host work the device's time hides)
+        # tried: the drafter was asked (a step that asked and found nothing is no cost sample); shadowing: a plain
+        # step by the controller's choice, whose rows may shadow-draft (Engine._while_device_runs)
         t_draft = time.perf_counter()
-        drafts, tried, shadows = self._draft(plan) if self.speculation is not None else ({}, False, [])
-        bookkeeping = 0.0 if drafts else time.perf_counter() - t_draft    # deciding not to verify (see below)
+        drafts, tried, shadowing = self._draft(plan) if self.speculation is not None else ({}, False, False)
+        # deciding not to verify is speculation's, no part of a plain step's cost: the controller weighs verifying
+        # against decoding without speculation
+        bookkeeping = 0.0 if drafts else time.perf_counter() - t_draft
         decoding = sum(1 for s, g in plan if len(g) == 1 and s.generated)
         if drafts:
             spec_plan = [(s, drafts[s.rid][1] if s.rid in drafts else g) for s, g in plan]
@@ -431,9 +433,8 @@ class Engine:
             if self.admission == "optimistic":
                 plan = self._fit(plan)
             logits = self._run(plan, evict=True) if plan else {}
-        # speculation's own bookkeeping on a step that does not verify is no part of a plain step's cost: the
-        # controller weighs verifying against decoding without speculation
-        bookkeeping += self._shadow_draft(shadows) if shadows else 0.0
+        if self.speculation is not None:
+            self._while_device_runs(plan, shadowing and not drafts)
         outs = self._verify(drafts, logits) if drafts else []
         for seq in self.running:
             if seq.rid in logits and seq.rid not in drafts:
@@ -458,11 +459,6 @@ class Engine:
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)
-        if self.speculation is not None:
-            t_settle = time.perf_counter()
-            self.speculation.settle(self.seqs)             # shadow drafts that this step's tokens decide
-            if not drafts:
-                bookkeeping += time.perf_counter() - t_settle
         if self.speculation is not None and decoding and decoding == len(plan) and (drafts or not tried):
             # the gain of a request is what its verifications emit when it has a draft (a step without one for most
             # rows does not verify: Speculation.worth)
@@ -475,20 +471,24 @@ class Engine:
         return outs
 
     # -- speculative decoding (runtime/speculative.py) ------------------------------------------------------------
-    def _draft(self, plan) -> tuple[dict[int, tuple[list[int], list[int]]], bool, list[SeqState]]:
+    @staticmethod
+    def _drafting_rows(plan) -> list[SeqState]:
+        """The sequences of a plan that may draft: scheduled requests decoding one token."""
+        return [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
+
+    def _draft(self, plan) -> tuple[dict[int, tuple[list[int], list[int]]], bool, bool]:
         """({rid: (draft, the call's segment: last token + draft padded to the call's bucket)} for the decoding
         sequences of this plan that draft this step, empty when none does; whether the drafter was asked (False:
-        speculation does not pay this step); the rows to shadow-draft when it does not (Engine._shadow_draft)."""
+        speculation does not pay this step); whether the controller chose a plain step (its rows may shadow-draft)."""
         from .speculative import propose
 
         spec = self.speculation
-        rows = [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
+        rows = self._drafting_rows(plan)
         if not rows:
-            return {}, False, []
+            return {}, False, False
         rids = [s.rid for s in rows]
         if not spec.wanted(rids):
-            shadow = set(spec.shadow_rids(rids))      # scored later against what follows
-            return {}, False, [s for s in rows if s.rid in shadow]
+            return {}, False, True
         ks = [self._draft_room(s) for s in rows]
         got = propose(spec, rids, [s.tokens for s in rows], ks)
         got = [list(d)[:k] for d, k in zip(got, ks)]
@@ -497,13 +497,13 @@ class Engine:
         longest = max(lengths)
         if longest == 0:
             self.stats["spec_empty_steps"] += 1
-            return {}, True, []
+            return {}, True, False
         if not spec.worth(rids, lengths):
             # too few rows found a draft to pay for verifying them all: a plain step, the drafts scored as shadows
             for s, d in zip(rows, got):
                 spec.shadow(s.rid, len(s.tokens), d)
             self.stats["spec_declined_steps"] += 1
-            return {}, False, []
+            return {}, False, False
         pad = spec.bucket(longest)
         out = {}
         for s, d in zip(rows, got):
@@ -511,20 +511,31 @@ class Engine:
                 continue                       # no room for the padded call: this one decodes plainly
             seg = [s.tokens[-1]] + d + [d[-1] if d else s.tokens[-1]] * (pad - len(d))
             out[s.rid] = (d, seg)
-        return out, True, []
+        return out, True, False
 
-    def _shadow_draft(self, rows: list[SeqState]) -> float:
-        """The drafter's proposals for `rows` after their current context, kept by the controller to be scored
-        against the tokens that follow (Speculation.shadow); the host seconds it took."""
+    def _while_device_runs(self, plan, shadowing: bool) -> None:
+        """Speculation's host work that no launch waits for, done after the step's call is launched (the device's
+        time hides it): score the pending shadow drafts that the tokens so far decide, bring the drafter's indexes up
+        to the decoding rows' contexts (NgramDrafter.slack), and on a plain step of the controller's choosing
+        shadow-draft a few rows, to be scored against the tokens that follow (Speculation.shadow_rids)."""
         from .speculative import propose
 
-        t0 = time.perf_counter()
         spec = self.speculation
-        got = propose(spec, [s.rid for s in rows], [s.tokens for s in rows], [self._draft_room(s) for s in rows])
-        spec.found([s.rid for s in rows], [len(d) for d in got])
-        for s, d in zip(rows, got):
-            spec.shadow(s.rid, len(s.tokens), d)
-        return time.perf_counter() - t0
+        spec.settle(self.seqs)
+        rows = self._drafting_rows(plan)
+        if not rows:
+            return
+        rids = [s.rid for s in rows]
+        spec.index(rids, [s.tokens for s in rows])
+        if shadowing:
+            chosen = set(spec.shadow_rids(rids))
+            rows = [s for s in rows if s.rid in chosen]
+            if rows:
+                got = propose(spec, [s.rid for s in rows], [s.tokens for s in rows],
+                              [self._draft_room(s) for s in rows])
+                spec.found([s.rid for s in rows], [len(d) for d in got])
+                for s, d in zip(rows, got):
+                    spec.shadow(s.rid, len(s.tokens), d)
 
     def _draft_room(self, s: SeqState) -> int:
         """The most tokens sequence s may draft this step."""
@@ -548,37 +559,39 @@ class Engine:
         outs, kept = [], {}                    # id(trace) -> (trace, {row: kept count}, the call's KDA states)
         drafted = accepted = 0
         now = time.perf_counter()
+        counts, traces = self.accept_counts, self._traces
         for seq in seqs:
-            draft, seg = drafts[seq.rid]
-            if seq.rid in picks:
-                emitted = accept_greedy(picks[seq.rid], draft)
-                seed = None
+            rid = seq.rid
+            draft, seg = drafts[rid]
+            pick = picks.get(rid)
+            if pick is not None:
+                emitted, seed = accept_greedy(pick, draft), None
             else:
-                params, gen = self._sampling[seq.rid]
-                emitted = accept_sampled(logits[seq.rid], draft, params, gen)
+                params, gen = self._sampling[rid]
+                emitted = accept_sampled(logits[rid], draft, params, gen)
                 seed = params.seed
-            stop = self._stop.get(seq.rid, ())
+            stop = self._stop.get(rid, ())
             if stop:
                 emitted = emitted[:next((i + 1 for i, t in enumerate(emitted) if t in stop), len(emitted))]
             keep = len(emitted)                # call tokens kept: the last token and the accepted drafts
             base = seq.length - len(seg)
             drafted += len(draft)
             accepted += keep - 1
-            self.accept_counts[keep - 1] += 1
-            trace, row, dg = self._traces[seq.rid]
-            if id(trace) not in kept:
-                kept[id(trace)] = (trace, {}, {i: seq.kda[i][0] for i in self.kda_layers}, dg)
-            kept[id(trace)][1][row] = keep
+            counts[keep - 1] += 1
+            trace, row, dg = traces[rid]
+            held = kept.get(id(trace))
+            if held is None:
+                held = kept[id(trace)] = (trace, {}, {i: seq.kda[i][0] for i in self.kda_layers}, dg)
+            held[1][row] = keep
             if keep < len(seg):
                 self._rewind_pages(seq, base + keep)
             seq.length = base + keep
-            rows = logits[seq.rid]
+            rows = logits[rid]
             seq.last_logits = rows[keep - 1]
-            seq.generated.extend(emitted)
-            seq.tokens.extend(emitted)
-            done = seq.done or emitted[-1] in stop
-            outs.extend(StepOutput(seq.rid, tok, rows, False, seed, row=i) for i, tok in enumerate(emitted[:-1]))
-            outs.append(StepOutput(seq.rid, emitted[-1], seq.last_logits, done, seed))
+            seq.generated += emitted
+            seq.tokens += emitted
+            outs += [StepOutput(rid, tok, rows, False, seed, i) for i, tok in enumerate(emitted)]
+            outs[-1].finished = seq.done or emitted[-1] in stop
             if seq.t_first is None:
                 seq.t_first = now
         self.stats["generated_tokens"] += len(outs)

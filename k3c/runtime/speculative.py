@@ -83,15 +83,22 @@ class NgramDrafter:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens
     (n from max_n down to min_n; the longest match wins), no model. Agentic contexts repeat spans of tool output and
     code, which is where this drafts well. Each request keeps an index of its context's n-grams, extended by the
-    tokens it gains, so drafting a batch costs microseconds a sequence at any context length."""
+    tokens it gains, so drafting a batch costs microseconds a sequence at any context length.
+
+    Extending the indexes is the per-token cost (~1-2 us a token and request in Python, every decoding request every
+    step); the engine pays it while the device runs a step (`index`), so a lookup on the step's critical path uses an
+    index up to `slack` tokens behind its context: it misses only n-grams that end in the last step's tokens (a copy
+    repeats text from further back). A lookup extends an index that lags by more."""
 
     name = "ngram"
     cheap = True        # drafting costs microseconds: plain steps may shadow-draft (Speculation.shadow_rids)
 
-    def __init__(self, max_n: int = 4, min_n: int = 2):
+    def __init__(self, max_n: int = 4, min_n: int = 2, slack: int = 8):
         if not 1 <= min_n <= max_n:
             raise ArgumentError(f"NgramDrafter: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.max_n, self.min_n = max_n, min_n
+        if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
+            raise ArgumentError(f"NgramDrafter: slack must be an integer >= 0, got {slack!r}")
+        self.max_n, self.min_n, self.slack = max_n, min_n, slack
         self._index: dict[int, _NgramIndex] = {}
 
     def propose(self, contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
@@ -99,14 +106,22 @@ class NgramDrafter:
         return [self._draft(_NgramIndex(self.min_n, self.max_n), c, k) for c, k in zip(contexts, ks)]
 
     def propose_for(self, rids: list[int], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
-        return [self._indexed(rid, ctx).lookup(ctx, k) if k > 0 else [] for rid, ctx, k in zip(rids, contexts, ks)]
+        return [self._indexed(rid, ctx, self.slack).lookup(ctx, k) if k > 0 else []
+                for rid, ctx, k in zip(rids, contexts, ks)]
 
-    def _indexed(self, rid: int, ctx: list[int]) -> _NgramIndex:
-        """Request rid's index, extended to ctx (a new one when ctx is not the context it indexed)."""
+    def index(self, rids: list[int], contexts: list[list[int]]) -> None:
+        """Bring these requests' indexes up to their contexts (work a step's device time hides)."""
+        for rid, ctx in zip(rids, contexts):
+            self._indexed(rid, ctx, 0)
+
+    def _indexed(self, rid: int, ctx: list[int], slack: int) -> _NgramIndex:
+        """Request rid's index, extended to ctx unless it lags by at most `slack` tokens (a new one when ctx is not
+        the context it indexed)."""
         idx = self._index.get(rid)
         if idx is None or not idx.extends(ctx):
             idx = self._index[rid] = _NgramIndex(self.min_n, self.max_n)
-        idx.extend(ctx)
+        if not idx.length or len(ctx) - idx.length > slack:
+            idx.extend(ctx)
         return idx
 
     @staticmethod
@@ -119,7 +134,7 @@ class NgramDrafter:
     def prepare(self, rid: int, ctx: list[int]) -> None:
         """Index request rid's context now (its prompt, as its first token is out): building a long prompt's index
         is prefill-side work (~0.5 us a token), which would otherwise land in its first decode step."""
-        self._indexed(rid, ctx)
+        self._indexed(rid, ctx, 0)
 
     def forget(self, rid: int) -> None:
         self._index.pop(rid, None)
@@ -216,13 +231,12 @@ class DraftModelDrafter:
 def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
     """Emitted tokens of a greedy row: target[i] is the target's argmax after the i-th call token (the last
     context token, then each draft); the drafts up to the first disagreement, then the target's own token."""
-    out = []
-    for i, d in enumerate(drafts):
-        if target[i] != d:
+    n = 0
+    for d, t in zip(drafts, target):
+        if d != t:
             break
-        out.append(d)
-    out.append(target[len(out)])
-    return out
+        n += 1
+    return target[:n + 1]
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
@@ -467,6 +481,12 @@ class Speculation:
         """Request rid has its first token (ctx: its context): a drafter that indexes contexts does so now."""
         if hasattr(self.drafter, "prepare"):
             self.drafter.prepare(rid, ctx)
+
+    def index(self, rids: list[int], contexts: list[list[int]]) -> None:
+        """A drafter that indexes contexts brings these requests' up to date (the engine calls this while the device
+        runs a step: NgramDrafter.slack)."""
+        if hasattr(self.drafter, "index"):
+            self.drafter.index(rids, contexts)
 
     def forget(self, rid: int) -> None:
         self._gain.pop(rid, None)

@@ -231,14 +231,16 @@ def test_ngram_drafter_and_accept_greedy_units():
     # scan of the whole context finds
     import random
 
-    def scan(ctx, k, max_n=4, min_n=2):
+    def scan(ctx, k, max_n=4, min_n=2, ends_before=None):
+        """The latest earlier occurrence of the tail's n-gram, among those ending before `ends_before` (the
+        indexed length; default: the tail's own start)."""
         for n in range(min(max_n, len(ctx) - 1), min_n - 1, -1):
-            for s in range(len(ctx) - n - 1, -1, -1):
+            for s in range(min(len(ctx) - n - 1, (ends_before or len(ctx)) - n - 1), -1, -1):
                 if ctx[s:s + n] == ctx[len(ctx) - n:]:
                     return ctx[s + n:s + n + k]
         return []
 
-    rng, inc = random.Random(0), NgramDrafter()
+    rng, inc = random.Random(0), NgramDrafter(slack=0)
     for rid in range(40):
         ctx = [rng.randrange(6) for _ in range(rng.randrange(1, 10))]
         for _ in range(50):
@@ -249,6 +251,25 @@ def test_ngram_drafter_and_accept_greedy_units():
         assert inc.propose_for([rid], [ctx], [2]) == [scan(ctx, 2)]
         inc.forget(rid)
     assert not inc._index
+    # with slack, a lookup uses the index as it is while it lags by at most `slack` tokens (the engine indexes
+    # while the device runs: NgramDrafter.index): a scan of the n-grams ending before the indexed length
+    lag = NgramDrafter(slack=3)
+    for rid in range(40):
+        ctx = [rng.randrange(6) for _ in range(rng.randrange(4, 10))]
+        lag.index([rid], [ctx])
+        for _ in range(50):
+            ctx = ctx + [rng.randrange(6) for _ in range(rng.randrange(1, 3))]
+            behind = lag._index[rid].length
+            got = lag.propose_for([rid], [ctx], [3])[0]
+            if len(ctx) - behind > 3:            # too far behind: extended first
+                assert got == scan(ctx, 3) and lag._index[rid].length == len(ctx)
+            else:
+                assert got == scan(ctx, 3, ends_before=behind) and lag._index[rid].length == behind
+            if rng.random() < 0.3:
+                lag.index([rid], [ctx])
+                assert lag.propose_for([rid], [ctx], [3]) == [scan(ctx, 3)]
+    with pytest.raises(ArgumentError):
+        NgramDrafter(slack=-1)
     assert accept_greedy([4, 5, 6], [4, 5]) == [4, 5, 6]
     assert accept_greedy([4, 9, 6], [4, 5]) == [4, 9]
     assert accept_greedy([3, 5, 6], [4, 5]) == [3]
