@@ -5,7 +5,10 @@
 Where the code that runs comes from depends on the device of the tensors:
   cpu        Triton's interpreter runs the KernelSource (nothing is compiled).
   cuda/hip   the binary of the artifact bound to the device (`bind`), found by `ks.key` in its catalogue and loaded
-             through the driver API (k3c.runtime.binary). What a miss does is the binding's policy:
+             through the driver API (k3c.runtime.binary). Models sharing a device (a target and its draft model)
+             share its binding: a catalogue bound under the device's target and policy joins the ones already
+             there, and a launch takes the binary from whichever holds its key; a catalogue for another target or
+             under another policy replaces them. What a miss does is the binding's policy:
                "artifact"   JIT-compile the source once, with one warning, counted in `stats().jit`;
                "strict"     raise MissingKernelError (also K3C_NO_JIT=1, whatever the policy);
                "allow-jit"  the artifact is for another target: JIT every kernel, saying so once;
@@ -251,10 +254,21 @@ class Catalogue:
 
 @dataclass
 class _Binding:
-    catalogue: Catalogue | None
+    catalogues: tuple[Catalogue, ...]       # most recently bound first
     policy: str
     generation: int
     warned: set = field(default_factory=set)
+
+    def find(self, key: str) -> tuple[Catalogue, Any] | None:
+        for cat in self.catalogues:
+            entry = cat.entries.get(key)
+            if entry is not None:
+                return cat, entry
+        return None
+
+    def describe(self) -> str:
+        roots = " or ".join(c.root for c in self.catalogues)
+        return f"the artifact{'s' if len(self.catalogues) > 1 else ''} {roots} for {self.catalogues[0].target.name}"
 
 
 @dataclass
@@ -286,11 +300,18 @@ def _device_slot(device: torch.device | str) -> tuple[str, int]:
 
 
 def bind(device: torch.device | str, catalogue: Catalogue | None, policy: str = "artifact") -> None:
-    """Launches on `device` from now on take their binaries from `catalogue` under `policy` (see the module doc)."""
+    """Launches on `device` from now on take their binaries from `catalogue` under `policy`, together with the
+    catalogues already bound there when those are for the same target under the same policy (see the module doc)."""
     if policy not in POLICIES:
         raise CodegenError(f"kernel policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    slot = _device_slot(device)
     _GENERATION[0] += 1
-    _BINDINGS[_device_slot(device)] = _Binding(catalogue, policy, _GENERATION[0])
+    old = _BINDINGS.get(slot)
+    cats: tuple[Catalogue, ...] = () if catalogue is None else (catalogue,)
+    if (old is not None and catalogue is not None and old.policy == policy
+            and all(c.target == catalogue.target for c in old.catalogues)):
+        cats += tuple(c for c in old.catalogues if c.root != catalogue.root)
+    _BINDINGS[slot] = _Binding(cats, policy, _GENERATION[0])
 
 
 def unbind(device: torch.device | str) -> None:
@@ -459,22 +480,22 @@ def _runner(p: _Prepared, ks: KernelSource, device: torch.device):
 
 def _resolve_runner(p: _Prepared, ks: KernelSource, slot: tuple[str, int], b: _Binding | None):
     no_jit = settings().no_jit
-    if b is not None and b.catalogue is not None and b.policy != "jit":
-        entry = b.catalogue.entries.get(ks.key)
-        if entry is not None and b.policy != "allow-jit":
-            return _binary_runner(b.catalogue, entry, slot)
+    if b is not None and b.catalogues and b.policy != "jit":
+        hit = b.find(ks.key)
+        if hit is not None and b.policy != "allow-jit":
+            return _binary_runner(hit[0], hit[1], slot)
         if b.policy == "strict" or no_jit:
             raise MissingKernelError(
-                f"kernel {ks.name} (IR op {ks.ir_op or '-'}, key {ks.key}) is not in the artifact "
-                f"{b.catalogue.root} for {b.catalogue.target.name}: the runtime met a shape class its catalogue "
-                f"does not list" + ("" if b.policy == "strict" else " (K3C_NO_JIT=1 forbids JIT-compiling it)"))
+                f"kernel {ks.name} (IR op {ks.ir_op or '-'}, key {ks.key}) is not in {b.describe()}: the runtime "
+                f"met a shape class its catalogue does not list"
+                + ("" if b.policy == "strict" else " (K3C_NO_JIT=1 forbids JIT-compiling it)"))
         if b.policy == "artifact":
-            warnings.warn(f"k3c: kernel {ks.name} ({ks.ir_op or '-'}) is not in the artifact "
-                          f"{b.catalogue.root}; JIT-compiling its source once", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"k3c: kernel {ks.name} ({ks.ir_op or '-'}) is not in {b.describe()}; JIT-compiling "
+                          f"its source once", RuntimeWarning, stacklevel=3)
         elif "allow-jit" not in b.warned:
             b.warned.add("allow-jit")
-            warnings.warn(f"k3c: the artifact {b.catalogue.root} is for {b.catalogue.target.name}; JIT-compiling "
-                          f"every kernel for this device instead (--allow-jit)", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"k3c: {b.describe()} is not for this device; JIT-compiling every kernel for it "
+                          f"instead (--allow-jit)", RuntimeWarning, stacklevel=3)
     elif no_jit and (b is None or b.policy != "jit"):
         raise MissingKernelError(f"kernel {ks.name} (IR op {ks.ir_op or '-'}): no artifact is bound to "
                                  f"{slot[0]}:{slot[1]} and K3C_NO_JIT=1 forbids JIT-compiling it")

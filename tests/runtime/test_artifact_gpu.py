@@ -22,15 +22,23 @@ if not torch.cuda.is_available():
 SPECS = {"k3-tiny": "examples/k3-tiny.yaml", "k3-wide-small": "tests/bench/k3-wide-small.yaml"}
 
 
+_ARTIFACTS: dict[str, str] = {}
+
+
+def _artifact_path(name, tmp_path_factory) -> str:
+    if name not in _ARTIFACTS:
+        root = os.environ.get("K3C_GPU_ARTIFACTS")
+        path = os.path.join(root, f"{name}-h200") if root else None
+        if path is None or not os.path.isdir(path):
+            path = str(tmp_path_factory.mktemp(name) / "art")
+            k3c.compile(SPECS[name], target="h200", run_dtypes=("bf16", "f32")).save(path, progress=False)
+        _ARTIFACTS[name] = path
+    return _ARTIFACTS[name]
+
+
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def artifact(request, tmp_path_factory):
-    name = request.param
-    root = os.environ.get("K3C_GPU_ARTIFACTS")
-    path = os.path.join(root, f"{name}-h200") if root else None
-    if path is None or not os.path.isdir(path):
-        path = str(tmp_path_factory.mktemp(name) / "art")
-        k3c.compile(SPECS[name], target="h200", run_dtypes=("bf16", "f32")).save(path, progress=False)
-    return name, path
+    return request.param, _artifact_path(request.param, tmp_path_factory)
 
 
 @pytest.fixture
@@ -107,6 +115,22 @@ def test_bf16_kernel_ops_from_the_artifact_match_torch(artifact, no_jit):
     assert {op for op, _ in summary} == kernel_ops
     for (op, phase), (_n, worst, finite) in summary.items():
         assert finite and worst <= 1e-2, f"{name} {op} ({phase}): relative error {worst:.3e} > 1e-2"
+
+
+def test_two_models_on_one_device_both_run_from_their_artifacts(tmp_path_factory, no_jit):
+    """A target and its draft model share a GPU: binding the second must not take the first's kernels away."""
+    models = {name: k3c.load(_artifact_path(name, tmp_path_factory)) for name in sorted(SPECS)}
+    runs = {}
+    for name, model in models.items():
+        w = _weights(model.spec, torch.float32)
+        ids = torch.randint(0, model.spec.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))
+        runs[name] = (model.session(w, device="cuda", max_batch=1, max_context=16, kernel_policy="strict"), ids)
+    launcher.reset_stats()
+    for name, (sess, ids) in runs.items():       # the first-bound model runs after the second was bound
+        out = sess.prefill(ids)
+        sess.decode(out[:, -1].argmax(-1))
+    torch.cuda.synchronize()
+    assert launcher.stats().jit == 0 and launcher.stats().binaries > 0, launcher.stats()
 
 
 def test_artifact_for_another_target_is_refused(tmp_path):
