@@ -371,13 +371,15 @@ class Speculation:
         requests: a request whose verifications emit fewer tokens than they cost in plain steps is slowed down by
         each (at batch 32, ~3 plain steps for a verification at k3-stdlib), and a fixed batch ends with its slowest
         request; the batch's mean gain would trade those requests for the others."""
-        return self._beats((self.expected(r) for r in rids), ratio)
+        if (1.0 + self.margin) * ratio >= self.draft_len + 1:
+            return False                    # no request's tokens can beat it: every draft kept emits draft_len + 1
+        return self._beats([self.expected(r) for r in rids], ratio)
 
     def expected(self, rid: int) -> float:
         """The tokens a verification of request rid is expected to emit: its gain when it has a draft, weighted by
         how often its drafter finds one (a verification without one emits one token)."""
         hit = self._found.get(rid, self._all_found)
-        return hit * self._gain.get(rid, self._prior()) + (1.0 - hit)
+        return 1.0 + hit * (self._gain.get(rid, self._prior()) - 1.0)
 
     def found(self, rids: list[int], lengths: list[int]) -> None:
         """The drafter was asked for these requests' drafts and found drafts of these lengths (0: none)."""
@@ -395,8 +397,8 @@ class Speculation:
         ratio = self.ratio(len(rids)) if self.adaptive else None
         if ratio is None:
             return True
-        prior = self._prior()
-        return self._beats((self._gain.get(r, prior) if n else 1.0 for r, n in zip(rids, found)), ratio)
+        prior, gain = self._prior(), self._gain
+        return self._beats([gain.get(r, prior) if n else 1.0 for r, n in zip(rids, found)], ratio)
 
     def wanted(self, rids: list[int]) -> bool:
         """Whether this step of the decoding requests `rids` should draft."""
