@@ -17,6 +17,10 @@ compile excluded; so are the seconds of any CUDA graph capture inside that time,
 says how many and how long). Also: drafts accepted / drafted, tokens per
 verification, and greedy identity with the plain pass (requests whose tokens are equal).
 
+Sustained load (--sustained K, part 1's model): K x batch requests queued at once on an engine of that max_batch,
+plain and prompt lookup; tokens/s = every generated token / queueing to the last token, prefill included. A fixed
+batch under speculation ends with its slowest request, in a shrinking batch; a server replaces its finishers.
+
 Part 2, k3-wide-shaped timing (--wide spec, random weights, --wide-context tokens of random prompt): what a verified
 draft costs at K3's widths. Random weights draft nothing worth measuring, so the drafter replays part 1's acceptance:
 for each request it proposes the plain pass's own next tokens, as many as a draw from part 1's histogram of accepted
@@ -126,6 +130,71 @@ def timed_requests(eng, ps: list[list[int]], new_tokens: int, sync, together: bo
     return out
 
 
+def sustained_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
+    """Every prompt queued at once on an engine of max_batch < len(ps): continuous batching keeps max_batch
+    requests in flight, admitting the next as one finishes (a server under steady load, where a speculating batch's
+    early finishers are replaced instead of leaving a shrinking tail). Tokens/s = every generated token / the time
+    from queueing to the last token, prefill of the admitted requests included (one-off graph captures left out)."""
+    before = dict(eng.stats)
+    gc.collect()
+    sync()
+    t0 = time.perf_counter()
+    rids = [eng.add_request(p, new_tokens) for p in ps]
+    got = {r: [] for r in rids}
+    while eng.has_work():
+        for o in eng.step():
+            got[o.rid].append(o.token)
+    sync()
+    st = {k: v - before.get(k, 0) for k, v in eng.stats.items()}
+    seconds = time.perf_counter() - t0 - st.get("graph_capture_s", 0.0)
+    return {"tokens": [got[r] for r in rids], "tokens_per_s": sum(map(len, got.values())) / seconds,
+            "seconds": seconds, "graph_captures": st.get("graph_captures", 0), "verify_calls": st.get("verify_calls", 0),
+            "decode_calls": st.get("decode_calls", 0), "drafted": st.get("spec_drafted", 0),
+            "accepted": st.get("spec_accepted", 0)}
+
+
+def part_sustained(args, model, w, sync) -> list[dict]:
+    """Plain and prompt lookup at a steady --sustained x batch requests per batch size (> 1): median of --repeats
+    passes after warm-up passes (at most 3, until one captures no graph)."""
+    from k3c.runtime.engine import Engine
+    from k3c.runtime.speculative import NgramDrafter, Speculation
+
+    rows = []
+    for workload in args.workloads:
+        for b in [b for b in args.batches if b > 1]:
+            ps = prompts(model.tokenizer, workload, args.sustained * b, args.prompt_tokens)
+            ctx = max(len(p) for p in ps) + args.new_tokens + args.draft_len + 2
+            plain = None
+            for name in ("plain", "ngram"):
+                eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, use_kernels=not args.no_kernels,
+                             speculation=Speculation(NgramDrafter(), args.draft_len) if name == "ngram" else None,
+                             max_graphs=args.max_graphs)
+                for _ in range(3):
+                    if not sustained_pass(eng, ps, args.new_tokens, sync)["graph_captures"]:
+                        break
+                runs = [sustained_pass(eng, ps, args.new_tokens, sync) for _ in range(args.repeats)]
+                r = sorted(runs, key=lambda x: x["tokens_per_s"])[len(runs) // 2]
+                row = {"model": "k3-stdlib", "workload": workload, "batch": b, "requests": len(ps), "config": name,
+                       **{k: v for k, v in r.items() if k != "tokens"},
+                       "runs_tokens_per_s": [round(x["tokens_per_s"], 1) for x in runs]}
+                if plain is None:
+                    plain = r
+                else:
+                    row["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"]
+                    row["identical"] = sum(a == c for a, c in zip(r["tokens"], plain["tokens"]))
+                if r["drafted"]:
+                    row["acceptance"] = r["accepted"] / r["drafted"]
+                rows.append(row)
+                print(f"{'k3-stdlib':>10} {workload:>4} b{b:<3} {name:<8} sustained, {len(ps)} requests: "
+                      f"{r['tokens_per_s']:9.1f} tok/s (prefill included; median of "
+                      f"{'/'.join(f'{x:.0f}' for x in row['runs_tokens_per_s'])})"
+                      + (f", {row['speedup']:.2f}x plain, acceptance {row.get('acceptance', 0):.1%}, identical "
+                         f"{row['identical']}/{len(ps)}" if "speedup" in row else ""), flush=True)
+                args.save(sustained=rows)
+                del eng
+    return rows
+
+
 def summary(r: dict, plain: dict | None) -> dict:
     out = {k: v for k, v in r.items() if k != "tokens"}
     if r["drafted"]:
@@ -221,7 +290,10 @@ def part_trained(args, dev, dtype, sync) -> dict:
                 print(line(row), flush=True)
                 args.save(rows=rows)
                 del eng
-    return {"rows": rows}
+    out = {"rows": rows}
+    if args.sustained:
+        out["sustained"] = part_sustained(args, model, w, sync)
+    return out
 
 
 def part_wide(args, dev, dtype, sync, trained_rows) -> dict:
@@ -313,6 +385,9 @@ def main(argv=None) -> int:
                          "shrinks through every size, each a decode and a verification graph; evicting the full "
                          "batch's graphs in the warm-up would make the timed pass capture them again")
     ap.add_argument("--repeats", type=int, default=5, help="timed passes of each configuration (part 1): the median")
+    ap.add_argument("--sustained", type=int, default=4, metavar="K",
+                    help="part 1 also keeps each batch size (> 1) busy with K x batch requests queued at once, "
+                         "plain and prompt lookup (0: skip)")
     ap.add_argument("--prompt-tokens", type=int, default=384)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=4)
@@ -328,7 +403,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.small:
         args.batches, args.prompt_tokens, args.new_tokens, args.wide_context = "1,2", 48, 16, 64
-        args.b1_requests, args.repeats = 2, 1
+        args.b1_requests, args.repeats, args.sustained = 2, 1, 2
     args.batches = [int(b) for b in args.batches.split(",")]
     args.workloads = args.workloads.split(",")
     dev = torch.device(args.device)
@@ -343,10 +418,12 @@ def main(argv=None) -> int:
            "prompt_tokens": args.prompt_tokens}
     out["trained"] = {"rows": []}
 
-    def save(rows=None):
+    def save(rows=None, sustained=None):
         """The JSON so far (after every row: a run cut short keeps what it measured)."""
         if rows is not None:
             out["partial"] = rows
+        if sustained is not None:
+            out["partial_sustained"] = sustained
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(out, fh, indent=1)

@@ -1,6 +1,7 @@
-"""bench/speculative.py in its small mode (CPU, fp32, kernels off): the trained model's rows and the replayed k3-tiny
-timing rows are there and consistent: speculation emitted exactly plain decoding's tokens (trained rows), the
-accepted counts add up to the histogram, and the replay drafter kept the counts it was given."""
+"""bench/speculative.py in its small mode (CPU, fp32, kernels off): the trained model's rows (fixed batches and
+sustained load) and the replayed k3-tiny timing rows are there and consistent: speculation emitted exactly plain
+decoding's tokens (trained rows), the accepted counts add up to the histogram, and the replay drafter kept the counts
+it was given."""
 import json
 import os
 import sys
@@ -47,3 +48,12 @@ def test_replayed_acceptance_follows_the_histogram(result):
         top = max(min(k, result["draft_len"]) for k in hist)
         assert got and max(got) <= top
         assert sum(got.values()) == r["verifications"] > 0 and r["speedup"] > 0
+
+
+def test_sustained_rows_queue_more_requests_than_the_batch(result):
+    rows = result["trained"]["sustained"]
+    assert {(r["batch"], r["config"]) for r in rows} == {(2, "plain"), (2, "ngram")}
+    for r in rows:
+        assert r["requests"] == 4 and r["tokens_per_s"] > 0 and r["decode_calls"] + r["verify_calls"] > 0
+    ngram = next(r for r in rows if r["config"] == "ngram")
+    assert ngram["identical"] == ngram["requests"]          # greedy, fp32: token for token
