@@ -18,8 +18,9 @@ says how many and how long). Also: drafts accepted / drafted, tokens per
 verification, and greedy identity with the plain pass (requests whose tokens are equal).
 
 Sustained load (--sustained K, part 1's model): K x batch requests queued at once on an engine of that max_batch,
-plain and prompt lookup; tokens/s = every generated token / queueing to the last token, prefill included. A fixed
-batch under speculation ends with its slowest request, in a shrinking batch; a server replaces its finishers.
+max_new_tokens spread over [new/2, 3 new/2], plain and prompt lookup; tokens/s = every generated token / queueing
+to the last token, prefill included. A fixed batch under speculation ends with its slowest request, in a shrinking
+batch; a server replaces its finishers with queued requests.
 
 Part 2, k3-wide-shaped timing (--wide spec, random weights, --wide-context tokens of random prompt): what a verified
 draft costs at K3's widths. Random weights draft nothing worth measuring, so the drafter replays part 1's acceptance:
@@ -130,6 +131,15 @@ def timed_requests(eng, ps: list[list[int]], new_tokens: int, sync, together: bo
     return out
 
 
+def sustained_lengths(n: int, new_tokens: int) -> list[int]:
+    """Request i's max_new_tokens under sustained load: spread over [new_tokens / 2, 3 new_tokens / 2], in an order
+    unrelated to i, so that plain decoding's requests finish at different steps too (equal lengths would admit
+    plain decoding's requests in waves of a full batch)."""
+    lo = max(1, new_tokens // 2)
+    span = new_tokens + 1
+    return [lo + (i * 37) % span for i in range(n)]
+
+
 def sustained_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
     """Every prompt queued at once on an engine of max_batch < len(ps): continuous batching keeps max_batch
     requests in flight, admitting the next as one finishes (a server under steady load, where a speculating batch's
@@ -139,7 +149,7 @@ def sustained_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
     gc.collect()
     sync()
     t0 = time.perf_counter()
-    rids = [eng.add_request(p, new_tokens) for p in ps]
+    rids = [eng.add_request(p, n) for p, n in zip(ps, sustained_lengths(len(ps), new_tokens))]
     got = {r: [] for r in rids}
     while eng.has_work():
         for o in eng.step():
@@ -148,9 +158,10 @@ def sustained_pass(eng, ps: list[list[int]], new_tokens: int, sync) -> dict:
     st = {k: v - before.get(k, 0) for k, v in eng.stats.items()}
     seconds = time.perf_counter() - t0 - st.get("graph_capture_s", 0.0)
     return {"tokens": [got[r] for r in rids], "tokens_per_s": sum(map(len, got.values())) / seconds,
-            "seconds": seconds, "graph_captures": st.get("graph_captures", 0), "verify_calls": st.get("verify_calls", 0),
-            "decode_calls": st.get("decode_calls", 0), "drafted": st.get("spec_drafted", 0),
-            "accepted": st.get("spec_accepted", 0)}
+            "seconds": seconds, "drafted": st.get("spec_drafted", 0), "accepted": st.get("spec_accepted", 0),
+            **{k: st.get(k, 0) for k in ("steps", "graph_captures", "verify_calls", "verify_graph_calls", "decode_calls",
+                                         "decode_graph_calls", "prefill_calls", "graph_slot_gathers",
+                                         "padded_graph_rows")}}
 
 
 def part_sustained(args, model, w, sync) -> list[dict]:
@@ -185,9 +196,12 @@ def part_sustained(args, model, w, sync) -> list[dict]:
                 if r["drafted"]:
                     row["acceptance"] = r["accepted"] / r["drafted"]
                 rows.append(row)
+                eager = r["decode_calls"] + r["verify_calls"] - r["decode_graph_calls"] - r["verify_graph_calls"]
                 print(f"{'k3-stdlib':>10} {workload:>4} b{b:<3} {name:<8} sustained, {len(ps)} requests: "
                       f"{r['tokens_per_s']:9.1f} tok/s (prefill included; median of "
-                      f"{'/'.join(f'{x:.0f}' for x in row['runs_tokens_per_s'])})"
+                      f"{'/'.join(f'{x:.0f}' for x in row['runs_tokens_per_s'])}; {r['steps']} steps, "
+                      f"{r['prefill_calls']} prefill calls, {eager} eager decode/verify calls, "
+                      f"{r['graph_slot_gathers']} slot gathers)"
                       + (f", {row['speedup']:.2f}x plain, acceptance {row.get('acceptance', 0):.1%}, identical "
                          f"{row['identical']}/{len(ps)}" if "speedup" in row else ""), flush=True)
                 args.save(sustained=rows)
