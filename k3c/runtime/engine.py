@@ -897,26 +897,57 @@ class Engine:
                                     0)
 
     def _home(self, seqs: list[SeqState], tokens: int):
-        """(graph, each sequence's row) when the KDA slots of one batch size's graphs already hold every sequence's
-        rows (one row in every layer, no two alike), that batch is at most twice len(seqs) and its graph of
-        `tokens` tokens exists: the call runs there with the rows in place (a departed request's row is a padding
-        row) instead of gathering the batch into a smaller graph's slots (~1 ms at batch 32 of k3-stdlib, each time
-        a request of a speculating batch finishes). None otherwise."""
+        """(graph, each sequence's row, the sequences joining) when one batch size's KDA slots already hold the rows
+        of most of these sequences (one row in every layer, no two alike), that batch is at least len(seqs) and at
+        most twice it, and its graph of `tokens` tokens exists: the call runs there with those rows in place (a
+        departed request's row is a padding row) and each sequence not yet there (a request admitted in place of
+        one that finished) copied into a free row, instead of the whole batch being gathered into a graph's slots
+        (~1 ms at batch 32 of k3-stdlib, each time a request of a busy server is replaced or a speculating batch
+        shrinks). None otherwise."""
         if not self.kda_layers:
             return None
-        first = seqs[0].kda.get(self.kda_layers[0])
-        if first is None:
+        first = self.kda_layers[0]
+        holders = {id(g.kda[first]): g for g in self._graphs.values()}
+        votes = Counter(id(r[0]) for r in (s.kda.get(first) for s in seqs) if r is not None and id(r[0]) in holders)
+        if not votes:
             return None
-        home = next((g for g in self._graphs.values() if g.kda[self.kda_layers[0]] is first[0]), None)
-        if home is None or home.batch > 2 * len(seqs):
+        home = holders[votes.most_common(1)[0][0]]
+        if not len(seqs) <= home.batch <= 2 * len(seqs):
             return None
         key = (home.batch, tokens)
         dg = self._graphs.get(key)
-        slots = self._slots(home, seqs) if dg is not None else None
-        if slots is None:
+        placed = self._placed(home, seqs) if dg is not None else None
+        if placed is None:
             return None
         self._graphs.move_to_end(key)
-        return dg, slots
+        return (dg, *placed)
+
+    def _placed(self, dg, seqs: list[SeqState]) -> tuple[list[int], list[int]] | None:
+        """(each sequence's row in dg's KDA slots, the indexes of those to copy in): a sequence keeps the row its
+        states live in, the others take free rows; None when more than a quarter would be copied (then one gather of
+        the batch costs less than row-by-row moves)."""
+        rows: list[int | None] = []
+        taken: set[int] = set()
+        for s in seqs:
+            j = None
+            for i in self.kda_layers:
+                r = s.kda.get(i)
+                if r is None or r[0] is not dg.kda[i] or (j is not None and r[1] != j):
+                    j = None
+                    break
+                j = r[1]
+            if j is not None and j in taken:
+                j = None
+            if j is not None:
+                taken.add(j)
+            rows.append(j)
+        joining = [k for k, j in enumerate(rows) if j is None]
+        if len(joining) > max(1, len(seqs) // 4):
+            return None
+        free = (j for j in range(dg.batch) if j not in taken)
+        for k in joining:
+            rows[k] = next(free)
+        return rows, joining
 
     def _slots(self, dg, seqs: list[SeqState]) -> list[int] | None:
         """The row of dg's KDA slots each sequence's states live in, or None unless all of them live there (at one
@@ -933,7 +964,7 @@ class Engine:
         return slots if len(set(slots)) == len(slots) else None
 
     def _graph_step(self, dg, seqs: list[SeqState], segments: list[list[int]],
-                    slots: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+                    slots: list[int] | None = None, joining: list[int] = ()) -> tuple[torch.Tensor, list[int]]:
         """One decode step of `seqs` through `dg`: (their logits, the slot row each ran in). The batch's KDA rows live
         in dg's static slots: each sequence's state is a row reference to a slot, and a sequence whose rows are
         there runs in place; otherwise the batch is copied into rows 0..B-1, after any other sequence still
@@ -943,8 +974,10 @@ class Engine:
         B, T, pad = len(seqs), dg.tokens, dg.batch - len(seqs)
         if slots is None:
             slots = self._slots(dg, seqs) if self.kda_layers else list(range(B))
-        if slots is None or pad:
+        if slots is None or pad or joining:
             self._rehome(dg, {id(s) for s in seqs})   # slots about to be overwritten: give their rows a home
+        if joining:
+            self._join(dg, [seqs[k] for k in joining], [slots[k] for k in joining])
         if slots is None:
             slots = list(range(B))
             self._untimed = True
@@ -985,6 +1018,26 @@ class Engine:
         # the replay's output is overwritten next step
         return (out[:B].clone() if in_order else out.index_select(0, self._device_rows(slots))), slots
 
+    def _join(self, dg, seqs: list[SeqState], rows: list[int]) -> None:
+        """Copy these sequences' KDA states into `rows` of dg's slots (one gather and one index_copy per tensor and
+        layer for all of them)."""
+        self._untimed = True                   # a step that moved rows is no cost sample of a plain step
+        self.stats["graph_slot_joins"] += len(seqs)
+        idx = self._h2d(torch.tensor(rows, dtype=torch.long))
+        for i in self.kda_layers:
+            g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
+            slot = dg.kda[i]
+            if g is None:
+                slot.state.index_fill_(0, idx, 0)
+                for t in slot.conv:
+                    t.index_fill_(0, idx, 0)
+                continue
+            if _shares(g.state, slot.state):      # rows of this very slot (a view of them): read before writing
+                g = KDAState(g.state.clone(), tuple(t.clone() for t in g.conv))
+            slot.state.index_copy_(0, idx, g.state)
+            for d, src in zip(slot.conv, g.conv):
+                d.index_copy_(0, idx, src)
+
     def _device_rows(self, slots: list[int]) -> torch.Tensor:
         """`slots` as a device index (the last one kept: a batch runs in the same rows for many steps)."""
         key = tuple(slots)
@@ -1014,7 +1067,9 @@ class Engine:
         if dg is not None:
             t0 = time.perf_counter()
             captured, captured_s = len(dg.report.captured), sum(dg.report.captured.values())
-            logits, slots = self._graph_step(dg, seqs, segments, home[1] if home and home[0] is dg else None)
+            at_home = home is not None and home[0] is dg
+            logits, slots = self._graph_step(dg, seqs, segments, home[1] if at_home else None,
+                                             home[2] if at_home else ())
             if T == 1:
                 logits = logits[:, None]
             if len(dg.report.captured) != captured:   # this step captured a bucket: its time is no decode rate

@@ -54,16 +54,17 @@ def case():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_graphs,created,gathers", [(4, 2, 3), (1, 2, 3)])
+@pytest.mark.parametrize("max_graphs,created,gathers", [(4, 2, 2), (1, 2, 2)])
 def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case, max_graphs, created, gathers):
     """A batch size gets its graph on its second decode step in a row: B=1, then B=2 (with one graph allowed, B=2
     drops B=1's graph, its KDA rows rehomed first); the batch's rows are gathered into a graph's slots when it
-    changes by a join (three times), and a request left alone after its partner finished stays in its row of the
-    B=2 graph, beside a padding row (the scratch page, length 0): the same tokens and logits."""
+    outgrows them by a join (twice), a request left alone after its partner finished stays in its row of the B=2
+    graph, beside a padding row (the scratch page, length 0), and the third request joins it in the free row: the
+    same tokens and logits."""
     model, w, prompts, without = case
     eng, with_graphs = run(model, w, True, prompts, NEWS, JOINS, max_graphs)
     assert eng.stats["padded_graph_rows"] == 5
-    assert eng.stats["graph_slot_gathers"] == gathers
+    assert eng.stats["graph_slot_gathers"] == gathers and eng.stats["graph_slot_joins"] == 1
     assert eng.stats["decode_graph_calls"] > 0
     assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
     assert len(eng._graphs) <= max_graphs
@@ -103,6 +104,23 @@ def test_shrinking_batch_runs_padded_in_the_larger_graph(one_thread, case):
     eng, with_graphs = run(model, w, True, prompts, news, joins)
     assert eng.stats["padded_graph_rows"] > 0 and set(eng._graphs) == {(3, 1)}
     assert eng.stats["graph_slot_gathers"] == 1
+    for a, b in zip(with_graphs, without):
+        assert [o.token for o in a] == [o.token for o in b]
+        assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_request_joining_takes_a_free_row_in_place(one_thread, case):
+    """Three requests start together, the first finishes early and a fourth takes its place (a busy server): the
+    two left keep their rows of the B=3 graph's KDA slots and the newcomer's states are copied into the free row
+    (no gather of the batch after the first), with the tokens and logits of the ordinary decode."""
+    model, w, prompts, _ = case
+    prompts = list(prompts) + [prompts[0][::-1]]
+    news, joins = (4, 12, 12, 5), {0: [0, 1, 2], 6: [3]}
+    _, without = run(model, w, False, prompts, news, joins)
+    eng, with_graphs = run(model, w, True, prompts, news, joins)
+    assert eng.stats["graph_slot_gathers"] == 1 and eng.stats["graph_slot_joins"] == 1
+    assert set(eng._graphs) == {(3, 1)}
     for a, b in zip(with_graphs, without):
         assert [o.token for o in a] == [o.token for o in b]
         assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5
