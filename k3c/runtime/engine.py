@@ -929,14 +929,8 @@ class Engine:
         rows: list[int | None] = []
         taken: set[int] = set()
         for s in seqs:
-            j = None
-            for i in self.kda_layers:
-                r = s.kda.get(i)
-                if r is None or r[0] is not dg.kda[i] or (j is not None and r[1] != j):
-                    j = None
-                    break
-                j = r[1]
-            if j is not None and j in taken:
+            j = self._row_in(dg, s)
+            if j in taken:
                 j = None
             if j is not None:
                 taken.add(j)
@@ -949,19 +943,21 @@ class Engine:
             rows[k] = next(free)
         return rows, joining
 
+    def _row_in(self, dg, s: SeqState) -> int | None:
+        """The row of dg's KDA slots sequence s's states live in (the same row in every layer), else None."""
+        j = None
+        for i in self.kda_layers:
+            r = s.kda.get(i)
+            if r is None or r[0] is not dg.kda[i] or (j is not None and r[1] != j):
+                return None
+            j = r[1]
+        return j
+
     def _slots(self, dg, seqs: list[SeqState]) -> list[int] | None:
         """The row of dg's KDA slots each sequence's states live in, or None unless all of them live there (at one
         row in every layer, no two sequences at the same row)."""
-        slots = []
-        for s in seqs:
-            j = None
-            for i in self.kda_layers:
-                r = s.kda.get(i)
-                if r is None or r[0] is not dg.kda[i] or (j is not None and r[1] != j):
-                    return None
-                j = r[1]
-            slots.append(j)
-        return slots if len(set(slots)) == len(slots) else None
+        slots = [self._row_in(dg, s) for s in seqs]
+        return slots if None not in slots and len(set(slots)) == len(slots) else None
 
     def _graph_step(self, dg, seqs: list[SeqState], segments: list[list[int]],
                     slots: list[int] | None = None, joining: list[int] = ()) -> tuple[torch.Tensor, list[int]]:
