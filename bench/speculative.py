@@ -174,7 +174,7 @@ def part_sustained(args, model, w, sync) -> list[dict]:
     for workload in args.workloads:
         for b in [b for b in args.batches if b > 1]:
             ps = prompts(model.tokenizer, workload, args.sustained * b, args.prompt_tokens)
-            ctx = max(len(p) for p in ps) + args.new_tokens + args.draft_len + 2
+            ctx = max(len(p) for p in ps) + max(sustained_lengths(len(ps), args.new_tokens)) + args.draft_len + 2
             plain = None
             for name in ("plain", "ngram"):
                 eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, use_kernels=not args.no_kernels,
