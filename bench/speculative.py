@@ -9,7 +9,7 @@ weights). Two workloads of prompts cut from k3c's own source files (Python the m
   copy   an agent's tool call: "# $ cat FILE" + --prompt-tokens tokens of the file as the tool's output, then
          "# FILE, unchanged:" + the first half of the output.s lines: a continuation that copies the output.
 Per batch size (--batches) and configuration (plain; ngram = prompt lookup; draft = examples/k3-stdlib-draft when
-present; --draft-len tokens at most, the adaptive controller on): untimed passes until one captures no CUDA graph
+present; --draft-len tokens at most, the adaptive controller on unless --every-step): untimed passes until one captures no CUDA graph
 (JIT, captures; at most 6), then --repeats timed passes of the same requests, the median reported (every run's
 rate and graph captures listed); batch 1 times --b1-requests prompts, each alone, one after the other. Decode
 tokens/s = tokens after each request's first / the time after every request has its first token (warm-up and
@@ -278,11 +278,12 @@ def part_trained(args, dev, dtype, sync) -> dict:
         for b in args.batches:
             ps = prompts(model.tokenizer, workload, b if b > 1 else args.b1_requests, args.prompt_tokens)
             ctx = max(len(p) for p in ps) + args.new_tokens + args.draft_len + 2
-            configs = {"plain": None, "ngram": lambda: Speculation(NgramDrafter(), args.draft_len)}
+            adaptive = not args.every_step
+            configs = {"plain": None, "ngram": lambda: Speculation(NgramDrafter(), args.draft_len, adaptive=adaptive)}
             if draft is not None:
                 configs["draft"] = lambda: Speculation(DraftModelDrafter(Engine(
                     draft, dw, device=args.device, max_batch=b, max_context=ctx, use_kernels=kernels,
-                    cuda_graphs=False)), args.draft_len)
+                    cuda_graphs=False)), args.draft_len, adaptive=adaptive)
             plain = None
             for name, make in configs.items():
                 eng = Engine(model, w, device=args.device, max_batch=b, max_context=ctx, use_kernels=kernels,
@@ -406,6 +407,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--no-draft", action="store_true", help="skip the draft-model configuration")
+    ap.add_argument("--every-step", action="store_true",
+                    help="part 1 without the adaptive controller: every decode step drafts and verifies (the "
+                         "drafters' acceptance where the controller would switch one off; rates then say what "
+                         "verifying every step costs)")
     ap.add_argument("--wide", default=os.path.join(ROOT, "examples", "k3-wide.yaml"))
     ap.add_argument("--wide-context", type=int, default=2048)
     ap.add_argument("--replay-batch", type=int, default=1)
