@@ -9,9 +9,10 @@ weights). Two workloads of prompts cut from k3c's own source files (Python the m
   copy   an agent's tool call: "# $ cat FILE" + --prompt-tokens tokens of the file as the tool's output, then
          "# FILE, unchanged:" + the first half of the output.s lines: a continuation that copies the output.
 Per batch size (--batches) and configuration (plain; ngram = prompt lookup; draft = examples/k3-stdlib-draft when
-present; --draft-len tokens at most, the adaptive controller on unless --every-step): untimed passes until one captures no CUDA graph
-(JIT, captures; at most 6), then --repeats timed passes of the same requests, the median reported (every run's
-rate and graph captures listed); batch 1 times --b1-requests prompts, each alone, one after the other. Decode
+present; --draft-len tokens at most, the adaptive controller on unless --every-step): untimed passes until one
+captures no CUDA graph (JIT, captures; at most 6), then --repeats timed passes of the same requests, the median
+reported (every run's rate and graph captures listed); batch 1 times --b1-requests prompts, each alone, one after
+the other. Decode
 tokens/s = tokens after each request's first / the time after every request has its first token (warm-up and
 compile excluded; so are the seconds of any CUDA graph capture inside that time, a server's one-off cost: the row
 says how many and how long). Also: drafts accepted / drafted, tokens per

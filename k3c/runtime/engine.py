@@ -972,25 +972,14 @@ class Engine:
             slots = self._slots(dg, seqs) if self.kda_layers else list(range(B))
         if slots is None or pad or joining:
             self._rehome(dg, {id(s) for s in seqs})   # slots about to be overwritten: give their rows a home
-        if joining:
-            self._join(dg, [seqs[k] for k in joining], [slots[k] for k in joining])
-        if slots is None:
+        if joining:                            # a request admitted in place of a finished one: into a free row
+            self.stats["graph_slot_joins"] += len(joining)
+            self._write_slots(dg, [seqs[k] for k in joining],
+                              self._h2d(torch.tensor([slots[k] for k in joining], dtype=torch.long)))
+        if slots is None:                      # the whole batch into rows 0..B-1
             slots = list(range(B))
-            self._untimed = True
             self.stats["graph_slot_gathers"] += 1
-            for i in self.kda_layers:
-                g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
-                slot = dg.kda[i]
-                if g is not None and _shares(g.state, slot.state):   # rows of this very slot (a view of them)
-                    g = KDAState(g.state.clone(), tuple(t.clone() for t in g.conv))
-                if g is None:
-                    slot.state[:B].zero_()
-                    for t in slot.conv:
-                        t[:B].zero_()
-                else:
-                    slot.state[:B].copy_(g.state)
-                    for d, src in zip(slot.conv, g.conv):
-                        d[:B].copy_(src)
+            self._write_slots(dg, seqs, slice(0, B))
         in_order = slots == list(range(B))
         rows = [[0] * T for _ in range(dg.batch)]
         lens = [0] * dg.batch
@@ -1014,25 +1003,29 @@ class Engine:
         # the replay's output is overwritten next step
         return (out[:B].clone() if in_order else out.index_select(0, self._device_rows(slots))), slots
 
-    def _join(self, dg, seqs: list[SeqState], rows: list[int]) -> None:
-        """Copy these sequences' KDA states into `rows` of dg's slots (one gather and one index_copy per tensor and
-        layer for all of them)."""
+    def _write_slots(self, dg, seqs: list[SeqState], rows) -> None:
+        """Copy these sequences' KDA states into `rows` of dg's slots (a slice, or a device index of one row per
+        sequence): one gather and one copy per tensor and layer for all of them."""
         self._untimed = True                   # a step that moved rows is no cost sample of a plain step
-        self.stats["graph_slot_joins"] += len(seqs)
-        idx = self._h2d(torch.tensor(rows, dtype=torch.long))
+        span = isinstance(rows, slice)
         for i in self.kda_layers:
             g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
             slot = dg.kda[i]
-            if g is None:
-                slot.state.index_fill_(0, idx, 0)
-                for t in slot.conv:
-                    t.index_fill_(0, idx, 0)
+            dsts = (slot.state, *slot.conv)
+            if g is None:                      # no state yet: zeros
+                for d in dsts:
+                    if span:
+                        d[rows].zero_()
+                    else:
+                        d.index_fill_(0, rows, 0)
                 continue
-            if _shares(g.state, slot.state):      # rows of this very slot (a view of them): read before writing
+            if _shares(g.state, slot.state):   # rows of this very slot (a view of them): read before writing
                 g = KDAState(g.state.clone(), tuple(t.clone() for t in g.conv))
-            slot.state.index_copy_(0, idx, g.state)
-            for d, src in zip(slot.conv, g.conv):
-                d.index_copy_(0, idx, src)
+            for d, src in zip(dsts, (g.state, *g.conv)):
+                if span:
+                    d[rows].copy_(src)
+                else:
+                    d.index_copy_(0, rows, src)
 
     def _device_rows(self, slots: list[int]) -> torch.Tensor:
         """`slots` as a device index (the last one kept: a batch runs in the same rows for many steps)."""
