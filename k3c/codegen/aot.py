@@ -329,6 +329,7 @@ def shutdown_workers(wait: bool = True, *, kill: bool = False) -> None:
     if executor is None or _EXECUTOR_PID != os.getpid():
         return                  # none, or a forked child's copy of its parent's pool: the parent's to stop
     procs = list((getattr(executor, "_processes", None) or {}).values()) if kill else []
+    manager = getattr(executor, "_executor_manager_thread", None)
     executor.shutdown(wait=wait and not kill, cancel_futures=True)
     for proc in procs:
         with contextlib.suppress(Exception):
@@ -338,6 +339,12 @@ def shutdown_workers(wait: bool = True, *, kill: bool = False) -> None:
         for proc in procs:
             with contextlib.suppress(Exception):
                 proc.join(5)
+    if kill and manager is not None and manager is not threading.current_thread():
+        # The pool's manager thread closes its wakeup pipe when it sees the workers gone; interpreter exit
+        # (concurrent.futures' _python_exit) writes to that pipe without a lock, and in the race prints
+        # "OSError: Bad file descriptor" on the way out of a SIGTERM'd compile. Let the thread finish first.
+        with contextlib.suppress(Exception):
+            manager.join(5)
 
 
 # ================================================================================================ parent helpers
