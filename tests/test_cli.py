@@ -1,4 +1,5 @@
-"""The CLI: exit codes, one-line errors, artifacts and dumps (DESIGN.md)."""
+"""The CLI: exit codes, one-line errors, artifacts (its kimi-k3 compile with IR dumps is checked in
+tests/codegen/test_artifact_kernels.py)."""
 import subprocess
 import sys
 
