@@ -12,6 +12,20 @@ if not torch.cuda.is_available():
     prepare_interpreter()
 
 
+def _share_cores_between_test_processes() -> None:
+    """Under pytest-xdist, each test process gets its share of the cores for torch's threads (and for the
+    processes a test starts): two processes each running OpenMP on every core slow each other's small ops down
+    several times over."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
+_share_cores_between_test_processes()
+
+
 @pytest.fixture
 def one_thread():
     """Single-threaded torch for the duration of a test (the settings restored after): suites of many tiny ops
