@@ -49,13 +49,19 @@ def test_compiled_fp32_kernels_decode_like_the_reference(heldout, reference):
     assert max(errors) <= LOGPROBS_BOUND_FP32, errors
 
 
+@pytest.fixture(scope="module")
+def bf16_kernels_window(heldout):
+    """(one 16-token window, its logits through the generated kernels in bf16): both window tests compare with it."""
+    tiny = heldout.windows[:1, :17]
+    return tiny, window_logits("compiled-bf16", tiny, kernels=True)
+
+
 @pytest.mark.slow
-def test_compiled_bf16_kernels_logits_on_a_short_window(heldout):
+def test_compiled_bf16_kernels_logits_on_a_short_window(bf16_kernels_window):
     """The generated kernels in bf16 on one 16-token window (~25 s): logits against the bf16 reference, and every
     position's next token agreeing with the fp32 reference's as check_logprobs_close has it (equal, or each side's
     token in the other's top-5; the prefixes are the window's, so every position is compared)."""
-    tiny = heldout.windows[:1, :17]
-    kernels = window_logits("compiled-bf16", tiny, kernels=True)
+    tiny, kernels = bf16_kernels_window
     err = rel(kernels, window_logits("reference-bf16", tiny, kernels=False))
     assert err <= LOGITS_BOUNDS[("compiled-bf16 kernels", "reference-bf16")], err
     steps = [[trained.Generation([int(row.argmax())], [row]) for row in torch.log_softmax(lg[0], -1)]
@@ -65,13 +71,14 @@ def test_compiled_bf16_kernels_logits_on_a_short_window(heldout):
 
 
 @pytest.mark.slow
-def test_fp8_cache_kernels_logits_on_a_short_window(heldout):
+def test_fp8_cache_kernels_logits_on_a_short_window(bf16_kernels_window):
     """The fp8 latent cache through the generated kernels (latent write, MHA prefill read) on one 16-token window
     (~10 s): against the bf16-cache kernels and against the torch ops on the same fp8 rows."""
-    tiny = heldout.windows[:1, :17]
+    tiny, bf16_kernels = bf16_kernels_window
     fp8 = window_logits("fp8-kv", tiny, kernels=True)
-    for other, kernels in (("compiled-bf16", True), ("fp8-kv", False)):
-        err = rel(fp8, window_logits(other, tiny, kernels=kernels))
+    for other, kernels, logits in (("compiled-bf16", True, bf16_kernels),
+                                   ("fp8-kv", False, window_logits("fp8-kv", tiny, kernels=False))):
+        err = rel(fp8, logits)
         assert err <= LOGITS_BOUNDS[("fp8-kv kernels", other + (" kernels" if kernels else ""))], (other, err)
 
 
