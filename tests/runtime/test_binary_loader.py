@@ -580,19 +580,18 @@ def test_missing_entry_point_is_named():
         binary._Driver("cuda", NoLaunch())
 
 
-def test_launch_overhead_is_small():
+def test_a_launch_is_two_driver_calls():
+    """What stays per launch once the kernel is loaded: the current-context check and the launch itself (module,
+    function handle, attributes and the argument layout are settled at load). The host cost in microseconds is a
+    benchmark's to measure (a timed unit test fails on a loaded machine), not this test's."""
     k, lib = load()
-    x, w, out = tensors()
-    args = [x, w, out, 8]
-    for _ in range(200):
+    args = list(tensors()) + [8]
+    k.launch((8, 1, 1), args)
+    first = len(lib.calls)
+    for _ in range(5):
         k.launch((8, 1, 1), args)
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        k.launch((8, 1, 1), args)
-    us = (time.perf_counter() - t0) / n * 1e6
-    print(f"binary launch host overhead with a Python stand-in driver: {us:.1f} us")
-    assert us < 100                                            # ~5-10 us on an idle core (incl. the fake's calls)
+    assert lib.names()[first:] == ["cuCtxGetCurrent", "cuLaunchKernel"] * 5
+    assert len(lib.launches) == 6
 
 
 # ====================================================================================================== GPU
