@@ -12,10 +12,9 @@ Per batch size (--batches) and configuration (plain; ngram = prompt lookup; draf
 present; --draft-len tokens at most, the adaptive controller on unless --every-step): untimed passes until one
 captures no CUDA graph (JIT, captures; at most 6), then --repeats timed passes of the same requests, the median
 reported (every run's rate and graph captures listed); batch 1 times --b1-requests prompts, each alone, one after
-the other. Decode
-tokens/s = tokens after each request's first / the time after every request has its first token (warm-up and
-compile excluded; so are the seconds of any CUDA graph capture inside that time, a server's one-off cost: the row
-says how many and how long). Also: drafts accepted / drafted, tokens per
+the other. Decode tokens/s = tokens after each request's first / the time after every request has its first token
+(warm-up and compile excluded; so are the seconds of any CUDA graph capture inside that time, a server's one-off
+cost: the row says how many and how long). Also: drafts accepted / drafted, tokens per
 verification, and greedy identity with the plain pass (requests whose tokens are equal).
 
 Sustained load (--sustained K, part 1's model): K x batch requests queued at once on an engine of that max_batch,

@@ -1007,25 +1007,29 @@ class Engine:
         """Copy these sequences' KDA states into `rows` of dg's slots (a slice, or a device index of one row per
         sequence): one gather and one copy per tensor and layer for all of them."""
         self._untimed = True                   # a step that moved rows is no cost sample of a plain step
-        span = isinstance(rows, slice)
+        if isinstance(rows, slice):
+            def zero(d):
+                d[rows].zero_()
+
+            def put(d, src):
+                d[rows].copy_(src)
+        else:
+            def zero(d):
+                d.index_fill_(0, rows, 0)
+
+            def put(d, src):
+                d.index_copy_(0, rows, src)
         for i in self.kda_layers:
             g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
             slot = dg.kda[i]
-            dsts = (slot.state, *slot.conv)
             if g is None:                      # no state yet: zeros
-                for d in dsts:
-                    if span:
-                        d[rows].zero_()
-                    else:
-                        d.index_fill_(0, rows, 0)
+                for d in (slot.state, *slot.conv):
+                    zero(d)
                 continue
             if _shares(g.state, slot.state):   # rows of this very slot (a view of them): read before writing
                 g = KDAState(g.state.clone(), tuple(t.clone() for t in g.conv))
-            for d, src in zip(dsts, (g.state, *g.conv)):
-                if span:
-                    d[rows].copy_(src)
-                else:
-                    d.index_copy_(0, rows, src)
+            for d, src in zip((slot.state, *slot.conv), (g.state, *g.conv)):
+                put(d, src)
 
     def _device_rows(self, slots: list[int]) -> torch.Tensor:
         """`slots` as a device index (the last one kept: a batch runs in the same rows for many steps)."""

@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-import k3c
 from k3c.cli import main
-from k3c.ir import parse_module
+from k3c.ir import parse_module, print_module
 
 
 @pytest.mark.slow
@@ -49,7 +48,7 @@ def check_dumps(out, manifest):
     for name in names:
         text = (out / "ir-dumps" / name).read_text()
         module = parse_module(text, name)
-        assert parse_module(module_text := k3c.ir.print_module(module)) == module
+        assert parse_module(module_text := print_module(module)) == module
         assert module_text.count("\n") > 3000
         final = module
     assert final == parse_module((out / "model.k3c").read_text())
