@@ -94,6 +94,7 @@ class CompiledKernel:
     digest: str = ""                         # KernelSource.digest
     catalogue_key: str = ""                  # KernelSource.key: what the runtime looks its launches up by
     sha256: dict[str, str] = field(default_factory=dict)   # file path (relative to out_dir) -> sha256 hex
+    tier: str = "portable"                   # KernelSource.tier (the Triton that built it: metadata triton_version)
 
     @property
     def entry(self) -> str:
@@ -118,7 +119,7 @@ class CompiledKernel:
             "resources": self.resources.to_dict(), "ir_op": self.ir_op,
             "loc": self.loc, "metadata": dict(sorted(self.metadata.items())), "divisible_by_16": list(self.divisible_by_16),
             "key": self.key, "digest": self.digest,
-            "catalogue_key": self.catalogue_key, "sha256": dict(self.sha256),
+            "catalogue_key": self.catalogue_key, "sha256": dict(self.sha256), "tier": self.tier,
         }
 
     @classmethod
@@ -309,10 +310,13 @@ def report_markdown(compiled: list[CompiledKernel], target: Target | str) -> str
             spill = f"**{spill} SPILL**"
             flagged.append(ck)
         op = ck.ir_op + (f" ({ck.loc})" if ck.loc else "") if ck.ir_op else "-"
+        tier = "" if ck.tier == "portable" else f" ({ck.tier} tier)"
         lines.append("| " + " | ".join([
-            f"`{ck.name}`", op, f"{ck.num_warps}/{ck.num_stages}", r.regs_text(), str(r.shared_bytes), spill,
+            f"`{ck.name}`{tier}", op, f"{ck.num_warps}/{ck.num_stages}", r.regs_text(), str(r.shared_bytes), spill,
             r.occupancy_text(), r.matrix_text()]) + " |")
-    lines += ["", f"**{len(compiled)} kernels** for {target.name}; {len(flagged)} with scratch/spills."]
+    tiers = sorted({ck.tier for ck in compiled} - {"portable"})
+    by_tier = "".join(f", {sum(ck.tier == t for ck in compiled)} {t} tier (Gluon)" for t in tiers)
+    lines += ["", f"**{len(compiled)} kernels** for {target.name}{by_tier}; {len(flagged)} with scratch/spills."]
     if flagged:
         lines += ["", "Kernels using scratch (private/local memory: spills or local arrays): "
                   + ", ".join(f"`{ck.name}` ({ck.ir_op or '-'})" for ck in flagged)]
@@ -413,7 +417,7 @@ def _from_entry(entry: dict, kernel: KernelSource, target: Target, key: str, *, 
         compile_cpu_seconds=float(entry.get("compile_cpu_seconds", 0.0)),
         ir_op=kernel.ir_op, loc=kernel.loc, metadata=dict(entry["metadata"]),
         divisible_by_16=tuple(entry.get("divisible_by_16", ())), cache_hit=hit, key=key, digest=kernel.digest,
-        catalogue_key=kernel.key)
+        catalogue_key=kernel.key, tier=kernel.tier)
 
 
 _WARNED: set[str] = set()
@@ -686,10 +690,13 @@ def _compile_in_worker(job: dict) -> dict:
         exec(compile(text, file_name, "exec"), module.__dict__)     # noqa: S102 - our own generated module
         fn = getattr(module, name, None)
         if fn is None or not hasattr(fn, "arg_names"):
-            raise RuntimeError(f"the module defines no @triton.jit function named '{name}'")
+            raise RuntimeError(f"the module defines no @triton.jit or @gluon.jit function named '{name}'")
         signature, constexprs, divisible = _triton_signature(fn, job)
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
-        source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+        source_type = ASTSource
+        if getattr(fn, "is_gluon", lambda: False)():      # a tier kernel (k3c.codegen.tiers): Gluon's own frontend
+            from triton.experimental.gluon._runtime import GluonASTSource as source_type
+        source = source_type(fn, signature, constexprs=constexprs, attrs=attrs)
         target = GPUTarget(*job["triton_target"])
         start, cpu_start = time.perf_counter(), _cpu_seconds()
         compiled = triton.compile(source, target=target,

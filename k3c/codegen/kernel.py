@@ -22,6 +22,8 @@ class KernelSource:
     num_warps, num_stages: launch options
     ir_op:       the IR op this kernel implements (for the header comment and the manifest)
     loc:         its spec location ("examples/k3-tiny.yaml:13")
+    tier:        "portable" (@triton.jit, any target) or a tier of k3c.codegen.tiers (@gluon.jit for one arch)
+    builds_with: for a tier kernel, the Triton release ("3.9") whose Gluon API its source is written in
     """
 
     name: str
@@ -33,6 +35,8 @@ class KernelSource:
     num_stages: int = 2
     ir_op: str = ""
     loc: str = ""
+    tier: str = "portable"          # the source differs between tiers, so neither field enters the key
+    builds_with: str = ""
 
     @functools.cached_property
     def key(self) -> str:

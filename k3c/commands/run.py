@@ -168,6 +168,10 @@ def _kernel_line(use_kernels: bool, total, before_timed, *, cpu_default: bool = 
     names = list(getattr(total, "jit_kernels", None) or ())
     if names:
         line += f"; JIT: {', '.join(names[:3])}" + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+    fallbacks = list(getattr(total, "tier_fallbacks", None) or ())
+    if fallbacks:
+        line += (f"; {len(fallbacks)} Gluon-tier kernel{'s' if len(fallbacks) > 1 else ''} replaced by portable "
+                 f"ones (this Triton cannot build them: {', '.join(fallbacks[:2])})")
     return line
 
 

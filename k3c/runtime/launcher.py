@@ -46,6 +46,7 @@ import torch
 from ..codegen.kernel import KernelSource
 from .devices import TORCH_TO_TT
 from ..codegen.targets import Target
+from ..codegen.tiers import can_build, refusal, unbuildable
 from ..codegen.writer import CodegenError, ident, name_part
 from ..config import debug, settings
 from ..errors import K3cError
@@ -282,6 +283,7 @@ class LaunchStats:
     load_seconds: float = 0.0
     jit_seconds: float = 0.0    # host time of the first call of each JIT kernel (includes its compile)
     jit_kernels: list = field(default_factory=list)     # names of the JIT-compiled kernels
+    tier_fallbacks: list = field(default_factory=list)  # tier kernels replaced by portable ones (tier_fallback)
 
 
 _BINDINGS: dict[tuple[str, int], _Binding] = {}
@@ -312,6 +314,33 @@ def bind(device: torch.device | str, catalogue: Catalogue | None, policy: str = 
             and all(c.target == catalogue.target for c in old.catalogues)):
         cats += tuple(c for c in old.catalogues if c.root != catalogue.root)
     _BINDINGS[slot] = _Binding(cats, policy, _GENERATION[0])
+
+
+def binding_generation() -> int:
+    """Changes whenever a binding does: run-time choices that depend on what is bound (tier_fallback) are memoised
+    under it."""
+    return _GENERATION[0]
+
+
+def tier_fallback(ks: KernelSource, device: torch.device) -> bool:
+    """Whether the run-time plan must replace the tier kernel `ks` by its portable plan on `device`: True where
+    `ks` is neither in the bound artifact nor buildable by this process's Triton (k3c.codegen.tiers) and JIT is
+    what the binding asks for (--allow-jit, the jit policy, or no artifact bound); counted in stats() and said
+    once. Under the artifact's own policy (or strict, or K3C_NO_JIT=1) that is refused: MissingKernelError."""
+    if device.type not in ("cuda", "hip"):
+        return False                      # the interpreter never meets a tier plan; meta only records the launch
+    b = _BINDINGS.get(_device_slot(device))
+    if b is not None and b.catalogues and b.policy in ("artifact", "strict") and b.find(ks.key) is not None:
+        return False
+    if can_build(ks):
+        return False
+    if settings().no_jit or (b is not None and b.catalogues and b.policy in ("artifact", "strict")):
+        raise MissingKernelError(refusal(ks))
+    if ks.name not in _STATS.tier_fallbacks:
+        _STATS.tier_fallbacks.append(ks.name)
+        warnings.warn(f"k3c: {unbuildable(ks)}; running the portable kernel instead",
+                      RuntimeWarning, stacklevel=3)
+    return True
 
 
 def unbind(device: torch.device | str) -> None:
@@ -499,6 +528,8 @@ def _resolve_runner(p: _Prepared, ks: KernelSource, slot: tuple[str, int], b: _B
     elif no_jit and (b is None or b.policy != "jit"):
         raise MissingKernelError(f"kernel {ks.name} (IR op {ks.ir_op or '-'}): no artifact is bound to "
                                  f"{slot[0]}:{slot[1]} and K3C_NO_JIT=1 forbids JIT-compiling it")
+    if not can_build(ks):
+        raise MissingKernelError(refusal(ks))
     return _jit_runner(p, ks)
 
 
@@ -542,5 +573,6 @@ def _binary_runner(cat: Catalogue, entry, slot: tuple[str, int]):
 
 
 __all__ = ["launch", "fixed_launcher", "load_kernel", "eval_grid", "compile_grid_expr", "GridError", "kernel_dir",
-           "interpret_env", "Catalogue", "bind", "unbind", "stats", "reset_stats", "recording",
+           "interpret_env", "Catalogue", "bind", "unbind", "binding_generation", "tier_fallback", "stats",
+           "reset_stats", "recording",
            "LaunchStats", "MissingKernelError", "POLICIES", "ENABLE_FP_FUSION"]

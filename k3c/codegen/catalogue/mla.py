@@ -1,7 +1,8 @@
 """Emitter of `mla_absorbed`: every kernel the runtime (k3c.runtime.kernel_impls.mla) can launch for it, by the plan
 rules it calls with the shapes at hand, each enumerated over its whole domain (codegen.kernels.mla.plan_classes):
 the latent write (the one-kernel form; the split-K pair for B*T <= LATENT_SPLIT_MAX_ROWS: partials
-per row class, and the per-row reduce), the MQA split-KV decode per row class (query tokens x heads), its LSE merges
+per row class, and the per-row reduce), the MQA split-KV decode per row class (query tokens x heads; in the hopper
+tier on targets that have it, kernels/mla_decode.py), its LSE merges
 (every block the SM count can pick), the MHA prefill step per query-tile class (first chunk and continuation) and
 its key-split merge. Each cache-facing kernel (latent writes' stores, the decode) comes in the model dtype's row
 format and, for bf16 / fp16 models, in the fp8 one (kv_dtype is chosen at run time, per engine or session)."""
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 from ...ir.ops import bind
 from ..kernels.common import ELEM_BYTES, IR_DTYPES
-from ..kernels.mla import (LATENT_SPLIT_MAX_ROWS, TOKEN_CLASSES, decode_merge_blocks, decode_plan, emit_mla_decode,
+from ..kernels.mla import (LATENT_SPLIT_MAX_ROWS, TOKEN_CLASSES, decode_merge_blocks, decode_plan,
                            emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write, emit_mla_merge,
                            emit_mla_prefill, plan_classes, prefill_plan)
 from ..kernels.mla_common import LATENT_FP8
+from ..kernels.mla_decode import decode_kernel
 from ..kernels.mla_latent import latent_split_plan
 
 
@@ -37,11 +39,8 @@ def mla_absorbed(op, module, target):
     out += [emit_mla_latent_reduce(lat, r, eps, ps, w_dtype=wdt, cache_dtype=c, **kw) for c in caches]
     for c in caches:
         for rows in plan_classes(lambda m: decode_plan(m, lat, target, cache_dtype=c), TOKEN_CLASSES):
-            plan = decode_plan(rows, lat, target, cache_dtype=c)
-            bn = plan.block_n if plan.block_n and plan.block_n < ps and ps % plan.block_n == 0 else None
-            out.append(emit_mla_decode(lat, r, ps, scale, dtype=dt, cache_dtype=c, block_h=plan.block_h,
-                                       num_warps=plan.num_warps, num_stages=plan.num_stages, block_n=bn,
-                                       keys_major=plan.keys_major, lazy=plan.lazy, **kw))
+            out.append(decode_kernel(decode_plan(rows, lat, target, cache_dtype=c), lat, r, ps, scale, dtype=dt,
+                                     cache_dtype=c, **kw))
     out += [emit_mla_merge(lat, out_dtype=dt, block_d=bd, write_lse=False, **kw) for bd in decode_merge_blocks(lat)]
     out.append(emit_mla_merge(v, out_dtype="fp32", **kw))
     out += [emit_mla_prefill(p, r, v, scale, dtype=dt, has_prev=h, tq_hint=tq, **kw)

@@ -46,15 +46,22 @@ class DecodePlan:
     block_n: int | None = None      # keys per step (a divisor of the page); None: the whole page
     keys_major: bool = False        # scores as K q^T (q^T the MMA's B operand, from shared memory)
     lazy: bool = False              # rescale the accumulator only when a row's running max grows (exact)
+    tier: str = "portable"          # "hopper": the Gluon kernel of kernels/mla_hopper.py (k3c.codegen.tiers)
 
 
+HOPPER_DECODE_LATENT = 512   # the latent width the hopper-tier decode is written for (K3's kv_lora_rank)
+HOPPER_DECODE_ROWS = 64      # its query rows per program: one warpgroup MMA's M
 DECODE_MAX_ROWS = 32     # fp32 accumulator [BLOCK_H, L] <= [32, 512] in a plain tile: the largest without spills
 
 
 def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
-                block_n: int | None = None, cache_dtype: str | None = None) -> DecodePlan:
+                block_n: int | None = None, cache_dtype: str | None = None, tiers: bool = True) -> DecodePlan:
     """The shipped decode plan by shape (rows = query tokens x heads of one sequence).
+
+    Targets with the hopper tier (h100, h200), a bf16 cache and a 512-wide latent: the Gluon kernel (64-row head
+    tiles over two warpgroups, kernels/mla_hopper.py), whatever the rows. `tiers=False` asks for the portable
+    plan (the runtime's fallback where a tier kernel can be neither loaded nor built: k3c.codegen.tiers).
 
     sm_90 (H100 / H200), 512-wide latent: 16-row head tiles, 4 warps, whole pages, 2 stages, for every head count
     (12 heads: one tile, each page loaded once; 96 heads: six tiles, the page re-reads mostly hit L2): the fastest
@@ -67,6 +74,9 @@ def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | Non
     An fp8 cache (cache_dtype LATENT_FP8) on sm_90: the codes widen to bf16 in registers before the dots, so a
     whole 64-key page spills (856 B). 16 keys a step, 4 warps, 3 stages is the fastest spill-free plan of an H200
     sweep (254 registers; docs/perf.md, MLA fp8 cache): still 0.35x the bf16 cache's speed at 12 heads, 0.27x at 96."""
+    if tiers and target.has_tier("hopper") and kv_lora_rank == HOPPER_DECODE_LATENT and cache_dtype == "bf16" \
+            and block_h is None and num_warps is None and num_stages is None and block_n is None:
+        return DecodePlan(HOPPER_DECODE_ROWS, 8, 1, tier="hopper")
     lat = pow2_ceil(kv_lora_rank)
     wide = target.warp_size >= 64
     gpu = target.shared_mem_bytes > 0

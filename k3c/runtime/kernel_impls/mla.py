@@ -21,20 +21,21 @@ from dataclasses import dataclass
 import torch
 
 from ...codegen.kernels.mla import (LATENT_SPLIT_MAX_ROWS, DecodePlan, decode_merge_block, decode_plan,
-                                    emit_mla_decode, emit_mla_latent_partial, emit_mla_latent_reduce,
-                                    emit_mla_latent_write, emit_mla_merge, emit_mla_prefill)
+                                    emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write,
+                                    emit_mla_merge, emit_mla_prefill)
+from ...codegen.kernels.mla_decode import decode_kernel
 from ...codegen.targets import Target
 from ...frontend.spec import MLASpec
 from ... import reference as ref
 from ...reference.norms import acc
 from ..devices import interpreted, target_for, tt_dtype
-from ..launcher import fixed_launcher, launch
+from ..launcher import binding_generation, fixed_launcher, launch, tier_fallback
 from .latent_format import decode_rows, encode_rows, pool_args, pool_dtype, row_width
 
 _emit_write = functools.lru_cache(maxsize=64)(emit_mla_latent_write)
 _emit_write_part = functools.lru_cache(maxsize=64)(emit_mla_latent_partial)
 _emit_write_reduce = functools.lru_cache(maxsize=64)(emit_mla_latent_reduce)
-_emit_decode = functools.lru_cache(maxsize=64)(emit_mla_decode)
+_decode_kernel = functools.lru_cache(maxsize=64)(decode_kernel)
 _emit_merge = functools.lru_cache(maxsize=64)(emit_mla_merge)
 _emit_prefill = functools.lru_cache(maxsize=64)(emit_mla_prefill)
 
@@ -267,19 +268,25 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, c
                   n_pages: int, splits: int | None, scale: float, tgt: Target, device: torch.device, interp: bool):
     """Everything about a decode call that depends on shapes only (plan, splits, both kernels, grids), memoised:
     the per-call host work is two allocations and two launches (small-batch decode is launch-bound)."""
-    key = (B, ROWS, W, L, ps, dt, cdt, odt, plan, n_pages, splits, scale, id(tgt), device.type, device.index, interp)
+    key = (B, ROWS, W, L, ps, dt, cdt, odt, plan, n_pages, splits, scale, id(tgt), device.type, device.index, interp,
+           binding_generation())
     hit = _DECODE_SETUP.get(key)
     if hit is not None and hit[0] is tgt:
         return hit[1]
     plan = plan or decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt))
-    bn = plan.block_n if plan.block_n and plan.block_n < ps and ps % plan.block_n == 0 else None
+
+    def kernel(p):
+        return _decode_kernel(p, L, W - L, ps, float(scale), target=tgt, dtype=tt_dtype(dt),
+                              cache_dtype=tt_dtype(cdt), interpret=interp)
+
+    ks = kernel(plan)
+    if plan.tier != "portable" and tier_fallback(ks, device):       # a tier kernel neither loadable nor buildable
+        plan = decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt), tiers=False)
+        ks = kernel(plan)
     tiles = -(-ROWS // plan.block_h)
     S = splits or choose_splits(B, tiles, n_pages, device)
     pps = max(1, -(-n_pages // S))
     S = max(1, -(-n_pages // pps))
-    ks = _emit_decode(L, W - L, ps, float(scale), target=tgt, dtype=tt_dtype(dt), cache_dtype=tt_dtype(cdt),
-                      block_h=plan.block_h, num_warps=plan.num_warps, num_stages=plan.num_stages, block_n=bn,
-                      keys_major=plan.keys_major, lazy=plan.lazy, interpret=interp)
     mk = _emit_merge(L, target=tgt, out_dtype=tt_dtype(odt),
                      block_d=decode_merge_block(B * ROWS, L, _sm_count(device.type, device.index)),
                      write_lse=False, interpret=interp)

@@ -1,0 +1,165 @@
+"""Kernel tiers (k3c/codegen/tiers.py): a Gluon source compiles ahead of time for sm_90a through the same
+compile_kernels call as the portable kernels, the artifact records its tier, plans choose tiers from the Target,
+and the runtime refuses (or, where JIT is asked for, replaces by the portable plan) a tier kernel this process's
+Triton cannot build. The tier kernels' numerics run on the GPU (bench/, tests marked gpu)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+
+from k3c.codegen import tiers
+from k3c.codegen.aot import CompiledKernel, compile_kernels, report_markdown, shutdown_workers
+from k3c.codegen.kernel import KernelSource
+from k3c.codegen.kernels.mla import decode_plan
+from k3c.codegen.targets import TARGETS, get_target, target_for_properties
+from k3c.runtime import launcher
+
+PROBE_SRC = '''from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+
+@gluon.jit
+def k3c_tier_probe_wgmma(a_ptr, b_ptr, c_ptr, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr):
+    # C[M, N] = A[M, K] @ B[K, N]: one warpgroup MMA from shared memory
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, M, layout=gl.SliceLayout(1, blocked))
+    ks = gl.arange(0, K, layout=gl.SliceLayout(0, blocked))
+    kr = gl.arange(0, K, layout=gl.SliceLayout(1, blocked))
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, blocked))
+    a = gl.load(a_ptr + rows[:, None] * K + ks[None, :])
+    b = gl.load(b_ptr + kr[:, None] * N + cols[None, :])
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [M, K], gl.NVMMASharedLayout.get_default_for([M, K], gl.bfloat16), a)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [K, N], gl.NVMMASharedLayout.get_default_for([K, N], gl.bfloat16), b)
+    fence_async_shared()
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    acc = warpgroup_mma(a_smem, b_smem, gl.zeros([M, N], gl.float32, acc_layout))
+    gl.store(c_ptr + rows[:, None] * N + cols[None, :], gl.convert_layout(acc, blocked))
+'''
+
+
+def probe(builds_with: str = "3.9") -> KernelSource:
+    return KernelSource("k3c_tier_probe_wgmma", PROBE_SRC, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32"},
+                        {"M": 64, "N": 64, "K": 64}, ("1",), num_warps=4, num_stages=1, ir_op="linear",
+                        tier="hopper", builds_with=builds_with)
+
+
+@pytest.fixture(scope="module")
+def compiled_probe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")          # as in the CPU suite: the compile workers must clear it
+        mp.setenv("K3C_CACHE_DIR", str(root / "cache"))
+        (ck,) = compile_kernels([probe()], get_target("h200"), str(root / "out"), progress=False, keep_asm=True)
+        yield ck, root / "out"
+    shutdown_workers()
+
+
+def test_gluon_source_compiles_ahead_of_time_for_sm90a(compiled_probe):
+    ck, out = compiled_probe
+    assert ck.tier == "hopper" and ck.arch == "sm_90"
+    ptx = (out / ck.files["ptx"]).read_text()
+    assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx
+    assert (out / ck.binary).read_bytes()[:4] == b"\x7fELF"
+    assert ck.metadata.get("triton_version", "").startswith(tiers.triton_release())
+    assert sum(n for op, n in ck.resources.matrix_ops.items() if op.startswith("wgmma")) > 0 and not ck.resources.has_spills
+    assert ck.resources.shared_bytes > 0
+
+
+def test_manifest_and_report_record_the_tier(compiled_probe):
+    ck, _ = compiled_probe
+    entry = json.loads(json.dumps(ck.to_dict()))
+    assert entry["tier"] == "hopper"
+    assert CompiledKernel.from_dict(entry) == ck
+    old = dict(entry)
+    del old["tier"]                                  # an artifact written before tiers: portable
+    assert CompiledKernel.from_dict(old).tier == "portable"
+    report = report_markdown([ck], "h200")
+    assert "`k3c_tier_probe_wgmma` (hopper tier)" in report and "1 hopper tier (Gluon)" in report
+
+
+def test_targets_name_their_tiers():
+    for name, t in TARGETS.items():
+        assert set(t.tiers) <= set(tiers.TIERS), name
+        assert t.has_tier("portable")
+        for tier in t.tiers:
+            assert tiers.tier_of(tier).arch == t.arch, (name, tier)
+    derived = target_for_properties("cuda", "sm_89", name="NVIDIA L40S")
+    assert derived.tiers == ()
+    with pytest.raises(ValueError, match="unknown kernel tier"):
+        tiers.tier_of("volta")
+
+
+def test_mla_decode_plan_takes_the_tier_only_where_the_target_has_it():
+    hopper = dataclasses.replace(get_target("h200"), tiers=("hopper",))
+    plan = decode_plan(96, 512, hopper, cache_dtype="bf16")
+    assert plan.tier == "hopper" and plan.block_h == 64 and plan.num_warps == 8
+    assert decode_plan(96, 512, hopper, cache_dtype="bf16", tiers=False).tier == "portable"
+    assert decode_plan(96, 512, hopper, cache_dtype="fp32").tier == "portable"
+    assert decode_plan(96, 256, hopper, cache_dtype="bf16").tier == "portable"      # not K3's latent width
+    assert decode_plan(96, 512, hopper, cache_dtype="bf16", block_h=16).tier == "portable"  # an explicit plan
+    for name in ("mi355x", "mi300x", "b200", "b300", "cpu"):
+        assert decode_plan(96, 512, get_target(name), cache_dtype="bf16").tier == "portable", name
+
+
+def test_can_build_follows_the_triton_release():
+    assert tiers.can_build(probe(tiers.triton_release()))
+    assert not tiers.can_build(probe("3.6"))
+    assert tiers.can_build(dataclasses.replace(probe("3.6"), tier="portable"))
+    assert "Triton 3.6" in tiers.refusal(probe("3.6")) and "--allow-jit" in tiers.refusal(probe("3.6"))
+
+
+@pytest.fixture
+def cuda_slot():
+    """A cuda device slot with nothing bound (no GPU is touched: bindings and the fallback rule are host state)."""
+    dev = torch.device("cuda", 7)
+    launcher.unbind(dev)
+    launcher.reset_stats()
+    yield dev
+    launcher.unbind(dev)
+    launcher.reset_stats()
+
+
+def test_unbuildable_tier_kernel_falls_back_where_jit_is_asked_for(cuda_slot, monkeypatch):
+    ks = probe("0.0")
+    with pytest.warns(RuntimeWarning, match="portable kernel instead"):
+        assert launcher.tier_fallback(ks, cuda_slot)            # nothing bound: everything would be JIT-compiled
+    assert launcher.stats().tier_fallbacks == [ks.name]
+    for policy in ("allow-jit", "jit"):
+        launcher.bind(cuda_slot, launcher.Catalogue(get_target("h200"), "/nonexistent"), policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                      # said once per kernel
+            assert launcher.tier_fallback(ks, cuda_slot)
+    assert launcher.stats().tier_fallbacks == [ks.name]
+    assert not launcher.tier_fallback(probe(tiers.triton_release()), cuda_slot)     # buildable here: JIT it
+    assert not launcher.tier_fallback(ks, torch.device("cpu"))
+    assert not launcher.tier_fallback(ks, torch.device("meta"))
+
+
+def test_unbuildable_tier_kernel_is_refused_under_the_artifact_policy(cuda_slot, monkeypatch):
+    ks = probe("0.0")
+    before = launcher.binding_generation()
+    for policy in ("artifact", "strict"):
+        launcher.bind(cuda_slot, launcher.Catalogue(get_target("h200"), "/nonexistent"), policy)
+        with pytest.raises(launcher.MissingKernelError, match="cannot build:") as err:
+            launcher.tier_fallback(ks, cuda_slot)
+        assert "\n" not in str(err.value)
+    assert launcher.binding_generation() > before
+    cat = launcher.Catalogue(get_target("h200"), "/nonexistent", {ks.key: object()})
+    launcher.bind(cuda_slot, cat, "artifact")
+    assert not launcher.tier_fallback(ks, cuda_slot)             # its binary is in the artifact
+    launcher.unbind(cuda_slot)
+    monkeypatch.setenv("K3C_NO_JIT", "1")
+    with pytest.raises(launcher.MissingKernelError, match="cannot build:"):
+        launcher.tier_fallback(ks, cuda_slot)
+
+
+def test_the_launcher_never_jit_compiles_an_unbuildable_tier_source(cuda_slot):
+    ks = probe("0.0")
+    p = launcher._prepared(ks)
+    with pytest.raises(launcher.MissingKernelError, match="cannot build:"):
+        launcher._resolve_runner(p, ks, ("cuda", 7), None)
