@@ -7,11 +7,12 @@ import os
 import platform
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
 from . import __version__
 from .codegen.targets import Target, get_target
+from .codegen.tiers import buildable_target
 from .errors import ArgumentError, UserError
 from .frontend import ModelSpec, dump_spec_yaml, load_spec, parse_spec_text
 from .ir import Module, parse_module, print_module
@@ -385,7 +386,7 @@ def compile(spec, target: str | Target = "mi355x", *, passes: list[str] | None =
     instead of all-reduce)."""
     from .passes.pipeline import lower
 
-    tgt = get_target(target) if isinstance(target, str) else target
+    tgt = buildable_target(get_target(target) if isinstance(target, str) else target)
     if not isinstance(spec, ModelSpec):
         spec = load_spec(spec)
     stages: list = []
@@ -490,13 +491,17 @@ def _load(path: str) -> CompiledModel:
 
 
 def _manifest_target(path: str, manifest: dict) -> Target:
-    """The artifact's Target: the table row of its name, which must equal the row it was compiled with."""
+    """The artifact's Target: the table row of its name, which must equal the row it was compiled with, but for
+    tiers its compiler could not build (tiers.buildable_target: the recorded tiers are a subset of the row's)."""
     recorded = manifest.get("target")
     name = recorded.get("name") if isinstance(recorded, dict) else None
     try:
         target = get_target(name)
     except (ArgumentError, TypeError):
         raise UserError(f"{path}/manifest.json: unknown target {name!r}") from None
+    built = recorded.get("tiers") if isinstance(recorded, dict) else None
+    if isinstance(built, list) and all(isinstance(t, str) for t in built) and set(built) <= set(target.tiers):
+        target = replace(target, tiers=tuple(t for t in target.tiers if t in built))
     if json.loads(json.dumps(asdict(target))) != recorded:
         raise UserError(f"{path}/manifest.json: target '{name}' was compiled with another row of the target table "
                         f"than this k3c has (another version?); recompile the artifact")

@@ -9,7 +9,8 @@ artifact's binaries do not care which Triton runs the program; a JIT of the sour
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 PORTABLE = "portable"
 
@@ -58,3 +59,21 @@ def refusal(ks) -> str:
     """One line: the tier kernel `ks` can be neither loaded nor built here, and what to do."""
     return (f"{unbuildable(ks)}: run an artifact compiled for this device (k3c compile --target ...), or pass "
             f"--allow-jit to use the portable kernels instead")
+
+
+def buildable_target(target):
+    """`target` without the tiers whose sources this process's Triton cannot build: what a compile here plans
+    for (the artifact records it, so the runtime that loads the artifact plans alike). Said once per tier."""
+    here = triton_release()
+    kept = tuple(t for t in target.tiers if tier_of(t).builds_with == here)
+    for t in sorted(set(target.tiers) - set(kept)):
+        if t not in _SAID:
+            _SAID.add(t)
+            warnings.warn(f"k3c: the {t} tier's Gluon kernels are written for Triton {tier_of(t).builds_with}, "
+                          f"which this process's Triton {here or '(none)'} is not: {target.name} compiles its "
+                          f"portable kernels here (an artifact compiled with Triton {tier_of(t).builds_with} runs "
+                          f"the {t} tier on any Triton)", RuntimeWarning, stacklevel=3)
+    return target if kept == target.tiers else replace(target, tiers=kept)
+
+
+_SAID: set[str] = set()

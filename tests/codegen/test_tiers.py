@@ -163,3 +163,25 @@ def test_the_launcher_never_jit_compiles_an_unbuildable_tier_source(cuda_slot):
     p = launcher._prepared(ks)
     with pytest.raises(launcher.MissingKernelError, match="cannot build:"):
         launcher._resolve_runner(p, ks, ("cuda", 7), None)
+
+
+def test_a_compile_plans_only_the_tiers_its_triton_can_build(monkeypatch):
+    from dataclasses import asdict
+
+    from k3c.api import _manifest_target
+    from k3c.errors import UserError
+
+    row = dataclasses.replace(get_target("h200"), tiers=("hopper",))
+    monkeypatch.setitem(TARGETS, "h200", row)
+    assert tiers.buildable_target(row) is row                   # this Triton writes the tier's sources
+    monkeypatch.setattr(tiers, "triton_release", lambda: "3.6")
+    monkeypatch.setattr(tiers, "_SAID", set())
+    with pytest.warns(RuntimeWarning, match="portable kernels here"):
+        built = tiers.buildable_target(row)
+    assert built.tiers == () and built.name == "h200"
+    # the artifact records what was built, and a load plans alike (a subset of the row's tiers, nothing else)
+    assert _manifest_target("art", {"target": json.loads(json.dumps(asdict(built)))}) == built
+    assert _manifest_target("art", {"target": json.loads(json.dumps(asdict(row)))}) == row
+    forged = dict(json.loads(json.dumps(asdict(built))), tiers=["blackwell"])
+    with pytest.raises(UserError, match="another row of the target table"):
+        _manifest_target("art", {"target": forged})
