@@ -539,7 +539,8 @@ def probe(b: dict, args) -> dict:
     kda = {i: KDAState(c.state.float(), tuple(t.to(dtype) for t in c.conv))
            for i, c in enumerate(t_cache.layers) if isinstance(c, KDAState)}
     lat = {i: c.to(dtype) for i, c in enumerate(t_cache.layers) if not isinstance(c, KDAState)}
-    t_dec = truth.forward(nxt, ReferenceCache(tuple(kda.get(i, lat.get(i)) for i in range(spec.num_layers)),
+    wide = {i: KDAState(c.state.double(), c.conv) for i, c in kda.items()}      # the truth runs in float64
+    t_dec = truth.forward(nxt, ReferenceCache(tuple(wide.get(i, lat.get(i)) for i in range(spec.num_layers)),
                                               t_cache.length))[0][0, -1]
     rid = eng.adopt(prompt[0].tolist(), kda, {i: c[0] for i, c in lat.items()})
     k_dec = eng.extend([rid], [nxt[0].tolist()])[0][-1]
