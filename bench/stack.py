@@ -83,10 +83,24 @@ class Stack:
     """A K3-family forward pass from the peers' kernels (module docstring) on k3c's weight dict (the names of
     k3c.frontend.weight_names, MXFP4 experts as `.weight_packed` / `.weight_scale`)."""
 
-    def __init__(self, spec, w: dict, peers: TorchPeers, device, dtype: torch.dtype):
+    def __init__(self, spec, w: dict, peers: TorchPeers, device, dtype: torch.dtype, share: bool = False):
+        """share: rebind w's matrices that the stack fuses (KDA in_proj, MLA q_a|kv_a|g, gate|up pairs) to row views
+        of the fused copies, so that k3c, built from w afterwards, reads the same memory (the values are equal; one
+        GPU then holds both sides at K3 width)."""
         if spec.attn_res is None or spec.kda is None or spec.mla is None:
             raise ValueError(f"spec {spec.name!r}: the stack builds K3's families (KDA, MLA, AttnRes)")
         self.spec, self.peers, self.device, self.dtype = spec, peers, torch.device(device), dtype
+
+        def fused(names):
+            t = cast(torch.cat([w[n] for n in names]))
+            if share:
+                r = 0
+                for n in names:
+                    rows = w[n].shape[0]
+                    w[n] = t[r:r + rows].view(w[n].shape)
+                    r += rows
+            return t
+
         self.eps = spec.rms_norm_eps
         self.S = spec.attn_res.block_size
         self.nblocks = -(-spec.num_layers // self.S)
@@ -109,9 +123,8 @@ class Stack:
             if kind == "kda":
                 if kc.output_gate != "full_rank" or kc.gate != "safe":
                     raise ValueError("the stack builds K3's KDA (safe gate, full-rank output gate)")
-                L.update(in_proj=cast(torch.cat([w[a + n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                                                                    "g_proj.weight", "f_a_proj.weight",
-                                                                    "b_proj.weight")])),
+                L.update(in_proj=fused([a + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                        "g_proj.weight", "f_a_proj.weight", "b_proj.weight")]),
                          f_b=cast(w[a + "f_b_proj.weight"]),
                          conv=[cast(w[a + f"{n}_conv1d.weight"]).reshape(kc.width, -1) for n in "qkv"],
                          A_log=f32(w[a + "A_log"]), dt_bias=f32(w[a + "dt_bias"]), o_norm=cast(w[a + "o_norm.weight"]),
@@ -123,8 +136,7 @@ class Stack:
                 n, pn, dv, lat = mc.num_heads, mc.qk_nope_head_dim, mc.v_head_dim, mc.kv_lora_rank
                 kvb = cast(w[a + "kv_b_proj.weight"])
                 per = kvb.view(n, pn + dv, lat)
-                L.update(qkv_a_g=cast(torch.cat([w[a + "q_a_proj.weight"], w[a + "kv_a_proj_with_mqa.weight"],
-                                                 w[a + "g_proj.weight"]])),
+                L.update(qkv_a_g=fused([a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight", a + "g_proj.weight"]),
                          q_a_ln=cast(w[a + "q_a_layernorm.weight"]), kv_a_ln=cast(w[a + "kv_a_layernorm.weight"]),
                          q_b=cast(w[a + "q_b_proj.weight"]), kv_b=kvb,
                          W_UK_T=per[:, :pn].contiguous(), W_UV=per[:, pn:].transpose(1, 2).contiguous(),
@@ -145,14 +157,14 @@ class Stack:
                          down=cast(w[m + "routed_expert_down_proj.weight"]), up=cast(w[m + "routed_expert_up_proj.weight"]),
                          lat_norm=cast(w[m + "routed_expert_norm.weight"]),
                          experts=ex,
-                         shared=self._mlp(w, m + "shared_experts.", cast) if cfg.num_shared_experts else None)
+                         shared=self._mlp(w, m + "shared_experts.", cast, fused) if cfg.num_shared_experts else None)
             else:
-                L.update(moe=False, mlp=self._mlp(w, p + "mlp.", cast))
+                L.update(moe=False, mlp=self._mlp(w, p + "mlp.", cast, fused))
             self.layers.append(L)
 
     @staticmethod
-    def _mlp(w, prefix, cast):
-        return {"gate_up": cast(torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]])),
+    def _mlp(w, prefix, cast, fused):
+        return {"gate_up": fused([prefix + "gate_proj.weight", prefix + "up_proj.weight"]),
                 "down": cast(w[prefix + "down_proj.weight"]), "m": w[prefix + "gate_proj.weight"].shape[0]}
 
     # -- pieces -----------------------------------------------------------------------------------------------------
@@ -335,7 +347,10 @@ class DecodeState:
     [B, 3 H K, W] as fla keeps it), per MLA layer a paged latent cache [pages, 64, 1, L+R] with each sequence's pages
     contiguous, block table, lengths (cached + the new token) and the slot the new token's row goes to."""
 
-    def __init__(self, stack: Stack, B: int, cached: int, device):
+    def __init__(self, stack: Stack, B: int, cached: int, device, pools: dict | None = None,
+                 block_table: torch.Tensor | None = None):
+        """pools / block_table: read and write another owner's pages ({MLA layer: [pages, 64, L+R]}, [B, pages per
+        sequence] int32: k3c's decode graph's, so that one copy of a long cache serves both sides)."""
         spec, dt = stack.spec, stack.dtype
         kc, mc = spec.kda, spec.mla
         self.B, self.cached = B, cached
@@ -344,9 +359,13 @@ class DecodeState:
                         torch.zeros(B, 3 * kc.width, kc.conv_kernel, device=device, dtype=dt))
                     for i, k in enumerate(spec.layer_kinds) if k == "kda"}
         width = mc.kv_lora_rank + mc.qk_rope_head_dim
-        self.kcache = {i: torch.zeros(B * npg, PAGE, 1, width, device=device, dtype=dt)
-                       for i, k in enumerate(spec.layer_kinds) if k == "mla"}
-        self.block_table = torch.arange(B * npg, device=device, dtype=torch.int32).view(B, npg)
+        if pools is not None:
+            self.kcache = {i: p.view(p.shape[0], PAGE, 1, width) for i, p in pools.items()}
+            self.block_table = block_table
+        else:
+            self.kcache = {i: torch.zeros(B * npg, PAGE, 1, width, device=device, dtype=dt)
+                           for i, k in enumerate(spec.layer_kinds) if k == "mla"}
+            self.block_table = torch.arange(B * npg, device=device, dtype=torch.int32).view(B, npg)
         self.set_length(cached)
         self.meta = None
 
@@ -357,11 +376,6 @@ class DecodeState:
         b = torch.arange(B, device=self.block_table.device)
         self.slots = self.block_table[b, cached // PAGE].long() * PAGE + cached % PAGE
 
-    def latent_rows(self, i: int) -> torch.Tensor:
-        """Layer i's cache as rows [B, pages * 64, L+R] (a view)."""
-        c = self.kcache[i]
-        return c.view(self.B, -1, c.shape[-1])
-
     def load(self, kda: dict, latent: dict) -> None:
         """From k3c's cache layout: KDAState (state [B, H, K, V], conv tails (q, k, v) [B, H K, W-1]) and latent rows
         [B, n, L+R]."""
@@ -371,7 +385,11 @@ class DecodeState:
             conv[..., 1:] = torch.cat(kda[i].conv, dim=1)
         for i in latent:
             n = latent[i].shape[1]
-            self.latent_rows(i)[:, :n] = latent[i]
+            rows = self.kcache[i].view(-1, self.kcache[i].shape[-1])
+            for b in range(self.B):
+                pages = self.block_table[b, :-(-n // PAGE)].long()
+                slots = (pages[:, None] * PAGE + torch.arange(PAGE, device=pages.device)).reshape(-1)[:n]
+                rows[slots] = latent[i][b]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -507,7 +525,7 @@ def setup(args) -> dict:
         progress(f"peers: kernels from {peers.carry} (wheels from {site})")
     else:
         peers = TorchPeers()
-    stack = Stack(spec, w, peers, args.device, dtype)
+    stack = Stack(spec, w, peers, args.device, dtype, share=True)
     progress("stack built")
     ctx = max(max(args.prefill_tokens) if args.prefill_tokens else 0, args.check_len + 2)
     ps = target_for(args.device).mla_page_size
@@ -559,6 +577,35 @@ def probe(b: dict, args) -> dict:
     return out
 
 
+def trained_check(b: dict, args) -> dict:
+    """The numerics check on the trained example model (--trained DIR, a K3 checkpoint such as examples/k3-stdlib):
+    its own k3c engine and stack on the same peers. Its widths are below what FlashKDA (head_dim 128) and FlashMLA
+    (latent 512 + 64) take and its experts load dense, so those calls run the stand-ins (listed in the result); the
+    rest (fla, the AttnRes kernel, SDPA, cuBLAS, this bench's kernels) run as in the table."""
+    import k3c
+    from k3c.frontend.weight_names import weight_table
+    from k3c.runtime.devices import target_for
+    from k3c.runtime.engine import Engine
+
+    spec = k3c.load_spec(args.trained)
+    table = weight_table(spec)
+    w = {k: v.to(args.device, torch.float32 if k in table and table[k].dtype == "fp32" else b["dtype"])
+         for k, v in k3c.load_weights(spec, args.trained).items()}
+    model = k3c.compile(spec, target="h200" if b["cuda"] else "cpu")
+    before = dict(b["peers"].fallbacks)
+    stack = Stack(spec, w, b["peers"], args.device, b["dtype"])
+    ps = target_for(args.device).mla_page_size
+    ctx = args.check_len + 2
+    eng = Engine(model, w, device=args.device, max_batch=1, max_context=ctx, num_pages=-(-ctx // ps) + 2,
+                 page_size=ps, use_kernels=not args.no_kernels, cuda_graphs=False)
+    out = probe({**b, "spec": spec, "w": w, "stack": stack, "eng": eng}, args)
+    out["spec"] = spec.name
+    out["stand_in_calls"] = {k: v - before.get(k, 0) for k, v in b["peers"].fallbacks.items() if v != before.get(k, 0)}
+    b["peers"].fallbacks.clear()
+    b["peers"].fallbacks.update(before)
+    return out
+
+
 def prefill_row(b: dict, args, S: int, L: int) -> dict:
     spec, eng, stack, dev = b["spec"], b["eng"], b["stack"], args.device
     g = torch.Generator(device="cpu").manual_seed(S * 100003 + L)
@@ -584,14 +631,13 @@ def prefill_row(b: dict, args, S: int, L: int) -> dict:
     return row
 
 
-def random_cache(spec, ds: DecodeState, T: int, dev, dtype, seed: int):
-    """Random decode caches (bench/e2e.py random_cache's recipe) in k3c's layout: KDA states and conv tails, and
-    latent rows [B, T, L+R] drawn straight into the stack's pages (k3c's decode graph copies them from views of
-    those pages: the largest rows hold one copy less)."""
+def random_cache(spec, B: int, T: int, dev, dtype, seed: int):
+    """Random decode caches in k3c's layout (bench/e2e.py random_cache's recipe): KDA states and conv tails per
+    sequence; latent rows [B, T, L+R] drawn for one sequence and shared by the batch (an expanded view: decode time
+    does not depend on the values, and a 128 x 32K cache then exists once, in the pages both sides read)."""
     from k3c.reference.kda import KDAState
 
-    kc = spec.kda
-    B = ds.B
+    kc, mc = spec.kda, spec.mla
     g = torch.Generator(device=dev).manual_seed(seed)
     kda, lat = {}, {}
     for i, kind in enumerate(spec.layer_kinds):
@@ -600,10 +646,8 @@ def random_cache(spec, ds: DecodeState, T: int, dev, dtype, seed: int):
                               tuple(torch.randn(B, kc.width, kc.conv_kernel - 1, generator=g, device=dev).to(dtype)
                                     for _ in range(3)))
         else:
-            rows = ds.latent_rows(i)
-            for j in range(B):                               # a sequence at a time: bounded fp32 temporaries
-                rows[j, :T] = torch.randn(T, rows.shape[-1], generator=g, device=dev).to(dtype)
-            lat[i] = rows[:, :T]
+            lat[i] = torch.randn(1, T, mc.kv_lora_rank + mc.qk_rope_head_dim, generator=g, device=dev
+                                 ).to(dtype).expand(B, T, -1)
     return kda, lat
 
 
@@ -612,16 +656,15 @@ def decode_row(b: dict, args, B: int, T: int) -> dict:
 
     spec, stack, dev, dtype = b["spec"], b["stack"], args.device, b["dtype"]
     row = {"phase": "decode", "batch": B, "cached": T, "steps": args.steps}
-    ds = DecodeState(stack, B, T, dev)
-    kda, lat = random_cache(spec, ds, T, dev, dtype, seed=B * 7 + T)
+    kda, lat = random_cache(spec, B, T, dev, dtype, seed=B * 7 + T)
     g = torch.Generator(device="cpu").manual_seed(B + T)
     toks = torch.randint(0, spec.vocab_size, (args.steps + 4, B), generator=g).to(dev)
-    # -- k3c first (its graph copies the rows before the stack's steps write position T): the CUDA-graph step
+    # -- k3c: its CUDA-graph decode step
     dg = DecodeGraph(b["model"], b["eng"].graph, batch=B, capacity=-(-(T + args.steps + 6) // PAGE) * PAGE,
                      device=dev, dtype=dtype, use_kernels=not args.no_kernels)
     dg.load_state(kda, lat, [T] * B)
     first_k3c = dg.step(toks[0]).float().clone()
-    row["k3c_mode"] = dg.report.mode
+    row["k3c_mode"] = dg.report.mode + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph" else "")
     sync(dev)
     t = time.perf_counter()
     for s in range(args.steps):
@@ -631,9 +674,12 @@ def decode_row(b: dict, args, B: int, T: int) -> dict:
     if b["cuda"] and args.profile:
         dg.load_state(kda, lat, [T] * B)
         row["k3c_families_ms"] = profile_families(lambda: dg.eager_step(toks[0], device_lengths=True), 2)
-    del dg
-    # -- stack: KDA caches loaded (the latent rows are already in its pages), metadata once, one CUDA graph
-    ds.load(kda, {})
+    # -- stack: over k3c's pages where FlashMLA takes them (bf16, page 64), metadata once, one CUDA graph
+    shared = dg.page_size == PAGE and all(p.dtype == dtype for p in dg.pools.values())
+    ds = DecodeState(stack, B, T, dev, pools=dg.pools if shared else None,
+                     block_table=dg.block_table if shared else None)
+    ds.load(kda, {} if shared else lat)       # shared pages hold the rows already (k3c wrote past T only)
+    row["stack_reads_k3c_pages"] = shared
     ds.meta = stack.peers.mla_prepare(next(iter(ds.kcache.values())), ds.seqlens, ds.block_table, spec.mla.num_heads)
     tok_buf = toks[0].clone()
     first_stack = stack.decode(ds, tok_buf).float()
@@ -667,7 +713,7 @@ def decode_row(b: dict, args, B: int, T: int) -> dict:
     row["stack_ms"] = (time.perf_counter() - t) * 1e3 / args.steps
     if b["cuda"] and args.profile:
         row["stack_families_ms"] = profile_families(step, 2)
-    del graph, ds, kda, lat
+    del graph, ds, dg, kda, lat
     if b["cuda"]:
         torch.cuda.empty_cache()
     return row
@@ -690,6 +736,13 @@ def print_table(result: dict) -> None:
             print(f"  {ph:8s} k3c {c['k3c_vs_truth']:.2e}  stack {c['stack_vs_truth']:.2e}  stack-k3c "
                   f"{c['stack_vs_k3c']:.2e}  stack/k3c error {ratio:.2f}" if ratio is not None else
                   f"  {ph:8s} exact")
+    nt = result.get("numerics_trained")
+    if nt:
+        print(f"numerics on the trained {nt['spec']} ({nt['check_len']} tokens; stand-ins for {nt['stand_in_calls']}):")
+        for ph in ("prefill", "decode"):
+            c = nt[ph]
+            print(f"  {ph:8s} k3c {c['k3c_vs_truth']:.2e}  stack {c['stack_vs_truth']:.2e}  stack-k3c "
+                  f"{c['stack_vs_k3c']:.2e}")
     print(f"{'row':28s} {'k3c ms':>9s} {'stack ms':>9s} {'stack/k3c':>9s}  breakdown (k3c | stack, ms: "
           + " ".join(FAMILIES) + ")")
     for r in result["rows"]:
@@ -723,6 +776,8 @@ def argument_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (default 20; --small 2)")
     ap.add_argument("--reps", type=int, default=None, help="timed prefill repetitions (default 5; --small 1)")
     ap.add_argument("--check-len", type=int, default=None, help="numerics probe tokens (0: none; default 256)")
+    ap.add_argument("--trained", default=None,
+                    help="a trained K3 checkpoint for a second numerics check (default examples/k3-stdlib; '' none)")
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--no-graph", action="store_true", help="stack decode eagerly (no CUDA graph)")
     ap.add_argument("--no-kernels", action="store_true", help="k3c with every op through torch")
@@ -759,6 +814,9 @@ def parse(argv):
     a.steps = a.steps or (2 if small else 20)
     a.reps = a.reps or (1 if small else 5)
     a.check_len = (16 if small else 256) if a.check_len is None else a.check_len
+    a.trained = "examples/k3-stdlib" if a.trained is None else a.trained
+    if not a.check_len:
+        a.trained = ""
     return a
 
 
@@ -806,6 +864,8 @@ def run(argv=None) -> dict:
                                     "error": result["errors"].get(f"decode_b{B}_t{T}", "skipped")})
     for B, T in args.decode:
         result["rows"].append({"phase": "decode", "batch": B, "cached": T, "fp8": True, "na": FP8_NA})
+    if args.trained:
+        result["numerics_trained"] = phase("numerics_trained", lambda: trained_check(b, args))
     save()
     print_table(result)
     return result
