@@ -378,8 +378,10 @@ class DecodeState:
 
     def load(self, kda: dict, latent: dict) -> None:
         """From k3c's cache layout: KDAState (state [B, H, K, V], conv tails (q, k, v) [B, H K, W-1]) and latent rows
-        [B, n, L+R]."""
+        [B, n, L+R]; layers absent from either dict keep what they hold."""
         for i, (state, conv) in self.kda.items():
+            if i not in kda:
+                continue
             state.copy_(kda[i].state.transpose(-1, -2))
             conv.zero_()
             conv[..., 1:] = torch.cat(kda[i].conv, dim=1)
