@@ -59,8 +59,8 @@ DEVIATIONS = [
     "_C_stable_libtorch.abi3.so (92 MB, larger than the 64 MiB the GPU transfer carries)",
     "KDA prefill short conv: fla 0.6.0 causal_conv1d (Triton), one call per q/k/v; vLLM: its own Triton "
     "causal_conv1d_fn, also one call per q/k/v",
-    "MLA prefill attention: torch SDPA (flash backend, v zero-padded to 192); vLLM runs FA3 (vllm_flash_attn, "
-    "172 MB, not carried)",
+    "MLA prefill attention: torch SDPA, causal, v zero-padded to the q/k width 192 (on the H100 torch 2.11 picks "
+    "cuDNN's fused flash attention); vLLM runs FA3 (vllm_flash_attn, 172 MB, not carried)",
     "MoE: vLLM 0.33's MXFP4 oracle picks Marlin / Humming for K3 on SM90; the stack runs triton_kernels matmul_ogs "
     "(the issue's choice; vLLM's gpt-oss Hopper path), SiTU-GLU between the two GEMMs as one Triton kernel of this "
     "bench (matmul_ogs fuses only SwiGLU)",
@@ -115,7 +115,8 @@ class Stack:
         for i, kind in enumerate(spec.layer_kinds):
             p = f"layers.{i}."
             L = {"kind": kind,
-                 "in_ln": cast(w[p + "input_layernorm.weight"]), "post_ln": cast(w[p + "post_attention_layernorm.weight"]),
+                 "in_ln": cast(w[p + "input_layernorm.weight"]),
+                 "post_ln": cast(w[p + "post_attention_layernorm.weight"]),
                  "sa_res": (cast(w[p + "self_attention_res.norm_weight"]),
                             cast(w[p + "self_attention_res.proj_weight"]).reshape(-1)),
                  "mlp_res": (cast(w[p + "mlp_res.norm_weight"]), cast(w[p + "mlp_res.proj_weight"]).reshape(-1))}
@@ -147,14 +148,15 @@ class Stack:
                 if cfg.latent_dim is None or cfg.router_activation != "sigmoid":
                     raise ValueError("the stack builds K3's LatentMoE (sigmoid router)")
                 if m + "experts.w1.weight_packed" in w:          # MXFP4 experts (K3's precision)
-                    ex = peers.prepare_experts(**{k: w[m + f"experts.{k[:2]}.weight_{'packed' if k[2] == 'p' else 'scale'}"]
-                                                  .to(device) for k in ("w1p", "w1s", "w3p", "w3s", "w2p", "w2s")},
-                                               dtype=dtype)
+                    part = {"p": "weight_packed", "s": "weight_scale"}
+                    ex = peers.prepare_experts(**{k: w[m + f"experts.{k[:2]}.{part[k[2]]}"].to(device)
+                                                  for k in ("w1p", "w1s", "w3p", "w3s", "w2p", "w2s")}, dtype=dtype)
                 else:                                           # a spec without routed-expert quantization
                     ex = peers.prepare_dense_experts(cast(w[m + "experts.w1"]), cast(w[m + "experts.w3"]),
                                                      cast(w[m + "experts.w2"]))
                 L.update(moe=True, gate=f32(w[m + "gate.weight"]), bias=f32(w[m + "gate.e_score_correction_bias"]),
-                         down=cast(w[m + "routed_expert_down_proj.weight"]), up=cast(w[m + "routed_expert_up_proj.weight"]),
+                         down=cast(w[m + "routed_expert_down_proj.weight"]),
+                         up=cast(w[m + "routed_expert_up_proj.weight"]),
                          lat_norm=cast(w[m + "routed_expert_norm.weight"]),
                          experts=ex,
                          shared=self._mlp(w, m + "shared_experts.", cast, fused) if cfg.num_shared_experts else None)
@@ -439,6 +441,18 @@ def profile_families(fn, n: int = 2) -> dict:
     return out
 
 
+def guarded_profile(fn, row: dict, n: int = 2) -> dict | None:
+    """profile_families, or None with the reason in row["profile_errors"]: a profile that runs out of memory (the
+    eager step's temporaries beside two K3-wide models) must not cost the row its times."""
+    try:
+        return profile_families(fn, n)
+    except torch.OutOfMemoryError as exc:
+        row.setdefault("profile_errors", []).append(f"OutOfMemoryError: {str(exc).splitlines()[0][:200]}")
+        return None
+    finally:
+        torch.cuda.empty_cache()
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -478,7 +492,8 @@ class LazyExperts:
         self.packed, self.scales, self.shape, self.dtype = packed, scales, torch.Size(shape), dtype
 
     def to(self, dtype=None, **_):
-        return LazyExperts(self.packed, self.scales, self.shape, dtype if isinstance(dtype, torch.dtype) else self.dtype)
+        dtype = dtype if isinstance(dtype, torch.dtype) else self.dtype
+        return LazyExperts(self.packed, self.scales, self.shape, dtype)
 
     def is_floating_point(self) -> bool:
         return True
@@ -620,16 +635,18 @@ def prefill_row(b: dict, args, S: int, L: int) -> dict:
             eng.finish(r)
         return torch.stack([o[-1] for o in out])
 
+    ds = DecodeState(stack, S, L, dev)          # where the prefill leaves its caches (as vLLM's and k3c's do)
+
     def stk():
-        return stack.prefill(seqs)
+        return stack.prefill(seqs, ds=ds)
 
     row = {"phase": "prefill", "sequences": S, "tokens_each": L}
     row["k3c_ms"] = median_ms(k3c, args.reps, dev)
     row["stack_ms"] = median_ms(stk, args.reps, dev)
     row["last_logits_rel_stack_vs_k3c"] = rel(stk(), k3c())
     if b["cuda"] and args.profile:
-        row["k3c_families_ms"] = profile_families(k3c, 1)
-        row["stack_families_ms"] = profile_families(stk, 1)
+        row["k3c_families_ms"] = guarded_profile(k3c, row, 1)
+        row["stack_families_ms"] = guarded_profile(stk, row, 1)
     return row
 
 
@@ -661,9 +678,12 @@ def decode_row(b: dict, args, B: int, T: int) -> dict:
     kda, lat = random_cache(spec, B, T, dev, dtype, seed=B * 7 + T)
     g = torch.Generator(device="cpu").manual_seed(B + T)
     toks = torch.randint(0, spec.vocab_size, (args.steps + 4, B), generator=g).to(dev)
-    # -- k3c: its CUDA-graph decode step
+    # -- k3c: its CUDA-graph decode step (profiled first, eagerly: its temporaries are freed before the capture)
     dg = DecodeGraph(b["model"], b["eng"].graph, batch=B, capacity=-(-(T + args.steps + 6) // PAGE) * PAGE,
                      device=dev, dtype=dtype, use_kernels=not args.no_kernels)
+    if b["cuda"] and args.profile:
+        dg.load_state(kda, lat, [T] * B)
+        row["k3c_families_ms"] = guarded_profile(lambda: dg.eager_step(toks[0], device_lengths=True), row)
     dg.load_state(kda, lat, [T] * B)
     first_k3c = dg.step(toks[0]).float().clone()
     row["k3c_mode"] = dg.report.mode + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph" else "")
@@ -673,9 +693,6 @@ def decode_row(b: dict, args, B: int, T: int) -> dict:
         dg.step(toks[1 + s])
     sync(dev)
     row["k3c_ms"] = (time.perf_counter() - t) * 1e3 / args.steps
-    if b["cuda"] and args.profile:
-        dg.load_state(kda, lat, [T] * B)
-        row["k3c_families_ms"] = profile_families(lambda: dg.eager_step(toks[0], device_lengths=True), 2)
     # -- stack: over k3c's pages where FlashMLA takes them (bf16, page 64), metadata once, one CUDA graph
     shared = dg.page_size == PAGE and all(p.dtype == dtype for p in dg.pools.values())
     ds = DecodeState(stack, B, T, dev, pools=dg.pools if shared else None,
@@ -687,6 +704,8 @@ def decode_row(b: dict, args, B: int, T: int) -> dict:
     first_stack = stack.decode(ds, tok_buf).float()
     row["first_step_rel_stack_vs_k3c"] = rel(first_stack, first_k3c)
     step = lambda: stack.decode(ds, tok_buf)                                               # noqa: E731
+    if b["cuda"] and args.profile:
+        row["stack_families_ms"] = guarded_profile(step, row)
     graph = None
     if b["cuda"] and not args.no_graph:
         try:
@@ -713,8 +732,6 @@ def decode_row(b: dict, args, B: int, T: int) -> dict:
         run()
     sync(dev)
     row["stack_ms"] = (time.perf_counter() - t) * 1e3 / args.steps
-    if b["cuda"] and args.profile:
-        row["stack_families_ms"] = profile_families(step, 2)
     del graph, ds, dg, kda, lat
     if b["cuda"]:
         torch.cuda.empty_cache()
@@ -755,7 +772,7 @@ def print_table(result: dict) -> None:
             print(f"{name:28s} {r.get('error') or 'n/a (fp8 note below)'}")
             continue
         fam = ""
-        if "k3c_families_ms" in r:
+        if r.get("k3c_families_ms") and r.get("stack_families_ms"):
             fam = " | ".join(" ".join(f"{r[k][f]:.2f}" for f in FAMILIES) for k in ("k3c_families_ms",
                                                                                    "stack_families_ms"))
         print(f"{name:28s} {r['k3c_ms']:9.3f} {r['stack_ms']:9.3f} {r['stack_ms'] / r['k3c_ms']:8.2f}x  {fam}")
