@@ -20,6 +20,16 @@ The stack follows vllm/models/kimi_k3/nvidia/{model,kda,mla}.py of the vllm 0.33
   Decode: one CUDA graph per batch size (vLLM's full-graph mode); FlashMLA's tile-scheduler metadata made once.
 Where this deviates from what vLLM runs, DEVIATIONS says so and the bench prints it (also in the JSON).
 
+The peers' inputs come from published wheels (../shared/peers/README.md: fetch_peers.sh builds carry/). The part
+the stack uses is 11 MB, small enough to travel with the project to a GPU box (the whole carry is not):
+    mkdir -p .peers/stack_carry/so && cp .peers/carry/fla_core-*.whl .peers/carry/triton_kernels-*.whl \
+        .peers/carry/vllm_k3_attn_res.py .peers/stack_carry/ && cp .peers/carry/so/_flashkda_C.abi3.so \
+        .peers/carry/so/_flashmla_C.abi3.so .peers/stack_carry/so/ && \
+        pip download -q --no-deps -d .peers/stack_carry einops
+and on the GPU box (carry .peers/stack_carry):
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/stack_carry/*.whl && \
+        export PYTHONPATH=/tmp/site && python3 bench/stack.py --carry .peers/stack_carry --out stack.json
+
 Rows (one process, same weights, same prompts, same random decode caches): prefill of 8192 tokens (one sequence)
 and of 8 x 1024; decode steps at batch 1 / 32 / 128 with 8K and 32K cached tokens; the fp8-latent rows (n/a: see
 FP8_NA). Each row: k3c ms, stack ms, ratio stack / k3c (> 1: k3c faster), and a per-family breakdown of GPU time
@@ -538,7 +548,12 @@ def setup(args) -> dict:
     progress(f"weights in {time.perf_counter() - t0:.1f} s")
     if args.peers == "kernels":
         site = install_site()
-        peers = KernelPeers(args.carry)
+        try:
+            peers = KernelPeers(args.carry)
+        except (RuntimeError, OSError, ImportError) as exc:     # no carry, a library that does not load, no wheels
+            print(f"stack.py: error: the peers' kernels are not available: {type(exc).__name__}: {exc} (the carry: "
+                  "bench/stack.py's docstring; --peers torch runs the stand-ins)", file=sys.stderr)
+            raise SystemExit(2) from None
         progress(f"peers: kernels from {peers.carry} (wheels from {site})")
     else:
         peers = TorchPeers()
@@ -829,6 +844,8 @@ def parse(argv):
         ap.error("--prefill / --decode: rows like 1x8192,8x1024 (SxL / BxT)")
     if any(len(r) != 2 or min(r) < 1 for r in a.prefill + a.decode):
         ap.error("--prefill / --decode: rows like 1x8192,8x1024 (SxL / BxT), positive")
+    if a.out and not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+        ap.error(f"--out {a.out}: no such directory")
     a.prefill_tokens = [L for _, L in a.prefill]
     a.steps = a.steps or (2 if small else 20)
     a.reps = a.reps or (1 if small else 5)
