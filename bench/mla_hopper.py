@@ -33,11 +33,12 @@ SHAPES = [(1, 4096), (1, 32768), (32, 4096), (32, 32768), (128, 32768), (1, 1310
 HEADS = (96, 12)
 
 
-def kernel_source():
-    from k3c.codegen.kernels.mla_hopper import emit_mla_decode_hopper
+def kernel_sources():
+    """Both schedules of the Hopper decode (the shipped lockstep first, then the seesaw)."""
+    from k3c.codegen.kernels.mla_hopper import SCHEDULES, emit_mla_decode_hopper
     from k3c.codegen.targets import get_target
 
-    return emit_mla_decode_hopper(L, R, PS, SCALE, target=get_target("h200"))
+    return [emit_mla_decode_hopper(L, R, PS, SCALE, target=get_target("h200"), schedule=s) for s in SCHEDULES]
 
 
 # ---- build (CPU box) ------------------------------------------------------------------------------------------------
@@ -52,38 +53,40 @@ def build(out_dir: str) -> None:
 
     from k3c.codegen.resources import parse_cubin
 
-    ks = kernel_source()
     os.makedirs(out_dir, exist_ok=True)
-    fname = os.path.join(out_dir, f"{ks.name}.py")
-    with open(fname, "w") as f:
-        f.write(ks.source)
-    mod = types.ModuleType(f"_k3c_hopper_{ks.name}")
-    mod.__file__ = fname
-    linecache.cache[fname] = (len(ks.source), None, ks.source.splitlines(True), fname)
-    exec(compile(ks.source, fname, "exec"), mod.__dict__)      # noqa: S102 - our own generated module
-    fn = getattr(mod, ks.name)
-    sig = {**ks.signature, **{k: "constexpr" for k in ks.constexprs}}
-    ptrs = [a for a, t in ks.signature.items() if t.startswith("*")]
-    t0 = time.time()
-    c = triton.compile(GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                                           for k, v in ks.constexprs.items()},
-                                      attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ptrs}),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": ks.num_warps, "num_stages": 1})
-    md = c.metadata._asdict()
-    md["target"] = {"backend": "cuda", "arch": 90, "warp_size": 32}
-    md = {k: (v if _jsonable(v) else repr(v)) for k, v in md.items()}
-    res = parse_cubin(c.asm["cubin"], ks.name)
-    wgmma = len(re.findall(r"wgmma\.mma_async", c.asm["ptx"]))
-    with open(os.path.join(out_dir, f"{ks.name}.cubin"), "wb") as f:
-        f.write(c.asm["cubin"])
-    with open(os.path.join(out_dir, f"{ks.name}.ptx"), "w") as f:
-        f.write(c.asm["ptx"])
-    with open(os.path.join(out_dir, "kernel.json"), "w") as f:
-        json.dump({"name": ks.name, "signature": ks.signature, "constexprs": ks.constexprs, "metadata": md,
-                   "divisible_by_16": ptrs, "resources": res, "wgmma": wgmma}, f, indent=1)
-    print(f"built {ks.name} in {time.time() - t0:.1f} s: regs {res.get('regs')} stack frame "
-          f"{res.get('frame_bytes')} B, shared {md.get('shared')} B, global scratch {md.get('global_scratch_size')} B,"
-          f" wgmma {wgmma} in the PTX")
+    entries = []
+    for ks in kernel_sources():
+        fname = os.path.join(out_dir, f"{ks.name}.py")
+        with open(fname, "w") as f:
+            f.write(ks.source)
+        mod = types.ModuleType(f"_k3c_hopper_{ks.name}")
+        mod.__file__ = fname
+        linecache.cache[fname] = (len(ks.source), None, ks.source.splitlines(True), fname)
+        exec(compile(ks.source, fname, "exec"), mod.__dict__)      # noqa: S102 - our own generated module
+        fn = getattr(mod, ks.name)
+        sig = {**ks.signature, **{k: "constexpr" for k in ks.constexprs}}
+        ptrs = [a for a, t in ks.signature.items() if t.startswith("*")]
+        t0 = time.time()
+        c = triton.compile(GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                                               for k, v in ks.constexprs.items()},
+                                          attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ptrs}),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": ks.num_warps, "num_stages": 1})
+        md = c.metadata._asdict()
+        md["target"] = {"backend": "cuda", "arch": 90, "warp_size": 32}
+        md = {k: (v if _jsonable(v) else repr(v)) for k, v in md.items()}
+        res = parse_cubin(c.asm["cubin"], ks.name)
+        wgmma = len(re.findall(r"wgmma\.mma_async", c.asm["ptx"]))
+        with open(os.path.join(out_dir, f"{ks.name}.cubin"), "wb") as f:
+            f.write(c.asm["cubin"])
+        with open(os.path.join(out_dir, f"{ks.name}.ptx"), "w") as f:
+            f.write(c.asm["ptx"])
+        entries.append({"name": ks.name, "signature": ks.signature, "constexprs": ks.constexprs, "metadata": md,
+                        "divisible_by_16": ptrs, "resources": res, "wgmma": wgmma})
+        print(f"built {ks.name} in {time.time() - t0:.1f} s: regs {res.get('regs')} stack frame "
+              f"{res.get('frame_bytes')} B, shared {md.get('shared')} B, global scratch "
+              f"{md.get('global_scratch_size')} B, {md.get('num_warps')} warps, wgmma {wgmma} in the PTX")
+    with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+        json.dump(entries, f, indent=1)
 
 
 def _jsonable(v) -> bool:
@@ -98,11 +101,11 @@ def _jsonable(v) -> bool:
 class Hopper:
     """The prebuilt Hopper decode kernel + k3c's portable LSE merge: one decode step."""
 
-    def __init__(self, bin_dir: str, dev):
+    def __init__(self, bin_dir: str, info: dict, dev):
         from k3c.runtime.binary import load_binary
 
-        with open(os.path.join(bin_dir, "kernel.json")) as f:
-            self.info = json.load(f)
+        self.info = info
+        self.tag = info["name"].rsplit("bf16", 1)[-1].strip("_") or "lockstep"
         with open(os.path.join(bin_dir, self.info["name"] + ".cubin"), "rb") as f:
             image = f.read()
         self.k = load_binary(image, backend="cuda", entry_name=self.info["name"], signature=self.info["signature"],
@@ -192,16 +195,16 @@ def merge_torch(o, lse):
     return (wgt[..., None] * o).sum(0) / wgt.sum(0).clamp_min(1e-30)[..., None]
 
 
-def check(hop, dev) -> bool:
+def check(hops, dev) -> bool:
     import torch
 
     from k3c.runtime.kernel_impls import mla as rt
 
     g = torch.Generator(device=dev).manual_seed(0)
     ok = True
-    print("| case | B | lens | H | TQ | splits | rel err hopper (kernel+merge) | rel err partials (torch merge) "
-          "| rel err portable | unwritten |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | B | lens | H | TQ | schedule | splits | rel err hopper (kernel+merge) | rel err partials "
+          "(torch merge) | rel err portable | unwritten |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     cases = [(2, [200, 64], 12, 1, None), (3, [1000, 777, 65], 96, 1, None), (2, [4096, 3001], 96, 2, None),
              (2, [530, 129], 16, 3, 3), (1, [64 * 40], 128, 1, 7), (4, [5000, 1, 63, 2048], 12, 1, None)]
     for i, (B, lens_l, H, TQ, splits) in enumerate(cases):
@@ -216,13 +219,6 @@ def check(hop, dev) -> bool:
         ROWS = TQ * H
         q = torch.randn(B, ROWS, L + R, generator=g, device=dev).to(torch.bfloat16)
         ref = reference(q, pool, perm, lens, H)
-        fn = hop.decode_fn(q, pool, perm, lens, H, max(lens_l), splits)
-        grid, args, o, lse = hop.partials(q, pool, perm, lens, H, max(lens_l), splits)
-        hop.k.launch(grid, args)
-        torch.cuda.synchronize()
-        unwritten = int(torch.isnan(o).sum() + torch.isnan(lse).sum())
-        e_part = rel_err(merge_torch(o, lse), ref)
-        e_hop = rel_err(fn(), ref)
         try:
             store = rt.LatentStore(pool, perm, list(lens_l))
             e_port = rel_err(rt.mqa_decode(q, store, lens, SCALE, L, num_heads=H, max_len=max(lens_l),
@@ -230,10 +226,18 @@ def check(hop, dev) -> bool:
         except Exception as e:      # the portable path is context, not the subject
             e_port = float("nan")
             print(f"# portable decode failed: {type(e).__name__}: {str(e)[:200]}")
-        good = e_hop < 1e-2 and e_part < 1e-2 and unwritten == 0 and math.isfinite(e_hop)
-        ok &= good
-        print(f"| {i} | {B} | {lens_l} | {H} | {TQ} | {grid[1]} | {e_hop:.2e} | {e_part:.2e} | {e_port:.2e} "
-              f"| {unwritten} |{'' if good else ' FAIL'}")
+        for hop in hops:
+            fn = hop.decode_fn(q, pool, perm, lens, H, max(lens_l), splits)
+            grid, args, o, lse = hop.partials(q, pool, perm, lens, H, max(lens_l), splits)
+            hop.k.launch(grid, args)
+            torch.cuda.synchronize()
+            unwritten = int(torch.isnan(o).sum() + torch.isnan(lse).sum())
+            e_part = rel_err(merge_torch(o, lse), ref)
+            e_hop = rel_err(fn(), ref)
+            good = e_hop < 1e-2 and e_part < 1e-2 and unwritten == 0 and math.isfinite(e_hop)
+            ok &= good
+            print(f"| {i} | {B} | {lens_l} | {H} | {TQ} | {hop.tag} | {grid[1]} | {e_hop:.2e} | {e_part:.2e} "
+                  f"| {e_port:.2e} | {unwritten} |{'' if good else ' FAIL'}", flush=True)
     return ok
 
 
@@ -264,7 +268,7 @@ def load_bench_mla():
     return mod
 
 
-def timings(hop, dev, shapes, heads, portable: bool, out_json: str | None) -> None:
+def timings(hops, dev, shapes, heads, portable: bool, out_json: str | None) -> None:
     import torch
 
     from k3c.runtime.kernel_impls import mla as rt
@@ -274,9 +278,9 @@ def timings(hop, dev, shapes, heads, portable: bool, out_json: str | None) -> No
     print(f"# FlashMLA: {note}")
     name = torch.cuda.get_device_name(dev)
     recs = []
-    print(f"| B | T | H | k3c hopper ms | FlashMLA ms | portable k3c ms | ratio FlashMLA/hopper | hopper TFLOP/s "
-          f"| hopper TB/s | err vs FlashMLA | GPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| B | T | H | schedule | k3c hopper ms | FlashMLA ms | portable k3c ms | ratio FlashMLA/hopper "
+          f"| hopper TFLOP/s | hopper TB/s | err vs FlashMLA | GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, T in shapes:
         pages = -(-T // PS)
         g = torch.Generator(device=dev).manual_seed(1)
@@ -286,13 +290,10 @@ def timings(hop, dev, shapes, heads, portable: bool, out_json: str | None) -> No
         lens = torch.full((B,), T, dtype=torch.int32, device=dev)
         for H in heads:
             q = torch.randn(B, H, L + R, generator=g, device=dev).to(torch.bfloat16)
-            fn = hop.decode_fn(q, pool, bt, lens, H, T)
-            th = timeit(fn)
-            tf = ef = tp = None
+            tf = tp = f = None
             if fm is not None:
                 try:
                     f = fm.bind(q, pool, bt, lens, SCALE, L)
-                    ef = rel_err(fn(), f())
                     tf = timeit(f)
                 except Exception as e:
                     print(f"# FlashMLA failed: {type(e).__name__}: {str(e)[:200]}")
@@ -303,16 +304,19 @@ def timings(hop, dev, shapes, heads, portable: bool, out_json: str | None) -> No
                     tp = timeit(lambda: rt.mqa_decode(q, store, lens, SCALE, L, num_heads=H, max_len=T, plan=pp))
                 except Exception as e:
                     print(f"# portable failed: {type(e).__name__}: {str(e)[:200]}")
-            flops = B * H * T * (2 * (L + R) + 2 * L)
-            byts = B * T * (L + R) * 2
-            ratio = tf / th if tf else float("nan")
-            rec = {"B": B, "T": T, "H": H, "hopper_ms": th, "flashmla_ms": tf, "portable_ms": tp, "ratio": ratio,
-                   "err_vs_flashmla": ef, "gpu": name}
-            recs.append(rec)
-            fmt = lambda v, p=3: "n/a" if v is None else f"{v:.{p}f}"   # noqa: E731
-            print(f"| {B} | {T // 1024}K | {H} | {th:.3f} | {fmt(tf)} | {fmt(tp)} | {ratio:.2f} | "
-                  f"{flops / th / 1e9:.0f} | {byts / th / 1e9:.2f} | {fmt(ef, 4) if ef is None else f'{ef:.1e}'} "
-                  f"| {name} |", flush=True)
+            for hop in hops:
+                fn = hop.decode_fn(q, pool, bt, lens, H, T)
+                th = timeit(fn)
+                ef = rel_err(fn(), f()) if f is not None else None
+                flops = B * H * T * (2 * (L + R) + 2 * L)
+                byts = B * T * (L + R) * 2
+                ratio = tf / th if tf else float("nan")
+                recs.append({"B": B, "T": T, "H": H, "schedule": hop.tag, "hopper_ms": th, "flashmla_ms": tf,
+                             "portable_ms": tp, "ratio": ratio, "err_vs_flashmla": ef, "gpu": name})
+                fmt = lambda v, p=3: "n/a" if v is None else f"{v:.{p}f}"   # noqa: E731
+                print(f"| {B} | {T // 1024}K | {H} | {hop.tag} | {th:.3f} | {fmt(tf)} | {fmt(tp)} | {ratio:.2f} | "
+                      f"{flops / th / 1e9:.0f} | {byts / th / 1e9:.2f} | "
+                      f"{'n/a' if ef is None else f'{ef:.1e}'} | {name} |", flush=True)
             del q
         del pool
         torch.cuda.empty_cache()
@@ -334,6 +338,7 @@ def main(argv=None) -> int:
     r.add_argument("--shapes", default=None, help="B:T,B:T,...")
     r.add_argument("--heads", default="96,12")
     r.add_argument("--json", default=None)
+    r.add_argument("--schedule", default=None, help="seesaw | lockstep (default: both)")
     a = ap.parse_args(argv)
     if a.cmd == "build":
         build(a.out_dir)
@@ -341,13 +346,18 @@ def main(argv=None) -> int:
     import torch
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    hop = Hopper(a.bin_dir, dev)
-    info = hop.info
-    print(f"# {info['name']}: regs {info['resources'].get('regs')}, stack frame {info['resources'].get('frame_bytes')}"
-          f" B, shared {info['metadata'].get('shared')} B on {torch.cuda.get_device_name(dev)}")
+    with open(os.path.join(a.bin_dir, "kernels.json")) as f:
+        infos = json.load(f)
+    hops = [Hopper(a.bin_dir, info, dev) for info in infos if not a.schedule or a.schedule in info["name"]
+            or (a.schedule == "lockstep" and info["name"].endswith("bf16"))]
+    for hop in hops:
+        info = hop.info
+        print(f"# {info['name']}: regs {info['resources'].get('regs')}, stack frame "
+              f"{info['resources'].get('frame_bytes')} B, shared {info['metadata'].get('shared')} B, "
+              f"{info['metadata'].get('num_warps')} warps on {torch.cuda.get_device_name(dev)}")
     ok = True
     if not a.no_check:
-        ok = check(hop, dev)
+        ok = check(hops, dev)
         print(f"# numerics: {'ok' if ok else 'FAILED'}", flush=True)
     if a.shapes:
         shapes = [tuple(int(x) for x in s.split(":")) for s in a.shapes.split(",")]
@@ -356,7 +366,7 @@ def main(argv=None) -> int:
     else:
         shapes = SHAPES
     heads = tuple(int(h) for h in a.heads.split(","))
-    timings(hop, dev, shapes, heads, not a.no_portable, a.json)
+    timings(hops, dev, shapes, heads, not a.no_portable, a.json)
     return 0 if ok else 1
 
 

@@ -1,27 +1,33 @@
-"""MLA MQA decode on the Hopper tier (sm_90a): a Gluon kernel with TMA page loads, mbarriers and warpgroup MMA.
+"""MLA MQA decode on the Hopper tier (sm_90a): Gluon kernels with TMA page loads, mbarriers and warpgroup MMA.
 
 Same contract as the portable `emit_mla_decode` (mla.py): the runtime signature, the split-KV partial outputs
 (o fp32 [S, B, ROWS, L] normalised, lse fp32 [S, B, ROWS] natural log, -inf and o = 0 for a split that saw no key)
 and the grid (cdiv(ROWS, BLOCK_H), S, B), so the portable merge kernel combines them and the runtime can swap the
 two by plan alone.
 
-Design (after FlashMLA's SM90 dense decode, deepseek-ai/FlashMLA csrc/sm90/decode/dense/, written anew):
-- one program = 64 query rows (tokens x heads, padded and masked) x one KV split of one sequence; 8 warps = two
-  warpgroups;
-- the 64 x (L+R) query tile sits in shared memory for the whole split (loaded once, 128-byte swizzled, in 64-column
-  pieces);
-- each page (PS = 64 keys = one key block) arrives by TMA as (L+R)/64 pieces of 64 x 64, each on its own mbarrier,
-  into one of two page buffers: the loads of page j+1 run while page j is computed, and the score MMA of piece i
-  starts as soon as piece i has landed; the pool is addressed through a device-side tensor descriptor over its rows
-  (pool row = page * PS + slot; the block table gives the page);
-- scores S = Q K^T by warpgroup MMA over the whole L+R reduction, the two warpgroups taking 32 keys each
-  (NVMMA layout warps [4, 2]); online softmax in the log2 domain (scale * log2 e baked in);
-- P goes to shared memory as bf16 and O += P V is one warpgroup MMA with warps [4, 2] and instruction N = 256: each
-  warpgroup owns 256 of the 512 value columns, so the 64 x 512 fp32 accumulator is 128 registers a thread; V is the
+Common design (after FlashMLA's SM90 dense decode, deepseek-ai/FlashMLA csrc/sm90/decode/dense/, written anew):
+- one program = 64 query rows (tokens x heads, padded and masked) x one KV split of one sequence, two warpgroups;
+- the 64 x (L+R) query tile sits in shared memory for the whole split (loaded once, 128-byte swizzled);
+- each page (PS = 64 keys = one key block) arrives by TMA in (L+R)/64 pieces of 64 x 64 into one of two page
+  buffers (2 x 72 KB + the 72 KB query tile: what fits in 227 KB), the pool addressed through a device-side tensor
+  descriptor over its rows (pool row = page * PS + slot; the block table gives the page);
+- online softmax in the log2 domain (scale * log2 e baked in); O (64 x 512 fp32) split by value columns, each
+  warpgroup owning 256 (128 registers a thread), O += P V one warpgroup MMA of N = 256 per warpgroup, V being the
   first L columns of the same page buffer (keys = values);
-- the last page of a sequence may hold anything past its end (NaN too): its dead value rows are zeroed in shared
-  memory before the P V product (0 * NaN would poison the row), and dead keys are masked to -inf like the causal
-  band of a multi-token query.
+- slots past a sequence's end may hold anything, NaN too (0 * NaN would poison P V): they are zeroed or zero-filled
+  before the P V product and masked to -inf like the causal band of a multi-token query.
+
+Schedules (`schedule`):
+- "lockstep" (shipped): 8 warps run one program text (NVMMA layouts with warps [4, 2]): each page's 9 pieces on
+  their own barriers, S = Q K^T with the warpgroups taking 32 keys each (the score MMA of piece i starts when it has
+  landed), a cross-warpgroup softmax, P through shared memory, then P V; the next page's TMA runs during the
+  current page. 225 registers, no spills.
+- "seesaw": FlashMLA's schedule: warp-specialised (gl.warp_specialize) into two warpgroup partitions and a producer
+  warp; block t belongs to warpgroup t % 2 (full 64 x 64 scores, its softmax), the running max and rescale factor
+  pass to the other warpgroup through shared memory, P_t goes into the dead rope piece of its buffer, and every
+  block's P V is done by both warpgroups on their halves; the partial last page comes through a second descriptor
+  over its live rows (the copy engine zero-fills the rest). Faster at 96 heads (bench/mla_hopper.py) but at 255
+  registers a thread ptxas keeps a few words on the stack (a spill), so it is not shipped: the tier is spill-free.
 """
 from __future__ import annotations
 
@@ -34,6 +40,10 @@ from .mla_common import LATENT_FP8, LOG2E, _check_scale, latent_row_width
 BLOCK_H = 64            # query rows per program: the wgmma M of one warpgroup (4 warps x 16 rows)
 PIECE = 64              # columns per TMA piece: 64 bf16 = one 128-byte swizzle row
 NUM_WARPS = 8           # two warpgroups
+LOCKSTEP, SEESAW = "lockstep", "seesaw"
+SCHEDULES = (LOCKSTEP, SEESAW)          # the first is shipped (see the module doc)
+WG_REGS = 232           # registers per thread of the second warpgroup's partition (setmaxnreg; the first gets the
+                        # rest, the producer warp 24): one program per SM (its shared memory says so too)
 HOPPER_ARCH = "sm_90"   # Target.arch of the chips this tier serves (compiled for sm_90a)
 
 
@@ -48,7 +58,7 @@ def hopper_decode_supported(kv_lora_rank: int, rope_dim: int, page_size: int, dt
 
 def emit_mla_decode_hopper(kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *, target: Target,
                            dtype: str = "bf16", cache_dtype: str | None = None, name: str | None = None,
-                           ir_op: str = "mla_absorbed", loc: str = "") -> KernelSource:
+                           ir_op: str = "mla_absorbed", loc: str = "", schedule: str = LOCKSTEP) -> KernelSource:
     """Kernel args: q_ptr [B, ROWS, L+R] (rows token-major (t, head)), pool_ptr (latent rows [pages * PS, L+R]),
     bt_ptr i32 [B, max_pages], lens_ptr i32 [B] (total tokens incl. the new ones), o_ptr fp32 [S, B, ROWS, L],
     lse_ptr fp32 [S, B, ROWS], ROWS, NH, TQ, max_pages, pages_per_split, B, S; grid (cdiv(ROWS, 64), S, B)."""
@@ -62,13 +72,18 @@ def emit_mla_decode_hopper(kv_lora_rank: int, rope_dim: int, page_size: int, sca
                            f"page size 64, L in (256, 512), R in (64, 128); got {target.name} "
                            f"({target.backend} {target.arch}) L={L} R={R} PS={PS} {dt} cache:{cdt}")
     _check_scale(scale)
+    if schedule not in SCHEDULES:
+        raise CodegenError(f"hopper decode: schedule must be one of {SCHEDULES}, got {schedule!r}")
     gdt = {"bf16": "gl.bfloat16", "fp16": "gl.float16"}[dt]
-    kname = ident(name or f"k3c_mla_decode_hopper_l{L}_r{R}_p{PS}_{name_part(dt)}")
+    kname = ident(name or f"k3c_mla_decode_hopper_l{L}_r{R}_p{PS}_{name_part(dt)}"
+                  + ("" if schedule == LOCKSTEP else f"_{schedule}"))
     sig = {"q_ptr": f"*{dt}", "pool_ptr": f"*{dt}", "bt_ptr": "*i32", "lens_ptr": "*i32", "o_ptr": "*fp32",
            "lse_ptr": "*fp32", "ROWS": "i32", "NH": "i32", "TQ": "i32", "max_pages": "i32",
            "pages_per_split": "i32", "B": "i32", "S": "i32"}
     W = latent_row_width(L, R, cdt)
     cx = {"L": L, "R": R, "PS": PS, "BLOCK_H": BLOCK_H, "W": W, "NPIECE": W // PIECE, "NVAL": L // PIECE}
+    if schedule == SEESAW:
+        return _seesaw(kname, sig, cx, gdt, scale, target, ir_op, loc)
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"mla MQA split-KV decode, Hopper tier (Gluon, sm_90a): L={L} R={R} PS={PS} "
@@ -246,3 +261,271 @@ def _emit_page_load(w: SourceWriter, page: str, buf: str) -> None:
         with w.indent():
             w.line(f"tma.async_load(desc, [{page} * PS, i * 64], bars.index(nb * NPIECE + i), "
                    "kv_pe.index(nb).slice((i - NVAL) * 64, 64, dim=1))")
+
+
+def _seesaw(kname: str, sig: dict, cx: dict, gdt: str, scale: float, target: Target, ir_op: str, loc: str
+            ) -> KernelSource:
+    """The seesaw schedule: two warp-specialised warpgroups, see SEESAW_SOURCE."""
+    w = SourceWriter()
+    w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
+             notes=[f"mla MQA split-KV decode, Hopper tier (Gluon, sm_90a), seesaw schedule: L={cx['L']} "
+                    f"R={cx['R']} PS={cx['PS']} scale={fnum(scale)}",
+                    f"BLOCK_H={BLOCK_H}: 2 warpgroups (warp_specialize), TMA pieces of {PIECE}"])
+    w.line("from triton.experimental import gluon")
+    w.line("from triton.experimental.gluon import language as gl")
+    w.line("from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, "
+           "warpgroup_mma, warpgroup_mma_wait")
+    subst = {"{KNAME}": ident(kname), "{GDT}": gdt, "{SCALE_LOG2}": fnum(scale * LOG2E),
+             "{INV_LOG2E}": fnum(1.0 / LOG2E), "{REGS1}": str(int(WG_REGS))}
+    text = SEESAW_SOURCE
+    for k, v in subst.items():
+        text = text.replace(k, v)
+    w.lines(text.split("\n"))
+    return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
+                        grid=("cdiv(ROWS, BLOCK_H)", "S", "B"), num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
+
+
+# The seesaw kernel (after FlashMLA's schedule of the same name, written for Gluon). Block t of the split belongs
+# to warpgroup t % 2, which computes its scores and softmax; every block's P V is split by value columns (each
+# warpgroup owns 256 of the 512 output columns, 128 fp32 registers a thread). While one warpgroup runs its
+# softmax, the other's scores or P V keep the tensor cores busy. The running max passes from one warpgroup's
+# softmax to the next through shared memory (m_buf / sc_buf, barrier sm_bar), so both rescale their halves of O
+# by the same factors; P_t is written into the rope piece of block t's buffer (dead once its scores are done).
+# A buffer is reloaded (block t + 2) once both warpgroups are done with block t (barrier `free`), by the
+# warpgroup that did not own block t. Placeholders: {KNAME} {GDT} {SCALE_LOG2} {INV_LOG2E} {REGS1}, replaced by
+# checked names and numbers only.
+SEESAW_SOURCE = """
+@gluon.jit
+def _load_page(desc, tail, bt_split, kv_lat, kv_pe, ready, t, n_full):
+    # page t of the split into buffer t % 2: (L + R) / 64 TMA pieces on one barrier. The sequence's partial last
+    # page comes through `tail`, a descriptor over its live rows only: the copy engine fills the rows past the end
+    # with zeros (they may hold anything, NaN too, and 0 * NaN would poison P V)
+    PS: gl.constexpr = kv_lat.shape[1]
+    NVAL: gl.constexpr = kv_lat.shape[2] // 64
+    NPIECE: gl.constexpr = NVAL + kv_pe.shape[2] // 64
+    b = t % 2
+    bar = ready.index(b)
+    mbarrier.expect(bar, PS * 64 * 2 * NPIECE)
+    if t < n_full:
+        page = gl.load(bt_split + t)
+        for i in gl.static_range(NVAL):
+            tma.async_load(desc, [page * PS, i * 64], bar, kv_lat.index(b).slice(i * 64, 64, dim=1))
+        for i in gl.static_range(NPIECE - NVAL):
+            tma.async_load(desc, [page * PS, (NVAL + i) * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
+    else:
+        for i in gl.static_range(NVAL):
+            tma.async_load(tail, [0, i * 64], bar, kv_lat.index(b).slice(i * 64, 64, dim=1))
+        for i in gl.static_range(NPIECE - NVAL):
+            tma.async_load(tail, [0, (NVAL + i) * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
+
+
+@gluon.jit
+def _producer(desc, tail, bt_split, kv_lat, kv_pe, ready, free, n_blocks, n_full):
+    # one warp: page t into buffer t % 2 once both warpgroups are done with block t - 2 (pages 0 and 1 were issued
+    # before the fork)
+    for t in range(2, n_blocks):
+        mbarrier.wait(free.index(t % 2), ((t - 2) // 2) % 2)
+        _load_page(desc, tail, bt_split, kv_lat, kv_pe, ready, t, n_full)
+
+
+@gluon.jit
+def _scores(q_lat, q_pe, kv_lat, kv_pe, ready, t, S_L: gl.constexpr, BLOCK_H: gl.constexpr, PS: gl.constexpr,
+            NPIECE: gl.constexpr, NVAL: gl.constexpr):
+    # S = Q K_t^T over the whole L + R reduction
+    b = t % 2
+    mbarrier.wait(ready.index(b), (t // 2) % 2)
+    s = warpgroup_mma(q_lat, kv_lat.index(b).permute((1, 0)), gl.zeros([BLOCK_H, PS], gl.float32, layout=S_L),
+                      is_async=True)
+    s = warpgroup_mma(q_pe, kv_pe.index(b).permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=[s])
+
+
+@gluon.jit
+def _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L: gl.constexpr, PS: gl.constexpr):
+    # block t's probabilities against the running max m_run (the max after block t - 1): P_t into the dead rope
+    # piece of its buffer, its max and rescale factor into shared memory, then the other warpgroup is told.
+    # qrel: each row's query position relative to the split's first key; keys past it are masked (qpos <= seq_len
+    # - 1, so this also hides the slots past the sequence's end)
+    b = t % 2
+    keys = gl.arange(0, PS, layout=gl.SliceLayout(0, S_L))
+    s = gl.where(keys[None, :] <= (qrel - t * PS)[:, None], s * {SCALE_LOG2}, float('-inf'))  # log2 domain
+    m_new = gl.maximum(m_run, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float('-inf'), 0.0, m_new)
+    sc = gl.exp2(m_run - m_use)
+    pr = gl.exp2(s - m_use[:, None])
+    kv_pe.index(b).store(pr.to(kv_pe.dtype))
+    m_buf.index(b).store(m_new)
+    sc_buf.index(b).store(sc)
+    fence_async_shared()
+    gl.barrier()
+    mbarrier.arrive(sm_bar.index(b))
+    return pr, sc, m_new
+
+
+@gluon.jit
+def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats,
+               desc, tail, bt_split, n_full, n_blocks, qrel0, rows0, NH):
+    BLOCK_H: gl.constexpr = q_lat.shape[0]
+    L: gl.constexpr = q_lat.shape[1]
+    PS: gl.constexpr = kv_lat.shape[1]
+    NVAL: gl.constexpr = L // 64
+    NPIECE: gl.constexpr = NVAL + q_pe.shape[1] // 64
+    # warpgroup W: the softmax of blocks t = W, W + 2, ... (seesaw: the two warpgroups' softmaxes alternate) and,
+    # for every block, O[:, W * L/2 : (W + 1) * L/2] += P_t V_t of its half of the value columns
+    HALF: gl.constexpr = L // 2
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PS, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    # each row's query position (its causal limit) relative to the split's first key
+    qrel = qrel0 + (rows0 + gl.arange(0, BLOCK_H, layout=ROW_S)) // NH
+    m_run = gl.full([BLOCK_H], float('-inf'), gl.float32, layout=ROW_S)
+    l_w = gl.zeros([BLOCK_H], gl.float32, layout=ROW_S)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=O_L)
+    start = 1
+    if W == 0:
+        start = 2
+        if n_blocks > 0:
+            s = _scores(q_lat, q_pe, kv_lat, kv_pe, ready, 0, S_L, BLOCK_H, PS, NPIECE, NVAL)
+            pr, sc, m_run = _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, 0, qrel, m_run, S_L, PS)
+            l_w = gl.sum(pr, axis=1)
+            acc = warpgroup_mma(kv_pe.index(0), kv_lat.index(0).slice(W * HALF, HALF, dim=1), acc)
+            mbarrier.arrive(free.index(0))
+    for t in range(start, n_blocks + 1, 2):
+        b = t % 2
+        ob = 1 - b
+        own = t < n_blocks
+        s = gl.zeros([BLOCK_H, PS], gl.float32, layout=S_L)
+        if own:
+            s = _scores(q_lat, q_pe, kv_lat, kv_pe, ready, t, S_L, BLOCK_H, PS, NPIECE, NVAL)
+        # the other warpgroup's block t - 1: its rescale factor and max, then P V of this half (async)
+        mbarrier.wait(sm_bar.index(ob), ((t - 1) // 2) % 2)
+        sc_o = sc_buf.index(ob).load(ROW_S)
+        m_run = m_buf.index(ob).load(ROW_S)
+        l_w = l_w * sc_o
+        acc = acc * gl.convert_layout(sc_o, ROW_O)[:, None]
+        acc = warpgroup_mma(kv_pe.index(ob), kv_lat.index(ob).slice(W * HALF, HALF, dim=1), acc, is_async=True)
+        sc = gl.full([BLOCK_H], 1.0, gl.float32, layout=ROW_S)
+        if own:
+            pr, sc, m_run = _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L, PS)
+            l_w = l_w * sc + gl.sum(pr, axis=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(free.index(ob))
+        if own:
+            acc = acc * gl.convert_layout(sc, ROW_O)[:, None]
+            acc = warpgroup_mma(kv_pe.index(b), kv_lat.index(b).slice(W * HALF, HALF, dim=1), acc)
+            mbarrier.arrive(free.index(b))
+    # the row sums of both warpgroups' blocks (same running max), then o = acc / l and the natural-log LSE
+    l_buf.index(W).store(l_w)
+    gl.barrier()
+    mbarrier.arrive(l_bar)
+    mbarrier.wait(l_bar, 0)
+    l_i = l_w + l_buf.index(1 - W).load(ROW_S)
+    has = l_i > 0.0
+    inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), ROW_O)
+    # o = acc / l into the (now dead) page buffer W as fp32; the kernel's epilogue writes it out
+    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    kv_lat.index(W).reinterpret(gl.float32, [BLOCK_H, HALF], FLAT2).store(acc * inv[:, None])
+    if W == 0:
+        stats.index(0).store(m_run)
+        stats.index(1).store(l_i)
+
+
+@gluon.jit
+def _warpgroup0(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
+                bt_split, n_full, n_blocks, qrel0, rows0, NH):
+    _warpgroup(0, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
+               bt_split, n_full, n_blocks, qrel0, rows0, NH)
+
+
+@gluon.jit
+def _warpgroup1(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
+                bt_split, n_full, n_blocks, qrel0, rows0, NH):
+    _warpgroup(1, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
+               bt_split, n_full, n_blocks, qrel0, rows0, NH)
+
+
+@gluon.jit
+def {KNAME}(q_ptr, pool_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, ROWS, NH, TQ, max_pages, pages_per_split, B, S,
+        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, BLOCK_H: gl.constexpr, W: gl.constexpr,
+        NPIECE: gl.constexpr, NVAL: gl.constexpr):
+    DT: gl.constexpr = {GDT}
+    SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    pid_h = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    seq_len = gl.load(lens_ptr + b)
+    n_pages = gl.cdiv(seq_len, PS)
+    p_begin = split * pages_per_split
+    n_blocks = gl.maximum(gl.minimum(p_begin + pages_per_split, n_pages) - p_begin, 0)
+    rows0 = pid_h * BLOCK_H
+    q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, L], SW)
+    q_pe = gl.allocate_shared_memory(DT, [BLOCK_H, R], SW)
+    kv_lat = gl.allocate_shared_memory(DT, [2, PS, L], SW)
+    kv_pe = gl.allocate_shared_memory(DT, [2, PS, R], SW)
+    m_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
+    sc_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
+    l_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sm_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    stats = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)  # final row max and row sum
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)
+        mbarrier.init(sm_bar.index(i), count=1)
+    mbarrier.init(l_bar, count=2)
+    lrows = rows0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
+    lcols = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
+    q_base = q_ptr + (b * ROWS + gl.where(lrows < ROWS, lrows, 0).to(gl.int64)) * W
+    for i in gl.static_range(NPIECE):
+        qt = gl.load(q_base[:, None] + (i * 64 + lcols)[None, :], mask=(lrows < ROWS)[:, None], other=0.0)
+        if i < NVAL:
+            q_lat.slice(i * 64, 64, dim=1).store(qt)
+        else:
+            q_pe.slice((i - NVAL) * 64, 64, dim=1).store(qt)
+    fence_async_shared()
+    gl.barrier()
+    bt_row = bt_ptr + b * max_pages
+    desc = tma.make_tensor_descriptor(pool_ptr, shape=[2147483647, W], strides=[W, 1], block_shape=[PS, 64],
+                                      layout=SW)
+    # pages before n_full are whole; the last page, when partial, is read through `tail` (zero-filled past the end)
+    n_full = seq_len // PS
+    last = gl.load(bt_row + gl.maximum(n_pages - 1, 0)).to(gl.int64)
+    tail = tma.make_tensor_descriptor(pool_ptr + last * (PS * W), shape=[gl.maximum(seq_len - n_full * PS, 1), W],
+                                      strides=[W, 1], block_shape=[PS, 64], layout=SW)
+    bt_split = bt_row + p_begin
+    n_full = n_full - p_begin
+    if n_blocks > 0:
+        _load_page(desc, tail, bt_split, kv_lat, kv_pe, ready, 0, n_full)
+    if n_blocks > 1:
+        _load_page(desc, tail, bt_split, kv_lat, kv_pe, ready, 1, n_full)
+    args = (q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail, bt_split,
+            n_full, n_blocks, seq_len - TQ - p_begin * PS, rows0, NH)
+    gl.warp_specialize([(_warpgroup0, args), (_warpgroup1, args),
+                        (_producer, (desc, tail, bt_split, kv_lat, kv_pe, ready, free, n_blocks, n_full))],
+                       [4, 1], [{REGS1}, 24])
+    gl.barrier()
+    # epilogue: the normalised o (fp32, in the two page buffers) and the natural-log LSE, coalesced
+    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    HALF: gl.constexpr = L // 2
+    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    out_base = (split.to(gl.int64) * B + b) * ROWS
+    orow = rows0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUT))
+    ocol = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))
+    o_row = o_ptr + (out_base + gl.where(orow < ROWS, orow, 0).to(gl.int64)) * L
+    for i in gl.static_range(L // 64):
+        half = kv_lat.index(i // (HALF // 64)).reinterpret(gl.float32, [BLOCK_H, HALF], FLAT2)
+        ot = half.slice((i % (HALF // 64)) * 64, 64, dim=1).load(OUT)
+        gl.store(o_row[:, None] + (i * 64 + ocol)[None, :], ot, mask=(orow < ROWS)[:, None])
+    ST: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    srow = rows0 + gl.arange(0, BLOCK_H, layout=ST)
+    m_fin = stats.index(0).load(ST)
+    l_fin = stats.index(1).load(ST)
+    has = l_fin > 0.0
+    lse = gl.where(has, (m_fin + gl.log2(gl.where(has, l_fin, 1.0))) * {INV_LOG2E}, float('-inf'))
+    gl.store(lse_ptr + out_base + gl.where(srow < ROWS, srow, 0).to(gl.int64), lse, mask=srow < ROWS)
+"""
