@@ -7,7 +7,7 @@ import sys
 import time
 
 from .errors import ArgumentError, K3cError, UserError
-from .limits import MAX_BATCH, MAX_RANKS, MAX_SEED, MAX_STAGES, MAX_TOKENS
+from .limits import MAX_BATCH, MAX_RANKS, MAX_SEED, MAX_STAGES, MAX_TOKENS, MAX_TOP_K
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,12 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--new-tokens", type=_positive("--new-tokens", MAX_TOKENS),
                    help="tokens to generate (default 8; with --prompt 64, fewer when the EOS token comes first)")
     r.add_argument("--temperature", type=_number("--temperature"),
-                   help="sampling temperature (default 0: greedy, the most likely token)")
+                   help="sampling temperature (default 0: greedy, the most likely token; one below 1e-4 samples at "
+                   "1e-4)")
     r.add_argument("--top-p", type=_number("--top-p"),
                    help="sample from the smallest set of the most likely tokens whose probability reaches P, in "
                    "(0, 1] (default 1: all)")
-    r.add_argument("--top-k", type=lambda t: _integer("--top-k", t),
-                   help="sample from the K most likely tokens (default 0: all)")
+    r.add_argument("--top-k", type=_count("--top-k", MAX_TOP_K),
+                   help="sample from the K most likely tokens (default 0: all; past the vocabulary: all)")
     r.add_argument("--seed", type=_seed, help="seed of the random weights and prompts (default 0) and of the "
                    "sampling draws (default: 0, or with --prompt one drawn and printed), in [0, 2**63 - 1]")
     r.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -30,6 +30,7 @@ class Tokenizer:
         self._backend = backend
         self.eos_id = eos_id
         self.path = path                  # the tokenizer.json it was read from
+        self._longest: int | None = None  # bytes of the longest token's text (max_chars)
 
     @property
     def vocab_size(self) -> int:
@@ -39,7 +40,20 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise ArgumentError(f"encode() takes a str, got {type(text).__name__}")
-        return list(self._backend.encode(text).ids)
+        # the library's encode() holds the GIL for the whole call (seconds for megabytes); encode_batch() releases
+        # it, so a server encoding in a worker thread keeps answering
+        return list(self._backend.encode_batch([text])[0].ids)
+
+    def max_chars(self, tokens: int) -> int:
+        """The most characters a text that encodes to at most `tokens` tokens can hold: every token stands for at
+        most the bytes of the longest one (special tokens included), a character for at least one byte; 4 times
+        that when the tokenizer normalizes text first (Unicode composition joins up to 3 characters into one).
+        A longer text cannot fit: it is refused without being encoded."""
+        if self._longest is None:
+            size = self._backend.get_vocab_size(with_added_tokens=True)
+            texts = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+            self._longest = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1) or 1
+        return tokens * self._longest * (4 if self._backend.normalizer is not None else 1)
 
     def decode(self, ids) -> str:
         return self._backend.decode([int(i) for i in ids])
