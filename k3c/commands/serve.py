@@ -137,7 +137,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except socket.gaierror as exc:
         raise ArgumentError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
     family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it every
+    # response written in two parts (headers, body) waits out the client's delayed ACK (~40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
