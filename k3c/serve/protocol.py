@@ -95,7 +95,7 @@ def decode_body(raw: bytes):
             from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise APIError(400, f"the request body is not valid JSON ({str(exc)[:160]})", code="invalid_json") from None
-    stack = [(body, 1, ())]
+    stack = [(body, 1, ())] if isinstance(body, (dict, list)) else []
     while stack:                                 # containers only: scalars are checked where they sit
         value, depth, where = stack.pop()
         if depth > MAX_JSON_DEPTH:

@@ -270,3 +270,80 @@ def test_aborted_uploads_log_one_line_each():
     log = err + out
     assert log.count("left during the upload") == 25, log[-2000:]
     assert "Traceback" not in log and len(log.splitlines()) < 40, log[-2000:]
+
+
+# ---- the fuzz: malformed bodies while a greedy request decodes ------------------------------------------------------
+def _bodies():
+    """(path, raw body): JSON values of every shape, request objects with known keys set to anything (sizes kept
+    small, so the few that are valid finish quickly), and bytes that are not JSON or hold lone surrogates."""
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=12)
+               | st.sampled_from(["k3-stdlib", "", "\x00", "user", "assistant", "text", "x" * 300]))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+    small = st.integers(1, 3) | st.sampled_from([0, -1, 10 ** 30, 2 ** 63, "4", 1.5, None, True, float("nan")])
+    prompts = st.text(max_size=40) | st.lists(st.integers(-1, 5000), max_size=5) | values
+    keys = st.sampled_from(["prompt", "messages", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                            "stream_options", "logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "user",
+                            "best_of", "presence_penalty", "tools", "response_format", "\ud800", "k" * 100])
+    sized = st.sampled_from(["max_tokens", "max_completion_tokens", "n"])
+    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool", "wizard", 3]),
+                                               "content": values}), max_size=3)
+    request = st.fixed_dictionaries(
+        {"model": st.sampled_from([MODEL] * 6 + ["gpt-4", 7]), "max_tokens": small},
+        optional={"prompt": prompts, "messages": messages | values}).flatmap(
+        lambda base: st.dictionaries(keys, values, max_size=2).flatmap(
+            lambda extra: st.dictionaries(sized, small, max_size=2).map(lambda s: {**base, **extra, **s})))
+
+    def dump(v) -> bytes:
+        return json.dumps(v).encode("utf-8", "surrogatepass")      # lone surrogates go out as \ud800 escapes
+
+    path = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+    raw = st.one_of(request.map(dump), request.map(dump), request.map(dump), request.map(dump), values.map(dump),
+                    request.map(dump).flatmap(lambda b: st.integers(0, max(0, len(b) - 1)).map(lambda i: b[:i])),
+                    st.binary(max_size=64), st.integers(1, 2000).map(lambda d: b"[" * d + b"]" * d))
+    return st.tuples(path, raw)
+
+
+def test_fuzzed_bodies_never_fail_a_greedy_request(server):
+    """A few hundred generated malformed bodies while greedy streams decode: every answer is a 4xx error object (or
+    a 200 for the few valid ones), never a 5xx; every greedy stream's text is unchanged; the server is healthy."""
+    from hypothesis import HealthCheck, given, settings
+
+    want = greedy(server, 32)
+    stop, texts = threading.Event(), []
+
+    def decode():
+        while not stop.is_set():
+            texts.append(streamed(server, 32, threading.Event()))
+
+    bg = threading.Thread(target=decode)
+    bg.start()
+    answers = []
+
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(_bodies())
+    def send(case):
+        path, raw = case
+        status, body = post(server, raw, path)
+        answers.append((status, json.loads(body)["error"]["param"] if status != 200 else None))
+        assert status in (200, 400, 404, 413), (status, raw[:200], body[:300])
+        if status != 200:
+            err = json.loads(body)["error"]
+            assert set(err) == {"message", "type", "param", "code"} and len(body) < 2048
+
+    try:
+        send()
+    finally:
+        stop.set()
+        bg.join()
+    assert len(answers) >= 300 and len({param for _, param in answers}) > 10     # the checks were reached
+    assert texts and texts == [want] * len(texts)
+    probe = _conn(server)
+    assert health_ms(probe) < 1000
+    probe.close()
+    m = server.metrics()
+    assert not [k for k, v in m.items() if k.startswith("k3c_requests_total") and "status=5" in k and v]
+    assert m["k3c_requests_running"] == 0 or greedy(server, 4)
