@@ -136,9 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "float32 (a run with --dtype float32 on the GPU)")
     _parallel_args(c, rank=True)
 
-    i = sub.add_parser("inspect", help="print the IR of a spec (after a pass) as text, DOT or ONNX")
-    i.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory")
-    i.add_argument("--target", default="mi355x", help=f"one of: {', '.join(TARGETS)} (default mi355x)")
+    i = sub.add_parser("inspect", help="print the IR of a spec or a compiled artifact (after a pass) as text, DOT "
+                       "or ONNX")
+    i.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory; or a compiled artifact "
+                   "directory (verified as `k3c run` verifies it, then its own IR shown)")
+    i.add_argument("--target", help=f"one of: {', '.join(TARGETS)} (default mi355x; an artifact's is its own)")
     i.add_argument("--after", metavar="PASS", help="show the IR after this pass (default: the last)")
     i.add_argument("--passes", type=_passes, help="comma-separated pass names")
     i.add_argument("--format", choices=("text", "dot", "onnx"), default="text")
@@ -300,8 +302,21 @@ def cmd_compile(args) -> int:
 
 def cmd_inspect(args) -> int:
     from . import api
+    from .commands.run import _is_artifact
 
-    model = api.compile(args.spec, target=args.target, passes=args.passes)
+    if _is_artifact(args.spec):
+        given = "--target" if args.target is not None else "--passes" if args.passes is not None else None
+        if given:
+            raise ArgumentError(f"k3c inspect: {args.spec} is a compiled artifact (its target and passes are fixed); "
+                                f"{given} applies to a spec")
+        model = api.load(args.spec)              # every file against the manifest, every stage through the verifier
+        print(f"k3c inspect: artifact {args.spec} verified ({len(model.stages)} IR stages, target "
+              f"{model.target.name})", file=sys.stderr)
+    else:
+        if os.path.basename(args.spec) == "spec.yaml" and _is_artifact(os.path.dirname(args.spec) or "."):
+            print(f"k3c inspect: note: {args.spec} is the spec of an artifact, compiled afresh here; `k3c inspect "
+                  f"{os.path.dirname(args.spec) or '.'}` verifies the artifact and shows its own IR", file=sys.stderr)
+        model = api.compile(args.spec, target=args.target or "mi355x", passes=args.passes)
     module = model.module_after(args.after)
     if args.bytes:
         from .passes.attnres_split import bytes_summary

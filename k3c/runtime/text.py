@@ -11,10 +11,10 @@ directory a spec was loaded from, and k3c copies them into the artifacts it save
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ..errors import ArgumentError, WeightError
+from ..outputs import loads_json
 from ..paths import regular_file
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -80,10 +80,7 @@ def _eos_name(directory: str) -> str | None:
     path = os.path.join(directory, TOKENIZER_CONFIG)
     if not os.path.lexists(path):
         return None
-    try:
-        config = json.loads(_read_text(path))
-    except ValueError as exc:
-        raise ArgumentError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    config = loads_json(_read_text(path), path, error=ArgumentError)
     eos = config.get("eos_token") if isinstance(config, dict) else None
     if isinstance(eos, dict):
         eos = eos.get("content")
