@@ -253,8 +253,9 @@ def numeric_cases() -> list[Case]:
         cases += [Case(f"run {arg} {v}", run + RUN + (arg, v), mentions=(arg,), cls=c, seconds=30) for v in values]
     # sampling values the sampler cannot compute as given: a temperature under the floor samples at the floor, a
     # top_p that underflows fp32 keeps the top token, a top_k past 2**31 is refused (issue 50: all exited 1)
-    cases += [Case(f"run {arg} {v}", run + RUN + (arg, v, "--seed", "1"), expect=(0,), cls=c, seconds=30)
-              for arg, v in (("--temperature", "1e-300"), ("--top-p", "1e-300"), ("--top-p", "5e-324"))]
+    cases += [Case(f"run {' '.join(args)}", run + RUN + args + ("--seed", "1"), expect=(0,), cls=c, seconds=30)
+              for args in (("--temperature", "1e-300"), ("--temperature", "1", "--top-p", "1e-300"),
+                           ("--temperature", "1", "--top-p", "5e-324"))]
     cases += [Case(f"run --top-k {v}", run + RUN + ("--temperature", "1", "--top-k", v), mentions=("--top-k",), cls=c)
               for v in ("9223372036854775808", "2147483649", "-1")]
     cases += [

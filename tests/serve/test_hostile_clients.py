@@ -120,7 +120,7 @@ def test_sampling_bounds(server):
 LONG_KEY = "k" * (1 << 20)
 
 
-@pytest.mark.parametrize("what, raw, path, param", [
+CLIENT_ERRORS = [
     ("100,000-deep JSON", b"[" * 100_000 + b"]" * 100_000, "/v1/completions", None),
     ("100,000-deep JSON under a key", b'{"model": "k3-stdlib", "prompt": "x", "metadata": '
      + b'{"a":' * 100_000 + b"1" + b"}" * 100_001, "/v1/completions", None),
@@ -138,7 +138,10 @@ LONG_KEY = "k" * (1 << 20)
      "/v1/completions", None),
     ("a 1 MiB unknown key", b'{"model": "k3-stdlib", "prompt": "x", "' + LONG_KEY.encode() + b'": 1}',
      "/v1/completions", LONG_KEY[:64] + "..."),
-])
+]
+
+
+@pytest.mark.parametrize("what, raw, path, param", CLIENT_ERRORS, ids=[c[0] for c in CLIENT_ERRORS])
 def test_client_errors_are_400_naming_the_field(server, what, raw, path, param):
     status, body = post(server, raw, path)
     assert status == 400, (what, body[:300])
