@@ -218,8 +218,9 @@ def cmd_serve(args) -> int:
         weights = b["weights"] or f"random (seed {args.seed})"
         print(f"k3c serve: {info.name} on {args.device} ({b['dtype']}, weights {weights}; max batch "
               f"{args.max_batch}, context {info.max_context}, {eng.pool.num_pages} MLA pages; chat template "
-              f"{template.origin}; requests up to {max_body} bytes, prompts up to {info.max_prompt_chars} "
-              f"characters; ready in {time.perf_counter() - t0:.1f} s)", flush=True)
+              f"{template.origin}; requests up to {max_body} bytes, prompts up to "
+              f"{info.max_prompt_chars or 'any number of'} characters; ready in {time.perf_counter() - t0:.1f} s)",
+              flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
             print(f"k3c serve: warning: bound to {args.host} without an API key: anyone who can reach it can use it",
                   file=sys.stderr, flush=True)

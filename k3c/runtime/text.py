@@ -44,11 +44,16 @@ class Tokenizer:
         # it, so a server encoding in a worker thread keeps answering
         return list(self._backend.encode_batch([text])[0].ids)
 
-    def max_chars(self, tokens: int) -> int:
+    def max_chars(self, tokens: int) -> int | None:
         """The most characters a text that encodes to at most `tokens` tokens can hold: every token stands for at
         most the bytes of the longest one (special tokens included), a character for at least one byte; 4 times
         that when the tokenizer normalizes text first (Unicode composition joins up to 3 characters into one).
-        A longer text cannot fit: it is refused without being encoded."""
+        A longer text cannot fit: it is refused without being encoded. None (no bound) for a tokenizer that can
+        map text of any length to one token: a model other than BPE (WordPiece, WordLevel and Unigram turn a
+        whole unknown word or run into one unknown token), or a BPE that fuses unknown runs."""
+        model = self._backend.model
+        if type(model).__name__ != "BPE" or (model.unk_token is not None and model.fuse_unk):
+            return None
         if self._longest is None:
             size = self._backend.get_vocab_size(with_added_tokens=True)
             texts = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)

@@ -55,7 +55,8 @@ class ModelInfo:
     vocab_size: int
     render_chat: Callable[[list[dict]], str]    # chat.ChatTemplate.render
     created: int = 0                            # /v1/models' "created" (server start, Unix seconds)
-    max_prompt_chars: int | None = None         # longer prompt text cannot fit max_context (Tokenizer.max_chars)
+    max_prompt_chars: int | None = None         # longer prompt text cannot fit max_context (Tokenizer.max_chars;
+                                                # None: no such bound)
 
 
 @dataclass(frozen=True)

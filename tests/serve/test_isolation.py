@@ -166,3 +166,51 @@ def test_a_failing_verification_fails_its_request_alone(one_thread, monkeypatch)
     assert MARK in calls, "the marked row was never verified: the test does not reach accept_sampled"
     assert set(errors) == {2} and SECRET in str(errors[2])
     assert {i: got[i] for i in (0, 1)} == plain
+
+
+def test_an_unhandled_error_is_a_500_without_its_text(caplog):
+    """A bug in a handler: the client's 500 says what failed and gives a reference; the log line with that reference
+    holds the traceback and the exception's text."""
+    import json
+    import re
+
+    from k3c.serve.app import build_app
+    from k3c.serve.protocol import ModelInfo
+
+    class BrokenLoop:
+        eos_id, alive = None, True
+
+        def submit(self, job):
+            raise RuntimeError(SECRET)
+
+    info = ModelInfo(name="m", tokenizer=None, max_context=64, vocab_size=100, render_chat=lambda m: "")
+    app = build_app(BrokenLoop(), info, ServerMetrics())
+    sent = []
+
+    async def call():
+        body = [{"type": "http.request", "body": b'{"model": "m", "prompt": [1, 2], "max_tokens": 2}',
+                 "more_body": False}]
+
+        async def receive():
+            return body.pop(0) if body else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 9),
+                 "server": ("127.0.0.1", 80)}
+        try:
+            await app(scope, receive, send)
+        except RuntimeError:                     # Starlette re-raises it for the server's own log, after the 500
+            pass
+
+    asyncio.run(call())
+    assert sent[0]["status"] == 500
+    err = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert err["code"] == "internal_error" and "POST /v1/completions" in err["message"]
+    assert SECRET not in err["message"] and "RuntimeError" not in err["message"]
+    ref = re.search(r"reference ([0-9a-f]{12})", err["message"]).group(1)
+    logged = [r for r in caplog.records if ref in r.getMessage()]
+    assert logged and SECRET in str(logged[0].exc_info[1])
