@@ -73,9 +73,11 @@ def add_parser(sub, positive, path, seed) -> None:
     s.add_argument("--draft-len", type=positive("--draft-len", 64), default=4,
                    help="most draft tokens verified per step with --speculate (default 4)")
     s.add_argument("--header-timeout", type=lambda t: _seconds(t, "--header-timeout", low=0.1), default=10.0,
+                   metavar="S",
                    help="seconds a connection may take to send a request's headers (from its opening, or the end "
                    "of its previous response) before it is closed (default 10)")
     s.add_argument("--body-timeout", type=lambda t: _seconds(t, "--body-timeout", low=0.1), default=60.0,
+                   metavar="S",
                    help="seconds a request body may take to arrive once its headers have (default 60; later: 408 "
                    "and the connection closes)")
     s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY on /v1 routes (default: the "

@@ -131,7 +131,7 @@ class Server:
             raise self._too_large()
         chunks, size = [], 0
         try:
-            async with asyncio.timeout(self.body_timeout):
+            with anyio.fail_after(self.body_timeout):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > self.max_body_bytes:

@@ -502,6 +502,10 @@ def command_line_cases() -> list[Case]:
         Case("inspect valid", ("inspect", "project/spec.yaml"), expect=(0,), cls=c),
         Case("inspect --bytes valid", ("inspect", "project/spec.yaml", "--bytes"), expect=(0,), cls=c),
         Case("version", ("--version",), expect=(0,), cls=c),
+        Case("serve --header-timeout 0", ("serve", "project/spec.yaml", "--header-timeout", "0"),
+             mentions=("--header-timeout",), cls=c),
+        Case("serve --body-timeout nan", ("serve", "project/spec.yaml", "--body-timeout", "nan"),
+             mentions=("--body-timeout",), cls=c),
     ]
 
 
