@@ -181,7 +181,7 @@ class Server:
                 client = request.client
                 log.warning("k3c serve: %s:%s left during the upload of %s %s (Content-Length %s)",
                             client.host if client else "?", client.port if client else "?", request.method,
-                            request.url.path, request.headers.get("content-length", "none"))
+                            shown(request.url.path), shown(request.headers.get("content-length", "none")))
                 self._count(endpoint, 499)
                 return Response(status_code=499)
             req = await self._parse(raw, parse)
