@@ -176,10 +176,11 @@ class EngineLoop:
         job.put(event)
 
     def _fail_all(self, error: APIError, reason: str) -> None:
-        """Every open job ends with `error`, counted as finished for `reason`."""
+        """Every open job ends with `error`, counted as finished for `reason` (an engine error: nothing of its
+        sequences is checkpointed, their state may be what failed)."""
         for rid, job in list(self._jobs.items()):
             if rid in self.engine.seqs:
-                self.engine.finish(rid, checkpoint=False)
+                self.engine.finish(rid, checkpoint=reason != "error")
             self._close(job, ErrorEvent(job.index, error))
             self.metrics.finished.labels(reason).inc()
         self._jobs.clear()
