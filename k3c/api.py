@@ -280,6 +280,32 @@ def _tree_sha256(root: str) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def _inside(rel) -> bool:
+    """A path a manifest may name: relative, '/'-separated, no '', '.' or '..' part (nothing outside the artifact)."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    return bool(parts) and not os.path.isabs(rel) and "\\" not in rel and "\0" not in rel \
+        and not any(p in ("", ".", "..") for p in parts)
+
+
+def _check_file_entries(path: str, manifest: dict, listed: dict[str, str], kernels) -> None:
+    """The paths the manifest names besides its sha256 list: `files` (what each part of the artifact is called: a
+    file, or a directory written with a trailing '/') and every kernel's files. Each must be inside the artifact and
+    one of its listed files (or, for a directory, hold one), like the sha256 list's own entries."""
+    files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        raise UserError(f"{path}/manifest.json: 'files' must be an object naming the artifact's parts")
+    named = [(f"files.{k}"[:80], v) for k, v in files.items()]
+    named += [(f"kernel {ck.name}"[:120], rel) for ck in kernels for rel in
+              (ck.files.values() if isinstance(ck.files, dict) else [ck.files])]
+    for where, rel in named:
+        is_dir = isinstance(rel, str) and rel.endswith("/")
+        if not _inside(rel[:-1] if is_dir else rel):
+            raise UserError(f"{path}/manifest.json: {where} names {str(rel)[:200]!r}, which is outside the artifact")
+        if not (any(r.startswith(rel) for r in listed) if is_dir else rel in listed):
+            raise UserError(f"{path}/manifest.json: {where} names {rel[:200]!r}, which is not a file of the artifact "
+                            f"(not in its sha256 list)")
+
+
 def _verify_files(path: str, manifest: dict) -> dict[str, str]:
     """Every file the manifest lists exists, is a regular file (no symlink anywhere in the artifact) and has its
     sha256; no file the manifest does not list is there (IR dump directories excepted: k3c's, never read).
@@ -294,10 +320,8 @@ def _verify_files(path: str, manifest: dict) -> dict[str, str]:
         raise UserError(f"{path}/manifest.json: no 'sha256' file list (written by an older k3c?); recompile the "
                         f"artifact")
     for rel, digest in listed.items():
-        parts = rel.split("/") if isinstance(rel, str) else []
-        if (not parts or os.path.isabs(rel) or "\\" in rel or any(p in ("", ".", "..") for p in parts)
-                or not isinstance(digest, str)):
-            raise UserError(f"{path}/manifest.json: file entry {rel!r} is outside the artifact")
+        if not _inside(rel) or not isinstance(digest, str):
+            raise UserError(f"{path}/manifest.json: file entry {str(rel)[:200]!r} is outside the artifact")
     for dirpath, dirs, files in os.walk(path):          # what is there: regular files and directories only
         rel_dir = os.path.relpath(dirpath, path).replace(os.sep, "/")
         for name in sorted(dirs + files):
@@ -435,6 +459,11 @@ def load(path: str | os.PathLike) -> CompiledModel:
     from .outputs import identity, swap_in_progress
 
     path = os.fspath(path)
+    if os.path.islink(path):
+        # a link to an artifact (a `latest` pointing at a build) is followed once, here: the model reads the
+        # directory it resolved to from now on (its kernel binaries too), so moving the link never mixes two
+        # artifacts. Inside the artifact nothing may be a symlink (_verify_files).
+        path = os.path.realpath(path)
     for attempt in range(8):
         before = identity(path)
         try:
@@ -471,6 +500,7 @@ def _load(path: str) -> CompiledModel:
         if ck.target != target.name or not ck.catalogue_key:
             raise UserError(f"{path}/manifest.json: kernel {ck.name} is for target {ck.target!r} or has no "
                             f"catalogue key; recompile the artifact")
+    _check_file_entries(path, manifest, listed, kernels)
     spec = parse_spec_text(_read_text(path, "spec.yaml"), os.path.join(path, "spec.yaml"))
     stages = []
     for rel in sorted(r for r in listed if r.startswith("ir/") and r.count("/") == 1 and r.endswith(".k3c")):

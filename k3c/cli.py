@@ -7,7 +7,7 @@ import sys
 import time
 
 from .errors import ArgumentError, K3cError, UserError
-from .limits import MAX_BATCH, MAX_RANKS, MAX_SEED, MAX_STAGES, MAX_TOKENS
+from .limits import MAX_BATCH, MAX_RANKS, MAX_SEED, MAX_STAGES, MAX_TOKENS, MAX_TOP_K
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,9 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "float32 (a run with --dtype float32 on the GPU)")
     _parallel_args(c, rank=True)
 
-    i = sub.add_parser("inspect", help="print the IR of a spec (after a pass) as text, DOT or ONNX")
-    i.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory")
-    i.add_argument("--target", default="mi355x", help=f"one of: {', '.join(TARGETS)} (default mi355x)")
+    i = sub.add_parser("inspect", help="print the IR of a spec or a compiled artifact (after a pass) as text, DOT "
+                       "or ONNX")
+    i.add_argument("spec", help="YAML spec, Hugging Face config.json or model directory; or a compiled artifact "
+                   "directory (verified as `k3c run` verifies it, then its own IR shown)")
+    i.add_argument("--target", help=f"one of: {', '.join(TARGETS)} (default mi355x; an artifact's is its own)")
     i.add_argument("--after", metavar="PASS", help="show the IR after this pass (default: the last)")
     i.add_argument("--passes", type=_passes, help="comma-separated pass names")
     i.add_argument("--format", choices=("text", "dot", "onnx"), default="text")
@@ -173,12 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--new-tokens", type=_positive("--new-tokens", MAX_TOKENS),
                    help="tokens to generate (default 8; with --prompt 64, fewer when the EOS token comes first)")
     r.add_argument("--temperature", type=_number("--temperature"),
-                   help="sampling temperature (default 0: greedy, the most likely token)")
+                   help="sampling temperature (default 0: greedy, the most likely token; one below 1e-4 samples at "
+                   "1e-4)")
     r.add_argument("--top-p", type=_number("--top-p"),
                    help="sample from the smallest set of the most likely tokens whose probability reaches P, in "
                    "(0, 1] (default 1: all)")
-    r.add_argument("--top-k", type=lambda t: _integer("--top-k", t),
-                   help="sample from the K most likely tokens (default 0: all)")
+    r.add_argument("--top-k", type=_count("--top-k", MAX_TOP_K),
+                   help="sample from the K most likely tokens (default 0: all; past the vocabulary: all)")
     r.add_argument("--seed", type=_seed, help="seed of the random weights and prompts (default 0) and of the "
                    "sampling draws (default: 0, or with --prompt one drawn and printed), in [0, 2**63 - 1]")
     r.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -299,8 +302,21 @@ def cmd_compile(args) -> int:
 
 def cmd_inspect(args) -> int:
     from . import api
+    from .commands.run import _is_artifact
 
-    model = api.compile(args.spec, target=args.target, passes=args.passes)
+    if _is_artifact(args.spec):
+        given = "--target" if args.target is not None else "--passes" if args.passes is not None else None
+        if given:
+            raise ArgumentError(f"k3c inspect: {args.spec} is a compiled artifact (its target and passes are fixed); "
+                                f"{given} applies to a spec")
+        model = api.load(args.spec)              # every file against the manifest, every stage through the verifier
+        print(f"k3c inspect: artifact {args.spec} verified ({len(model.stages)} IR stages, target "
+              f"{model.target.name})", file=sys.stderr)
+    else:
+        if os.path.basename(args.spec) == "spec.yaml" and _is_artifact(os.path.dirname(args.spec) or "."):
+            print(f"k3c inspect: note: {args.spec} is the spec of an artifact, compiled afresh here; `k3c inspect "
+                  f"{os.path.dirname(args.spec) or '.'}` verifies the artifact and shows its own IR", file=sys.stderr)
+        model = api.compile(args.spec, target=args.target or "mi355x", passes=args.passes)
     module = model.module_after(args.after)
     if args.bytes:
         from .passes.attnres_split import bytes_summary

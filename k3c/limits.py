@@ -9,3 +9,5 @@ MAX_BATCH = 2 ** 24           # --batch (sequences)
 MAX_RANKS = 2 ** 16           # --tp, --ep
 MAX_STAGES = 1024             # --pp, --vpp
 MAX_SEED = 2 ** 63 - 1        # --seed: [0, 2**63 - 1], what torch.Generator.manual_seed takes without wrapping
+MAX_JSON_DEPTH = 64           # nesting of a JSON file k3c reads (a manifest, a config, an index)
+MAX_TOP_K = 2 ** 31           # --top-k, the API's top_k: past the vocabulary means the vocabulary

@@ -28,6 +28,7 @@ import shutil
 import stat
 
 from .errors import ArgumentError, UserError
+from .limits import MAX_JSON_DEPTH
 
 NAME_MAX = 255                  # bytes per path component (ext4, xfs, btrfs, tmpfs)
 JSON_LIMIT = 64 << 20           # largest manifest.json / quantization.json k3c reads
@@ -64,10 +65,30 @@ def read_json(path: str, *, error=UserError, limit: int = JSON_LIMIT, dir_fd: in
             data = fh.read(limit + 1)
     finally:
         os.close(fd)
+    return loads_json(data, path, error=error)
+
+
+def loads_json(data: bytes | str, where: str, *, error=UserError):
+    """The value of JSON text read from `where`: `error` naming it when the text is not UTF-8 JSON or nests deeper
+    than MAX_JSON_DEPTH (Python's parser recurses: 100,000 levels would be a RecursionError, not an error line)."""
     try:
-        return json.loads(data.decode("utf-8"))
+        value = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except RecursionError:
+        value = None
+        deep = True
     except (UnicodeDecodeError, ValueError) as exc:
-        raise error(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+        raise error(f"{where}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    else:
+        deep = False
+        stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+        while stack and not deep:
+            v, depth = stack.pop()
+            if depth > MAX_JSON_DEPTH:
+                deep = True
+            stack += [(c, depth + 1) for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+    if deep:
+        raise error(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
 def _record(path: str, name: str):

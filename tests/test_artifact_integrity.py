@@ -134,3 +134,73 @@ def test_k3c_run_on_a_tampered_artifact_exits_2_with_one_line(art, capsys):
     assert main(["run", str(art)] + RUN) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "spec.yaml" in err and "root:" not in err
+
+
+def _edit_manifest(art, edit):
+    import json
+
+    m = json.loads((art / "manifest.json").read_text())
+    edit(m)
+    (art / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("../../../etc/passwd", "outside the artifact"), ("/etc/passwd", "outside the artifact"),
+    ("ir/../spec.yaml", "outside the artifact"), (["spec.yaml"], "outside the artifact"),
+    ("notes.txt", "not a file of the artifact"), ("kernels/", "not a file of the artifact"),
+])
+def test_manifest_files_entries_are_paths_inside_it(art, value, needle):
+    """`files` names the artifact's parts: each must be a listed file inside it (or a directory holding one)."""
+    _edit_manifest(art, lambda m: m["files"].__setitem__("spec", value))
+    msg = refused(art, needle)
+    assert "files.spec" in msg and "root:" not in msg
+
+
+def test_kernel_file_entries_are_paths_inside_it(art):
+    """A kernel's files are opened by the launcher: one naming a file outside the artifact is refused at load."""
+    from k3c.codegen.aot import CompiledKernel
+    from k3c.codegen.resources import KernelResources
+
+    ck = CompiledKernel(name="k3c_x", target="cpu", backend="cpu", arch="cpu", files={"source": "spec.yaml"},
+                        signature={}, constexprs={}, grid=("1",), num_warps=1, num_stages=1,
+                        resources=KernelResources(backend="cpu", arch="cpu", regs=0), catalogue_key="x")
+    _edit_manifest(art, lambda m: m.__setitem__("kernels", [ck.to_dict()]))
+    k3c.load(art)                                   # a listed file: accepted
+    ck.files["cubin"] = "../../../../etc/passwd"
+    _edit_manifest(art, lambda m: m.__setitem__("kernels", [ck.to_dict()]))
+    assert "kernel k3c_x" in refused(art, "outside the artifact")
+
+
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_a_deeply_nested_manifest_is_one_line(art, depth):
+    (art / "manifest.json").write_text('{"a": ' * depth + "1" + "}" * depth)
+    refused(art, "manifest.json: JSON nested deeper than 64 levels")
+
+
+def test_a_symlinked_artifact_directory_is_followed_once(art, tmp_path):
+    """The policy (docs/robustness.md): a link to an artifact is resolved when it is loaded; the model reads that
+    directory from then on, whatever the link points to later. Inside the artifact no symlink is followed."""
+    other = tmp_path / "other"
+    shutil.copytree(art, other, symlinks=True)
+    link = tmp_path / "latest"
+    os.symlink("art", link)
+    model = k3c.load(link)
+    assert model.artifact_dir == str(art.resolve())
+    os.unlink(link)
+    os.symlink("other", link)                       # the link moves to another build
+    assert model.artifact_dir == str(art.resolve())
+    assert k3c.load(link).artifact_dir == str(other.resolve())
+
+
+def test_k3c_inspect_verifies_an_artifact_and_prints_its_ir(art, capsys):
+    assert main(["inspect", str(art)]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith(k3c.load(art).ir()) and "verified" in err
+    assert main(["inspect", str(art), "--after", "frontend"]) == 0
+    assert capsys.readouterr().out.endswith(k3c.load(art).ir(after="frontend"))
+    (art / "spec.yaml").unlink()
+    os.symlink("/etc/passwd", art / "spec.yaml")
+    reseal(art)
+    assert main(["inspect", str(art)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "spec.yaml: is a symlink" in err

@@ -125,7 +125,7 @@ class CompileCache:
             if entry.get("format") != CACHE_FORMAT or entry.get("key") != key or set(sums) != set(files.values()) \
                     or not all(_sha256(os.path.join(path, rel)) == sums[rel] for rel in files.values()):
                 raise ValueError("incomplete or changed entry")     # a miss: compiled again
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             self._discard(path)
             return None
         entry["_dir"] = path

@@ -204,6 +204,8 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
     while eng.has_work():
         done = eng.stats["prefill_tokens"] + eng.stats["decode_tokens"]
         for o in eng.step():
+            if o.error is not None:              # a request whose sampling failed ends the run with its error
+                raise o.error
             tokens[o.rid].append(o.token)
             last_logits = o.logits
         bar.update(eng.stats["prefill_tokens"] + eng.stats["decode_tokens"] - done)

@@ -59,7 +59,7 @@ def add_parser(sub, positive, path, seed) -> None:
                    help="which prefix-cache checkpoints leave the device first: lru (default), or working-set for "
                    "multi-turn sessions past the page pool (active sessions' newest checkpoints protected for "
                    "--protect-s; new sessions wait for room rather than displace them)")
-    s.add_argument("--protect-s", type=_seconds, default=60.0,
+    s.add_argument("--protect-s", type=lambda t: _seconds(t, "--protect-s"), default=60.0,
                    help="working-set policy: seconds a session's newest checkpoint stays protected after its last "
                    "use (default 60)")
     s.add_argument("--admission", choices=("reserve", "optimistic"), default="reserve",
@@ -72,6 +72,14 @@ def add_parser(sub, positive, path, seed) -> None:
                         "the tokenizer); greedy requests stay token-identical, sampled ones keep their distribution")
     s.add_argument("--draft-len", type=positive("--draft-len", 64), default=4,
                    help="most draft tokens verified per step with --speculate (default 4)")
+    s.add_argument("--header-timeout", type=lambda t: _seconds(t, "--header-timeout", low=0.1), default=10.0,
+                   metavar="S",
+                   help="seconds a connection may take to send a request's headers (from its opening, or the end "
+                   "of its previous response) before it is closed (default 10)")
+    s.add_argument("--body-timeout", type=lambda t: _seconds(t, "--body-timeout", low=0.1), default=60.0,
+                   metavar="S",
+                   help="seconds a request body may take to arrive once its headers have (default 60; later: 408 "
+                   "and the connection closes)")
     s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY on /v1 routes (default: the "
                    f"{API_KEY_ENV} environment variable; unset: no key)")
     s.add_argument("--no-kernels", action="store_true", help="torch ops on a GPU too")
@@ -109,13 +117,13 @@ def _check_dir(path: str) -> None:
         raise ArgumentError(f"--disk-dir {path}: not writable")
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, name: str, low: float = 0.0) -> float:
     try:
         v = float(text)
     except ValueError:
         v = -1.0
-    if not 0 <= v <= 86400:
-        raise argparse.ArgumentTypeError(f"--protect-s must be a number of seconds in [0, 86400], got {text!r}")
+    if not low <= v <= 86400:
+        raise argparse.ArgumentTypeError(f"{name} must be a number of seconds in [{low:g}, 86400], got {text!r}")
     return v
 
 
@@ -131,7 +139,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except socket.gaierror as exc:
         raise ArgumentError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
     family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it every
+    # response written in two parts (headers, body) waits out the client's delayed ACK (~40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
@@ -147,8 +157,9 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from ..runtime.text import load_tokenizer
-    from ..serve.app import SHUTDOWN_GRACE_S, build_app
+    from ..serve.app import SHUTDOWN_GRACE_S, body_limit, build_app
     from ..serve.chat import ChatTemplate
+    from ..serve.connection import with_header_timeout
     from ..serve.engine_loop import EngineLoop
     from ..serve.metrics import ServerMetrics
     from ..serve.protocol import ModelInfo
@@ -185,10 +196,12 @@ def cmd_serve(args) -> int:
         template = ChatTemplate.from_directory(os.path.dirname(tok.path),
                                                eos_token=None if tok.eos_id is None else tok.decode([tok.eos_id]))
         info = ModelInfo(name=args.served_model_name or model.spec.name, tokenizer=tok, max_context=context[0],
-                         vocab_size=model.spec.vocab_size, render_chat=template.render, created=int(time.time()))
+                         vocab_size=model.spec.vocab_size, render_chat=template.render, created=int(time.time()),
+                         max_prompt_chars=tok.max_chars(context[0]))
         metrics = ServerMetrics()
         loop = EngineLoop(eng, metrics, eos_id=tok.eos_id)
-        app = build_app(loop, info, metrics, api_key=api_key)
+        max_body = body_limit(info.max_prompt_chars)
+        app = build_app(loop, info, metrics, api_key=api_key, body_timeout=args.body_timeout, max_body_bytes=max_body)
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
         class _Server(uvicorn.Server):
@@ -200,13 +213,16 @@ def cmd_serve(args) -> int:
                 self._captured_signals.clear()
 
         server = _Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off", access_log=False,
+                                        http=with_header_timeout(args.header_timeout),
                                         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 5))
         loop.start()
         host, port = sock.getsockname()[:2]
         weights = b["weights"] or f"random (seed {args.seed})"
         print(f"k3c serve: {info.name} on {args.device} ({b['dtype']}, weights {weights}; max batch "
               f"{args.max_batch}, context {info.max_context}, {eng.pool.num_pages} MLA pages; chat template "
-              f"{template.origin}; ready in {time.perf_counter() - t0:.1f} s)", flush=True)
+              f"{template.origin}; requests up to {max_body} bytes, prompts up to "
+              f"{info.max_prompt_chars or 'any number of'} characters; ready in {time.perf_counter() - t0:.1f} s)",
+              flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
             print(f"k3c serve: warning: bound to {args.host} without an API key: anyone who can reach it can use it",
                   file=sys.stderr, flush=True)

@@ -14,10 +14,10 @@ is a k3c quantized checkpoint holding nothing else (a directory of other files i
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ..errors import WeightError
+from ..outputs import loads_json
 from .mx import BLOCK_SIZE
 
 QUANT_JSON = "quantization.json"
@@ -30,10 +30,11 @@ def read_quantization_json(directory: str) -> dict | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, encoding="utf-8") as fh:
-            record = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
         raise WeightError(f"{path}: cannot read the quantization record: {exc}") from None
+    record = loads_json(raw, path, error=WeightError)
     if not isinstance(record, dict) or record.get("format") != "mxfp4" or record.get("block") != BLOCK_SIZE:
         raise WeightError(f"{path}: expected format mxfp4 with block {BLOCK_SIZE}, got "
                           f"{ {k: record.get(k) for k in ('format', 'block')} if isinstance(record, dict) else record}")

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import WeightError
 from ..ir.mxfp4_weights import packed_name
+from ..outputs import loads_json
 from ..paths import regular_file
 from ..frontend.spec import ModelSpec
 from ..frontend.weight_names import K3_CHECKPOINT_PREFIX, K3_LM_HEAD, WeightInfo, weight_table
@@ -116,10 +117,11 @@ def _resolve_paths(path: str) -> tuple[list[str], dict[str, str] | None]:
 
 def _read_index(index: str) -> tuple[list[str], dict[str, str]]:
     try:
-        with open(index, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with open(index, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
         raise _weight_error(f"{index}: cannot read the checkpoint index: {exc}") from None
+    data = loads_json(raw, index, error=_weight_error)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise _weight_error(f"{index}: not a safetensors index (no 'weight_map' object)")

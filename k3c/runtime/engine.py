@@ -33,7 +33,7 @@ from .executor import LayerCaches
 from .kernel_impls.latent_format import check_kv_dtype, pool_dtype, row_width
 from .kernel_impls.mla import LatentStore, PagedLatentCache
 from ..reference.kda import KDAState
-from .sampling import GREEDY, as_params, make_generator, params_for_rows, sample
+from .sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
 from .seq_state import SeqState, gather_kda
 from .session import _device, check_token_ids, describe_graph, load_graph
 
@@ -73,21 +73,25 @@ class StepOutput:
     logits ([vocab]), finished (max_new_tokens reached, or `token` is one of the request's stop tokens), seed (the
     seed of the request's draws, its own or drawn when it named none; None: greedy). A verification's outputs hold
     the call's [tokens, vocab] logits and their row (`row`): the [vocab] view is made when read, as most outputs'
-    logits never are (a view a token is host time in every verification step)."""
+    logits never are (a view a token is host time in every verification step). `error`: the exception choosing
+    this request's token raised (then token is -1 and finished True: the request has left the engine; the other
+    requests of the step are unaffected)."""
 
-    __slots__ = ("rid", "token", "_logits", "_row", "finished", "seed")
+    __slots__ = ("rid", "token", "_logits", "_row", "finished", "seed", "error")
 
     def __init__(self, rid: int, token: int, logits: torch.Tensor, finished: bool, seed: int | None = None,
-                 row: int | None = None):
+                 row: int | None = None, error: BaseException | None = None):
         self.rid, self.token, self._logits, self._row, self.finished, self.seed = (rid, token, logits, row,
                                                                                    finished, seed)
+        self.error = error
 
     @property
     def logits(self) -> torch.Tensor:
         return self._logits if self._row is None else self._logits[self._row]
 
     def __repr__(self) -> str:
-        return f"StepOutput(rid={self.rid}, token={self.token}, finished={self.finished}, seed={self.seed})"
+        err = f", error={type(self.error).__name__}" if self.error is not None else ""
+        return f"StepOutput(rid={self.rid}, token={self.token}, finished={self.finished}, seed={self.seed}{err})"
 
 
 class Engine:
@@ -266,8 +270,9 @@ class Engine:
                    for i in self.kda_layers}
         return seq.rid
 
-    def finish(self, rid: int) -> None:
-        """Remove a sequence (running, waiting or opened): checkpoint it in the prefix cache, release its pages."""
+    def finish(self, rid: int, checkpoint: bool = True) -> None:
+        """Remove a sequence (running, waiting or opened): checkpoint it in the prefix cache (unless `checkpoint` is
+        False: a request that failed leaves nothing behind), release its pages."""
         seq = self.seqs.pop(rid, None)
         if seq is None:
             raise ArgumentError(f"no sequence with id {rid}")
@@ -283,7 +288,7 @@ class Engine:
         if self.speculation is not None:
             self.speculation.forget(rid)
         if self.prefix is not None:
-            if seq.length > 0 and self.prefix.on_finish:
+            if seq.length > 0 and self.prefix.on_finish and checkpoint:
                 self.prefix.insert(seq, final=True)
             else:
                 self.prefix.forget(rid)
@@ -442,13 +447,18 @@ class Engine:
                 self._maybe_checkpoint(seq)
         ready = [s for s in self.running if not s.pending and s.last_logits is not None
                  and s.rid not in drafts]     # others: prefilling
-        # one sample() (greedy rows: one argmax) and one device sync for the whole batch
+        # one sample (greedy rows: one argmax) and one device sync for the whole batch; a row whose sampling
+        # raises fails alone (sample_rows): it leaves with its error, the others keep their tokens
         drawn = [self._sampling.get(s.rid, (GREEDY, None)) for s in ready]
-        picks = sample(torch.stack([s.last_logits for s in ready]), [p for p, _ in drawn],
-                       [g for _, g in drawn]).tolist() if ready else []
+        picks = sample_rows(torch.stack([s.last_logits for s in ready]), [p for p, _ in drawn],
+                            [g for _, g in drawn]) if ready else []
         now = time.perf_counter()
-        self.stats["generated_tokens"] += len(ready)
         for seq, tok, (params, _) in zip(ready, picks, drawn):
+            if isinstance(tok, BaseException):
+                outs.append(StepOutput(seq.rid, -1, seq.last_logits, True, params.seed, error=tok))
+                self.finish(seq.rid, checkpoint=False)
+                continue
+            self.stats["generated_tokens"] += 1
             seq.generated.append(tok)
             seq.tokens.append(tok)
             if seq.t_first is None:
@@ -557,6 +567,7 @@ class Engine:
             top = torch.stack([logits[s.rid] for s in greedy]).argmax(-1).tolist()
             picks = {s.rid: t for s, t in zip(greedy, top)}
         outs, kept = [], {}                    # id(trace) -> (trace, {row: kept count}, the call's KDA states)
+        failed = []                            # (seq, the exception its acceptance raised): it alone leaves
         drafted = accepted = 0
         now = time.perf_counter()
         counts, traces = self.accept_counts, self._traces
@@ -568,8 +579,12 @@ class Engine:
                 emitted, seed = accept_greedy(pick, draft), None
             else:
                 params, gen = self._sampling[rid]
-                emitted = accept_sampled(logits[rid], draft, params, gen)
                 seed = params.seed
+                try:
+                    emitted = accept_sampled(logits[rid], draft, params, gen)
+                except Exception as exc:
+                    failed.append((seq, exc))
+                    continue
             stop = self._stop.get(rid, ())
             if stop:
                 emitted = emitted[:next((i + 1 for i, t in enumerate(emitted) if t in stop), len(emitted))]
@@ -595,6 +610,9 @@ class Engine:
             if seq.t_first is None:
                 seq.t_first = now
         self.stats["generated_tokens"] += len(outs)
+        for seq, exc in failed:                # its KDA rows and pages are dropped with it
+            outs.append(StepOutput(seq.rid, -1, logits[seq.rid], True, self._sampling[seq.rid][0].seed, error=exc))
+            self.finish(seq.rid, checkpoint=False)
         self.stats["spec_drafted"] += drafted
         self.stats["spec_accepted"] += accepted
         self.stats["spec_calls"] += len(seqs)
@@ -608,6 +626,8 @@ class Engine:
                     restore(trace, states, keeps)
         self._traces = {}
         for seq in seqs:
+            if seq.rid not in self.seqs:       # failed above
+                continue
             self._maybe_checkpoint(seq)
             if seq.done or (seq.generated and seq.generated[-1] in self._stop.get(seq.rid, ())):
                 self.finish(seq.rid)
@@ -654,10 +674,13 @@ class Engine:
         return bool(self.running or self.waiting)
 
     def run(self) -> dict[int, list[int]]:
-        """Step until every queued request has finished: {rid: generated tokens}."""
+        """Step until every queued request has finished: {rid: generated tokens}. A request whose sampling failed
+        raises its error (a server steps itself and fails that request alone)."""
         got: dict[int, list[int]] = {}
         while self.has_work():
             for o in self.step():
+                if o.error is not None:
+                    raise o.error
                 got.setdefault(o.rid, []).append(o.token)
         return got
 

@@ -11,10 +11,10 @@ directory a spec was loaded from, and k3c copies them into the artifacts it save
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ..errors import ArgumentError, WeightError
+from ..outputs import loads_json
 from ..paths import regular_file
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -30,6 +30,7 @@ class Tokenizer:
         self._backend = backend
         self.eos_id = eos_id
         self.path = path                  # the tokenizer.json it was read from
+        self._longest: int | None = None  # bytes of the longest token's text (max_chars)
 
     @property
     def vocab_size(self) -> int:
@@ -39,7 +40,25 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise ArgumentError(f"encode() takes a str, got {type(text).__name__}")
-        return list(self._backend.encode(text).ids)
+        # the library's encode() holds the GIL for the whole call (seconds for megabytes); encode_batch() releases
+        # it, so a server encoding in a worker thread keeps answering
+        return list(self._backend.encode_batch([text])[0].ids)
+
+    def max_chars(self, tokens: int) -> int | None:
+        """The most characters a text that encodes to at most `tokens` tokens can hold: every token stands for at
+        most the bytes of the longest one (special tokens included), a character for at least one byte; 4 times
+        that when the tokenizer normalizes text first (Unicode composition joins up to 3 characters into one).
+        A longer text cannot fit: it is refused without being encoded. None (no bound) for a tokenizer that can
+        map text of any length to one token: a model other than BPE (WordPiece, WordLevel and Unigram turn a
+        whole unknown word or run into one unknown token), or a BPE that fuses unknown runs."""
+        model = self._backend.model
+        if type(model).__name__ != "BPE" or (model.unk_token is not None and model.fuse_unk):
+            return None
+        if self._longest is None:
+            size = self._backend.get_vocab_size(with_added_tokens=True)
+            texts = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+            self._longest = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1) or 1
+        return tokens * self._longest * (4 if self._backend.normalizer is not None else 1)
 
     def decode(self, ids) -> str:
         return self._backend.decode([int(i) for i in ids])
@@ -66,10 +85,7 @@ def _eos_name(directory: str) -> str | None:
     path = os.path.join(directory, TOKENIZER_CONFIG)
     if not os.path.lexists(path):
         return None
-    try:
-        config = json.loads(_read_text(path))
-    except ValueError as exc:
-        raise ArgumentError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    config = loads_json(_read_text(path), path, error=ArgumentError)
     eos = config.get("eos_token") if isinstance(config, dict) else None
     if isinstance(eos, dict):
         eos = eos.get("content")

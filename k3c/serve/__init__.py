@@ -6,4 +6,5 @@
     engine_loop.py  the one thread that owns the engine: handlers enqueue jobs, it steps and hands out tokens
     metrics.py      Prometheus counters, histograms and gauges of one server
     app.py          the Starlette app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+    connection.py   uvicorn's HTTP/1.1 protocol with a header timeout (slow clients are cut off)
 """

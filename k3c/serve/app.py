@@ -9,6 +9,13 @@ A handler parses and checks the body (protocol.py), turns each choice into a Job
 on its events: a client that disconnects has its jobs cancelled (their pages free at the next step), a stop string
 cancels its choice the same way. Every error is OpenAI's JSON error object with a 4xx / 5xx status; inside a
 stream it is a last `data: {"error": ...}` event before `[DONE]`.
+
+Nothing slow runs on the event loop, so one client cannot stall the others (or /health): the body is read as it
+arrives, at most `max_body_bytes` (413 past it, before reading on when Content-Length says so) and within
+`body_timeout` seconds (408, then the connection closes); decoding the JSON, the checks, rendering the chat template
+and encoding the prompt run in a worker thread (at most PARSE_THREADS at once). A client that leaves during its
+upload costs one log line. A 5xx body says what failed and a reference to the log line holding the traceback,
+never the exception's text.
 """
 from __future__ import annotations
 
@@ -20,23 +27,34 @@ import time
 import uuid
 
 import anyio
+import anyio.to_thread
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..runtime.sampling import params_for_rows
-from .engine_loop import EngineLoop, ErrorEvent, Job, TokenEvent
+from .engine_loop import EngineLoop, ErrorEvent, Job, TokenEvent, server_error
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import APIError, GenerationRequest, ModelInfo, parse_chat, parse_completion
+from .protocol import APIError, GenerationRequest, ModelInfo, decode_body, parse_chat, parse_completion, shown
 from .text_stream import TextStream
 
 log = logging.getLogger("k3c.serve")
 
-MAX_BODY_BYTES = 8 << 20          # a request body past this is refused (413) before it is parsed
+MAX_BODY_BYTES = 8 << 20          # no request body is larger, whatever the context (body_limit)
 SHUTDOWN_GRACE_S = 5.0            # streams get this long to send their last (error) event on shutdown
+BODY_TIMEOUT_S = 60.0             # a request body must arrive within this (--body-timeout)
+PARSE_THREADS = 4                 # request bodies decoded, checked and encoded at once (worker threads)
+
+
+def body_limit(max_prompt_chars: int | None) -> int:
+    """The largest request body: room for 8 prompts of the longest text that can fit the context, each character
+    escaped (\\uXXXX: 6 bytes), and 1 MiB for the rest; at most MAX_BODY_BYTES."""
+    if max_prompt_chars is None:
+        return MAX_BODY_BYTES
+    return min(MAX_BODY_BYTES, (1 << 20) + 8 * 6 * max_prompt_chars)
 
 
 class _Choice:
@@ -74,9 +92,13 @@ class _Choice:
 
 
 class Server:
-    def __init__(self, loop: EngineLoop, info: ModelInfo, metrics: ServerMetrics, api_key: str | None = None):
+    def __init__(self, loop: EngineLoop, info: ModelInfo, metrics: ServerMetrics, api_key: str | None = None, *,
+                 body_timeout: float = BODY_TIMEOUT_S, max_body_bytes: int | None = None):
         self.loop, self.info, self.metrics, self.api_key = loop, info, metrics, api_key
         self.eos_id = loop.eos_id
+        self.body_timeout = body_timeout
+        self.max_body_bytes = max_body_bytes if max_body_bytes is not None else body_limit(info.max_prompt_chars)
+        self._parsers = anyio.CapacityLimiter(PARSE_THREADS)
 
     # -- plumbing -----------------------------------------------------------------------------------------------
     def _count(self, endpoint: str, status: int) -> None:
@@ -84,7 +106,9 @@ class Server:
 
     def _error(self, endpoint: str, err: APIError) -> JSONResponse:
         self._count(endpoint, err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        # a body not read to its end leaves the connection unusable for the next request
+        headers = {"Connection": "close"} if err.status in (408, 413) else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -95,21 +119,32 @@ class Server:
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            type="authentication_error", code="invalid_api_key")
 
-    async def _body(self, request: Request):
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is over {self.max_body_bytes} bytes, this server's limit",
+                        code="body_too_large")
+
+    async def _body(self, request: Request) -> bytes:
+        """The raw body: 413 past max_body_bytes, 408 when it has not all come within body_timeout;
+        ClientDisconnect when the client leaves first."""
         length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            raise self._too_large()
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
-            chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise APIError(400, f"the request body is not valid JSON ({str(exc)[:160]})", code="invalid_json") \
-                from None
+            with anyio.fail_after(self.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise self._too_large()
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s ({size} bytes "
+                           f"came)", code="request_timeout") from None
+        return b"".join(chunks)
+
+    async def _parse(self, raw: bytes, parse) -> GenerationRequest:
+        """decode_body + parse in a worker thread (JSON, checks, chat template, tokenizer: CPU work)."""
+        return await anyio.to_thread.run_sync(lambda: parse(decode_body(raw), self.info), limiter=self._parsers)
 
     # -- routes -------------------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -140,7 +175,16 @@ class Server:
         t_arrival = time.perf_counter()
         try:
             self._authorize(request)
-            req = parse(await self._body(request), self.info)
+            try:
+                raw = await self._body(request)
+            except ClientDisconnect:
+                client = request.client
+                log.warning("k3c serve: %s:%s left during the upload of %s %s (Content-Length %s)",
+                            client.host if client else "?", client.port if client else "?", request.method,
+                            shown(request.url.path), shown(request.headers.get("content-length", "none")))
+                self._count(endpoint, 499)
+                return Response(status_code=499)
+            req = await self._parse(raw, parse)
             events: asyncio.Queue = asyncio.Queue()
             aloop = asyncio.get_running_loop()
             rows = params_for_rows(req.sampling, len(req.prompts) * req.n)
@@ -273,19 +317,22 @@ class Server:
 
 
 async def _not_found(request: Request, exc: HTTPException) -> Response:
-    err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+    err = APIError(exc.status_code, f"{shown(request.method)} {shown(request.url.path)}: {exc.detail}",
                    code="not_found" if exc.status_code == 404 else "method_not_allowed")
     return JSONResponse(err.body(), status_code=exc.status_code)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    log.exception("k3c serve: unhandled error in %s %s", request.method, request.url.path)
-    err = APIError(500, f"internal server error ({type(exc).__name__})", type="server_error", code="internal_error")
+    err, ref = server_error(f"internal server error in {shown(request.method)} {shown(request.url.path)}",
+                            "internal_error")
+    log.error("k3c serve: unhandled error in %s %s (reference %s)", request.method, request.url.path, ref,
+              exc_info=exc)
     return JSONResponse(err.body(), status_code=500)
 
 
-def build_app(loop: EngineLoop, info: ModelInfo, metrics: ServerMetrics, api_key: str | None = None) -> Starlette:
-    s = Server(loop, info, metrics, api_key)
+def build_app(loop: EngineLoop, info: ModelInfo, metrics: ServerMetrics, api_key: str | None = None, *,
+              body_timeout: float = BODY_TIMEOUT_S, max_body_bytes: int | None = None) -> Starlette:
+    s = Server(loop, info, metrics, api_key, body_timeout=body_timeout, max_body_bytes=max_body_bytes)
     routes = [
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics_text, methods=["GET"]),

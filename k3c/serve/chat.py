@@ -15,10 +15,10 @@ so a model trained on plain text (the example model) sees a transcript it can co
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ..errors import ArgumentError
+from ..outputs import loads_json
 from ..runtime.text import TOKENIZER_CONFIG
 
 PLAIN = "plain"
@@ -57,9 +57,10 @@ class ChatTemplate:
             return cls(None)
         try:
             with open(path, "rb") as fh:
-                config = json.loads(fh.read().decode("utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ArgumentError(f"{path}: cannot read it as JSON ({str(exc).splitlines()[0][:160]})") from None
+                data = fh.read()
+        except OSError as exc:
+            raise ArgumentError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        config = loads_json(data, path, error=ArgumentError)
         source = config.get("chat_template") if isinstance(config, dict) else None
         if isinstance(source, list):             # named templates
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}

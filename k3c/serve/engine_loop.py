@@ -9,9 +9,12 @@
     loop.shutdown("server shutting down")    # every open job gets an ErrorEvent; the thread ends
 
 HTTP handlers never touch the engine: they enqueue submissions and cancellations, which this thread applies
-between steps, so the engine (its batch, page pool and prefix cache) is only ever changed by one thread. A step
-that raises fails the jobs it was running (500) and the engine is cleared of them; the loop goes on. Tokens, their
-log-probabilities and the timing metrics (TTFT, inter-token latency) are taken here, as the engine produces them.
+between steps, so the engine (its batch, page pool and prefix cache) is only ever changed by one thread. A request
+whose token could not be chosen (the engine's StepOutput.error) fails alone (500); a step that raises fails the
+jobs it was running (500) and the engine is cleared of them; the loop goes on. Either is counted in
+k3c_choices_finished{reason="error"}, logged with its traceback and a reference, and the client is told what failed
+and the reference, never the exception's text. Tokens, their log-probabilities and the timing metrics (TTFT,
+inter-token latency) are taken here, as the engine produces them.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +71,13 @@ class Job:
             self.aloop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:          # the HTTP loop has closed: nobody is listening
             pass
+
+
+def server_error(what: str, code: str) -> tuple[APIError, str]:
+    """A 500 naming what failed and a reference the log line carries; (the error, the reference)."""
+    ref = uuid.uuid4().hex[:12]
+    return APIError(500, f"{what}; the server log has the details (reference {ref})", type="server_error",
+                    code=code), ref
 
 
 class EngineLoop:
@@ -117,13 +128,14 @@ class EngineLoop:
                 if self._stop_reason is None and self.engine.has_work():
                     self._step()
         except BaseException as exc:             # a bug of the loop itself: say so, fail everyone, end
-            log.exception("k3c serve: the engine loop failed")
+            ref = uuid.uuid4().hex[:12]
+            log.exception("k3c serve: the engine loop failed (reference %s)", ref)
             self.error = exc
-            self._stop_reason = self._stop_reason or f"the engine loop failed ({type(exc).__name__})"
+            self._stop_reason = self._stop_reason or f"the engine loop failed (reference {ref})"
         finally:
             self._drain(block=False)
             self._fail_all(APIError(503, self._stop_reason or "the server is shutting down", type="server_error",
-                                    code="unavailable"))
+                                    code="unavailable"), "error" if self.error is not None else "shutdown")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -163,21 +175,24 @@ class EngineLoop:
         job.closed = True
         job.put(event)
 
-    def _fail_all(self, error: APIError) -> None:
+    def _fail_all(self, error: APIError, reason: str) -> None:
+        """Every open job ends with `error`, counted as finished for `reason` (an engine error: nothing of its
+        sequences is checkpointed, their state may be what failed)."""
         for rid, job in list(self._jobs.items()):
             if rid in self.engine.seqs:
-                self.engine.finish(rid)
+                self.engine.finish(rid, checkpoint=reason != "error")
             self._close(job, ErrorEvent(job.index, error))
+            self.metrics.finished.labels(reason).inc()
         self._jobs.clear()
         self.metrics.observe_engine(self.engine)
 
     def _step(self) -> None:
         try:
             outs = self.engine.step()
-        except Exception as exc:                 # the step's sequences cannot go on; the server can
-            log.exception("k3c serve: an engine step failed")
-            self._fail_all(APIError(500, f"the engine step failed ({type(exc).__name__}: {str(exc)[:200]})",
-                                    type="server_error", code="engine_error"))
+        except Exception:                        # the step's sequences cannot go on; the server can
+            error, ref = server_error("the engine step running this request failed", "engine_error")
+            log.exception("k3c serve: an engine step failed (reference %s)", ref)
+            self._fail_all(error, "error")
             return
         self.steps += 1
         now = time.perf_counter()
@@ -187,6 +202,14 @@ class EngineLoop:
         for o in outs:
             job = self._jobs.get(o.rid)
             if job is None:
+                continue
+            if o.error is not None:              # this request alone failed; it has left the engine
+                error, ref = server_error("choosing this request's next token failed", "engine_error")
+                log.error("k3c serve: sampling a token of request %s failed (reference %s)", o.rid, ref,
+                          exc_info=o.error)
+                del self._jobs[o.rid]
+                m.finished.labels("error").inc()
+                self._close(job, ErrorEvent(job.index, error))
                 continue
             job.tokens += 1
             m.generated_tokens.inc()

@@ -1,22 +1,28 @@
 """OpenAI request bodies -> GenerationRequest, checked field by field.
 
-    ctx = ModelInfo(name="k3-stdlib", tokenizer=tok, max_context=2048, vocab_size=4096, render_chat=render)
+    ctx = ModelInfo(name="k3-stdlib", tokenizer=tok, max_context=2048, vocab_size=4096, render_chat=render,
+                    max_prompt_chars=tok.max_chars(2048))
+    body = decode_body(raw_bytes)           # JSON, at most MAX_JSON_DEPTH deep, no lone surrogate in any string
     req = parse_completion(body, ctx)       # or parse_chat(body, ctx); APIError when a field is wrong
 
 Every problem is an APIError whose body is OpenAI's error object ({"error": {"message", "type", "param", "code"}})
 naming the field: wrong types, values out of range, prompts past the context, unknown model names (404),
 parameters the server does not implement (400 saying so) and arguments the API does not have (400, as OpenAI
 answers "Unrecognized request argument"). Defaults are the API's: temperature 1, top_p 1, n 1, max_tokens 16 for
-completions and the rest of the context for chat.
+completions and the rest of the context for chat. Names a client sent are echoed at most SHOWN_CHARS characters
+long. A prompt (or a rendered chat) longer than `max_prompt_chars` cannot fit the context and is refused before it
+is encoded; all of this is CPU work the server runs in a worker thread, never on its event loop (app.py).
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Callable
 
-from ..limits import MAX_SEED
+from ..limits import MAX_SEED, MAX_TOP_K
 from ..runtime.sampling import SamplingParams
 
 MAX_N = 16                    # choices per request
@@ -24,6 +30,9 @@ MAX_STOP = 4                  # stop strings per request (the API's limit)
 MAX_STOP_CHARS = 256
 MAX_COMPLETION_LOGPROBS = 5   # the completions API's `logprobs` bound
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 32           # nesting of a request body (OpenAI's bodies need 4)
+SHOWN_CHARS = 64              # of a client's name (an unknown key) echoed in an error
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -46,6 +55,8 @@ class ModelInfo:
     vocab_size: int
     render_chat: Callable[[list[dict]], str]    # chat.ChatTemplate.render
     created: int = 0                            # /v1/models' "created" (server start, Unix seconds)
+    max_prompt_chars: int | None = None         # longer prompt text cannot fit max_context (Tokenizer.max_chars;
+                                                # None: no such bound)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,51 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False                 # stream_options.include_usage: a last chunk with the usage
     model: str = ""                             # the model id the request named (echoed in the response)
+
+
+def shown(name: str) -> str:
+    """A client's name as an error echoes it: at most SHOWN_CHARS characters."""
+    return name if len(name) <= SHOWN_CHARS else name[:SHOWN_CHARS] + "..."
+
+
+def _path(parts) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{shown(p)}" if out else shown(p))
+    return out
+
+
+def decode_body(raw: bytes):
+    """A request body's JSON value: 400 when it is not UTF-8 JSON, nests deeper than MAX_JSON_DEPTH, or holds a
+    string (a key included) with a lone UTF-16 surrogate (JSON's "\\ud800" escape: no text, and not encodable to
+    UTF-8), naming where."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") \
+            from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise APIError(400, f"the request body is not valid JSON ({str(exc)[:160]})", code="invalid_json") from None
+    stack = [(body, 1, ())] if isinstance(body, (dict, list)) else []
+    while stack:                                 # containers only: scalars are checked where they sit
+        value, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at "
+                           f"{_path(where) or 'the top'})", code="invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, v in items:
+            if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                raise _bad(_path(where) or None, f"a key holds a lone UTF-16 surrogate ({ascii(shown(key))})",
+                           code="invalid_unicode")
+            if isinstance(v, str):
+                if not v.isascii() and _SURROGATE.search(v):
+                    raise _bad(_path(where + (key,)), "holds a lone UTF-16 surrogate (not text)",
+                               code="invalid_unicode")
+            elif isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, where + (key,)))
+    if isinstance(body, str) and _SURROGATE.search(body):
+        raise _bad("", "the request body holds a lone UTF-16 surrogate", code="invalid_unicode")
+    return body
 
 
 def _bad(param: str, message: str, code: str | None = None) -> APIError:
@@ -111,7 +167,7 @@ def _unsupported(body: dict, name: str, allowed: Callable[[object], bool], why: 
 def _check_keys(body: dict, known: frozenset) -> None:
     for key in body:
         if key not in known:
-            raise _bad(key, "unrecognized request argument", code="unrecognized_argument")
+            raise _bad(shown(key), "unrecognized request argument", code="unrecognized_argument")
 
 
 def _model(body: dict, ctx: ModelInfo) -> str:
@@ -143,7 +199,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 def _sampling(body: dict) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    top_k = _integer(body, "top_k", 0, -1)            # vLLM's spelling of "off" (-1) is accepted as 0's
+    top_k = _integer(body, "top_k", 0, -1, MAX_TOP_K)  # vLLM's spelling of "off" (-1) is accepted as 0's
     seed = _integer(body, "seed", None, 0, MAX_SEED)
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
 
@@ -174,6 +230,10 @@ def _token_ids(v: list, param: str, ctx: ModelInfo) -> tuple[int, ...]:
 
 
 def _encode(text: str, param: str, ctx: ModelInfo) -> tuple[int, ...]:
+    if ctx.max_prompt_chars is not None and len(text) > ctx.max_prompt_chars:
+        raise APIError(400, f"this model's maximum context length is {ctx.max_context} tokens; the prompt holds "
+                       f"{len(text)} characters, more than any text of {ctx.max_context} tokens can "
+                       f"({ctx.max_prompt_chars})", param=param, code="context_length_exceeded")
     ids = tuple(ctx.tokenizer.encode(text))
     if not ids:
         raise _bad(param, "the prompt encodes to no tokens")

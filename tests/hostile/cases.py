@@ -251,6 +251,13 @@ def numeric_cases() -> list[Case]:
                         ("--prefill-chunk", ("0", "-1")),
                         ("--seed", ("1180591620717411303424", "-1", "1.5", "x"))):
         cases += [Case(f"run {arg} {v}", run + RUN + (arg, v), mentions=(arg,), cls=c, seconds=30) for v in values]
+    # sampling values the sampler cannot compute as given: a temperature under the floor samples at the floor, a
+    # top_p that underflows fp32 keeps the top token, a top_k past 2**31 is refused (issue 50: all exited 1)
+    cases += [Case(f"run {' '.join(args)}", run + RUN + args + ("--seed", "1"), expect=(0,), cls=c, seconds=30)
+              for args in (("--temperature", "1e-300"), ("--temperature", "1", "--top-p", "1e-300"),
+                           ("--temperature", "1", "--top-p", "5e-324"))]
+    cases += [Case(f"run --top-k {v}", run + RUN + ("--temperature", "1", "--top-k", v), mentions=("--top-k",), cls=c)
+              for v in ("9223372036854775808", "2147483649", "-1")]
     cases += [
         Case("run --device tpu", run + RUN + ("--device", "tpu"), mentions=("tpu",), cls=c),
         Case("run --device cuda:99", run + RUN + ("--device", "cuda:99"), mentions=("cuda",), cls=c),
@@ -446,6 +453,19 @@ def artifact_cases() -> list[Case]:
         case("a spec.yaml that does not parse", _artifact(lambda a: (a / "spec.yaml").write_text("name: [\n"),
                                                           reseal=True), ("spec.yaml",)),
         case("a file it does not list", _artifact(_user_file_in_art), ("mynotes.txt",)),
+        case("a files entry naming /etc/passwd",
+             _manifest(lambda m: m["files"].__setitem__("spec", "../../../etc/passwd")), ("files.spec", "outside")),
+        case("a files entry naming an unlisted file", _manifest(lambda m: m["files"].__setitem__("ir", "other.k3c")),
+             ("files.ir", "other.k3c")),
+        case("files that is a list", _manifest(lambda m: m.__setitem__("files", ["spec.yaml"])), ("'files'",)),
+        case("a 100,000-deep manifest", _artifact(lambda a: (a / "manifest.json").write_text(
+            '{"a": ' * 100_000 + "1" + "}" * 100_000)), ("manifest.json", "deeper")),
+        case("a 100-deep manifest", _manifest(lambda m: m.__setitem__("x", json.loads("[" * 100 + "]" * 100))),
+             ("manifest.json", "deeper")),
+        Case("run an artifact through a symlinked directory", ("run", "latest") + RUN, expect=(0,),
+             setup=lambda r: os.symlink("art", r / "latest"), cls=c),
+        Case("inspect an artifact through a symlinked directory", ("inspect", "latest"), expect=(0,),
+             setup=lambda r: os.symlink("art", r / "latest"), cls=c),
     ]
 
 
@@ -468,7 +488,12 @@ def command_line_cases() -> list[Case]:
              cls=c),
         Case("inspect --target nosuch", ("inspect", "project/spec.yaml", "--target", "nosuch"),
              mentions=("nosuch",), cls=c),
-        Case("inspect an artifact folder", ("inspect", "art"), mentions=("art",), cls=c),
+        Case("inspect an artifact folder", ("inspect", "art"), expect=(0,), cls=c),
+        Case("inspect an artifact folder --target", ("inspect", "art", "--target", "h200"), mentions=("--target",),
+             cls=c),
+        Case("inspect a tampered artifact folder", ("inspect", "art"), mentions=("spec.yaml",),
+             setup=_artifact(_link_spec_to_passwd, reseal=True), cls=c),
+        Case("inspect an artifact's spec.yaml", ("inspect", "art/spec.yaml"), expect=(0,), cls=c),
         Case("run a folder that is nothing", ("run", "empty") + RUN, mentions=("empty",), cls=c),
         Case("calibrate-router a spec without MoE", ("calibrate-router", "dense.yaml", "scores.safetensors", "-o",
                                                      "b.safetensors"), mentions=("MoE",),
@@ -477,6 +502,10 @@ def command_line_cases() -> list[Case]:
         Case("inspect valid", ("inspect", "project/spec.yaml"), expect=(0,), cls=c),
         Case("inspect --bytes valid", ("inspect", "project/spec.yaml", "--bytes"), expect=(0,), cls=c),
         Case("version", ("--version",), expect=(0,), cls=c),
+        Case("serve --header-timeout 0", ("serve", "project/spec.yaml", "--header-timeout", "0"),
+             mentions=("--header-timeout",), cls=c),
+        Case("serve --body-timeout nan", ("serve", "project/spec.yaml", "--body-timeout", "nan"),
+             mentions=("--body-timeout",), cls=c),
     ]
 
 
