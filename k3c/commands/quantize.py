@@ -1,7 +1,9 @@
 """`k3c quantize` and `k3c calibrate-router` (registered by k3c/cli.py). The packed checkpoint's layout and its
-reader are k3c/quant/checkpoint.py; quantize_weights / save_quantized_checkpoint here write it.
+reader are k3c/quant/checkpoint.py; write_quantized_checkpoint here writes it, streaming (one weight, or one part
+of a random one, at a time: bounded memory for checkpoints larger than the host's).
 
-    k3c quantize SPEC WEIGHTS -o DIR [--rule floor|rceil] [--force]      (WEIGHTS: safetensors / HF dir)
+    k3c quantize SPEC [WEIGHTS] -o DIR [--rule floor|rceil] [--force]    (WEIGHTS: safetensors / HF dir; default:
+                                                                          the model directory's own checkpoint)
     k3c quantize SPEC --random --seed N -o DIR                            (a random checkpoint)
     k3c calibrate-router SPEC SCORES -o OUT.safetensors [--iterations N] [--force]
 
@@ -19,6 +21,7 @@ import re
 import torch
 
 from ..errors import ArgumentError, WeightError
+from ..ir.mxfp4_weights import packed_name
 from ..quant.checkpoint import MODEL_FILE, QUANT_JSON
 from ..quant.mx import BLOCK_SIZE, RULES
 
@@ -32,7 +35,8 @@ def add_parsers(sub, positive, seed) -> None:
     """`positive(name, bound)` and `seed` are the CLI's argument types (k3c/cli.py)."""
     q = sub.add_parser("quantize", help="write a packed MXFP4 checkpoint (the spec's quantization: section)")
     q.add_argument("spec", help="YAML spec (with a quantization: section), config.json or model directory")
-    q.add_argument("weights", nargs="?", help="safetensors file or model directory (or --random)")
+    q.add_argument("weights", nargs="?", help="safetensors file or model directory (default: the checkpoint of "
+                   "the model directory given as SPEC; or --random)")
     q.add_argument("-o", "--output", required=True, help="checkpoint directory to write")
     q.add_argument("--rule", choices=("floor", "rceil"), help="E8M0 scale rule (default: the spec's)")
     q.add_argument("--random", action="store_true", help="quantize a random checkpoint (k3c.init_weights)")
@@ -48,28 +52,58 @@ def add_parsers(sub, positive, seed) -> None:
     c.add_argument("--force", action="store_true", help="replace an existing output file")
 
 
+PART_ELEMENTS = 1 << 25       # entries of a random weight drawn at a time (128 MB in fp32)
+QUANT_SLAB_BYTES = 1 << 26    # quantize_stack's fp32 temporaries per slab of rows
+
+
 def cmd_quantize(args) -> int:
     import k3c
 
-    if args.random == bool(args.weights):
-        raise ArgumentError("k3c quantize: give WEIGHTS or --random (one of them)")
     from ..outputs import QUANTIZED, check_output_dir
 
+    if args.random and args.weights:
+        raise ArgumentError("give WEIGHTS or --random, not both")
     check_output_dir(args.output, args.force, kind=QUANTIZED)         # before the weights are read
-    spec = k3c.load_spec(args.spec)
-    _require_quantization(spec)
-    if args.random:
-        weights = k3c.init_weights(spec, seed=args.seed, dtype=torch.bfloat16)
-    else:
-        weights = k3c.load_weights(spec, args.weights)           # refuses NaN / inf weights, naming the tensor
-    from ..runtime.checkpoint import check_finite
+    spec = quantization_spec(k3c.load_spec(args.spec))
+    weights = args.weights
+    if not args.random and weights is None:
+        from .run import model_checkpoint
 
-    for name, t in weights.items():                              # what is packed must be finite (MX keeps NaN)
-        check_finite(name, t, args.weights or "--random weights")
-    record = save_quantized_checkpoint(spec, weights, args.output, rule=args.rule, force=args.force)
+        weights = model_checkpoint(args.spec)
+        if weights is None:
+            raise ArgumentError(f"give WEIGHTS (a safetensors file or model directory) or --random: {args.spec} "
+                                f"holds no checkpoint")
+    check_quantize_fits(spec, args.output, weights)                   # before anything large is allocated
+    if weights is None:
+        from ..runtime.weights import init_weight_parts
+
+        parts, where = init_weight_parts(spec, args.seed, torch.bfloat16, PART_ELEMENTS), "--random weights"
+    else:
+        from ..runtime.checkpoint import iter_weights
+
+        parts, where = iter_weights(spec, weights), weights          # refuses NaN / inf weights, naming the tensor
+    record = write_quantized_checkpoint(spec, parts, args.output, rule=args.rule, force=args.force, where=where)
     print(f"k3c: quantized {len(record['weights'])} weights of {spec.name} to MXFP4 ({record['rule']}) -> "
           f"{args.output}")
     return 0
+
+
+def quantization_spec(spec):
+    """`spec` with the quantization it asks for: its `quantization:` section, or, without one, the MXFP4 weights
+    its precision section declares (a Hugging Face checkpoint's quantization_config: the trained example model
+    says its routed experts are MXFP4 while storing them dense). ArgumentError when it asks for neither."""
+    from dataclasses import replace
+
+    from ..frontend.spec import QuantizationSpec
+
+    if spec.quantization is not None:
+        return spec
+    declared = spec.precision.weights if spec.precision is not None else None
+    if declared is not None and declared.format == "mxfp4":
+        return replace(spec, quantization=QuantizationSpec(rule=declared.scale_rule, include=declared.include,
+                                                           exclude=declared.exclude))
+    _require_quantization(spec)
+    return spec
 
 
 def _require_quantization(spec) -> None:
@@ -78,63 +112,173 @@ def _require_quantization(spec) -> None:
                             f"to pack its routed experts)")
 
 
-def quantize_weights(spec, weights: dict[str, torch.Tensor], rule: str | None = None
-                     ) -> tuple[dict[str, torch.Tensor], list[str], str]:
-    """(tensors to write, quantized source names, rule) for `spec`'s quantization section. Weights already packed
-    (`P.weight_packed`, from a packed checkpoint) are kept as they are."""
+def quantize_estimate(spec, weights: str | None) -> tuple[int, int]:
+    """(peak memory, checkpoint bytes) of `k3c quantize`, both upper bounds: it holds one weight at a time (a
+    random one one part of PART_ELEMENTS at a time), its MXFP4 slabs, and the scales of one stack until they
+    are written. Read weights are bounded by the largest tensor at 4 bytes an entry, held twice (as read and
+    converted); the checkpoint is at most the size of the files read (packing only shrinks), or exactly what
+    the random weights make."""
+    import math
+
     from ..frontend.quant_check import quantized_names
     from ..frontend.weight_names import weight_table
-    from ..ir.mxfp4_weights import packed_name
-    from ..runtime.weight_prep import quantize_stack
+
+    table = weight_table(spec)
+    chosen = set(quantized_names(spec))
+    largest = max(math.prod(i.shape) for i in table.values())
+    scales = max((math.prod(table[n].shape) // 32 for n in chosen), default=0)
+    slab = 4 * QUANT_SLAB_BYTES                     # quantize_stack's slab and its few fp32 temporaries
+    if weights is None:
+        piece = min(largest, PART_ELEMENTS + 16 * max(i.shape[-1] for i in table.values()))
+        held = piece * (4 + 2 + 1)                  # drawn fp32, as bf16, its packed half
+        size = sum(math.prod(i.shape) * (4 if i.dtype == "fp32" else 2) if n not in chosen
+                   else math.prod(i.shape) * 17 // 32 for n, i in table.items())
+    else:
+        from ..runtime.checkpoint import _resolve_files
+
+        held = largest * 4 * 2
+        size = sum(os.path.getsize(f) for f in _resolve_files(weights)[0])
+    return held + slab + scales, size
+
+
+def check_quantize_fits(spec, out_dir: str, weights: str | None) -> None:
+    """ArgumentError, before anything large is allocated or written, when the estimated peak memory exceeds the
+    host's free memory or the checkpoint the free space where -o goes."""
+    import shutil
+
+    from .run import available_bytes
+
+    need, size = quantize_estimate(spec, weights)
+    free = available_bytes("cpu")
+    if free is not None and need > free:
+        raise ArgumentError(f"quantizing {spec.name} needs about {need / 2**30:,.2f} GiB of memory (one weight "
+                            f"at a time), the host has {free / 2**30:,.2f} GiB free")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    disk = shutil.disk_usage(parent).free
+    if size > disk:
+        raise ArgumentError(f"-o {out_dir}: the checkpoint of {spec.name} takes up to {size / 2**30:,.2f} GiB, "
+                            f"{parent} has {disk / 2**30:,.2f} GiB free")
+
+
+def save_quantized_checkpoint(spec, weights: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
+                              rule: str | None = None, force: bool = False) -> dict:
+    """Quantize `weights` (canonical names; packed pairs kept as they are) per the spec and write DIR
+    atomically; returns the quantization.json record."""
+    return write_quantized_checkpoint(quantization_spec(spec), weights.items(), out_dir, rule=rule, force=force)
+
+
+def write_quantized_checkpoint(spec, parts, out_dir: str | os.PathLike, *, rule: str | None = None,
+                               force: bool = False, where: str = "weights") -> dict:
+    """Quantize per the spec and write DIR atomically, streaming: `parts` yields (canonical name, tensor or the
+    next rows of it); each part is checked, packed and written before the next is taken. Returns the
+    quantization.json record."""
+    from .. import __version__
+    from ..frontend.quant_check import quantized_names
+    from ..frontend.weight_names import weight_table
+    from ..outputs import QUANTIZED, Staging, check_output_dir
+    from ..quant.safetensors_stream import SafetensorsWriter
+    from ..runtime.checkpoint import packed_infos
 
     _require_quantization(spec)
     rule = rule or spec.quantization.rule
     if rule not in RULES:
         raise ArgumentError(f"--rule must be one of {', '.join(RULES)}, got {rule!r}")
-    chosen = quantized_names(spec)
-    out: dict[str, torch.Tensor] = {}
-    for name in weight_table(spec):
-        pn, sn = packed_name(name, "weight_packed"), packed_name(name, "weight_scale")
-        if name in chosen and name not in weights and pn in weights:
-            out[pn], out[sn] = weights[pn], weights[sn]
-            continue
-        if name not in weights:
-            raise WeightError(f"weight '{name}' is missing")
-        t = weights[name]
-        if name in chosen:
-            out[pn], out[sn] = quantize_stack(name, t, rule)
-        else:
-            out[name] = t
-    return out, chosen, rule
-
-
-def save_quantized_checkpoint(spec, weights: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
-                              rule: str | None = None, force: bool = False) -> dict:
-    """Quantize per the spec and write DIR atomically; returns the quantization.json record."""
-    from safetensors.torch import save_file
-
-    from .. import __version__
-    from ..outputs import QUANTIZED, Staging, check_output_dir
-    from ..runtime.checkpoint import check_finite
-
     out_dir = check_output_dir(out_dir, force, kind=QUANTIZED)        # before the (long) quantization
-    for name, t in weights.items():                                   # NaN experts are refused, not packed
-        check_finite(name, t, "weights")
-    tensors, chosen, rule = quantize_weights(spec, weights, rule)
+    table = weight_table(spec)
+    packed = packed_infos(table)
+    chosen = quantized_names(spec)
+    bound = [(n, i.shape) for n, i in table.items()] + [(n, i.shape) for n, i in packed.items()]
     record = {"format": "mxfp4", "rule": rule, "block": BLOCK_SIZE, "weights": chosen,
               "k3c_version": __version__, "spec": spec.name}
     with Staging(out_dir, overwrite=force, kind=QUANTIZED) as staging:
-        tmp = staging.dir
         try:
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.path.join(tmp, MODEL_FILE),
-                      metadata={"format": "pt", "k3c_quantization": "mxfp4"})
-            with open(os.path.join(tmp, QUANT_JSON), "w", encoding="utf-8") as fh:
+            with SafetensorsWriter(os.path.join(staging.dir, MODEL_FILE), bound=bound,
+                                   metadata={"format": "pt", "k3c_quantization": "mxfp4"}) as w:
+                _PackedStream(w, table, packed, set(chosen), rule, where).run(parts)
+            with open(os.path.join(staging.dir, QUANT_JSON), "w", encoding="utf-8") as fh:
                 json.dump(record, fh, indent=2)
                 fh.write("\n")
         except OSError as exc:
             raise ArgumentError(f"cannot write {out_dir}: {exc.strerror}") from None
         staging.commit()
     return record
+
+
+class _PackedStream:
+    """The parts of a checkpoint into a SafetensorsWriter: chosen float weights packed a slab of rows at a time
+    (payload written as it comes, the stack's scales after it), the rest written as they are."""
+
+    def __init__(self, writer, table, packed, chosen: set[str], rule: str, where: str):
+        self.w, self.table, self.packed, self.chosen, self.rule, self.where = writer, table, packed, chosen, rule, where
+        self.current: str | None = None
+        self.scales: list[torch.Tensor] = []
+        self.done: set[str] = set()
+
+    def run(self, parts) -> None:
+        from ..runtime.checkpoint import check_finite
+
+        for name, part in parts:
+            if name != self.current:
+                self._end()
+                self._begin(name, part)
+            check_finite(name, part, self.where)                     # MX keeps NaN: refused, not packed
+            try:
+                if name in self.chosen:
+                    p, s = _quantize_rows(name, part, self.table[name].shape[-1], self.rule)
+                    self.w.write(p)
+                    self.scales.append(s)
+                else:
+                    self.w.write(part)
+            except ValueError as exc:
+                raise WeightError(f"weight '{name}': {exc}") from None
+        self._end()
+        for name in self.table:
+            if name not in self.done and packed_name(name, "weight_packed") not in self.done:
+                raise WeightError(f"weight '{name}' is missing")
+
+    def _begin(self, name: str, part: torch.Tensor) -> None:
+        if name in self.done:
+            raise WeightError(f"weight '{name}' is given twice")
+        self.current = name
+        if name in self.chosen:
+            if not part.is_floating_point():
+                raise WeightError(f"weight '{name}' has dtype {part.dtype}; MXFP4 quantization needs a float tensor")
+            pn = packed_name(name, "weight_packed")
+            self.w.begin(pn, torch.uint8, self.packed[pn].shape)
+            self.scales = []
+        elif name in self.table or name in self.packed:
+            self.w.begin(name, part.dtype, (self.table.get(name) or self.packed[name]).shape)
+        else:
+            raise WeightError(f"'{name}' is not a weight of this spec")
+
+    def _end(self) -> None:
+        name, self.current = self.current, None
+        if name is None:
+            return
+        try:
+            if name in self.chosen:
+                sn = packed_name(name, "weight_scale")
+                self.w.begin(sn, torch.uint8, self.packed[sn].shape)
+                for s in self.scales:
+                    self.w.write(s)
+                self.scales = []
+                self.done.add(packed_name(name, "weight_packed"))
+            self.w.finish_tensor()
+        except ValueError as exc:
+            raise WeightError(f"weight '{name}': {exc}") from None
+        self.done.add(name)
+
+
+def _quantize_rows(name: str, part: torch.Tensor, last: int, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 payload and scales of a part (whole tensor or rows of it), flattened to rows of the weight's last
+    dimension."""
+    from ..runtime.weight_prep import quantize_stack
+
+    if part.shape[-1] != last:
+        raise ValueError(f"shape {tuple(part.shape)} does not end in {last}")
+    return quantize_stack(name, part.reshape(-1, last), rule, chunk_bytes=QUANT_SLAB_BYTES)
 
 
 def read_scores(spec, path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:

@@ -18,6 +18,7 @@ Understood layouts (docs/hf-import.md has the full name table):
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -280,6 +281,13 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
     table marks fp32 (A_log, dt_bias, e_score_correction_bias) are always float32.
     strict: unexpected tensors are errors (True) or ignored (False); missing tensors are always errors.
     """
+    return dict(iter_weights(spec, path, dtype, strict=strict))
+
+
+def iter_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict: bool = True):
+    """load_weights one tensor at a time (yields (canonical name, tensor); a packed pair as two): what streams a
+    checkpoint larger than memory (`k3c quantize`). Every check is load_weights'; the plan of sources is made,
+    and an unexpected tensor refused, before the first tensor is read."""
     path = os.fspath(path)
     target = _to_dtype(dtype)
     files, weight_map = _resolve_files(path)
@@ -298,22 +306,25 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
             more = f" (and {len(sources.unexpected) - 1} more)" if len(sources.unexpected) > 1 else ""
             raise _weight_error(f"{stored.where[key]}: unexpected tensor '{key}' (k3c name '{canon}' is not a weight "
                               f"of spec '{spec.name}'){more}")
-        out: dict[str, torch.Tensor] = {}
+        for name in (record or {}).get("weights", ()):
+            if name in table and not _given_packed(name, table[name], sources):
+                raise _weight_error(f"{path}: quantization.json lists '{name}' as MXFP4 but the checkpoint holds "
+                                  f"no '{packed_name(name, 'weight_packed')}'")
         fused_cache: dict[str, torch.Tensor] = {}
+        uses = collections.Counter(src.key for src in sources.fused.values())
         for name, info in table.items():
             if _given_packed(name, info, sources):
-                out.update(_load_packed_pair(name, packed_table, sources, stored, path))
+                yield from _load_packed_pair(name, packed_table, sources, stored, path).items()
                 continue
             want = torch.float32 if info.dtype == "fp32" else target
             t = _load_float(name, info, sources, stored, path, spec, want, fused_cache)
             if want is not None and t.dtype != want:
                 t = t.to(want)
-            out[name] = check_finite(name, t.contiguous(), path)
-        for name in (record or {}).get("weights", ()):
-            if name in table and packed_name(name, "weight_packed") not in out:
-                raise _weight_error(f"{path}: quantization.json lists '{name}' as MXFP4 but the checkpoint holds "
-                                  f"no '{packed_name(name, 'weight_packed')}'")
-        return out
+            if name in sources.fused:               # a fused source is dropped once its last part is cut
+                uses[sources.fused[name].key] -= 1
+                if not uses[sources.fused[name].key]:
+                    fused_cache.pop(sources.fused[name].key, None)
+            yield name, check_finite(name, t.contiguous(), path)
 
 
 @dataclass
