@@ -293,7 +293,10 @@ def read_scores(spec, path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor |
     n = spec.mlp.moe.num_experts
     try:
         with safe_open(path, framework="pt") as h:
+            _check_scores_fit(path, {k: h.get_slice(k).get_shape() for k in h.keys()})
             tensors = {k: h.get_tensor(k) for k in h.keys()}
+    except ArgumentError:
+        raise
     except Exception as exc:  # safetensors raises its own error types for a bad header
         raise WeightError(f"{path}: not a readable safetensors file ({exc})") from None
     out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -328,6 +331,21 @@ def read_scores(spec, path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor |
     if not out:
         raise WeightError(f"{path}: no layers.{{i}}.block_sparse_moe.gate.scores tensor")
     return out
+
+
+def _check_scores_fit(path: str, shapes: dict[str, list[int]]) -> None:
+    """ArgumentError before the scores are read when they, as fp32, plus the sort Quantile Balancing makes of the
+    largest layer (values and int64 indices, twice over) exceed the host's free memory."""
+    import math
+
+    from .run import available_bytes
+
+    sizes = [math.prod(s) * 4 for s in shapes.values()]
+    need = 2 * sum(sizes) + 6 * max(sizes, default=0)
+    free = available_bytes("cpu")
+    if free is not None and need > free:
+        raise ArgumentError(f"{path}: calibrating on these scores needs about {need / 2**30:,.2f} GiB of memory, "
+                            f"the host has {free / 2**30:,.2f} GiB free; record fewer tokens")
 
 
 def calibrate(spec, scores: dict, iterations: int) -> dict[int, tuple[torch.Tensor, float, float]]:
