@@ -448,7 +448,8 @@ def check_output_file(path: str | os.PathLike, overwrite: bool = False, *, what:
     except TypeError:
         raise ArgumentError(f"{what}: not a path: {path!r}") from None
     if not raw or "\0" in raw:
-        raise ArgumentError(f"{what} {raw!r}: needs a file name")
+        raise ArgumentError(f"{what} {raw!r}: needs a file name, got an empty string" if not raw
+                            else f"{what} {raw!r}: not a usable file name")
     path = os.path.abspath(raw)
     if len(os.fsencode(os.path.basename(path))) > NAME_MAX:
         raise ArgumentError(f"{what} {raw[:80]}...: the file name is more than the {NAME_MAX} bytes a name may have")

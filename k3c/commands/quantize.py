@@ -43,9 +43,18 @@ def add_parsers(sub, positive, seed) -> None:
     q.add_argument("--seed", type=seed, default=0, help="seed of --random, in [0, 2**63 - 1] (default 0)")
     q.add_argument("--force", action="store_true", help="replace an existing output directory")
 
-    c = sub.add_parser("calibrate-router", help="router biases by Quantile Balancing of recorded scores")
+    c = sub.add_parser("calibrate-router", help="router biases by Quantile Balancing of router scores, recorded "
+                       "from the model over a text file (--text) or given (SCORES)")
     c.add_argument("spec", help="YAML spec, config.json or model directory")
-    c.add_argument("scores", help="safetensors with layers.{i}.block_sparse_moe.gate.scores [tokens, experts]")
+    c.add_argument("scores", nargs="?", help="safetensors with layers.{i}.block_sparse_moe.gate.scores [tokens, "
+                   "experts] (or --text)")
+    c.add_argument("--text", metavar="FILE", help="record the scores by running the model (its weights: --weights, "
+                   "default the model directory's checkpoint) over this UTF-8 file, tokenized with its tokenizer; "
+                   "the trained biases are the starting point")
+    c.add_argument("--weights", help="with --text: safetensors file or model directory (default: the model "
+                   "directory's checkpoint)")
+    c.add_argument("--window", type=positive("--window", 1 << 20), default=512,
+                   help="with --text: tokens per forward window, each from a fresh context (default 512)")
     c.add_argument("-o", "--output", required=True, help="safetensors file for the new biases")
     c.add_argument("--iterations", type=positive("--iterations", MAX_ITERATIONS), default=8,
                    help=f"Quantile Balancing steps, at most {MAX_ITERATIONS} (default 8)")
@@ -368,38 +377,54 @@ def calibrate(spec, scores: dict, iterations: int) -> dict[int, tuple[torch.Tens
     return out
 
 
-def _check_output(path: str, force: bool) -> None:
-    """The output file can be written: its directory exists, it is not a directory, --force to replace it."""
-    if not path:
-        raise ArgumentError("-o needs a file name, got an empty string")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ArgumentError(f"-o {path}: directory {parent} does not exist")
-    if os.path.isdir(path):
-        raise ArgumentError(f"-o {path}: is a directory; give a .safetensors file name")
-    if os.path.lexists(path) and not force:
-        raise ArgumentError(f"{path} exists; pass --force to replace it")
-
-
 def cmd_calibrate_router(args) -> int:
     import k3c
-    from safetensors.torch import save_file
+    from safetensors.torch import save as save_bytes
 
+    from ..outputs import check_output_file, write_file
+
+    if (args.scores is None) == (args.text is None):
+        raise ArgumentError("give SCORES (a safetensors file of recorded router scores) or --text FILE (record "
+                            "them now), one of them")
+    if args.text is None and (args.weights is not None):
+        raise ArgumentError("--weights goes with --text (SCORES are already recorded)")
     spec = k3c.load_spec(args.spec)
-    _check_output(args.output, args.force)
-    result = calibrate(spec, read_scores(spec, args.scores), args.iterations)
+    check_output_file(args.output, args.force)
+    scores = read_scores(spec, args.scores) if args.scores is not None else text_scores(spec, args)
+    result = calibrate(spec, scores, args.iterations)
     tensors = {BIAS.format(layer): b.contiguous() for layer, (b, _, _) in result.items()}
-    tmp = f"{args.output}.tmp-{os.getpid()}"
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt", "k3c": "calibrate-router"})
-        os.replace(tmp, args.output)
-    except Exception as exc:        # OSError, or safetensors' own error for a file it cannot create
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise ArgumentError(f"cannot write {args.output}: {getattr(exc, 'strerror', None) or exc}") from None
+    write_file(args.output, save_bytes(tensors, metadata={"format": "pt", "k3c": "calibrate-router"}), args.force)
     print(f"k3c: Quantile Balancing, top-{spec.mlp.moe.top_k} of {spec.mlp.moe.num_experts} experts, "
           f"{args.iterations} iterations; max/mean expert load:")
     for layer, (_, before, after) in sorted(result.items()):
         print(f"  layer {layer}: {before:.3f} -> {after:.3f}")
     print(f"k3c: wrote {len(tensors)} biases -> {args.output}")
     return 0
+
+
+def text_scores(spec, args) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """calibrate-router --text: {layer: (scores recorded over the file's tokens, the weights' bias)}."""
+    import k3c
+
+    from ..runtime.router_scores import record_router_scores
+    from ..runtime.text import load_tokenizer
+    from .run import model_checkpoint
+    from .run_cli import read_text_file
+
+    if spec.mlp.moe is None:
+        raise ArgumentError(f"spec '{spec.name}' has no MoE layers to calibrate")
+    weights = args.weights or model_checkpoint(args.spec)
+    if weights is None:
+        raise ArgumentError(f"--text records the model's router scores: give --weights ({args.spec} holds no "
+                            f"checkpoint, and random weights route at random)")
+    directory = args.spec if os.path.isdir(args.spec) else os.path.dirname(args.spec)
+    tok = load_tokenizer(directory, spec.vocab_size)
+    if tok is None:
+        raise ArgumentError(f"--text: {args.spec} has no tokenizer.json to tokenize {args.text} with")
+    ids = tok.encode(read_text_file(args.text, "--text"))
+    if len(ids) < 2:
+        raise ArgumentError(f"--text {args.text}: {len(ids)} token(s); record at least 2")
+    _check_scores_fit(args.text, {"scores": [len(ids), spec.mlp.moe.num_experts]})
+    w = k3c.load_weights(spec, weights, dtype=torch.float32)
+    recorded = record_router_scores(spec, w, ids, args.window)
+    return {i: (s, w[BIAS.format(i)].float() if spec.mlp.moe.router_bias else None) for i, s in recorded.items()}

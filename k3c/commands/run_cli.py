@@ -81,7 +81,7 @@ def _out(delta: str) -> None:
 def _text(args, sampling, threads, common) -> int:
     from .run import run_text
 
-    prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
+    prompt = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "--prompt-file")
     stream = args.stream
     started = []
 
@@ -140,15 +140,15 @@ def _chat(args, sampling, threads, common) -> int:
     return 0
 
 
-def _read_prompt_file(path: str) -> str:
-    """--prompt-file: a regular file's UTF-8 text, as it is."""
+def read_text_file(path: str, flag: str) -> str:
+    """A regular file's UTF-8 text, as it is (`flag` names it in errors)."""
     from ..paths import regular_file
 
-    regular_file(path, "file (--prompt-file)")
+    regular_file(path, f"file ({flag})")
     try:
         with open(path, "rb") as fh:
             return fh.read().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ArgumentError(f"--prompt-file {path}: not UTF-8 text (byte {exc.start})") from None
+        raise ArgumentError(f"{flag} {path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
-        raise ArgumentError(f"--prompt-file {path}: cannot read ({exc.strerror or exc})") from None
+        raise ArgumentError(f"{flag} {path}: cannot read ({exc.strerror or exc})") from None
