@@ -455,7 +455,7 @@ def _stop_strings(stop) -> tuple[str, ...]:
 
 def _tokenizer(model, spec_or_artifact: str):
     if model.tokenizer is None:
-        raise ArgumentError(f"{spec_or_artifact}: no tokenizer (tokenizer.json) to encode the prompt with: give a "
+        raise ArgumentError(f"{spec_or_artifact}: no tokenizer (tokenizer.json) to encode --prompt with: give a "
                             f"Hugging Face model directory that has one, or an artifact compiled from one")
     return model.tokenizer
 
