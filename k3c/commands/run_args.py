@@ -15,7 +15,7 @@ With --chat: a conversation in the terminal (the model's chat template; a line p
 Without either: --batch random prompts of --prompt-len tokens, and a report (TTFT, tokens/s, memory, MLA modes).
 
   k3c run examples/k3-stdlib --prompt "import os\\n" --new-tokens 32
-  k3c run examples/k3-stdlib --prompt "class Stack:\\n" --new-tokens 96 --repetition-penalty 1.2 --stop "\\n\\n\\n"
+  k3c run examples/k3-stdlib --prompt "import os\\n\\n\\ndef " --new-tokens 64 --repetition-penalty 1.2 --stop "\\n\\n\\n"
 """
 
 
@@ -35,7 +35,7 @@ def add_parser(sub, parallel_args) -> None:
 
 
 def _input(g) -> None:
-    g.add_argument("--weights", type=path("--weights"),
+    g.add_argument("--weights", metavar="PATH", type=path("--weights"),
                    help="safetensors file or Hugging Face model directory (default: the checkpoint of the model "
                    "directory given as the model, else random init; an artifact holds no weights: give --weights "
                    "for trained ones)")
@@ -51,18 +51,18 @@ def _input(g) -> None:
                    "--prompt, if given, is the first turn (default: off)")
     g.add_argument("--system", metavar="TEXT", type=escaped,
                    help="a system message opening the --chat conversation (default: none)")
-    g.add_argument("--batch", type=positive("--batch", MAX_BATCH),
+    g.add_argument("--batch", metavar="N", type=positive("--batch", MAX_BATCH),
                    help="random prompts (default 1; not with --prompt; refused before anything is allocated when "
                    "the run's estimated memory exceeds the device's)")
-    g.add_argument("--prompt-len", type=positive("--prompt-len", MAX_TOKENS),
+    g.add_argument("--prompt-len", metavar="N", type=positive("--prompt-len", MAX_TOKENS),
                    help="tokens per random prompt (default 16; not with --prompt; prompt + new tokens <= the "
                    "model's max_context)")
-    g.add_argument("--seed", type=seed, help="seed of the random weights and prompts (default 0) and of the "
+    g.add_argument("--seed", metavar="S", type=seed, help="seed of the random weights and prompts (default 0) and of the "
                    "sampling draws (default: 0, or with --prompt one drawn and printed), in [0, 2**63 - 1]")
 
 
 def _generation(g) -> None:
-    g.add_argument("--new-tokens", "--max-tokens", dest="new_tokens", type=positive("--new-tokens", MAX_TOKENS),
+    g.add_argument("--new-tokens", "--max-tokens", dest="new_tokens", metavar="N", type=positive("--new-tokens", MAX_TOKENS),
                    help="tokens to generate (default 8; with --prompt 64, with --chat 256 a turn; fewer when the EOS "
                    "token or a --stop string comes first)")
     g.add_argument("--stop", metavar="TEXT", action="append", type=escaped,
@@ -73,12 +73,12 @@ def _generation(g) -> None:
 
 
 def _sampling(g) -> None:
-    g.add_argument("--temperature", type=number("--temperature"),
+    g.add_argument("--temperature", metavar="T", type=number("--temperature"),
                    help="sampling temperature (default 0: greedy, the most likely token)")
-    g.add_argument("--top-p", type=number("--top-p"),
+    g.add_argument("--top-p", metavar="P", type=number("--top-p"),
                    help="sample from the smallest set of the most likely tokens whose probability reaches P, in "
                    "(0, 1] (default 1: all)")
-    g.add_argument("--top-k", type=lambda t: integer("--top-k", t),
+    g.add_argument("--top-k", metavar="K", type=lambda t: integer("--top-k", t),
                    help="sample from the K most likely tokens (default 0: all)")
     g.add_argument("--repetition-penalty", type=number("--repetition-penalty"), metavar="P",
                    help="divide the positive logits (multiply the negative ones) of every token already in the "
@@ -86,11 +86,11 @@ def _sampling(g) -> None:
 
 
 def _performance(g) -> None:
-    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    g.add_argument("--device", metavar="DEVICE", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="weights and activations (default: float32 on a CPU and with --tp/--ep; on a GPU the "
                    "artifact's first run dtype, bfloat16 unless compiled with --run-dtypes float32)")
-    g.add_argument("--threads", type=positive("--threads", 4096),
+    g.add_argument("--threads", metavar="N", type=positive("--threads", 4096),
                    help="torch CPU threads (default: the cores this process may use, less the machine's load, "
                    "at least 1; or OMP_NUM_THREADS; the report says which)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
@@ -104,9 +104,9 @@ def _performance(g) -> None:
     g.add_argument("--speculate", metavar="ngram|draft:PATH",
                    help="speculative decoding: ngram (prompt lookup in the sequence's own context) or draft:PATH (a "
                         "draft model directory sharing the tokenizer, e.g. examples/k3-stdlib-draft) (default: off)")
-    g.add_argument("--draft-len", type=positive("--draft-len", 64), default=4,
+    g.add_argument("--draft-len", metavar="N", type=positive("--draft-len", 64), default=4,
                    help="most draft tokens verified per step with --speculate (default 4)")
-    g.add_argument("--prefill-chunk", type=positive("--prefill-chunk", MAX_TOKENS),
+    g.add_argument("--prefill-chunk", metavar="N", type=positive("--prefill-chunk", MAX_TOKENS),
                    help="prefill at most this many tokens per sequence and step (default: the whole prompt)")
 
 
