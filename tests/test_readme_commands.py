@@ -111,6 +111,7 @@ def _serve(cmd: str, work, env) -> None:
     assert proc.returncode == 0 and "stopped" in out, err[-2000:]
 
 
+@pytest.mark.slow
 def test_quickstart_then_every_use_command_runs_as_written(user_dir):
     pytest.importorskip("matplotlib")                   # the Quickstart installs the [plot] extra
     work, env = user_dir

@@ -22,7 +22,7 @@ def run_command(args) -> int:
     threads = args.thread_choice.line() if getattr(args, "thread_choice", None) else None
     if args.tp > 1 or (args.ep or 1) > 1:       # one process per rank (or this process under torchrun)
         unsupported = flag or ("--warmup" if args.warmup else "--no-warmup" if args.warmup is not None else None) \
-            or ("--prompt" if text else None) or (sampled[0] if sampled else None) \
+            or ("--chat" if args.chat else "--prompt" if text else None) or (sampled[0] if sampled else None) \
             or ("--kv-dtype" if args.kv_dtype != "auto" else None) or ("--speculate" if args.speculate else None)
         if unsupported:
             raise ArgumentError(f"{unsupported} is not supported with --tp/--ep yet (one process per rank)")
