@@ -90,7 +90,7 @@ def cmd_quantize(args) -> int:
     else:
         from ..runtime.checkpoint import iter_weights
 
-        parts, where = iter_weights(spec, weights), weights          # refuses NaN / inf weights, naming the tensor
+        parts, where = iter_weights(spec, weights, experts_apart=True), weights   # refuses NaN / inf, naming it
     record = write_quantized_checkpoint(spec, parts, args.output, rule=args.rule, force=args.force, where=where)
     print(f"k3c: quantized {len(record['weights'])} weights of {spec.name} to MXFP4 ({record['rule']}) -> "
           f"{args.output}")
@@ -123,10 +123,10 @@ def _require_quantization(spec) -> None:
 
 def quantize_estimate(spec, weights: str | None) -> tuple[int, int]:
     """(peak memory, checkpoint bytes) of `k3c quantize`, both upper bounds: it holds one weight at a time (a
-    random one one part of PART_ELEMENTS at a time), its MXFP4 slabs, and the scales of one stack until they
-    are written. Read weights are bounded by the largest tensor at 4 bytes an entry, held twice (as read and
-    converted); the checkpoint is at most the size of the files read (packing only shrinks), or exactly what
-    the random weights make."""
+    random one a part of PART_ELEMENTS at a time, a read expert stack an expert at a time), its MXFP4 slabs, and
+    the scales of one stack until they are written. The largest piece read (checkpoint.stored_peak_bytes) is
+    counted three times: as read and as converted to fp32 (2 bytes an entry becoming 4); the checkpoint is at most
+    the size of the files read (packing only shrinks), or exactly what the random weights make."""
     import math
 
     from ..frontend.quant_check import quantized_names
@@ -143,9 +143,9 @@ def quantize_estimate(spec, weights: str | None) -> tuple[int, int]:
         size = sum(math.prod(i.shape) * (4 if i.dtype == "fp32" else 2) if n not in chosen
                    else math.prod(i.shape) * 17 // 32 for n, i in table.items())
     else:
-        from ..runtime.checkpoint import _resolve_files
+        from ..runtime.checkpoint import _resolve_files, stored_peak_bytes
 
-        held = largest * 4 * 2
+        held = stored_peak_bytes(spec, weights) * 3
         size = sum(os.path.getsize(f) for f in _resolve_files(weights)[0])
     return (held + slab + scales) * 5 // 4, size       # a quarter more for the allocator's slack (measured)
 

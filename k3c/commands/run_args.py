@@ -15,7 +15,7 @@ With --chat: a conversation in the terminal (the model's chat template; a line p
 Without either: --batch random prompts of --prompt-len tokens, and a report (TTFT, tokens/s, memory, MLA modes).
 
   k3c run examples/k3-stdlib --prompt "import os\\n" --new-tokens 32
-  k3c run examples/k3-stdlib --prompt "import os\\n\\n\\ndef " --new-tokens 64 --repetition-penalty 1.2 --stop "\\n\\n\\n"
+  k3c run examples/k3-stdlib --prompt "import os\\n\\n\\ndef " --new-tokens 64 --repetition-penalty 1.2
 """
 
 
@@ -57,12 +57,14 @@ def _input(g) -> None:
     g.add_argument("--prompt-len", metavar="N", type=positive("--prompt-len", MAX_TOKENS),
                    help="tokens per random prompt (default 16; not with --prompt; prompt + new tokens <= the "
                    "model's max_context)")
-    g.add_argument("--seed", metavar="S", type=seed, help="seed of the random weights and prompts (default 0) and of the "
-                   "sampling draws (default: 0, or with --prompt one drawn and printed), in [0, 2**63 - 1]")
+    g.add_argument("--seed", metavar="S", type=seed,
+                   help="seed of the random weights and prompts (default 0) and of the sampling draws (default: 0, "
+                   "or with --prompt one drawn and printed), in [0, 2**63 - 1]")
 
 
 def _generation(g) -> None:
-    g.add_argument("--new-tokens", "--max-tokens", dest="new_tokens", metavar="N", type=positive("--new-tokens", MAX_TOKENS),
+    g.add_argument("--new-tokens", "--max-tokens", dest="new_tokens", metavar="N",
+                   type=positive("--new-tokens", MAX_TOKENS),
                    help="tokens to generate (default 8; with --prompt 64, with --chat 256 a turn; fewer when the EOS "
                    "token or a --stop string comes first)")
     g.add_argument("--stop", metavar="TEXT", action="append", type=escaped,

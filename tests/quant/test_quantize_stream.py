@@ -3,6 +3,7 @@ quantizing the whole weights, its peak memory stays bounded under an address-spa
 break, and a checkpoint larger than the host's memory or disk is refused before anything is allocated."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -127,3 +128,37 @@ def test_refused_before_allocating_when_memory_or_disk_is_short(tmp_path, capsys
     err = capsys.readouterr().err
     assert "GiB free" in err and "takes up to" in err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("layout", ["k3c", "k3"])
+def test_checkpoint_experts_are_read_one_at_a_time(tmp_path, layout):
+    """A checkpoint's expert stacks stream an expert at a time (sliced from k3c's stored stack, or K3's per-expert
+    tensors); joined, every weight equals load_weights', and the quantized checkpoint equals the random path's."""
+    from safetensors.torch import save_file
+
+    from k3c.runtime.checkpoint import iter_weights, save_k3_checkpoint, stored_peak_bytes
+
+    spec = quantization_spec(k3c.load_spec(TINY))
+    w = k3c.init_weights(spec, seed=4, dtype=torch.bfloat16)
+    if layout == "k3c":
+        path = tmp_path / "w.safetensors"
+        save_file({k: v.contiguous() for k, v in w.items()}, str(path))
+    else:
+        path = save_k3_checkpoint(spec, w, tmp_path / "k3")
+    whole = k3c.load_weights(spec, path)
+    got: dict[str, list[torch.Tensor]] = {}
+    for name, part in iter_weights(spec, path, experts_apart=True):
+        got.setdefault(name, []).append(part)
+    assert list(got) == list(whole)
+    for name, parts in got.items():
+        stack = ".experts." in name
+        assert len(parts) == (spec.mlp.moe.num_experts if stack else 1), name
+        assert torch.equal(torch.stack(parts) if stack else parts[0], whole[name]), name
+    largest_expert = max(math.prod(i[1:]) for i in [t.shape for n, t in w.items() if ".experts." in n]) * 2
+    assert stored_peak_bytes(spec, path) >= largest_expert
+    assert main(["quantize", str(TINY), str(path), "-o", str(tmp_path / "q")]) == 0
+    write_quantized_checkpoint(spec, w.items(), tmp_path / "ref")
+    assert load_file(str(tmp_path / "q" / "model.safetensors")).keys() == \
+        load_file(str(tmp_path / "ref" / "model.safetensors")).keys()
+    for k, v in load_file(str(tmp_path / "ref" / "model.safetensors")).items():
+        assert torch.equal(load_file(str(tmp_path / "q" / "model.safetensors"))[k], v), k
