@@ -33,7 +33,7 @@ from .executor import LayerCaches
 from .kernel_impls.latent_format import check_kv_dtype, pool_dtype, row_width
 from .kernel_impls.mla import LatentStore, PagedLatentCache
 from ..reference.kda import KDAState
-from .sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
+from .sampling import GREEDY, as_params, make_generator, params_for_rows, penalize, sample_rows
 from .seq_state import SeqState, gather_kda
 from .session import _device, check_token_ids, describe_graph, load_graph
 
@@ -147,6 +147,7 @@ class Engine:
         self._budget: dict[int, int] = {}          # rid -> pages it may still claim (admission reserve)
         self._sampling: dict[int, tuple] = {}      # rid -> (seeded SamplingParams, its generator) of sampled requests
         self._stop: dict[int, frozenset] = {}      # rid -> the token ids that end it
+        self._penalty: dict[int, float] = {}       # rid -> its repetition penalty, where not 1 (it does not draft)
         self._next_rid = 0
         self.last_modes: dict[int, str] = {}       # MLA layer -> mode of the last graph call
         self.stats = Counter()
@@ -229,6 +230,8 @@ class Engine:
         seq = self._new_seq(tokens, max_new_tokens, scheduled=True)
         if not params.greedy:
             self._sampling[seq.rid] = (params, make_generator(params))
+        if params.repetition_penalty != 1.0:
+            self._penalty[seq.rid] = params.repetition_penalty
         if stop:
             self._stop[seq.rid] = stop
         self.waiting.append(seq)
@@ -285,6 +288,7 @@ class Engine:
         self._budget.pop(rid, None)
         self._sampling.pop(rid, None)
         self._stop.pop(rid, None)
+        self._penalty.pop(rid, None)
         if self.speculation is not None:
             self.speculation.forget(rid)
         if self.prefix is not None:
@@ -450,8 +454,9 @@ class Engine:
         # one sample (greedy rows: one argmax) and one device sync for the whole batch; a row whose sampling
         # raises fails alone (sample_rows): it leaves with its error, the others keep their tokens
         drawn = [self._sampling.get(s.rid, (GREEDY, None)) for s in ready]
-        picks = sample_rows(torch.stack([s.last_logits for s in ready]), [p for p, _ in drawn],
-                            [g for _, g in drawn]) if ready else []
+        rows = [penalize(s.last_logits, s.tokens, self._penalty[s.rid]) if s.rid in self._penalty else s.last_logits
+                for s in ready]
+        picks = sample_rows(torch.stack(rows), [p for p, _ in drawn], [g for _, g in drawn]) if ready else []
         now = time.perf_counter()
         for seq, tok, (params, _) in zip(ready, picks, drawn):
             if isinstance(tok, BaseException):
@@ -481,10 +486,10 @@ class Engine:
         return outs
 
     # -- speculative decoding (runtime/speculative.py) ------------------------------------------------------------
-    @staticmethod
-    def _drafting_rows(plan) -> list[SeqState]:
-        """The sequences of a plan that may draft: scheduled requests decoding one token."""
-        return [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
+    def _drafting_rows(self, plan) -> list[SeqState]:
+        """The sequences of a plan that may draft: scheduled requests decoding one token (not under a repetition
+        penalty: a verified draft's tokens would be chosen without it)."""
+        return [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled and s.rid not in self._penalty]
 
     def _draft(self, plan) -> tuple[dict[int, tuple[list[int], list[int]]], bool, bool]:
         """({rid: (draft, the call's segment: last token + draft padded to the call's bucket)} for the decoding
