@@ -161,6 +161,7 @@ def cmd_serve(args) -> int:
     from ..serve.chat import ChatTemplate
     from ..serve.connection import with_header_timeout
     from ..serve.engine_loop import EngineLoop
+    from ..serve.grammar import Grammars
     from ..serve.metrics import ServerMetrics
     from ..serve.protocol import ModelInfo
     from .run import _build, _check_run_args
@@ -194,10 +195,11 @@ def cmd_serve(args) -> int:
         if tok is None:
             raise ArgumentError(f"{args.model}: no tokenizer (tokenizer.json); give --tokenizer DIR")
         template = ChatTemplate.from_directory(os.path.dirname(tok.path),
-                                               eos_token=None if tok.eos_id is None else tok.decode([tok.eos_id]))
+                                               eos_token=None if tok.eos_id is None else
+                                               tok.decode([tok.eos_id], skip_special_tokens=False))
         info = ModelInfo(name=args.served_model_name or model.spec.name, tokenizer=tok, max_context=context[0],
                          vocab_size=model.spec.vocab_size, render_chat=template.render, created=int(time.time()),
-                         max_prompt_chars=tok.max_chars(context[0]))
+                         max_prompt_chars=tok.max_chars(context[0]), grammars=Grammars(tok))
         metrics = ServerMetrics()
         loop = EngineLoop(eng, metrics, eos_id=tok.eos_id)
         max_body = body_limit(info.max_prompt_chars)

@@ -33,6 +33,7 @@ from .executor import LayerCaches
 from .kernel_impls.latent_format import check_kv_dtype, pool_dtype, row_width
 from .kernel_impls.mla import LatentStore, PagedLatentCache
 from ..reference.kda import KDAState
+from .logits_processors import RowLogits, process
 from .sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
 from .seq_state import SeqState, gather_kda
 from .session import _device, check_token_ids, describe_graph, load_graph
@@ -147,6 +148,7 @@ class Engine:
         self._budget: dict[int, int] = {}          # rid -> pages it may still claim (admission reserve)
         self._sampling: dict[int, tuple] = {}      # rid -> (seeded SamplingParams, its generator) of sampled requests
         self._stop: dict[int, frozenset] = {}      # rid -> the token ids that end it
+        self._logits: dict[int, RowLogits] = {}    # rid -> its penalties, biases, grammar (logits_processors.py)
         self._next_rid = 0
         self.last_modes: dict[int, str] = {}       # MLA layer -> mode of the last graph call
         self.stats = Counter()
@@ -210,10 +212,12 @@ class Engine:
         self.seqs[seq.rid] = seq
         return seq
 
-    def add_request(self, prompt, max_new_tokens: int = 16, sampling=None, stop_token_ids=()) -> int:
+    def add_request(self, prompt, max_new_tokens: int = 16, sampling=None, stop_token_ids=(), logits=None) -> int:
         """Queue a request (prompt: 1-D token ids); it joins the batch at the next step with room. It ends after
         max_new_tokens or after emitting one of `stop_token_ids` (the EOS id); `sampling` (SamplingParams, None:
-        greedy) chooses its tokens, a seed of None drawn now (reported in each StepOutput). Returns its id."""
+        greedy) chooses its tokens, a seed of None drawn now (reported in each StepOutput); `logits` (a
+        logits_processors.RowLogits: penalties, biases, a grammar) changes its logits first, and a grammar that
+        is complete ends it. Returns its id."""
         tokens = self._tokens(prompt, "prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ArgumentError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -231,6 +235,11 @@ class Engine:
             self._sampling[seq.rid] = (params, make_generator(params))
         if stop:
             self._stop[seq.rid] = stop
+        if logits is not None:
+            if not isinstance(logits, RowLogits):
+                raise ArgumentError(f"logits must be a RowLogits or None, got {type(logits).__name__}")
+            if logits.active:
+                self._logits[seq.rid] = logits
         self.waiting.append(seq)
         if self.prefix is not None:
             self.prefix.want(seq)
@@ -285,6 +294,7 @@ class Engine:
         self._budget.pop(rid, None)
         self._sampling.pop(rid, None)
         self._stop.pop(rid, None)
+        self._logits.pop(rid, None)
         if self.speculation is not None:
             self.speculation.forget(rid)
         if self.prefix is not None:
@@ -450,10 +460,12 @@ class Engine:
         # one sample (greedy rows: one argmax) and one device sync for the whole batch; a row whose sampling
         # raises fails alone (sample_rows): it leaves with its error, the others keep their tokens
         drawn = [self._sampling.get(s.rid, (GREEDY, None)) for s in ready]
-        picks = sample_rows(torch.stack([s.last_logits for s in ready]), [p for p, _ in drawn],
+        procs = [self._logits.get(s.rid) for s in ready]
+        picks = sample_rows(process(torch.stack([s.last_logits for s in ready]), procs, [s.tokens for s in ready],
+                                    [s.prompt_len for s in ready]), [p for p, _ in drawn],
                             [g for _, g in drawn]) if ready else []
         now = time.perf_counter()
-        for seq, tok, (params, _) in zip(ready, picks, drawn):
+        for seq, tok, (params, _), proc in zip(ready, picks, drawn, procs):
             if isinstance(tok, BaseException):
                 outs.append(StepOutput(seq.rid, -1, seq.last_logits, True, params.seed, error=tok))
                 self.finish(seq.rid, checkpoint=False)
@@ -466,6 +478,9 @@ class Engine:
                 if self.speculation is not None:
                     self.speculation.prepare(seq.rid, seq.tokens)
             done = seq.done or tok in self._stop.get(seq.rid, ())
+            if proc is not None:
+                proc.accept(tok)
+                done = done or proc.finished
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)
@@ -481,10 +496,10 @@ class Engine:
         return outs
 
     # -- speculative decoding (runtime/speculative.py) ------------------------------------------------------------
-    @staticmethod
-    def _drafting_rows(plan) -> list[SeqState]:
-        """The sequences of a plan that may draft: scheduled requests decoding one token."""
-        return [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
+    def _drafting_rows(self, plan) -> list[SeqState]:
+        """The sequences of a plan that may draft: scheduled requests decoding one token, without logit changes (a
+        verified draft's tokens are chosen from the raw logits: a grammar or penalty would not see them)."""
+        return [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled and s.rid not in self._logits]
 
     def _draft(self, plan) -> tuple[dict[int, tuple[list[int], list[int]]], bool, bool]:
         """({rid: (draft, the call's segment: last token + draft padded to the call's bucket)} for the decoding

@@ -24,6 +24,8 @@ from typing import Callable
 
 from ..limits import MAX_SEED, MAX_TOP_K
 from ..runtime.sampling import SamplingParams
+from .api_error import APIError, _bad, _kind
+from .tools import parse_tool_fields
 
 MAX_N = 16                    # choices per request
 MAX_STOP = 4                  # stop strings per request (the API's limit)
@@ -35,28 +37,17 @@ SHOWN_CHARS = 64              # of a client's name (an unknown key) echoed in an
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class APIError(Exception):
-    """An error the client caused (4xx) or the server could not avoid (5xx), as OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     name: str                                   # the model id clients send and /v1/models lists
     tokenizer: object                           # runtime.text.Tokenizer
     max_context: int                            # prompt + completion tokens per sequence
     vocab_size: int
-    render_chat: Callable[[list[dict]], str]    # chat.ChatTemplate.render
+    render_chat: Callable[..., str]             # chat.ChatTemplate.render(messages, tools)
     created: int = 0                            # /v1/models' "created" (server start, Unix seconds)
     max_prompt_chars: int | None = None         # longer prompt text cannot fit max_context (Tokenizer.max_chars;
                                                 # None: no such bound)
+    grammars: object = None                     # grammar.Grammars of the tokenizer (None: no constrained decoding)
 
 
 @dataclass(frozen=True)
@@ -71,6 +62,13 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False                 # stream_options.include_usage: a last chunk with the usage
     model: str = ""                             # the model id the request named (echoed in the response)
+    logits: dict | None = None                  # runtime.logits_processors.RowLogits arguments (penalties, biases)
+    tools: object = None                        # tools.ToolFields of a chat request
+    continuous_usage: bool = False              # stream_options.continuous_usage_stats: usage on every chunk
+
+    @property
+    def grammar(self):
+        return getattr(self.tools, "grammar", None)
 
 
 def shown(name: str) -> str:
@@ -116,15 +114,6 @@ def decode_body(raw: bytes):
     if isinstance(body, str) and _SURROGATE.search(body):
         raise _bad("", "the request body holds a lone UTF-16 surrogate", code="invalid_unicode")
     return body
-
-
-def _bad(param: str, message: str, code: str | None = None) -> APIError:
-    return APIError(400, f"{param}: {message}" if param else message, param=param or None, code=code)
-
-
-def _kind(v) -> str:
-    return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
-                                     list: "array", dict: "object"}.get(type(v), type(v).__name__)
 
 
 def _integer(body: dict, name: str, default, low: int, high: int | None = None):
@@ -204,18 +193,21 @@ def _sampling(body: dict) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
     stream = _boolean(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise _bad("stream_options", "only allowed with stream: true")
     if not isinstance(opts, dict):
         raise _bad("stream_options", f"expected an object, got {_kind(opts)}")
-    _check_keys({f"stream_options.{k}": v for k, v in opts.items()}, frozenset({"stream_options.include_usage"}))
+    _check_keys({f"stream_options.{k}": v for k, v in opts.items()},
+                frozenset({"stream_options.include_usage", "stream_options.continuous_usage_stats"}))
     return stream, _boolean({"stream_options.include_usage": opts.get("include_usage")},
-                            "stream_options.include_usage", False)
+                            "stream_options.include_usage", False), \
+        _boolean({"stream_options.continuous_usage_stats": opts.get("continuous_usage_stats")},
+                 "stream_options.continuous_usage_stats", False)
 
 
 def _token_ids(v: list, param: str, ctx: ModelInfo) -> tuple[int, ...]:
@@ -278,6 +270,7 @@ def _fits(prompts, max_tokens: int | None, ctx: ModelInfo, param: str, prompt_pa
 
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
                      "stop", "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+                     "repetition_penalty",
                      "best_of", "metadata", "store", "service_tier"})
 _COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix"}
 _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
@@ -286,15 +279,6 @@ _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "to
 
 
 def _refuse_unsupported(body: dict) -> None:
-    zero = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0    # noqa: E731
-    _unsupported(body, "presence_penalty", zero, "no repetition penalties; send 0 or leave it out")
-    _unsupported(body, "frequency_penalty", zero, "no repetition penalties; send 0 or leave it out")
-    _unsupported(body, "logit_bias", lambda v: v == {}, "no logit bias")
-    for name in ("tools", "functions"):
-        _unsupported(body, name, lambda v: v == [], "no tool calls")
-    for name in ("tool_choice", "function_call"):
-        _unsupported(body, name, lambda v: v == "none", "no tool calls")
-    _unsupported(body, "response_format", lambda v: v == {"type": "text"}, 'only {"type": "text"}')
     _unsupported(body, "echo", lambda v: v is False, "the prompt is not echoed")
     _unsupported(body, "suffix", lambda v: v == "", "no insertion")
     _unsupported(body, "modalities", lambda v: v == ["text"], "text only")
@@ -311,11 +295,39 @@ def _common(body: dict, ctx: ModelInfo) -> dict:
     best_of = _integer(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise _bad("best_of", "not supported by this server (best_of must equal n)", code="unsupported_parameter")
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous = _stream(body)
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
         raise _bad("user", f"expected a string, got {_kind(body['user'])}")
     return dict(sampling=_sampling(body), n=n, stop=_stop(body), stream=stream, include_usage=include_usage,
-                model=body["model"])
+                continuous_usage=continuous, model=body["model"], logits=_logits(body, ctx))
+
+
+def _logits(body: dict, ctx: ModelInfo) -> dict | None:
+    """RowLogits' arguments: presence / frequency penalties in [-2, 2] (OpenAI), repetition_penalty in (0, 2]
+    (vLLM's extension, transformers' rule), logit_bias {token id: bias in [-100, 100]}; None when all are off."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name, 0.0, -2.0, 2.0)
+        if v:
+            out[name] = v
+    r = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True)
+    if r != 1.0:
+        out["repetition_penalty"] = r
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", f"expected an object of token ids to numbers, got {_kind(bias)}")
+        if len(bias) > ctx.vocab_size:
+            raise _bad("logit_bias", f"at most {ctx.vocab_size} entries (the vocabulary)")
+        parsed = {}
+        for k, v in bias.items():
+            where = f"logit_bias.{shown(k)}"
+            if not k.isascii() or not k.isdigit() or int(k) >= ctx.vocab_size:
+                raise _bad(where, f"keys must be token ids in [0, {ctx.vocab_size})")
+            parsed[int(k)] = _number({where: v}, where, 0.0, -100.0, 100.0)
+        if any(parsed.values()):
+            out["logit_bias"] = {t: b for t, b in parsed.items() if b}
+    return out or None
 
 
 def parse_completion(body, ctx: ModelInfo) -> GenerationRequest:
@@ -355,22 +367,52 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise _bad(f"{where}.content", f"expected a string or an array of text parts, got {_kind(content)}")
-        if m.get("tool_calls"):
-            raise _bad(f"{where}.tool_calls", "not supported by this server (no tool calls)",
-                       code="unsupported_parameter")
+        extra = {}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise _bad(f"{where}.tool_calls", "only assistant messages make tool calls")
+            extra["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str):
+                raise _bad(f"{where}.tool_call_id", "required for a tool message: the id of the call it answers")
+            extra["tool_call_id"] = tid
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise _bad(f"{where}.name", f"expected a string, got {_kind(name)}")
-        out.append({"role": role, "content": content, **({"name": name} if name else {})})
+        out.append({"role": role, "content": content, **({"name": name} if name else {}), **extra})
+    return out
+
+
+def _tool_calls(v, where: str) -> list[dict]:
+    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name", "arguments": str}}]."""
+    if not isinstance(v, list):
+        raise _bad(where, f"expected an array, got {_kind(v)}")
+    out = []
+    for i, c in enumerate(v):
+        at = f"{where}[{i}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise _bad(at, 'expected {"id", "type": "function", "function": {"name", "arguments"}}')
+        f = c["function"]
+        if not isinstance(f.get("name"), str) or not isinstance(f.get("arguments", ""), str):
+            raise _bad(f"{at}.function", "name and arguments must be strings")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise _bad(f"{at}.id", f"expected a string, got {_kind(cid)}")
+        out.append({"id": cid or f"functions.{f['name']}:{i}", "type": "function",
+                    "function": {"name": f["name"], "arguments": f.get("arguments", "")}})
     return out
 
 
 def parse_chat(body, ctx: ModelInfo) -> GenerationRequest:
-    """A /v1/chat/completions body: its messages rendered by the chat template, then encoded."""
+    """A /v1/chat/completions body: its messages rendered by the chat template (with the tools offered), then
+    encoded; the tool and output-format fields checked and their grammar compiled (tools.py)."""
     common = _common(body, ctx)
     _check_keys(body, _CHAT_KEYS)
     messages = _messages(body)
-    text = ctx.render_chat(messages)
+    tools = parse_tool_fields(body, ctx.grammars)
+    text = ctx.render_chat(messages, tools.template_tools())
     ids = _encode(text, "messages", ctx)
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _fits((ids,), _integer(body, param, None, 1), ctx, param, "messages")
@@ -378,4 +420,5 @@ def parse_chat(body, ctx: ModelInfo) -> GenerationRequest:
     top = _integer(body, "top_logprobs", None, 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want:
         raise _bad("top_logprobs", "needs logprobs: true")
-    return GenerationRequest("chat", (ids,), max_tokens, logprobs=(top or 0) if want else None, **common)
+    return GenerationRequest("chat", (ids,), max_tokens, logprobs=(top or 0) if want else None, tools=tools,
+                             **common)
