@@ -39,7 +39,8 @@ from ..runtime.logits_processors import RowLogits
 from ..runtime.sampling import params_for_rows
 from .engine_loop import EngineLoop, ErrorEvent, Job, TokenEvent, server_error
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import APIError, GenerationRequest, ModelInfo, decode_body, parse_chat, parse_completion, shown
+from .protocol import (APIError, GenerationRequest, ModelInfo, decode_body, parse_chat, parse_completion,
+                       parse_detokenize, parse_tokenize, shown)
 from .text_stream import TextStream
 from .tool_parser import CallArgs, CallStart, Content, K2OutputParser, Reasoning, collect
 
@@ -234,6 +235,33 @@ class Server:
             {"id": self.info.name, "object": "model", "created": self.info.created, "owned_by": "k3c",
              "max_model_len": self.info.max_context}]})
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {"prompt": str} or {"messages": [...], "tools"?} (rendered by the chat template) ->
+        {"tokens", "count", "max_model_len"}."""
+        def work(raw):
+            ids = parse_tokenize(decode_body(raw), self.info)
+            return {"tokens": list(ids), "count": len(ids), "max_model_len": self.info.max_context}
+        return await self._simple(request, "tokenize", work)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        def work(raw):
+            return {"prompt": parse_detokenize(decode_body(raw), self.info)}
+        return await self._simple(request, "detokenize", work)
+
+    async def _simple(self, request: Request, endpoint: str, work) -> Response:
+        try:
+            self._authorize(request)
+            raw = await self._body(request)
+            out = await anyio.to_thread.run_sync(lambda: work(raw), limiter=self._parsers)  # CPU work
+        except ClientDisconnect:
+            self._count(endpoint, 499)
+            return Response(status_code=499)
+        except APIError as err:
+            return self._error(endpoint, err)
+        self._count(endpoint, 200)
+        return JSONResponse(out)
+
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completions", parse_completion)
 
@@ -416,6 +444,8 @@ def build_app(loop: EngineLoop, info: ModelInfo, metrics: ServerMetrics, api_key
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),
+        Route("/tokenize", s.tokenize, methods=["POST"]),
+        Route("/detokenize", s.detokenize, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found, Exception: _server_error})
     app.state.server = s

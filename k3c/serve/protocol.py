@@ -422,3 +422,37 @@ def parse_chat(body, ctx: ModelInfo) -> GenerationRequest:
         raise _bad("top_logprobs", "needs logprobs: true")
     return GenerationRequest("chat", (ids,), max_tokens, logprobs=(top or 0) if want else None, tools=tools,
                              **common)
+
+
+def parse_tokenize(body, ctx: ModelInfo) -> tuple[int, ...]:
+    """A /tokenize body (vLLM's): {"model"?, "prompt": str} or {"model"?, "messages", "tools"?} -> the token ids
+    (a chat rendered by the template as /v1/chat/completions renders it)."""
+    if not isinstance(body, dict):
+        raise _bad("", f"the request body must be a JSON object, got {_kind(body)}")
+    if body.get("model") is not None:
+        _model(body, ctx)
+    _check_keys(body, frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
+                                 "add_generation_prompt"}))
+    if ("prompt" in body) == ("messages" in body):
+        raise _bad("prompt", "send either prompt (a string) or messages")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise _bad("prompt", f"expected a string, got {_kind(body['prompt'])}")
+        return _encode(body["prompt"], "prompt", ctx)
+    tools = parse_tool_fields({"tools": body.get("tools")}, None)
+    return _encode(ctx.render_chat(_messages(body), tools.template_tools()), "messages", ctx)
+
+
+def parse_detokenize(body, ctx: ModelInfo) -> str:
+    """A /detokenize body (vLLM's): {"model"?, "tokens": [ids]} -> their text."""
+    if not isinstance(body, dict):
+        raise _bad("", f"the request body must be a JSON object, got {_kind(body)}")
+    if body.get("model") is not None:
+        _model(body, ctx)
+    _check_keys(body, frozenset({"model", "tokens"}))
+    v = body.get("tokens")
+    if not isinstance(v, list):
+        raise _bad("tokens", "required: an array of token ids" if v is None else f"expected an array, got {_kind(v)}")
+    if len(v) > ctx.max_context:
+        raise _bad("tokens", f"at most {ctx.max_context} tokens (the context)")
+    return ctx.tokenizer.decode(_token_ids(v, "tokens", ctx)) if v else ""
