@@ -388,9 +388,11 @@ class Server:
             if req.kind == "chat":
                 for c in choices:
                     sent_role.add(c.job.index)
-                    yield json.dumps({**head, "choices": [{"index": c.job.index, "delta": {"role": "assistant",
-                                                                                             "content": ""},
-                                                           "logprobs": None, "finish_reason": None}]})
+                    chunk = {**head, "choices": [{"index": c.job.index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
+                    if req.continuous_usage:
+                        chunk["usage"] = self._usage(req, choices)
+                    yield json.dumps(chunk)
             while any(c.finish_reason is None for c in choices):
                 ev = await events.get()
                 if isinstance(ev, ErrorEvent):
