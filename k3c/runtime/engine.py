@@ -235,9 +235,14 @@ class Engine:
             self._sampling[seq.rid] = (params, make_generator(params))
         if stop:
             self._stop[seq.rid] = stop
+        if logits is not None and not isinstance(logits, RowLogits):
+            raise ArgumentError(f"logits must be a RowLogits or None, got {type(logits).__name__}")
+        if params.repetition_penalty != 1.0:          # the sampling params' penalty: one rule, RowLogits'
+            if logits is None:
+                logits = RowLogits(repetition_penalty=params.repetition_penalty)
+            elif logits.repetition == 1.0:
+                logits.repetition = params.repetition_penalty
         if logits is not None:
-            if not isinstance(logits, RowLogits):
-                raise ArgumentError(f"logits must be a RowLogits or None, got {type(logits).__name__}")
             if logits.active:
                 self._logits[seq.rid] = logits
         self.waiting.append(seq)
