@@ -220,6 +220,9 @@ class EngineLoop:
                 m.ttft.observe(now - job.t_arrival)
                 m.prompt_tokens.inc(len(job.prompt))
                 m.cached_tokens.inc(getattr(job.seq, "resumed", 0))
+                admitted = getattr(job.seq, "t_admitted", None)
+                if admitted is not None:
+                    m.queue_time.observe(max(0.0, admitted - job.t_arrival))
             else:
                 m.itl.observe(now - job.t_last)
             job.t_last = now

@@ -151,3 +151,13 @@ def test_tokenize_refusals(server):
     assert server.post("/tokenize", b'{"prompt": 5}')[0] == 400
     assert server.post("/detokenize", b'{"tokens": [99999]}')[1]["error"]["param"] == "tokens"
     assert server.post("/tokenize", b'{"prompt": "x"}', key=None)[0] == 401
+
+
+def test_metrics_with_vllms_semantics(client, server):
+    client.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0)
+    m = server.metrics()
+    assert m["k3c_request_queue_time_seconds_count"] >= 1 and m["k3c_request_queue_time_seconds_sum"] >= 0
+    assert 0 < m["k3c_kv_cache_usage"] <= 1                          # checkpoints hold pages after requests
+    assert m["k3c_kv_cache_usage"] == m["k3c_kv_pages_used"] / m["k3c_kv_pages_total"]
+    assert m["k3c_choices_finished_total{reason=stop}"] >= 1          # grammars that completed
+    assert m["k3c_prompt_tokens_cached_total"] <= m["k3c_prompt_tokens_total"]
