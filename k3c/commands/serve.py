@@ -6,7 +6,8 @@
 
 The model, weights and engine are built as `k3c run` builds them (commands/run.py), with a prefix cache; the
 engine then runs in its own thread (serve/engine_loop.py) and uvicorn serves the app (serve/app.py) on one socket
-bound before the "listening" line is printed (so --port 0 takes a free port and says which). SIGINT / SIGTERM:
+bound before the model loads (while it loads, serve/loading.py answers 503, `/health` "loading"; the "listening"
+line says it is ready, and which port --port 0 took). SIGINT / SIGTERM:
 open streams get a last error event, new requests a 503, every sequence leaves the engine, the process exits 0.
 """
 from __future__ import annotations
@@ -176,6 +177,12 @@ def cmd_serve(args) -> int:
     if args.disk_dir is not None:
         _check_dir(args.disk_dir)
     sock = _bind(args.host, args.port)          # before the model loads: a taken port fails at once
+    from ..serve.loading import LoadingResponder
+
+    loading = LoadingResponder(sock).start()    # 503 ("loading") until the model is ready
+    bound_host, bound_port = sock.getsockname()[:2]
+    print(f"k3c serve: loading {args.model} (http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:"
+          f"{bound_port} answers 503 until it is ready)", flush=True)
     try:
         cache = prefix_cache(args)
         context: list[int] = []
@@ -231,6 +238,7 @@ def cmd_serve(args) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
             print(f"k3c serve: warning: bound to {args.host} without an API key: anyone who can reach it can use it",
                   file=sys.stderr, flush=True)
+        loading.stop()                          # connections from here on wait for uvicorn, a moment away
         print(f"k3c serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port} "
               f"(Ctrl-C stops)", flush=True)
         server.run(sockets=[sock])
@@ -239,4 +247,5 @@ def cmd_serve(args) -> int:
               f"MLA pages free (the rest hold prefix-cache checkpoints)", flush=True)
         return 0
     finally:
+        loading.stop()
         sock.close()

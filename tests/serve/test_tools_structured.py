@@ -154,10 +154,47 @@ def test_tokenize_refusals(server):
 
 
 def test_metrics_with_vllms_semantics(client, server):
-    client.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0)
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}], max_tokens=32,
+                                       temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "b", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop" and json.loads(r.choices[0].message.content)["a"] in (True, False)
     m = server.metrics()
     assert m["k3c_request_queue_time_seconds_count"] >= 1 and m["k3c_request_queue_time_seconds_sum"] >= 0
     assert 0 < m["k3c_kv_cache_usage"] <= 1                          # checkpoints hold pages after requests
     assert m["k3c_kv_cache_usage"] == m["k3c_kv_pages_used"] / m["k3c_kv_pages_total"]
     assert m["k3c_choices_finished_total{reason=stop}"] >= 1          # grammars that completed
     assert m["k3c_prompt_tokens_cached_total"] <= m["k3c_prompt_tokens_total"]
+
+
+def test_health_is_503_while_the_model_loads():
+    import re
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+
+    from .test_serve import MODEL, ROOT
+
+    # probed in the window between the "loading" line and the "listening" line (the build takes seconds)
+    proc = subprocess.Popen([sys.executable, "-m", "k3c.cli", "serve", MODEL, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"(http://\S+) answers 503", line).group(1)
+        try:
+            urllib.request.urlopen(url + "/health", timeout=30)
+            status, body = 200, None
+        except urllib.error.HTTPError as e:
+            status, body = e.code, json.loads(e.read())
+        assert (status, body) == (503, {"status": "loading"})
+        while "listening on" not in line:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+        deadline = time.time() + 30
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            assert r.status == 200 and time.time() < deadline
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
