@@ -2,8 +2,8 @@
 
     python bench/grammar_mask.py [MODEL_DIR] [--tokens 200] [--out grammar_mask.json]
 
-For llguidance and xgrammar (whichever import): the grammar compile time and the per-token mask time of a
-JSON-schema grammar (nested objects, enums, arrays, bounded numbers) while a schema-valid document is fed one
+For llguidance and xgrammar (whichever import): the grammar compile time and the per-token mask time of two
+JSON-schema grammars (nested objects, enums, arrays, bounded numbers; and the same with a maxLength string) while a schema-valid document is fed one
 token at a time, on the model directory's tokenizer.json (default: the trained example model). Prints a table and
 writes JSON. Host (CPU) work only: this is what runs beside each device step.
 """
@@ -30,11 +30,16 @@ SCHEMA = {
     "required": ["city", "unit", "days", "coords", "tags"],
     "additionalProperties": False,
 }
+BOUNDED = json.loads(json.dumps(SCHEMA))
+BOUNDED["properties"]["city"]["maxLength"] = 20     # a bounded string, common in tool schemas
 DOC = json.dumps({"city": "Paris \"centre\"", "unit": "celsius", "days": 3, "coords": {"lat": 48.85, "lon": 2.35},
                   "tags": ["a", "bb", "ccc"]}, separators=(",", ":"))
+# xgrammar 0.2 allows no escapes in a string under a maxLength (a limit it has: outputs stay valid, a quote cannot
+# be written there); the bounded schema's document has none
+DOC_BOUNDED = DOC.replace('\\"centre\\"', "centre")
 
 
-def _llguidance(tok_json: str, ids: list[int], eos: int | None):
+def _llguidance(tok_json: str, ids: list[int], eos: int | None, schema: dict):
     import llguidance
     import llguidance.torch as lt
 
@@ -42,7 +47,7 @@ def _llguidance(tok_json: str, ids: list[int], eos: int | None):
     tok = llguidance.LLTokenizer(tok_json, eos_token=eos)
     t_tok = time.perf_counter() - t0
     t0 = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     m = llguidance.LLMatcher(tok, grammar)
     t_compile = time.perf_counter() - t0
     assert not m.is_error(), m.get_error()
@@ -56,7 +61,7 @@ def _llguidance(tok_json: str, ids: list[int], eos: int | None):
     return t_tok, t_compile, times
 
 
-def _xgrammar(tok_json: str, ids: list[int], eos: int | None, vocab: list[str]):
+def _xgrammar(tok_json: str, ids: list[int], eos: int | None, vocab: list[str], schema: dict):
     import xgrammar as xgr
 
     t0 = time.perf_counter()
@@ -64,7 +69,7 @@ def _xgrammar(tok_json: str, ids: list[int], eos: int | None, vocab: list[str]):
     compiler = xgr.GrammarCompiler(info)
     t_tok = time.perf_counter() - t0
     t0 = time.perf_counter()
-    compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":"))
+    compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
     m = xgr.GrammarMatcher(compiled)
     t_compile = time.perf_counter() - t0
     mask = xgr.allocate_token_bitmask(1, info.vocab_size)
@@ -92,27 +97,30 @@ def main(argv=None) -> int:
     with open(path, encoding="utf-8") as fh:
         tok_json = fh.read()
     backend = Tokenizer.from_str(tok_json)
-    ids = backend.encode(DOC).ids
+    docs = {"plain": backend.encode(DOC).ids, "maxLength": backend.encode(DOC_BOUNDED).ids}
+    ids = docs["plain"]
     eos = backend.token_to_id("<|endoftext|>")
     size = backend.get_vocab_size(with_added_tokens=True)
     inv = {i: s for s, i in backend.get_vocab(with_added_tokens=True).items()}
     vocab = [inv.get(i, "") for i in range(size)]
     rows = {}
-    for name, run in (("llguidance", lambda: _llguidance(tok_json, ids, eos)),
-                      ("xgrammar", lambda: _xgrammar(tok_json, ids, eos, vocab))):
-        try:
-            t_tok, t_compile, times = run()
-        except ImportError as exc:
-            print(f"{name}: not importable ({exc})")
-            continue
-        rows[name] = {"tokenizer_s": t_tok, "compile_s": t_compile, "tokens": len(times),
-                      "mask_us_median": statistics.median(times) * 1e6,
-                      "mask_us_p99": sorted(times)[int(0.99 * (len(times) - 1))] * 1e6,
-                      "mask_us_max": max(times) * 1e6}
+    for label, schema in (("plain", SCHEMA), ("maxLength", BOUNDED)):
+        for lib, run in (("llguidance", lambda: _llguidance(tok_json, docs[label], eos, schema)),
+                         ("xgrammar", lambda: _xgrammar(tok_json, docs[label], eos, vocab, schema))):
+            name = f"{lib} {label}"
+            try:
+                t_tok, t_compile, times = run()
+            except ImportError as exc:
+                print(f"{name}: not importable ({exc})")
+                continue
+            rows[name] = {"tokenizer_s": t_tok, "compile_s": t_compile, "tokens": len(times),
+                          "mask_us_median": statistics.median(times) * 1e6,
+                          "mask_us_p99": sorted(times)[int(0.99 * (len(times) - 1))] * 1e6,
+                          "mask_us_max": max(times) * 1e6}
     print(f"tokenizer {path}: {size} tokens; document of {len(ids)} tokens")
-    print(f"{'library':<12} {'tokenizer s':>12} {'compile ms':>11} {'mask us p50':>12} {'p99':>9} {'max':>9}")
+    print(f"{'library schema':<22} {'tokenizer s':>12} {'compile ms':>11} {'mask us p50':>12} {'p99':>9} {'max':>9}")
     for name, r in rows.items():
-        print(f"{name:<12} {r['tokenizer_s']:>12.3f} {r['compile_s'] * 1e3:>11.2f} {r['mask_us_median']:>12.1f} "
+        print(f"{name:<22} {r['tokenizer_s']:>12.3f} {r['compile_s'] * 1e3:>11.2f} {r['mask_us_median']:>12.1f} "
               f"{r['mask_us_p99']:>9.1f} {r['mask_us_max']:>9.1f}")
     if args.out:
         with open(args.out, "w") as fh:
