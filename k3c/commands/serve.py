@@ -209,7 +209,7 @@ def cmd_serve(args) -> int:
                                                tok.decode([tok.eos_id], skip_special_tokens=False))
         info = ModelInfo(name=args.served_model_name or model.spec.name, tokenizer=tok, max_context=context[0],
                          vocab_size=model.spec.vocab_size, render_chat=template.render, created=int(time.time()),
-                         max_prompt_chars=tok.max_chars(context[0]), grammars=Grammars(tok))
+                         max_prompt_chars=tok.max_chars(context[0]), grammars=Grammars(tok, model.spec.vocab_size))
         metrics = ServerMetrics()
         loop = EngineLoop(eng, metrics, eos_id=tok.eos_id)
         max_body = body_limit(info.max_prompt_chars)

@@ -74,8 +74,10 @@ def _vocab_type(tokenizer_json: dict):
 
 
 class Grammars:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, vocab_size: int | None = None):
         self._tokenizer = tokenizer             # runtime.text.Tokenizer
+        # the model's logits width: masks cover it (ids past the tokenizer's are never allowed)
+        self._vocab_size = max(vocab_size or 0, tokenizer.vocab_size)
         self._compiler = None
         self._lock = threading.Lock()
 
@@ -95,7 +97,8 @@ class Grammars:
                     if added["id"] < len(vocab):
                         vocab[added["id"]] = added["content"]
                 eos = self._tokenizer.eos_id
-                info = xgrammar.TokenizerInfo(vocab, _vocab_type(data), stop_token_ids=eos)
+                info = xgrammar.TokenizerInfo(vocab, _vocab_type(data), vocab_size=self._vocab_size,
+                                              stop_token_ids=eos)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
