@@ -1,11 +1,12 @@
 """Token-mask time of the constrained-decoding libraries on a model's tokenizer (issue 57: pick by measurement).
 
-    python bench/grammar_mask.py [MODEL_DIR] [--tokens 200] [--out grammar_mask.json]
+    python bench/grammar_mask.py [MODEL_DIR] [--out grammar-mask-cpu.json]
 
 For llguidance and xgrammar (whichever import): the grammar compile time and the per-token mask time of two
-JSON-schema grammars (nested objects, enums, arrays, bounded numbers; and the same with a maxLength string) while a schema-valid document is fed one
-token at a time, on the model directory's tokenizer.json (default: the trained example model). Prints a table and
-writes JSON. Host (CPU) work only: this is what runs beside each device step.
+JSON-schema grammars (nested objects, enums, arrays, bounded numbers; and the same with a maxLength string)
+while a schema-valid document is fed one token at a time, on the model directory's tokenizer.json (default: the
+trained example model). Prints a table and writes JSON. Host (CPU) work only: this is what runs beside each device
+step.
 """
 from __future__ import annotations
 

@@ -154,7 +154,8 @@ def main(argv=None) -> int:
         proc.terminate()
         proc.wait(60)
     summary = _summary(results)
-    print(f"{'kind':<6} {'requests':>8} {'valid':>6} {'finish stop/tool_calls':>22} {'length':>7} {'stream==whole':>14}")
+    print(f"{'kind':<6} {'requests':>8} {'valid':>6} {'finish stop/tool_calls':>22} {'length':>7} "
+          f"{'stream==whole':>14}")
     for kind, s in summary.items():
         print(f"{kind:<6} {s['requests']:>8} {s['valid']:>6} {s['finished']:>22} {s['length']:>7} "
               f"{s['stream_equal']:>14}")

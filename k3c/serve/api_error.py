@@ -14,10 +14,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _bad(param: str, message: str, code: str | None = None) -> APIError:
+def field_error(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, f"{param}: {message}" if param else message, param=param or None, code=code)
 
 
-def _kind(v) -> str:
+def json_kind(v) -> str:
     return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
                                      list: "array", dict: "object"}.get(type(v), type(v).__name__)

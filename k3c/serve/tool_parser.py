@@ -2,7 +2,7 @@
 
     p = K2OutputParser(reasoning=True)
     for piece in text_deltas:
-        for ev in p.feed(piece):    # Content(text) | Reasoning(text) | CallStart(index, id, name) | CallArgs(index, text)
+        for ev in p.feed(piece):    # Content | Reasoning | CallStart(index, id, name) | CallArgs(index, text)
             ...
     events = p.finish()             # what was held back, once no text will follow
 
