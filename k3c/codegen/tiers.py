@@ -36,12 +36,14 @@ def tier_of(name: str) -> Tier:
 
 
 def triton_release() -> str:
-    """major.minor of the Triton this process has ("" when it has none)."""
+    """major.minor of the installed Triton ("" when there is none), read from its package metadata: importing
+    triton here would fix TRITON_INTERPRET for the process before the runtime sets it (k3c.runtime.devices)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        import triton
-    except ImportError:
+        return ".".join(version("triton").split(".")[:2])
+    except PackageNotFoundError:
         return ""
-    return ".".join(triton.__version__.split(".")[:2])
 
 
 def can_build(ks) -> bool:
@@ -64,6 +66,8 @@ def refusal(ks) -> str:
 def buildable_target(target):
     """`target` without the tiers whose sources this process's Triton cannot build: what a compile here plans
     for (the artifact records it, so the runtime that loads the artifact plans alike). Said once per tier."""
+    if not target.tiers:
+        return target
     here = triton_release()
     kept = tuple(t for t in target.tiers if tier_of(t).builds_with == here)
     for t in sorted(set(target.tiers) - set(kept)):

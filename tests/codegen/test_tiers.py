@@ -203,3 +203,16 @@ def test_a_compile_plans_only_the_tiers_its_triton_can_build(monkeypatch):
     forged = dict(json.loads(json.dumps(asdict(built))), tiers=["blackwell"])
     with pytest.raises(UserError, match="another row of the target table"):
         _manifest_target("art", {"target": forged})
+
+
+def test_compiling_imports_no_triton():
+    """A compile asks which tiers this Triton builds without importing it: `k3c run --interpret` sets
+    TRITON_INTERPRET after the compile, and an earlier import of triton would fix it off for the process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, k3c; k3c.compile('examples/k3-tiny.yaml', target='h200'); "
+            "from k3c.codegen import tiers; assert tiers.triton_release(); print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
