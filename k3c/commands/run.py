@@ -63,7 +63,7 @@ def _graph_line(eng, stats=None) -> str:
     stats = eng.stats if stats is None else stats
     per = "; ".join(f"batch {b}" + (f" x {t} tokens" if t > 1 else "") + f": {dg.report.mode}"
                     + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph" else "")
-                    for (b, t), dg in sorted(eng._graphs.items()))
+                    for (b, t), dg in sorted(eng.graph_pool.graphs.items()))
     return (f"  decode graphs:   {stats.get('decode_graph_calls', 0)} of {stats.get('decode_calls', 0)} decode steps "
             f"replayed; {per or 'none captured (a batch size gets its graph on its second decode step in a row)'}")
 

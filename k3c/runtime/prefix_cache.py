@@ -94,17 +94,23 @@ class PrefixCache:
         self._displaced_at = float("-inf")          # the last cold admission allowed to displace the working set
         self.stats = Counter()
         self.engine = None
+        self.ledger = None                          # the engine's page ledger: every page reference goes through it
+        self._running: list = []                    # the engine's running batch (read: is the engine busy?)
+        self._kda_layers: list[int] = []
+        self._device = None
 
     def attach(self, engine) -> None:
         if self.engine is not None and self.engine is not engine:
             raise ArgumentError("a PrefixCache serves one engine")
         self.engine = engine
+        self.ledger, self._running = engine.ledger, engine.scheduler.running
+        self._kda_layers, self._device = engine.kda_layers, engine.device
         if self.host is None:
             self.host = HostTier(pin=engine.device.type == "cuda")
 
     @property
     def pool(self):
-        return self.engine.pool
+        return self.ledger.pool
 
     # -- accounting ---------------------------------------------------------------------------------------------
     def tier_bytes(self, tier: str) -> int:
@@ -147,32 +153,29 @@ class PrefixCache:
         c = self.lookup(seq.tokens, seq.prompt_len if limit is None else limit)
         if c is None:
             return True
-        eng, pool = self.engine, self.pool
+        pool, device = self.pool, self._device
         if c.tier == "device":
-            pages = list(c.pages)
-            pool.incref(pages)
+            self.ledger.share(seq, c.pages)
             kda = c.kda
         else:
             n = pool.pages_for(c.length)
-            guard = GUARD_WANTED if self.engine.running else GUARD_NONE
+            guard = GUARD_WANTED if self._running else GUARD_NONE
             while pool.num_free < n and self.evict_for_pages(guard):
                 pass
             if pool.num_free < n:
                 self.stats["restore_waits"] += 1
                 return False
-            pages = pool.alloc(n)
             tier = self.host if c.tier == "host" else self.disk_tier
-            for p, k in zip(pages, c.page_keys):
-                pool.write_page(p, tier.rows(k))
+            self.ledger.restore(seq, n, (tier.rows(k) for k in c.page_keys))
             kda, logits = self._states(c)
-            kda = {i: KDAState(s.state.to(eng.device, non_blocking=True),
-                               tuple(t.to(eng.device, non_blocking=True) for t in s.conv)) for i, s in kda.items()}
+            kda = {i: KDAState(s.state.to(device, non_blocking=True),
+                               tuple(t.to(device, non_blocking=True) for t in s.conv)) for i, s in kda.items()}
             self.stats[f"restored_{c.tier}"] += 1
             self.stats["restored_bytes"] += n * pool.page_bytes
-        seq.pages, seq.length, seq.resumed = pages, c.length, c.length
+        seq.length, seq.resumed = c.length, c.length
         seq.resumed_tier = c.tier
-        seq.kda = {i: (kda[i], 0) for i in eng.kda_layers}
-        seq.last_logits = (c.logits if c.tier == "device" else logits).to(eng.device, non_blocking=True)
+        seq.kda = {i: (kda[i], 0) for i in self._kda_layers}
+        seq.last_logits = (c.logits if c.tier == "device" else logits).to(device, non_blocking=True)
         seq.resumed_from = c.key
         return True
 
@@ -222,9 +225,9 @@ class PrefixCache:
         if self.policy != "working-set":
             return GUARD_NONE
         if seq.resumed:
-            return GUARD_WANTED if self.engine.running else GUARD_NONE
+            return GUARD_WANTED if self._running else GUARD_NONE
         now = self.clock()
-        if self.engine.running or seq.queued_at is None or now - seq.queued_at <= self.protect_s \
+        if self._running or seq.queued_at is None or now - seq.queued_at <= self.protect_s \
                 or now - self._displaced_at <= self.protect_s:
             return GUARD_WORKING_SET
         self._displaced_at = now
@@ -249,10 +252,10 @@ class PrefixCache:
             c.used = self.clock()
             return
         pages = list(seq.pages[: self.pool.pages_for(n)])
-        self.pool.incref(pages)
+        self.ledger.hold(pages)
         for p in pages:
             self._page_holders[p] += 1
-        kda = {i: clone_row(seq.kda[i]) for i in self.engine.kda_layers}
+        kda = {i: clone_row(seq.kda[i]) for i in self._kda_layers}
         keys = page_keys(seq.tokens, n, self.pool.page_size) if self.pool.used else []
         self.entries[key] = Checkpoint(key, n, kda, seq.last_logits.detach().clone(), keys, pages=pages,
                                        used=self.clock())
@@ -313,7 +316,7 @@ class PrefixCache:
             self._page_holders[p] -= 1
             if not self._page_holders[p]:
                 del self._page_holders[p]
-        self.pool.decref(c.pages)
+        self.ledger.drop(c.pages)
         c.pages = None
 
     def _page_rows(self, c: Checkpoint):
