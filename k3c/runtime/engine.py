@@ -2,6 +2,6 @@
 (serving/engine.py; docs/runtime.md)."""
 from .serving.engine import Engine
 from .serving.requests import ADMISSIONS, StepOutput
-from .serving.runner import batch_mla_mode
+from .kernel_impls.mla import batch_mla_mode
 
 __all__ = ["ADMISSIONS", "Engine", "StepOutput", "batch_mla_mode"]

@@ -5,7 +5,7 @@ prompt end, every `interval` tokens (default 32768) and when a request finishes.
 holds each KDA layer's state and conv tails (one sequence), the logits at token n-1 (so an identical prompt needs no
 compute at all), and the MLA latent rows [0, n): on the device as page ids shared by reference count with the
 sequences that wrote them, once offloaded as page keys into a tier (kv_tiers.py: a page stored once per tier, however
-many checkpoints hold it). AttnRes keeps nothing across tokens (seq_state.py).
+many checkpoints hold it). AttnRes keeps nothing across tokens (caches/seq_state.py).
 
 A new request resumes from the deepest checkpoint inside its prompt (matched by a SHA-256 of the token prefix) and
 recomputes the rest. Device checkpoints are evicted when their bytes pass `max_bytes` or when the engine needs
@@ -38,10 +38,10 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .block_pool import CacheFullError
+from .caches.block_pool import CacheFullError
 from .kv_tiers import DiskTier, HostTier, page_keys
 from ..reference.kda import KDAState
-from .seq_state import SeqState, clone_row, state_bytes
+from .caches.seq_state import SeqState, clone_row, state_bytes
 
 POLICIES = ("lru", "working-set")
 GUARD_NONE, GUARD_WANTED, GUARD_WORKING_SET = 0, 1, 2     # what an eviction for pages must spare (guard())

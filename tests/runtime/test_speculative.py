@@ -27,7 +27,7 @@ from k3c.errors import ArgumentError
 from k3c.frontend import parse_spec_text
 from k3c.runtime.engine import Engine
 from k3c.runtime.sampling import SamplingParams, filtered_probs
-from k3c.runtime.seq_state import row_state
+from k3c.runtime.caches.seq_state import row_state
 from k3c.runtime.speculative import (DraftModelDrafter, NgramDrafter, Speculation, accept_greedy,
                                      accept_sampled)
 
@@ -538,7 +538,7 @@ def test_restore_against_token_by_token_kda(stdlib, prompts):
     `restore` with keep counts (n_a, n_b) gives each row the state of the same sequences stepped one token at a
     time (plain decoding's T = 1 path) over its first n tokens, for equal and different counts, in place of the
     call's committed states; n = T leaves them as the call made them; counts outside [1, T] are refused."""
-    from k3c.runtime.kda_rollback import restore
+    from k3c.runtime.caches.kda_rollback import restore
 
     T = 6
     seg_a, seg_b = [11, 12, 13, 14, 15, 16], prompts[0][:T]
@@ -575,7 +575,7 @@ def test_captured_restore_equals_eager_restore():
     refused."""
     from k3c.runtime.cuda_graph import EagerBackend
     from k3c.reference.kda import KDAState
-    from k3c.runtime.kda_rollback import CapturedRestore, KDATokens, restore
+    from k3c.runtime.caches.kda_rollback import CapturedRestore, KDATokens, restore
 
     g = torch.Generator().manual_seed(0)
     T, B = 4, 3

@@ -30,15 +30,16 @@ import torch
 
 from ...errors import ArgumentError
 from ...reference.kda import KDAState
-from ..block_pool import BlockPool, CacheFullError
+from ..caches.block_pool import BlockPool, CacheFullError
 from ..devices import target_for
-from ..kernel_impls.latent_format import check_kv_dtype, pool_dtype, row_width
+from ..caches.latent_format import check_kv_dtype, pool_dtype, row_width
 from ..sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
-from ..seq_state import SeqState
+from ..caches.seq_state import SeqState
 from ..session import _device, describe_graph, load_graph
 from .graph_pool import GraphPool
 from .ledger import PageLedger
-from .requests import ADMISSIONS, StepOutput, host_to_device, positive_ints, stop_ids, token_ids
+from .requests import (ADMISSIONS, StepOutput, check_adopted, host_to_device, positive_ints, segment_plan, stop_ids,
+                       token_ids)
 from .runner import Runner
 from .scheduler import Scheduler
 from .speculation import Speculator
@@ -183,13 +184,7 @@ class Engine:
         n = len(tokens)
         if n > self.max_context:
             raise ArgumentError(f"{n} tokens exceed max_context {self.max_context}")
-        missing = [i for i in self.kda_layers if i not in kda] + [i for i in self.mla_layers if i not in latent]
-        if missing:
-            raise ArgumentError(f"adopt(): no state given for layers {missing}")
-        for i in self.mla_layers:
-            if tuple(latent[i].shape) != (n, self.pool.pools[i].shape[-1]):
-                raise ArgumentError(f"adopt(): layer {i} latent has shape {tuple(latent[i].shape)}, expected "
-                                    f"({n}, {self.pool.pools[i].shape[-1]})")
+        check_adopted(n, kda, latent, self.kda_layers, {i: self.pool.pools[i].shape[-1] for i in self.mla_layers})
         seq = self._new_seq(tokens, 0, scheduled=False, register=False)
         self.ledger.adopt(seq, {i: latent[i] for i in self.mla_layers}, n)   # CacheFullError: nothing changed
         self._register(seq)
@@ -344,20 +339,7 @@ class Engine:
     # -- explicit segments --------------------------------------------------------------------------------------
     def extend(self, rids: list[int], segments) -> list[torch.Tensor]:
         """Append segments (token id lists, any lengths) to opened sequences: their logits [T_i, vocab] each."""
-        if len(rids) != len(segments):
-            raise ArgumentError(f"{len(rids)} rids but {len(segments)} segments")
-        if len(set(rids)) != len(rids):
-            raise ArgumentError("a sequence may appear once per extend() call")
-        plan = []
-        for rid, seg in zip(rids, segments):
-            seq = self.seqs.get(rid)
-            if seq is None or seq.scheduled:
-                raise ArgumentError(f"no opened sequence with id {rid} (open() one; requests are driven by step)")
-            seg = self._tokens(seg, f"segment of sequence {rid}")
-            if seq.length + len(seg) > self.max_context:
-                raise ArgumentError(f"sequence {rid}: {seq.length} cached + {len(seg)} new tokens exceed "
-                                    f"max_context {self.max_context}")
-            plan.append((seq, seg))
+        plan = segment_plan(self.seqs, rids, segments, self.spec.vocab_size, self.max_context)
         self.ledger.check_room(plan)
         for seq, seg in plan:
             seq.tokens.extend(seg)

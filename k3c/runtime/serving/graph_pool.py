@@ -9,7 +9,7 @@ from collections import Counter, OrderedDict
 import torch
 
 from ...reference.kda import KDAState
-from ..seq_state import SeqState, gather_kda
+from ..caches.seq_state import SeqState, gather_kda
 from .ledger import PageLedger
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..block_pool import BlockPool, CacheFullError
-from ..seq_state import SeqState
+from ..caches.block_pool import BlockPool, CacheFullError
+from ..caches.seq_state import SeqState
 
 
 class PageLedger:

@@ -46,6 +46,36 @@ def stop_ids(ids, vocab_size: int) -> frozenset:
                                vocab_size))
 
 
+def segment_plan(seqs: dict, rids: list[int], segments, vocab_size: int, max_context: int) -> list[tuple]:
+    """Engine.extend's arguments checked: [(opened sequence, its segment's token ids)]."""
+    if len(rids) != len(segments):
+        raise ArgumentError(f"{len(rids)} rids but {len(segments)} segments")
+    if len(set(rids)) != len(rids):
+        raise ArgumentError("a sequence may appear once per extend() call")
+    plan = []
+    for rid, seg in zip(rids, segments):
+        seq = seqs.get(rid)
+        if seq is None or seq.scheduled:
+            raise ArgumentError(f"no opened sequence with id {rid} (open() one; requests are driven by step)")
+        seg = token_ids(seg, f"segment of sequence {rid}", vocab_size)
+        if seq.length + len(seg) > max_context:
+            raise ArgumentError(f"sequence {rid}: {seq.length} cached + {len(seg)} new tokens exceed "
+                                f"max_context {max_context}")
+        plan.append((seq, seg))
+    return plan
+
+
+def check_adopted(n: int, kda: dict, latent: dict, kda_layers: list[int], widths: dict[int, int]) -> None:
+    """Engine.adopt's states checked: one per KDA layer, latent rows [n, width] per MLA layer (`widths`)."""
+    missing = [i for i in kda_layers if i not in kda] + [i for i in widths if i not in latent]
+    if missing:
+        raise ArgumentError(f"adopt(): no state given for layers {missing}")
+    for i, width in widths.items():
+        if tuple(latent[i].shape) != (n, width):
+            raise ArgumentError(f"adopt(): layer {i} latent has shape {tuple(latent[i].shape)}, expected "
+                                f"({n}, {width})")
+
+
 def positive_ints(**values) -> None:
     """ArgumentError for the first of these arguments that is given (not None) and not a positive integer."""
     for name, v in values.items():

@@ -9,30 +9,13 @@ from collections import Counter
 
 import torch
 
-from ...analysis.cost import mla_mode_costs
+from ..caches.context import CallContext
 from ..executor import LayerCaches
-from ..kernel_impls.mla import LatentStore, PagedLatentCache
-from ..seq_state import SeqState, gather_kda
+from ..caches.latent_store import LatentStore, PagedLatentCache
+from ..kernel_impls.mla import batch_mla_mode
+from ..caches.seq_state import SeqState, gather_kda
 from .graph_pool import GraphPool
 from .ledger import PageLedger
-
-
-def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
-    """MHA or MQA for one MLA call of `new` tokens per sequence after `cached[b]` cached tokens, from the cost model
-    (analysis.cost.mla_mode_costs) over every sequence of the call, on `target`:
-      - MQA is one batched call (split-KV decode over each sequence's own pages, W_kvb read once): the cost of the
-        whole batch at the mean cached length (exact: the cost is affine in the cached length);
-      - MHA of equal lengths is one batched call too; of mixed lengths it runs one sequence at a time (each expands
-        K/V from its own rows and reads W_kvb again): the sum of the per-sequence costs, B x the mean's.
-    Every sequence counts: the first sequence's own choice can be the slower one for the batch."""
-    b = len(cached)
-    mean = sum(cached) / b
-    both = mla_mode_costs(attrs, new, mean, target, batch=b)
-    if len(set(cached)) == 1:
-        return both.best
-    mha = mla_mode_costs(attrs, new, mean, target, batch=1).mha.scaled(b)
-    mha_s = mha.seconds({"bf16": target.peak_bf16_flops}, target.hbm_bytes_per_s)
-    return "mha" if mha_s <= both.mqa_seconds else "mqa"
 
 
 def auto_mla_layers(module) -> dict[int, tuple]:
@@ -132,10 +115,8 @@ class Runner:
         the launch began)."""
         ids = self.ledger.h2d(torch.tensor(segments, dtype=torch.long))
         lens = [s.length for s in seqs]
-        cache = LayerCaches(self.spec.num_layers, self.kv_dtype)
-        kda_trace = None
-        if trace:
-            cache.kda_trace = kda_trace = {}
+        ctx = CallContext(self.kv_dtype, mla_modes=modes, kda_trace={} if trace else None)
+        cache = LayerCaches(self.spec.num_layers, ctx=ctx)
         for i in self.kda_layers:
             cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
         if self.mla_layers:
@@ -143,8 +124,7 @@ class Runner:
             for i in self.mla_layers:
                 cache.layers[i] = PagedLatentCache(LatentStore(self.ledger.pool.pools[i], bt, list(lens)),
                                                    tuple(lens))
-            cache.mla_modes = modes
         t0 = time.perf_counter()
         with torch.no_grad():
             logits = self.graph(ids, cache)
-        return logits, cache.layers, dict(getattr(cache, "modes", {})), kda_trace, t0
+        return logits, cache.layers, dict(ctx.modes), ctx.kda_trace, t0

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
-from ..block_pool import CacheFullError
-from ..seq_state import SeqState
+from ..caches.block_pool import CacheFullError
+from ..caches.seq_state import SeqState
 from .ledger import PageLedger
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 
 import torch
 
-from ..kda_rollback import restore
-from ..seq_state import SeqState
+from ..caches.kda_rollback import restore
+from ..caches.seq_state import SeqState
 from ..speculative import accept_greedy, accept_sampled, propose
 from .ledger import PageLedger
 from .requests import StepOutput

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
+from ...errors import UserError
 
 
 class CacheFullError(UserError):
