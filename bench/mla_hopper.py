@@ -326,7 +326,8 @@ def timings(hops, dev, shapes, heads, portable: bool, out_json: str | None) -> N
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="The Hopper-tier MLA decode against an fp32 reference, the portable "
+                                             "decode and FlashMLA (build here, run on an sm_90 GPU).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("out_dir")
@@ -338,15 +339,23 @@ def main(argv=None) -> int:
     r.add_argument("--shapes", default=None, help="B:T,B:T,...")
     r.add_argument("--heads", default="96,12")
     r.add_argument("--json", default=None)
-    r.add_argument("--schedule", default=None, help="seesaw | lockstep (default: both)")
+    r.add_argument("--schedule", default=None, choices=("lockstep", "seesaw"), help="one schedule (default: both)")
     a = ap.parse_args(argv)
     if a.cmd == "build":
         build(a.out_dir)
         return 0
     import torch
 
+    index = os.path.join(a.bin_dir, "kernels.json")
+    if not os.path.isfile(index):
+        print(f"mla_hopper: {index}: no such file (run `python bench/mla_hopper.py build {a.bin_dir}` first, on a "
+              "machine with Triton 3.9)", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("mla_hopper: run needs an sm_90 GPU (H100 / H200): the binaries are sm_90a", file=sys.stderr)
+        return 2
     dev = torch.device("cuda", torch.cuda.current_device())
-    with open(os.path.join(a.bin_dir, "kernels.json")) as f:
+    with open(index) as f:
         infos = json.load(f)
     hops = [Hopper(a.bin_dir, info, dev) for info in infos if not a.schedule or a.schedule in info["name"]
             or (a.schedule == "lockstep" and info["name"].endswith("bf16"))]

@@ -453,3 +453,77 @@ class Staging:
             raise ArgumentError(f"{self.what} {self.path}: cannot put it in place ({exc.strerror})") from None
         self.done = True
         return self.path
+
+
+# ---- files ---------------------------------------------------------------------------------------------------------
+# The same policy for the single files k3c writes (`k3c inspect -o`, `--format dot|onnx -o`, `k3c plan --plot`,
+# `k3c calibrate-router -o`): an existing file is replaced only with `overwrite` (--force), never through a symlink
+# and never a directory; the new file is written beside it and put in place by one rename (a reader sees the old
+# or the new file, complete), or by a hard link where it must not replace a file that appeared meanwhile.
+
+def check_output_file(path: str | os.PathLike, overwrite: bool = False, *, what: str = "-o") -> str:
+    """The absolute path when k3c may write a file there; otherwise an ArgumentError naming `what` and the path.
+    Call it before long work."""
+    try:
+        raw = os.fspath(path)
+    except TypeError:
+        raise ArgumentError(f"{what}: not a path: {path!r}") from None
+    if not raw or "\0" in raw:
+        raise ArgumentError(f"{what} {raw!r}: needs a file name, got an empty string" if not raw
+                            else f"{what} {raw!r}: not a usable file name")
+    path = os.path.abspath(raw)
+    if len(os.fsencode(os.path.basename(path))) > NAME_MAX:
+        raise ArgumentError(f"{what} {raw[:80]}...: the file name is more than the {NAME_MAX} bytes a name may have")
+    if os.path.islink(path):
+        raise ArgumentError(f"{what} {raw}: is a symlink; k3c does not write through symlinks")
+    if os.path.isdir(path):
+        raise ArgumentError(f"{what} {raw}: is a directory; give a file name")
+    if os.path.lexists(path) and not overwrite:
+        raise ArgumentError(f"{what} {raw}: exists; pass --force to replace it")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ArgumentError(f"{what} {raw}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ArgumentError(f"{what} {raw}: cannot create files in {parent}")
+    return path
+
+
+def staged_file(path: str) -> str:
+    """A new temporary name beside `path` (same extension: writers that pick a format by it keep working)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    ext = os.path.splitext(name)[1]
+    return os.path.join(parent, f".k3c-tmp-{_short(name)}-{os.getpid()}-{secrets.token_hex(4)}{ext}")
+
+
+def put_file(tmp: str, path: str | os.PathLike, overwrite: bool = False, *, what: str = "-o") -> None:
+    """Put the finished file `tmp` in place at `path` (check_output_file's policy, checked again now); `tmp` is
+    gone afterwards, whatever happens."""
+    raw = os.fspath(path)
+    try:
+        path = check_output_file(raw, overwrite, what=what)
+        try:
+            if overwrite:
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)              # fails if a file appeared since the check: nothing replaced
+        except FileExistsError:
+            raise ArgumentError(f"{what} {raw}: exists; pass --force to replace it") from None
+        except OSError as exc:
+            raise ArgumentError(f"{what} {raw}: cannot write it ({exc.strerror or exc})") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def write_file(path: str | os.PathLike, data: bytes, overwrite: bool = False, *, what: str = "-o") -> None:
+    """`data` written to `path` under the file policy."""
+    check_output_file(path, overwrite, what=what)
+    tmp = staged_file(os.fspath(path))
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+    except OSError as exc:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise ArgumentError(f"{what} {os.fspath(path)}: cannot write it ({exc.strerror or exc})") from None
+    put_file(tmp, path, overwrite, what=what)

@@ -4,9 +4,10 @@ matplotlib is an optional dependency: `pip install k3c[plot]`.
 """
 from __future__ import annotations
 
-import os
+import io
 
 from ..errors import ArgumentError
+from ..outputs import write_file
 from .formulas import GB
 from .roofline import phase_points, roofline_flops_per_s
 
@@ -16,7 +17,8 @@ PHASE_MARKERS = {"prefill": "o", "decode": "s", "append-prefill": "^"}
 MEMORY_COLORS = ("#2ca02c", "#98df8a", "#d62728", "#1f77b4", "#aec7e8", "#ff7f0e", "#7f7f7f", "#9467bd")
 
 
-def plot_plan(plan, path: str) -> None:
+def plot_plan(plan, path: str, overwrite: bool = False) -> None:
+    """The chart as a PNG at `path` (k3c/outputs.py's file policy: an existing file only with `overwrite`)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -31,15 +33,9 @@ def plot_plan(plan, path: str) -> None:
     fig.suptitle(f"k3c plan: {plan.model} on {t.name}, TP {lay.tp} x EP {lay.ep}, context {cfg.context:,}, "
                  f"batch {cfg.batch}, MLA cache {cfg.kv_dtype}", fontsize=11)
     fig.subplots_adjust(left=0.06, right=0.985, bottom=0.11, top=0.86, wspace=0.22)
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise ArgumentError(f"cannot write {path}: {exc.strerror or exc}") from None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    write_file(path, buf.getvalue(), overwrite, what="--plot")
 
 
 def _memory(ax, plan) -> None:

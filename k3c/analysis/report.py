@@ -678,9 +678,9 @@ def _measured_lines(p: Plan) -> list[str]:
     return out
 
 
-def write_plot(p: Plan, path: str) -> str:
+def write_plot(p: Plan, path: str, overwrite: bool = False) -> str:
     from .plot import plot_plan
 
-    plot_plan(p, path)
+    plot_plan(p, path, overwrite)
     p.plot_path = os.fspath(path)
     return p.plot_path

@@ -53,7 +53,7 @@ class Target:
 
 
 KiB, GiB = 1024, 1024 ** 3
-HOPPER_TIERS: tuple[str, ...] = ()    # ("hopper",) once the tier's first kernel (kernels/mla_hopper.py) lands
+HOPPER_TIERS = ("hopper",)    # Gluon kernels for sm_90a (k3c.codegen.tiers)
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("mi355x", "hip", "gfx950", 64, 160 * KiB, True, 2.5e15, 5.0e15, 10.0e15, 8.0e12, 288 * GiB, 537.6e9),
     Target("mi300x", "hip", "gfx942", 64, 64 * KiB, False, 1.307e15, 2.615e15, 2.615e15, 5.3e12, 192 * GiB, 448e9),

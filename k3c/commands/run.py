@@ -121,16 +121,23 @@ def available_bytes(device: str) -> int | None:
         return None
 
 
-def check_run_fits(spec, device: str, **sizes) -> None:
+RUN_SIZE_FLAGS = ("--batch", "--prompt-len", "--new-tokens")
+
+
+def check_run_fits(spec, device: str, flags=RUN_SIZE_FLAGS, **sizes) -> None:
     """ArgumentError when the run's estimated memory (estimate_run_bytes) exceeds what `device` has free: refused
-    before anything is allocated, not found out by the OOM killer."""
+    before anything is allocated, not found out by the OOM killer. `flags`: the command's own names of batch,
+    prompt length and new tokens (None: a size the command has no flag for), which the refusal names."""
     parts = estimate_run_bytes(spec, **sizes)
     need, free = sum(parts.values()), available_bytes(device)
     if free is not None and need > free:
         what = ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in parts.items() if v)
-        raise ArgumentError(f"--batch {sizes['batch']} x --prompt-len {sizes['prompt_len']} + --new-tokens "
-                            f"{sizes['new_tokens']}: the run needs at least {need / 2**30:,.2f} GiB ({what} GiB), "
-                            f"{device} has {free / 2**30:,.2f} GiB free; use a smaller batch or shorter sequences")
+        batch, length, new = flags
+        shape = f"{batch} {sizes['batch']} x {length} {sizes['prompt_len']}" + (
+            f" + {new} {sizes['new_tokens']}" if new else "")
+        raise ArgumentError(f"{shape}: the run needs at least {need / 2**30:,.2f} GiB ({what} GiB), "
+                            f"{device} has {free / 2**30:,.2f} GiB free; use a smaller {batch} or a shorter "
+                            f"{length}")
 
 
 # --dtype choices -> the artifact's run dtype name (the IR's, from its one spelling table)
@@ -151,10 +158,15 @@ def kernels_on(device: str, use_kernels: bool, interpret: bool) -> bool:
     return use_kernels and (cuda or interpret)
 
 
-def _kernel_line(use_kernels: bool, total, before_timed, *, cpu_default: bool = False) -> str:
+def _kernel_line(use_kernels: bool, total, before_timed, *, cpu_default: bool = False,
+                 artifact_target: str | None = None) -> str:
     """Where the distinct kernels came from (launcher.stats() over the whole run) and what the timed pass added.
-    `cpu_default`: kernels are off because the run is on a CPU without --interpret (kernels_on)."""
+    `cpu_default`: kernels are off because the run is on a CPU without --interpret (kernels_on);
+    `artifact_target`: the GPU target of the artifact run, whose kernels a CPU run then does not use."""
     if not use_kernels:
+        if cpu_default and artifact_target:
+            return (f"  kernels:         off on a CPU: torch ops, not the artifact's {artifact_target} kernels (they "
+                    f"run on that GPU; --interpret runs their Triton sources in the interpreter)")
         if cpu_default:
             return ("  kernels:         off on a CPU: torch ops (--interpret runs the generated kernels in the "
                     "Triton interpreter)")
@@ -188,10 +200,11 @@ def model_checkpoint(spec_or_artifact: str) -> str | None:
     return path if any(os.path.lexists(os.path.join(path, n)) for n in (SINGLE_NAME, INDEX_NAME)) else None
 
 
-def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
+def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=(), on_token=None) -> dict:
     """One pass: every row of `ids` queued as a request of `new_tokens` (sampled under rows[b], None: greedy;
     ending early at a `stop` token), the engine stepped until all finished. TTFT = until every prompt is prefilled
-    and has its first token (synchronised); decode = the steps after."""
+    and has its first token (synchronised); decode = the steps after. `on_token(row, token)` is told each token as
+    it is decided; True from it ends that request there."""
     before = dict(eng.stats)
     modes_before = dict(eng.mode_counts)
     sync()
@@ -208,6 +221,8 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
                 raise o.error
             tokens[o.rid].append(o.token)
             last_logits = o.logits
+            if on_token is not None and on_token(rids.index(o.rid), o.token) and o.rid in eng.seqs:
+                eng.finish(o.rid)
         bar.update(eng.stats["prefill_tokens"] + eng.stats["decode_tokens"] - done)
         if first_at is None and all(tokens[r] for r in rids):
             sync()
@@ -222,7 +237,8 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=()) -> dict:
 
 def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, interpret, prefill_chunk,
            cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto", prefix_cache=None,
-           admission: str = "reserve", speculate: str | None = None, draft_len: int = 4) -> dict:
+           admission: str = "reserve", speculate: str | None = None, draft_len: int = 4,
+           size_flags=RUN_SIZE_FLAGS) -> dict:
     """What both modes of `k3c run` set up, timed apart: the model (artifact loaded or spec compiled), its checks
     against `sizes(model)` -> (batch, prompt_len, new_tokens), the weights (given, the model directory's
     checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool)."""
@@ -249,7 +265,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
                        binaries=cuda and kernels and kernel_policy in ("artifact", "strict"))
     torch_dtype = to_torch_dtype(dtype, "--dtype")
     kv = pool_dtype(kv_dtype, torch_dtype, "--kv-dtype")   # fp8 with fp32 activations: refused before loading
-    check_run_fits(model.spec, device, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+    check_run_fits(model.spec, device, size_flags, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                    prefill_chunk=prefill_chunk, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
                    page_size=target_for(torch.device(device)).mla_page_size, kv_pool=kv)
     default = model_checkpoint(spec_or_artifact) if weights is None else None
@@ -270,6 +286,8 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     sync()
     return {"model": model, "eng": eng, "sync": sync, "cuda": cuda, "dtype": dtype, "kernels": kernels,
             "cpu_default": use_kernels and not kernels, "weights": weights or default, "default_weights": default,
+            "artifact_target": (model.target.name if _is_artifact(spec_or_artifact) and model.target.name != "cpu"
+                                else None),
             "seed": seed,
             "t_model": t_model, "t_weights": t_weights, "t_prep": t_prep, "t_engine": time.perf_counter() - t}
 
@@ -300,9 +318,10 @@ def build_speculation(speculate: str, draft_len: int, model, *, device: str, tor
     return parse_speculate(speculate, draft_len, load_draft)
 
 
-def _passes(b: dict, ids, new_tokens: int, warmup: bool | None, progress: bool | None, rows=None, stop=()):
+def _passes(b: dict, ids, new_tokens: int, warmup: bool | None, progress: bool | None, rows=None, stop=(),
+            on_token=None):
     """(warm-up pass or None, timed pass, kernels line): with `warmup` (default: on with CUDA), one untimed pass of
-    the same requests first."""
+    the same requests first; `on_token` (_serve) follows the timed pass."""
     from tqdm import tqdm
 
     from ..runtime import launcher
@@ -322,9 +341,10 @@ def _passes(b: dict, ids, new_tokens: int, warmup: bool | None, progress: bool |
     warm = _serve(eng, ids, new_tokens, sync, bar, rows, stop) if warmup else None
     # stats() is the launcher's live record: copies, so the timed pass's additions can be told apart
     before_timed = copy.deepcopy(launcher.stats()) if warmup else None
-    run = _serve(eng, ids, new_tokens, sync, bar, rows, stop)
+    run = _serve(eng, ids, new_tokens, sync, bar, rows, stop, on_token)
     bar.close()
-    kernels = _kernel_line(b["kernels"], copy.deepcopy(launcher.stats()), before_timed, cpu_default=b["cpu_default"])
+    kernels = _kernel_line(b["kernels"], copy.deepcopy(launcher.stats()), before_timed, cpu_default=b["cpu_default"],
+                           artifact_target=b["artifact_target"])
     return warm, run, kernels
 
 
@@ -333,7 +353,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
                use_kernels: bool = True, interpret: bool = False, prefill_chunk: int | None = None,
                progress: bool | None = None, cuda_graphs: bool | None = None, warmup: bool | None = None,
                kernel_policy: str = "artifact", sampling=None, kv_dtype: str = "auto", speculate: str | None = None,
-               draft_len: int = 4) -> str:
+               draft_len: int = 4, threads: str | None = None) -> str:
     """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
     then decode steps (greedy, or under `sampling`: runtime.sampling.params_for_rows). Timed apart: weights
     (given, else a Hugging Face model directory's own checkpoint, else random, drawn on the device; then prepared
@@ -384,6 +404,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
         f"  model:           {b['t_model']:.2f} s ({source})",
         f"  engine build:    {b['t_engine']:.2f} s (graph, kernels bound, MLA page pool; kernel policy "
         f"{kernel_policy})",
+        _threads_line(threads),
     ]
     return "\n".join(head + _pass_lines(eng, warm, run, batch, prompt_len, b["t_model"] + b["t_engine"], kernels,
                                         device))
@@ -393,27 +414,26 @@ def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, 
              sampling=None, seed: int = 0, device: str = "cpu", dtype: str | None = None, use_kernels: bool = True,
              interpret: bool = False, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
              warmup: bool | None = None, kernel_policy: str = "artifact", warn=None,
-             kv_dtype: str = "auto", speculate: str | None = None, draft_len: int = 4) -> tuple[str, str]:
+             kv_dtype: str = "auto", speculate: str | None = None, draft_len: int = 4, stop: tuple[str, ...] = (),
+             on_text=None, threads: str | None = None) -> tuple[str, str]:
     """Text in, text out through the same engine path as run_report: `prompt` encoded with the model's tokenizer,
-    continued by up to `new_tokens` tokens (greedy, or under `sampling`; ending at the EOS token, not shown).
-    Random weights (no `weights` and no checkpoint in the model directory) are drawn from `seed`, and
-    `warn(line)` is told. Returns (the decoded continuation, a short stats block)."""
-    import torch
-
+    continued by up to `new_tokens` tokens (greedy, or under `sampling`; ending at the EOS token, not shown, or
+    before the first of the `stop` strings). `on_text(delta)` is handed the text as the timed pass decides it
+    (held back only while it may be the start of a stop string or ends inside a character). Random weights (no
+    `weights` and no checkpoint in the model directory) are drawn from `seed`, and `warn(line)` is told.
+    Returns (the decoded continuation, a short stats block)."""
     from ..runtime.sampling import as_params
 
     _check_run_args(batch=1, prompt_len=1, new_tokens=new_tokens, prefill_chunk=prefill_chunk, seed=seed,
                     device=device, kernel_policy=kernel_policy, use_kernels=use_kernels)
     if not isinstance(prompt, str):
         raise ArgumentError(f"the prompt must be text, got {type(prompt).__name__}")
+    stop = _stop_strings(stop)
     params = as_params(sampling).seeded()
     ids: list[int] = []
 
     def sizes(model):
-        tok = model.tokenizer
-        if tok is None:
-            raise ArgumentError(f"{spec_or_artifact}: no tokenizer (tokenizer.json) to encode --prompt with: give a "
-                                f"Hugging Face model directory that has one, or an artifact compiled from one")
+        tok = _tokenizer(model, spec_or_artifact)
         ids.extend(tok.encode(prompt))
         if not ids:
             raise ArgumentError("the prompt encodes to no tokens")
@@ -426,37 +446,134 @@ def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, 
                interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
                kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype, speculate=speculate,
                draft_len=draft_len)
+    _warn_random(b, spec_or_artifact, warn)
+    text, reason, warm, run, kernels = _generate_text(b, ids, new_tokens, warmup, params, stop, on_text)
+    return text, "\n".join(_text_stats(b, warm, run, len(ids), len(run["tokens"][0]), reason, params, kernels,
+                                       threads))
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    stop = tuple(stop or ())
+    if not all(isinstance(x, str) and x for x in stop):
+        raise ArgumentError(f"--stop takes non-empty strings, got {stop!r}")
+    return stop
+
+
+def _tokenizer(model, spec_or_artifact: str):
+    if model.tokenizer is None:
+        raise ArgumentError(f"{spec_or_artifact}: no tokenizer (tokenizer.json) to encode --prompt with: give a "
+                            f"Hugging Face model directory that has one, or an artifact compiled from one")
+    return model.tokenizer
+
+
+def _warn_random(b: dict, spec_or_artifact: str, warn) -> None:
     if b["weights"] is None and warn is not None:
         warn(f"k3c: warning: the weights are random (no --weights, and {spec_or_artifact} holds no checkpoint): "
              f"the text is noise")
+
+
+def _generate_text(b: dict, ids: list[int], new_tokens: int, warmup, params, stop: tuple[str, ...], on_text):
+    """(text, why it ended, warm-up pass, timed pass, kernels line) of one prompt: the timed pass's tokens go
+    through a TextStream (serve/text_stream.py) as they come, its deltas to `on_text`."""
+    import torch
+
+    from ..serve.text_stream import TextStream
+
     tok = b["model"].tokenizer
-    stop = (tok.eos_id,) if tok.eos_id is not None else ()
-    warm, run, kernels = _passes(b, torch.tensor([ids]), new_tokens, warmup, False, [params], stop)
+    eos = (tok.eos_id,) if tok.eos_id is not None else ()
+    stream = TextStream(tok, stop)
+
+    def on_token(_row: int, token: int) -> bool:
+        if token not in eos:
+            delta = stream.push(token)
+            if delta and on_text is not None:
+                on_text(delta)
+        return stream.stopped
+
+    warm, run, kernels = _passes(b, torch.tensor([ids]), new_tokens, warmup, False, [params], eos, on_token)
+    rest = stream.finish()
+    if rest and on_text is not None:
+        on_text(rest)
     new = run["tokens"][0]
-    ended = bool(stop) and new[-1] == tok.eos_id
-    return tok.decode(new[:-1] if ended else new), "\n".join(
-        _text_stats(b, warm, run, len(ids), len(new), ended, params, kernels))
+    reason = ("stopped at a --stop string" if stream.stopped else "stopped at EOS" if eos and new[-1] in eos
+              else "the --new-tokens limit")
+    return stream.text, reason, warm, run, kernels
 
 
-def _text_stats(b: dict, warm, run, prompt_tokens: int, new_tokens: int, ended: bool, params, kernels: str
-                ) -> list[str]:
+def run_chat(spec_or_artifact: str, turns, *, system: str | None = None, new_tokens: int = 256, sampling=None,
+             stop: tuple[str, ...] = (), on_text=None, warn=None, threads: str | None = None, seed: int = 0,
+             **build) -> str:
+    """A conversation: each user turn from the iterable `turns` (ends when it does, or at an empty turn) is added
+    to the messages, the whole conversation rendered with the model's chat template (serve/chat.py; the plain
+    'role: text' lines without one) and continued, the reply streamed to `on_text` and kept as the assistant's
+    turn. The plain template's replies also stop at a new 'user:' line. Returns a stats line of the last turn."""
+    from ..runtime.sampling import as_params
+    from ..serve.chat import ChatTemplate
+
+    stop = _stop_strings(stop)
+    params = as_params(sampling).seeded()
+    context: list[int] = []
+
+    def sizes(model):
+        _tokenizer(model, spec_or_artifact)
+        if new_tokens >= model.spec.max_context:
+            raise ArgumentError(f"--new-tokens {new_tokens} leaves no room for a prompt in the model's max_context "
+                                f"{model.spec.max_context}")
+        context.append(model.spec.max_context)
+        return 1, model.spec.max_context - new_tokens, new_tokens
+
+    b = _build(spec_or_artifact, seed=seed, sizes=sizes, **build)
+    _warn_random(b, spec_or_artifact, warn)
+    tok = b["model"].tokenizer
+    template = ChatTemplate.from_directory(os.path.dirname(tok.path),
+                                           eos_token=None if tok.eos_id is None else tok.decode([tok.eos_id]))
+    if template.origin == "plain":
+        stop = stop + ("\nuser:",)
+    messages = [{"role": "system", "content": system}] if system else []
+    stats = "k3c run --chat: no turns"
+    for turn in turns:
+        if not turn.strip():
+            break
+        messages.append({"role": "user", "content": turn})
+        ids = tok.encode(template.render(messages))
+        room = context[0] - len(ids)
+        if room < 1:
+            raise ArgumentError(f"the conversation's {len(ids)} tokens fill the model's max_context {context[0]}")
+        text, reason, warm, run, kernels = _generate_text(b, ids, min(new_tokens, room), False, params, stop,
+                                                          on_text)
+        messages.append({"role": "assistant", "content": text.strip()})
+        stats = "\n".join(_text_stats(b, warm, run, len(ids), len(run["tokens"][0]), reason, params, kernels,
+                                      threads))
+    return stats
+
+
+def _text_stats(b: dict, warm, run, prompt_tokens: int, new_tokens: int, reason: str, params, kernels: str,
+                threads: str | None = None) -> list[str]:
     passed = "warm-up pass excluded" if warm else "no warm-up: includes first-call costs"
     decoded = run["stats"].get("generated_tokens", 0) - 1      # after the first (speculation: several a step)
     weights = (f"{b['weights']}" + (" (the model directory's checkpoint)" if b["default_weights"] else "")
                if b["weights"] else f"random (seed {b['seed']})")
     how = ("greedy" if params.greedy else f"sampled: temperature {params.temperature:g}, top-p {params.top_p:g}, "
            f"top-k {params.top_k}, seed {params.seed}")
+    if params.repetition_penalty != 1.0:
+        how += f", repetition penalty {params.repetition_penalty:g}"
     return [
-        f"k3c run: {prompt_tokens} prompt tokens, {new_tokens} new tokens "
-        f"({'stopped at EOS' if ended else 'the --new-tokens limit'}; {how})",
+        f"k3c run: {prompt_tokens} prompt tokens, {new_tokens} new tokens ({reason}; {how})",
         f"  TTFT:            {run['ttft'] * 1e3:,.1f} ms ({passed}; model {b['t_model']:.2f} s, weights "
         f"{b['t_weights']:.2f} s and engine build {b['t_engine']:.2f} s before it, not included)",
         (f"  decode:          {decoded / run['decode_s']:,.1f} tokens/s ({decoded} tokens after the first; {passed})"
-         if decoded else "  decode:          (none: the first token is the prefill's)"),
+         if decoded and run["decode_s"] > 0 else "  decode:          (none: the first token is the prefill's)"),
         f"  weights:         {weights}",
         *([speculation_line(b["eng"], run["stats"])] if b["eng"].speculation is not None else []),
+        _threads_line(threads),
         kernels,
     ]
+
+
+def _threads_line(threads: str | None) -> str:
+    import torch
+
+    return f"  threads:         {threads or f'{torch.get_num_threads()} (torch setting)'}"
 
 
 def _check_run_args(*, batch, prompt_len, new_tokens, prefill_chunk, seed, device, kernel_policy,

@@ -41,7 +41,7 @@ def add_parser(sub, positive, path, seed) -> None:
                    help="default: float32 on a CPU, the artifact's first run dtype on a GPU")
     s.add_argument("--max-batch", type=positive("--max-batch", 4096), default=16,
                    help="sequences decoded together (default 16); more wait in the queue")
-    s.add_argument("--max-context", type=positive("--max-context", 1 << 24),
+    s.add_argument("--max-context", "--max-model-len", dest="max_context", type=positive("--max-context", 1 << 24),
                    help="prompt + completion tokens per sequence (default: the model's max_context)")
     s.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8"), default="auto", help="MLA latent cache format")
     s.add_argument("--host-bytes", type=lambda t: _bytes("--host-bytes", t), default=0,
@@ -83,6 +83,8 @@ def add_parser(sub, positive, path, seed) -> None:
     s.add_argument("--api-key", help=f"clients must send Authorization: Bearer KEY on /v1 routes (default: the "
                    f"{API_KEY_ENV} environment variable; unset: no key)")
     s.add_argument("--no-kernels", action="store_true", help="torch ops on a GPU too")
+    s.add_argument("--threads", type=positive("--threads", 4096),
+                   help="torch CPU threads (default: the cores this process may use, less the machine's load)")
     s.add_argument("--seed", type=seed, default=0, help="seed of random weights (default 0)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="uvicorn's and k3c serve's log level (default warning)")
@@ -188,6 +190,7 @@ def cmd_serve(args) -> int:
         b = _build(args.model, weights=args.weights, seed=args.seed, device=args.device, dtype=args.dtype,
                    use_kernels=not args.no_kernels, interpret=False, prefill_chunk=None, cuda_graphs=None,
                    kernel_policy="artifact", sizes=sizes, kv_dtype=args.kv_dtype, prefix_cache=cache,
+                   size_flags=("--max-batch", "--max-context", None),
                    admission=args.admission, speculate=args.speculate, draft_len=args.draft_len)
         model, eng = b["model"], b["eng"]
         tok = load_tokenizer(args.tokenizer, model.spec.vocab_size) if args.tokenizer else model.tokenizer

@@ -28,6 +28,10 @@ def parse_spec_text(text: str, file: str = "<spec>") -> ModelSpec:
 def load_spec(path: str | os.PathLike) -> ModelSpec:
     """Load a YAML spec, a Hugging Face `config.json`, or a model directory holding one."""
     path = os.fspath(path)
+    if path and not os.path.lexists(path):
+        near = _nearest_spec(path)
+        if near:
+            raise SpecError(f"no such file (did you mean {near}?)", file=path)
     if os.path.isdir(path):
         cfg = os.path.join(path, "config.json")
         if not os.path.exists(cfg):              # a config.json that is not a regular file: read_spec_text says so
@@ -38,6 +42,26 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     if path.endswith(".json"):
         return spec_from_hf_config_text(text, path)
     return parse_spec_text(text, path)
+
+
+def _nearest_spec(path: str) -> str | None:
+    """An existing spec the missing `path` probably meant: the same name with a spec extension (.yaml, .yml,
+    .json) or none (a model directory), else a close spelling in the same directory."""
+    import difflib
+
+    stem, ext = os.path.splitext(path)
+    if ext not in (".yaml", ".yml", ".json", ""):
+        stem = path
+    for cand in (stem + ".yaml", stem + ".yml", stem + ".json", stem):
+        if cand != path and (os.path.isfile(cand) or os.path.isfile(os.path.join(cand, "config.json"))):
+            return cand
+    parent = os.path.dirname(path) or "."
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return None
+    close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.75)
+    return os.path.join(os.path.dirname(path), close[0]) if close else None
 
 
 def dump_spec_yaml(spec: ModelSpec) -> str:

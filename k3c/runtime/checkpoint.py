@@ -18,6 +18,7 @@ Understood layouts (docs/hf-import.md has the full name table):
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -282,6 +283,16 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
     table marks fp32 (A_log, dt_bias, e_score_correction_bias) are always float32.
     strict: unexpected tensors are errors (True) or ignored (False); missing tensors are always errors.
     """
+    return dict(iter_weights(spec, path, dtype, strict=strict))
+
+
+def iter_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict: bool = True,
+                 experts_apart: bool = False):
+    """load_weights one tensor at a time (yields (canonical name, tensor); a packed pair as two): what streams a
+    checkpoint larger than memory (`k3c quantize`). Every check is load_weights'; the plan of sources is made,
+    and an unexpected tensor refused, before the first tensor is read. `experts_apart`: a float expert stack
+    comes one expert at a time (yields (name, expert [out, in]) E times, in order; read from K3's per-expert
+    tensors or sliced from a stored stack), but for a fused transformers gate_up source, which comes whole."""
     path = os.fspath(path)
     target = _to_dtype(dtype)
     files, weight_map = _resolve_files(path)
@@ -300,22 +311,30 @@ def load_weights(spec: ModelSpec, path: str | os.PathLike, dtype=None, *, strict
             more = f" (and {len(sources.unexpected) - 1} more)" if len(sources.unexpected) > 1 else ""
             raise _weight_error(f"{stored.where[key]}: unexpected tensor '{key}' (k3c name '{canon}' is not a weight "
                               f"of spec '{spec.name}'){more}")
-        out: dict[str, torch.Tensor] = {}
+        for name in (record or {}).get("weights", ()):
+            if name in table and not _given_packed(name, table[name], sources):
+                raise _weight_error(f"{path}: quantization.json lists '{name}' as MXFP4 but the checkpoint holds "
+                                  f"no '{packed_name(name, 'weight_packed')}'")
         fused_cache: dict[str, torch.Tensor] = {}
+        uses = collections.Counter(src.key for src in sources.fused.values())
         for name, info in table.items():
             if _given_packed(name, info, sources):
-                out.update(_load_packed_pair(name, packed_table, sources, stored, path))
+                yield from _load_packed_pair(name, packed_table, sources, stored, path).items()
                 continue
             want = torch.float32 if info.dtype == "fp32" else target
+            if experts_apart and info.kind == "experts" and name not in sources.fused:
+                for part in _expert_parts(name, info, sources, stored, path, spec):
+                    part = part.to(want) if want is not None and part.dtype != want else part
+                    yield name, check_finite(name, part.contiguous(), path)
+                continue
             t = _load_float(name, info, sources, stored, path, spec, want, fused_cache)
             if want is not None and t.dtype != want:
                 t = t.to(want)
-            out[name] = check_finite(name, t.contiguous(), path)
-        for name in (record or {}).get("weights", ()):
-            if name in table and packed_name(name, "weight_packed") not in out:
-                raise _weight_error(f"{path}: quantization.json lists '{name}' as MXFP4 but the checkpoint holds "
-                                  f"no '{packed_name(name, 'weight_packed')}'")
-        return out
+            if name in sources.fused:               # a fused source is dropped once its last part is cut
+                uses[sources.fused[name].key] -= 1
+                if not uses[sources.fused[name].key]:
+                    fused_cache.pop(sources.fused[name].key, None)
+            yield name, check_finite(name, t.contiguous(), path)
 
 
 @dataclass
@@ -437,6 +456,19 @@ def _load_float(name: str, info: WeightInfo, sources: _Sources, stored: _Stored,
         if src.key not in fused_cache:
             fused_cache[src.key] = stored.get(src.key)
         return _cut(fused_cache[src.key], info, src, where[src.key], spec)
+    slot = _expert_slot(name, info, sources, path, spec)
+    t = None
+    for e in range(info.shape[0]):
+        src = slot[e]
+        part = _fit(stored.get(src.key), info, info.shape[1:], src.key, where[src.key])
+        if t is None:
+            t = torch.empty(info.shape, dtype=want or part.dtype)
+        t[e].copy_(part)
+    return t
+
+
+def _expert_slot(name: str, info: WeightInfo, sources: _Sources, path: str, spec: ModelSpec) -> dict[int, _Src]:
+    """The per-expert sources of stack `name`, every expert there."""
     if name not in sources.experts:
         raise _weight_error(f"{path}: missing tensor '{name}' (k3c name; K3 layout "
                           f"'{k3_checkpoint_names(spec)[name][0]}'), expected shape {_fmt(info.shape)}")
@@ -449,15 +481,59 @@ def _load_float(name: str, info: WeightInfo, sources: _Sources, stored: _Stored,
                           f"'{K3_CHECKPOINT_PREFIX}{prefix}.{missing[0]}.{proj}.weight'"
                           f"{f' ({len(missing)} experts missing)' if len(missing) > 1 else ''}; "
                           f"expected {n} experts of shape {_fmt(info.shape[1:])}")
-    t = None
-    for e in range(n):
-        src = slot[e]
-        part = _fit(stored.get(src.key), info, info.shape[1:], src.key, where[src.key])
-        if t is None:
-            t = torch.empty(info.shape, dtype=want or part.dtype)
-        t[e].copy_(part)
-    return t
+    return slot
 
+
+_FLOAT_STORED = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def _expert_parts(name: str, info: WeightInfo, sources: _Sources, stored: _Stored, path: str, spec: ModelSpec):
+    """Expert stack `name` one expert [out, in] at a time: sliced from a stored stack (its header checked first),
+    or K3's per-expert tensors."""
+    if name in sources.direct:
+        src = sources.direct[name]
+        file = stored.where[src.key]
+        view = stored.handles[file].get_slice(src.key)
+        shape, dtype = tuple(view.get_shape()), view.get_dtype()
+        if dtype not in _FLOAT_STORED:
+            raise _weight_error(f"{file}: tensor '{src.key}' has dtype {dtype}; expected a floating-point tensor "
+                              f"(MXFP4 experts are read as `weight_packed` + `weight_scale`)")
+        if shape != tuple(info.shape):
+            raise _weight_error(f"{file}: tensor '{src.key}' (k3c '{info.name}') has shape {_fmt(shape)}, expected "
+                              f"{_fmt(info.shape)}")
+        for e in range(info.shape[0]):
+            yield view[e]
+        return
+    slot = _expert_slot(name, info, sources, path, spec)
+    for e in range(info.shape[0]):
+        src = slot[e]
+        yield _fit(stored.get(src.key), info, info.shape[1:], src.key, stored.where[src.key])
+
+
+def stored_peak_bytes(spec: ModelSpec, path: str | os.PathLike) -> int:
+    """The most bytes iter_weights(..., experts_apart=True) reads at once from `path`: its largest stored tensor,
+    a stored expert stack counted one expert at a time (from the files' headers; nothing is read)."""
+    from safetensors import safe_open
+
+    files, _ = _resolve_files(os.fspath(path))
+    table = weight_table(spec)
+    sizes = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}
+    peak = 0
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as h:
+                for key in h.keys():
+                    view = h.get_slice(key)
+                    shape = view.get_shape()
+                    n = _numel(shape) * sizes.get(view.get_dtype(), 1)
+                    src = _normalize(spec, key)
+                    if (src is not None and src.how == "direct" and src.canon in table
+                            and table[src.canon].kind == "experts" and shape):
+                        n //= shape[0]
+                    peak = max(peak, n)
+        except Exception as exc:  # safetensors raises its own error types for a bad header
+            raise _weight_error(f"{f}: not a readable safetensors file ({exc})") from None
+    return peak
 
 def packed_infos(table: dict[str, WeightInfo]) -> dict[str, WeightInfo]:
     """`P.weight_packed` u8 [E, out, in/2] and `P.weight_scale` u8 [E, out, in/32] for every expert stack P, and

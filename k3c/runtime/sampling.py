@@ -43,9 +43,14 @@ class SamplingParams:
     top_p: float = 1.0           # nucleus mass in (0, 1]; 1: off
     top_k: int = 0               # keep the k most likely tokens; 0: off
     seed: int | None = None      # of the request's generator; None: drawn from a process RNG by seeded()
+    repetition_penalty: float = 1.0   # > 0; 1: off (penalize(): the context's tokens made less likely)
 
     def __post_init__(self):
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r) or r <= 0:
+            raise ArgumentError(f"repetition penalty must be a finite number > 0, got {r!r}")
+        object.__setattr__(self, "repetition_penalty", float(r))
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ArgumentError(f"sampling temperature must be a finite number >= 0, got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
@@ -74,6 +79,17 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+def penalize(logits: torch.Tensor, context: list[int], penalty: float) -> torch.Tensor:
+    """A row of logits [V] with every token of `context` made less likely by `penalty`, transformers'
+    RepetitionPenaltyLogitsProcessor rule: a positive logit divided by it, a negative one multiplied (a new
+    tensor; penalty 1 returns the row as it is). Applied before temperature, top-k and top-p."""
+    if penalty == 1.0 or not context:
+        return logits
+    ids = torch.tensor(sorted(set(context)), device=logits.device)
+    seen = logits.index_select(0, ids)
+    return logits.index_copy(0, ids, torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
 def as_params(sampling, name: str = "sampling") -> SamplingParams:

@@ -31,8 +31,9 @@ def _uniform(shape, lo: float, hi: float, gen) -> torch.Tensor:
     return lo + (hi - lo) * torch.rand(shape, generator=gen, dtype=torch.float32, device=gen.device)
 
 
-def _init_one(spec: ModelSpec, info: WeightInfo, gen: torch.Generator) -> torch.Tensor:
-    name, shape, kind = info.name, info.shape, info.kind
+def _init_one(spec: ModelSpec, info: WeightInfo, gen: torch.Generator, shape=None) -> torch.Tensor:
+    """`info`'s tensor, or with `shape` (rows of it flattened to [n, last]) the next rows its generator draws."""
+    name, shape, kind = info.name, shape or info.shape, info.kind
     if kind in ("linear", "experts"):
         return _normal(shape, gen) / math.sqrt(shape[-1])                   # keeps activations O(1)
     if kind == "embedding":
@@ -69,3 +70,28 @@ def init_weights(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.floa
         t = _init_one(spec, info, _generator(seed, info.name, device))
         out[info.name] = t if info.dtype == "fp32" else t.to(dtype)
     return out
+
+
+def init_weight_parts(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32, max_elements: int = 1 << 25):
+    """init_weights' tensors one piece at a time, for checkpoints too large to draw whole: yields (name, part), a
+    tensor of at most ~`max_elements` entries (the leading rows of its flattened [rows, last] view, in order, or
+    the whole tensor in its own shape). Same values as init_weights: every part but the last of a tensor holds a
+    multiple of 16 entries and the last at least 16, so torch's CPU normal draws (16 at a time, the last 16 of an
+    uneven tensor drawn again) come out as for the whole tensor (tests/quant/test_quantize_stream.py checks)."""
+    for info in model_weights(spec):
+        gen = _generator(seed, info.name)
+        want = torch.float32 if info.dtype == "fp32" else dtype
+        total, last = math.prod(info.shape), info.shape[-1]
+        rows = total // last
+        step = max(1, max_elements // last)
+        step = -(-step // 16) * 16 if last % 16 else step           # a part's entries: a multiple of 16
+        if total <= max_elements or rows <= step:
+            yield info.name, _init_one(spec, info, gen).to(want)
+            continue
+        start = 0
+        while start < rows:
+            n = min(step, rows - start)
+            if 0 < rows - start - n and (rows - start - n) * last < 16:
+                n = rows - start                                    # the last part at least 16 entries
+            yield info.name, _init_one(spec, info, gen, (n, last)).to(want)
+            start += n

@@ -102,4 +102,4 @@ def test_unwritable_plot_path_exits_2(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     code = main(["plan", TINY, "--target", "cpu", "--plot", str(tmp_path / "no" / "dir" / "p.png")])
     err = capsys.readouterr().err
-    assert code == 2 and "cannot write" in err and err.count("\n") == 1
+    assert code == 2 and "does not exist" in err and err.count("\n") == 1

@@ -58,7 +58,7 @@ def test_same_runtime_contract_as_the_portable_decode(schedule):
 
 
 def test_seesaw_schedule_compiles_warp_specialised(tmp_path):
-    """Two warpgroup partitions and a producer warp (setmaxnreg), 128 warpgroup MMAs, TMA pieces; not shipped: at
+    """Two warpgroup partitions (setmaxnreg), warpgroup MMAs, TMA pieces; not shipped: at
     255 registers a thread it keeps a few words on the stack (see the module doc)."""
     ks = emit_mla_decode_hopper(512, 64, 64, SCALE, target=get_target("h200"), schedule="seesaw")
     assert ks.name.endswith("_seesaw") and ks.num_warps == 4
@@ -67,7 +67,7 @@ def test_seesaw_schedule_compiles_warp_specialised(tmp_path):
         (ck,) = compile_kernels([ks], get_target("h200"), str(tmp_path / "out"), progress=False, keep_asm=True)
     ptx = (tmp_path / "out" / ck.files["ptx"]).read_text()
     assert "setmaxnreg" in ptx and "cp.async.bulk.tensor.2d" in ptx
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) > 0 and ck.metadata["num_warps"] >= 9
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) > 0 and ck.metadata["num_warps"] == 8
 
 
 @pytest.mark.parametrize("kw, what", [

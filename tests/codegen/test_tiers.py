@@ -95,17 +95,35 @@ def test_targets_name_their_tiers():
 
 
 def test_mla_decode_plan_takes_the_tier_only_where_the_target_has_it():
-    hopper = dataclasses.replace(get_target("h200"), tiers=("hopper",))
-    plan = decode_plan(96, 512, hopper, cache_dtype="bf16")
+    h200 = get_target("h200")
+    assert h200.has_tier("hopper") and get_target("h100").has_tier("hopper")
+    plan = decode_plan(96, 512, h200, cache_dtype="bf16", rope_dim=64)
     assert plan.tier == "hopper" and plan.block_h == 64 and plan.num_warps == 8
-    assert decode_plan(96, 512, hopper, cache_dtype="bf16", tiers=False).tier == "portable"
-    assert decode_plan(96, 512, hopper, cache_dtype="fp32").tier == "portable"
-    assert decode_plan(96, 256, hopper, cache_dtype="bf16").tier == "portable"      # not K3's latent width
-    assert decode_plan(96, 512, hopper, cache_dtype="bf16", block_h=16).tier == "portable"  # an explicit plan
+    assert decode_plan(17, 512, h200, cache_dtype="bf16", rope_dim=64).tier == "hopper"
+    assert decode_plan(16, 512, h200, cache_dtype="bf16", rope_dim=64).tier == "portable"   # 12 heads: measured
+    assert decode_plan(96, 512, h200, cache_dtype="bf16", rope_dim=64, tiers=False).tier == "portable"
+    assert decode_plan(96, 512, h200, cache_dtype="bf16").tier == "portable"          # shape not known whole
+    assert decode_plan(96, 512, h200, cache_dtype="fp32", rope_dim=64).tier == "portable"
+    assert decode_plan(96, 512, h200, cache_dtype="fp8e4nv", rope_dim=64).tier == "portable"
+    assert decode_plan(96, 512, h200, cache_dtype="bf16", rope_dim=32).tier == "portable"  # not a served shape
+    assert decode_plan(96, 512, h200, cache_dtype="bf16", rope_dim=64, block_h=16).tier == "portable"  # explicit
     for name in ("mi355x", "mi300x", "b200", "b300", "cpu"):
-        assert decode_plan(96, 512, get_target(name), cache_dtype="bf16").tier == "portable", name
+        assert decode_plan(96, 512, get_target(name), cache_dtype="bf16", rope_dim=64).tier == "portable", name
 
 
+def test_the_h200_catalogue_holds_the_hopper_decode_and_the_runtime_launches_it():
+    """The catalogue and the run-time setup make the same choice (a meta-device decode records its launch)."""
+    import k3c
+    from k3c.codegen.catalogue import emit_kernels
+    from k3c.runtime.kernel_impls import mla as rt
+
+    model = k3c.compile("examples/k3-wide.yaml", target="h200")
+    cat = {ks.key: ks for ks in emit_kernels(model.module, model.target)}
+    hopper = [ks for ks in cat.values() if ks.tier == "hopper"]
+    assert hopper and all(ks.builds_with == tiers.TIERS["hopper"].builds_with for ks in hopper)
+    S, pps, ks, mk, _ = rt._decode_setup(4, 96, 576, 512, 64, torch.bfloat16, torch.bfloat16, torch.bfloat16, None,
+                                         8, None, 192 ** -0.5, model.target, torch.device("meta"), False)
+    assert ks.tier == "hopper" and ks.key in cat
 def test_can_build_follows_the_triton_release():
     assert tiers.can_build(probe(tiers.triton_release()))
     assert not tiers.can_build(probe("3.6"))
@@ -171,8 +189,8 @@ def test_a_compile_plans_only_the_tiers_its_triton_can_build(monkeypatch):
     from k3c.api import _manifest_target
     from k3c.errors import UserError
 
-    row = dataclasses.replace(get_target("h200"), tiers=("hopper",))
-    monkeypatch.setitem(TARGETS, "h200", row)
+    row = get_target("h200")
+    assert row.tiers == ("hopper",)
     assert tiers.buildable_target(row) is row                   # this Triton writes the tier's sources
     monkeypatch.setattr(tiers, "triton_release", lambda: "3.6")
     monkeypatch.setattr(tiers, "_SAID", set())

@@ -350,8 +350,9 @@ def input_file_cases() -> list[Case]:
              mentions=("bad.safetensors",), setup=nan, cls=c),
         Case("quantize inf expert", ("quantize", "qspec.yaml", "bad.safetensors", "-o", "q"),
              mentions=("experts.w1",), setup=inf, cls=c),
-        Case("quantize a spec without quantization", ("quantize", "project/spec.yaml", "--random", "-o", "q"),
-             mentions=("quantization",), cls=c),
+        Case("quantize a spec without quantization", ("quantize", "plain.yaml", "--random", "-o", "q"),
+             mentions=("quantization",), cls=c,
+             setup=_write("plain.yaml", TINY.read_text().split("precision:")[0])),   # nor MXFP4 precision
         Case("quantize WEIGHTS and --random", ("quantize", "qspec.yaml", "weights.safetensors", "--random", "-o", "q"),
              mentions=("--random",), cls=c),
         Case("quantize --rule round", ("quantize", "qspec.yaml", "--random", "--rule", "round", "-o", "q"),

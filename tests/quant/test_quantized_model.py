@@ -175,8 +175,11 @@ def test_quantize_cli_errors(qtiny, tmp_path, capsys):
     assert main(["quantize", str(path), "--random", "-o", str(out)]) == 2                  # exists, no --force
     assert "--force" in capsys.readouterr().err and (out / "keep").exists()
     assert main(["quantize", str(path), "-o", str(tmp_path / "a")]) == 2                    # neither input
-    assert main(["quantize", str(ROOT / "examples" / "k3-tiny.yaml"), "--random", "-o", str(tmp_path / "b")]) == 2
+    plain = tmp_path / "plain.yaml"                   # neither a quantization: section nor MXFP4 precision
+    plain.write_text(TINY)
+    assert main(["quantize", str(plain), "--random", "-o", str(tmp_path / "b")]) == 2
     assert "no quantization: section" in capsys.readouterr().err
+    plain.unlink()
     assert main(["quantize", str(path), "--random", "--rule", "ceil", "-o", str(tmp_path / "c")]) == 2
     # a checkpoint that misses a weight: error naming it, nothing written
     from safetensors.torch import save_file

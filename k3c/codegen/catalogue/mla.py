@@ -38,9 +38,9 @@ def mla_absorbed(op, module, target):
                                   range(1, LATENT_SPLIT_MAX_ROWS + 1))]
     out += [emit_mla_latent_reduce(lat, r, eps, ps, w_dtype=wdt, cache_dtype=c, **kw) for c in caches]
     for c in caches:
-        for rows in plan_classes(lambda m: decode_plan(m, lat, target, cache_dtype=c), TOKEN_CLASSES):
-            out.append(decode_kernel(decode_plan(rows, lat, target, cache_dtype=c), lat, r, ps, scale, dtype=dt,
-                                     cache_dtype=c, **kw))
+        for rows in plan_classes(lambda m: decode_plan(m, lat, target, cache_dtype=c, rope_dim=r), TOKEN_CLASSES):
+            out.append(decode_kernel(decode_plan(rows, lat, target, cache_dtype=c, rope_dim=r), lat, r, ps, scale,
+                                     dtype=dt, cache_dtype=c, **kw))
     out += [emit_mla_merge(lat, out_dtype=dt, block_d=bd, write_lse=False, **kw) for bd in decode_merge_blocks(lat)]
     out.append(emit_mla_merge(v, out_dtype="fp32", **kw))
     out += [emit_mla_prefill(p, r, v, scale, dtype=dt, has_prev=h, tq_hint=tq, **kw)

@@ -33,6 +33,7 @@ from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
 from .common import TL_DTYPE, check_dim, check_float, clamp, emit_math_helpers, interpreted, pow2_ceil, to_dtype
 from .mla_common import LATENT_FP8, LOG2E, _blk, _check_scale, _dot_parts, _p_cast, latent_row_width, \
     latent_scale_index
+from .mla_hopper import BLOCK_H as HOPPER_BLOCK_H, NUM_WARPS as HOPPER_NUM_WARPS, hopper_decode_supported
 from .mla_latent import (LATENT_SPLIT_MAX_ROWS, emit_mla_latent_partial, emit_mla_latent_reduce, emit_mla_latent_write,
                          latent_split_plan)
 
@@ -49,19 +50,21 @@ class DecodePlan:
     tier: str = "portable"          # "hopper": the Gluon kernel of kernels/mla_hopper.py (k3c.codegen.tiers)
 
 
-HOPPER_DECODE_LATENT = 512   # the latent width the hopper-tier decode is written for (K3's kv_lora_rank)
-HOPPER_DECODE_ROWS = 64      # its query rows per program: one warpgroup MMA's M
+HOPPER_DECODE_MIN_ROWS = 17   # fewer rows (12 heads, one token) stay on the portable 16-row tile (measured)
 DECODE_MAX_ROWS = 32     # fp32 accumulator [BLOCK_H, L] <= [32, 512] in a plain tile: the largest without spills
 
 
 def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
-                block_n: int | None = None, cache_dtype: str | None = None, tiers: bool = True) -> DecodePlan:
+                block_n: int | None = None, cache_dtype: str | None = None, tiers: bool = True,
+                rope_dim: int | None = None) -> DecodePlan:
     """The shipped decode plan by shape (rows = query tokens x heads of one sequence).
 
-    Targets with the hopper tier (h100, h200), a bf16 cache and a 512-wide latent: the Gluon kernel (64-row head
-    tiles over two warpgroups, kernels/mla_hopper.py), whatever the rows. `tiers=False` asks for the portable
-    plan (the runtime's fallback where a tier kernel can be neither loaded nor built: k3c.codegen.tiers).
+    Targets with the hopper tier (h100, h200), a bf16 cache, the shapes kernels/mla_hopper.py serves (rope_dim
+    given) and more than 16 rows: the Gluon kernel (64-row head tiles over two warpgroups). On an H100 it is
+    1.15-1.54x the portable kernel at 96 heads, while at 12 heads (one 16-row tile) the portable kernel is level or
+    1-8% faster at batch >= 32 (bench/mla_hopper.py; docs/perf.md). `tiers=False` asks for the portable plan (the
+    runtime's fallback where a tier kernel can be neither loaded nor built: k3c.codegen.tiers).
 
     sm_90 (H100 / H200), 512-wide latent: 16-row head tiles, 4 warps, whole pages, 2 stages, for every head count
     (12 heads: one tile, each page loaded once; 96 heads: six tiles, the page re-reads mostly hit L2): the fastest
@@ -74,9 +77,11 @@ def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | Non
     An fp8 cache (cache_dtype LATENT_FP8) on sm_90: the codes widen to bf16 in registers before the dots, so a
     whole 64-key page spills (856 B). 16 keys a step, 4 warps, 3 stages is the fastest spill-free plan of an H200
     sweep (254 registers; docs/perf.md, MLA fp8 cache): still 0.35x the bf16 cache's speed at 12 heads, 0.27x at 96."""
-    if tiers and target.has_tier("hopper") and kv_lora_rank == HOPPER_DECODE_LATENT and cache_dtype == "bf16" \
-            and block_h is None and num_warps is None and num_stages is None and block_n is None:
-        return DecodePlan(HOPPER_DECODE_ROWS, 8, 1, tier="hopper")
+    if tiers and target.has_tier("hopper") and rows >= HOPPER_DECODE_MIN_ROWS and rope_dim is not None \
+            and cache_dtype == "bf16" and block_h is None and num_warps is None and num_stages is None \
+            and block_n is None \
+            and hopper_decode_supported(kv_lora_rank, rope_dim, target.mla_page_size, "bf16", "bf16", target):
+        return DecodePlan(HOPPER_BLOCK_H, HOPPER_NUM_WARPS, 1, tier="hopper")
     lat = pow2_ceil(kv_lora_rank)
     wide = target.warp_size >= 64
     gpu = target.shared_mem_bytes > 0

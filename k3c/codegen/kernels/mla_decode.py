@@ -9,6 +9,7 @@ from ..kernel import KernelSource
 from ..targets import Target
 from ..tiers import tier_of
 from .mla import DecodePlan, emit_mla_decode
+from .mla_hopper import emit_mla_decode_hopper
 
 
 def decode_kernel(plan: DecodePlan, kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *,
@@ -16,8 +17,6 @@ def decode_kernel(plan: DecodePlan, kv_lora_rank: int, rope_dim: int, page_size:
                   ir_op: str = "mla_absorbed", loc: str = "") -> KernelSource:
     """The decode kernel `plan` names: the hopper tier's Gluon kernel, or the portable one with the plan's tiles."""
     if plan.tier != "portable":
-        from .mla_hopper import emit_mla_decode_hopper
-
         tier = tier_of(plan.tier)
         ks = emit_mla_decode_hopper(kv_lora_rank, rope_dim, page_size, scale, target=target, dtype=dtype,
                                     cache_dtype=cache_dtype, ir_op=ir_op, loc=loc)

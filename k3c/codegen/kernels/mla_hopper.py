@@ -22,12 +22,14 @@ Schedules (`schedule`):
   their own barriers, S = Q K^T with the warpgroups taking 32 keys each (the score MMA of piece i starts when it has
   landed), a cross-warpgroup softmax, P through shared memory, then P V; the next page's TMA runs during the
   current page. 225 registers, no spills.
-- "seesaw": FlashMLA's schedule: warp-specialised (gl.warp_specialize) into two warpgroup partitions and a producer
-  warp; block t belongs to warpgroup t % 2 (full 64 x 64 scores, its softmax), the running max and rescale factor
-  pass to the other warpgroup through shared memory, P_t goes into the dead rope piece of its buffer, and every
-  block's P V is done by both warpgroups on their halves; the partial last page comes through a second descriptor
-  over its live rows (the copy engine zero-fills the rest). Faster at 96 heads (bench/mla_hopper.py) but at 255
-  registers a thread ptxas keeps a few words on the stack (a spill), so it is not shipped: the tier is spill-free.
+- "seesaw": FlashMLA's schedule: warp-specialised (gl.warp_specialize) into two warpgroup partitions; block t
+  belongs to warpgroup t % 2 (full 64 x 64 scores, its softmax), the running max and rescale factor pass to the
+  other warpgroup through shared memory, P_t goes into the dead rope piece of its buffer, every block's P V is done
+  by both warpgroups on their halves, and the warpgroup that did not own block t - 1 reloads its buffer with block
+  t + 1 once both are done with it. 7-10% faster than lockstep at 96 heads on an H100 (bench/mla_hopper.py), but at
+  255 registers a thread ptxas keeps values on the stack (about 100 B: a spill), so it is not shipped: the tier is
+  spill-free. (A producer warp instead of in-loop loads and a zero-filling descriptor for the tail page cut the stack
+  to 40 B; not yet run on a GPU.)
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ PIECE = 64              # columns per TMA piece: 64 bf16 = one 128-byte swizzle 
 NUM_WARPS = 8           # two warpgroups
 LOCKSTEP, SEESAW = "lockstep", "seesaw"
 SCHEDULES = (LOCKSTEP, SEESAW)          # the first is shipped (see the module doc)
-WG_REGS = 232           # registers per thread of the second warpgroup's partition (setmaxnreg; the first gets the
-                        # rest, the producer warp 24): one program per SM (its shared memory says so too)
+WG_REGS = 256           # registers per thread of each warpgroup partition (setmaxnreg): 2 x 128 threads x 256 = the
+                        # whole register file of an SM; one program per SM (its shared memory says so too)
 HOPPER_ARCH = "sm_90"   # Target.arch of the chips this tier serves (compiled for sm_90a)
 
 
@@ -296,63 +298,62 @@ def _seesaw(kname: str, sig: dict, cx: dict, gdt: str, scale: float, target: Tar
 # checked names and numbers only.
 SEESAW_SOURCE = """
 @gluon.jit
-def _load_page(desc, tail, bt_split, kv_lat, kv_pe, ready, t, n_full):
-    # page t of the split into buffer t % 2: (L + R) / 64 TMA pieces on one barrier. The sequence's partial last
-    # page comes through `tail`, a descriptor over its live rows only: the copy engine fills the rows past the end
-    # with zeros (they may hold anything, NaN too, and 0 * NaN would poison P V)
+def _load_page(desc, bt_row, kv_lat, kv_pe, ready, p_begin, t):
+    # page t of the split into buffer t % 2: (L + R) / 64 TMA pieces, each on its own barrier
     PS: gl.constexpr = kv_lat.shape[1]
     NVAL: gl.constexpr = kv_lat.shape[2] // 64
     NPIECE: gl.constexpr = NVAL + kv_pe.shape[2] // 64
     b = t % 2
-    bar = ready.index(b)
-    mbarrier.expect(bar, PS * 64 * 2 * NPIECE)
-    if t < n_full:
-        page = gl.load(bt_split + t)
-        for i in gl.static_range(NVAL):
+    page = gl.load(bt_row + p_begin + t)
+    for i in gl.static_range(NPIECE):
+        bar = ready.index(b * NPIECE + i)
+        mbarrier.expect(bar, PS * 64 * 2)
+        if i < NVAL:
             tma.async_load(desc, [page * PS, i * 64], bar, kv_lat.index(b).slice(i * 64, 64, dim=1))
-        for i in gl.static_range(NPIECE - NVAL):
-            tma.async_load(desc, [page * PS, (NVAL + i) * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
-    else:
-        for i in gl.static_range(NVAL):
-            tma.async_load(tail, [0, i * 64], bar, kv_lat.index(b).slice(i * 64, 64, dim=1))
-        for i in gl.static_range(NPIECE - NVAL):
-            tma.async_load(tail, [0, (NVAL + i) * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
-
-
-@gluon.jit
-def _producer(desc, tail, bt_split, kv_lat, kv_pe, ready, free, n_blocks, n_full):
-    # one warp: page t into buffer t % 2 once both warpgroups are done with block t - 2 (pages 0 and 1 were issued
-    # before the fork)
-    for t in range(2, n_blocks):
-        mbarrier.wait(free.index(t % 2), ((t - 2) // 2) % 2)
-        _load_page(desc, tail, bt_split, kv_lat, kv_pe, ready, t, n_full)
+        else:
+            tma.async_load(desc, [page * PS, i * 64], bar, kv_pe.index(b).slice((i - NVAL) * 64, 64, dim=1))
 
 
 @gluon.jit
 def _scores(q_lat, q_pe, kv_lat, kv_pe, ready, t, S_L: gl.constexpr, BLOCK_H: gl.constexpr, PS: gl.constexpr,
             NPIECE: gl.constexpr, NVAL: gl.constexpr):
-    # S = Q K_t^T over the whole L + R reduction
+    # S = Q K_t^T over the whole L + R reduction, each 64-column piece as soon as it has landed
     b = t % 2
-    mbarrier.wait(ready.index(b), (t // 2) % 2)
-    s = warpgroup_mma(q_lat, kv_lat.index(b).permute((1, 0)), gl.zeros([BLOCK_H, PS], gl.float32, layout=S_L),
-                      is_async=True)
-    s = warpgroup_mma(q_pe, kv_pe.index(b).permute((1, 0)), s, is_async=True)
+    s = gl.zeros([BLOCK_H, PS], gl.float32, layout=S_L)
+    for i in gl.static_range(NPIECE):
+        mbarrier.wait(ready.index(b * NPIECE + i), (t // 2) % 2)
+        if i < NVAL:
+            s = warpgroup_mma(q_lat.slice(i * 64, 64, dim=1), kv_lat.index(b).slice(i * 64, 64, dim=1).permute((1, 0)),
+                              s, is_async=True)
+        else:
+            s = warpgroup_mma(q_pe.slice((i - NVAL) * 64, 64, dim=1),
+                              kv_pe.index(b).slice((i - NVAL) * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=[s])
 
 
 @gluon.jit
-def _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L: gl.constexpr, PS: gl.constexpr):
+def _softmax(s, kv_lat, kv_pe, m_buf, sc_buf, sm_bar, t, p_begin, seq_len, qpos, m_run,
+             S_L: gl.constexpr, PS: gl.constexpr, L: gl.constexpr):
     # block t's probabilities against the running max m_run (the max after block t - 1): P_t into the dead rope
-    # piece of its buffer, its max and rescale factor into shared memory, then the other warpgroup is told.
-    # qrel: each row's query position relative to the split's first key; keys past it are masked (qpos <= seq_len
-    # - 1, so this also hides the slots past the sequence's end)
+    # piece of its buffer, its max and rescale factor into shared memory, then the other warpgroup is told
     b = t % 2
+    p = p_begin + t
     keys = gl.arange(0, PS, layout=gl.SliceLayout(0, S_L))
-    s = gl.where(keys[None, :] <= (qrel - t * PS)[:, None], s * {SCALE_LOG2}, float('-inf'))  # log2 domain
+    kpos = p * PS + keys
+    ok = (kpos[None, :] <= qpos[:, None]) & (kpos < seq_len)[None, :]
+    s = gl.where(ok, s * {SCALE_LOG2}, float('-inf'))
     m_new = gl.maximum(m_run, gl.max(s, axis=1))
     m_use = gl.where(m_new == float('-inf'), 0.0, m_new)
     sc = gl.exp2(m_run - m_use)
     pr = gl.exp2(s - m_use[:, None])
+    if (p + 1) * PS > seq_len:
+        # the sequence's last page: value rows past its end may hold NaN (0 * NaN = NaN): zero them
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        dead = (p * PS + gl.arange(0, PS, layout=gl.SliceLayout(1, LD))) >= seq_len
+        for i in gl.static_range(L // 64):
+            vp = kv_lat.index(b).slice(i * 64, 64, dim=1)
+            vt = vp.load(LD)
+            vp.store(gl.where(dead[:, None], gl.zeros_like(vt), vt))
     kv_pe.index(b).store(pr.to(kv_pe.dtype))
     m_buf.index(b).store(m_new)
     sc_buf.index(b).store(sc)
@@ -363,8 +364,8 @@ def _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L: gl.constexpr,
 
 
 @gluon.jit
-def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats,
-               desc, tail, bt_split, n_full, n_blocks, qrel0, rows0, NH):
+def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row,
+               seq_len, p_begin, n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr):
     BLOCK_H: gl.constexpr = q_lat.shape[0]
     L: gl.constexpr = q_lat.shape[1]
     PS: gl.constexpr = kv_lat.shape[1]
@@ -377,8 +378,8 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    # each row's query position (its causal limit) relative to the split's first key
-    qrel = qrel0 + (rows0 + gl.arange(0, BLOCK_H, layout=ROW_S)) // NH
+    rows = rows0 + gl.arange(0, BLOCK_H, layout=ROW_S)
+    qpos = seq_len - TQ + rows // NH
     m_run = gl.full([BLOCK_H], float('-inf'), gl.float32, layout=ROW_S)
     l_w = gl.zeros([BLOCK_H], gl.float32, layout=ROW_S)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=O_L)
@@ -387,7 +388,8 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
         start = 2
         if n_blocks > 0:
             s = _scores(q_lat, q_pe, kv_lat, kv_pe, ready, 0, S_L, BLOCK_H, PS, NPIECE, NVAL)
-            pr, sc, m_run = _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, 0, qrel, m_run, S_L, PS)
+            pr, sc, m_run = _softmax(s, kv_lat, kv_pe, m_buf, sc_buf, sm_bar, 0, p_begin, seq_len, qpos, m_run,
+                                     S_L, PS, L)
             l_w = gl.sum(pr, axis=1)
             acc = warpgroup_mma(kv_pe.index(0), kv_lat.index(0).slice(W * HALF, HALF, dim=1), acc)
             mbarrier.arrive(free.index(0))
@@ -407,10 +409,15 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
         acc = warpgroup_mma(kv_pe.index(ob), kv_lat.index(ob).slice(W * HALF, HALF, dim=1), acc, is_async=True)
         sc = gl.full([BLOCK_H], 1.0, gl.float32, layout=ROW_S)
         if own:
-            pr, sc, m_run = _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L, PS)
+            pr, sc, m_run = _softmax(s, kv_lat, kv_pe, m_buf, sc_buf, sm_bar, t, p_begin, seq_len, qpos, m_run,
+                                     S_L, PS, L)
             l_w = l_w * sc + gl.sum(pr, axis=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(free.index(ob))
+        if t + 1 < n_blocks:
+            # block t + 1 (the other warpgroup's next) into the buffer of block t - 1, once both are done with it
+            mbarrier.wait(free.index(ob), ((t - 1) // 2) % 2)
+            _load_page(desc, bt_row, kv_lat, kv_pe, ready, p_begin, t + 1)
         if own:
             acc = acc * gl.convert_layout(sc, ROW_O)[:, None]
             acc = warpgroup_mma(kv_pe.index(b), kv_lat.index(b).slice(W * HALF, HALF, dim=1), acc)
@@ -423,26 +430,30 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
     l_i = l_w + l_buf.index(1 - W).load(ROW_S)
     has = l_i > 0.0
     inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), ROW_O)
-    # o = acc / l into the (now dead) page buffer W as fp32; the kernel's epilogue writes it out
-    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    kv_lat.index(W).reinterpret(gl.float32, [BLOCK_H, HALF], FLAT2).store(acc * inv[:, None])
+    o = acc * inv[:, None]
+    rows_o = rows0 + gl.arange(0, BLOCK_H, layout=ROW_O)
+    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    ok_o = rows_o < ROWS
+    out_row = out_base + gl.where(ok_o, rows_o, 0).to(gl.int64)
+    gl.store(o_ptr + out_row[:, None] * L + cols[None, :], o, mask=ok_o[:, None])
     if W == 0:
-        stats.index(0).store(m_run)
-        stats.index(1).store(l_i)
+        lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_i, 1.0))) * {INV_LOG2E}, float('-inf'))
+        ok_l = rows < ROWS
+        gl.store(lse_ptr + out_base + gl.where(ok_l, rows, 0).to(gl.int64), lse, mask=ok_l)
 
 
 @gluon.jit
-def _warpgroup0(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
-                bt_split, n_full, n_blocks, qrel0, rows0, NH):
-    _warpgroup(0, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
-               bt_split, n_full, n_blocks, qrel0, rows0, NH)
+def _warpgroup0(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin,
+                n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr):
+    _warpgroup(0, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin,
+               n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr)
 
 
 @gluon.jit
-def _warpgroup1(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
-                bt_split, n_full, n_blocks, qrel0, rows0, NH):
-    _warpgroup(1, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
-               bt_split, n_full, n_blocks, qrel0, rows0, NH)
+def _warpgroup1(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin,
+                n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr):
+    _warpgroup(1, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin,
+               n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr)
 
 
 @gluon.jit
@@ -461,6 +472,7 @@ def {KNAME}(q_ptr, pool_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, ROWS, NH, TQ, max
     p_begin = split * pages_per_split
     n_blocks = gl.maximum(gl.minimum(p_begin + pages_per_split, n_pages) - p_begin, 0)
     rows0 = pid_h * BLOCK_H
+    out_base = (split.to(gl.int64) * B + b) * ROWS
     q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, L], SW)
     q_pe = gl.allocate_shared_memory(DT, [BLOCK_H, R], SW)
     kv_lat = gl.allocate_shared_memory(DT, [2, PS, L], SW)
@@ -468,13 +480,13 @@ def {KNAME}(q_ptr, pool_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, ROWS, NH, TQ, max
     m_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
     sc_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
     l_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [2 * NPIECE, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     sm_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    stats = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)  # final row max and row sum
-    for i in gl.static_range(2):
+    for i in gl.static_range(2 * NPIECE):
         mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(2):
         mbarrier.init(free.index(i), count=2)
         mbarrier.init(sm_bar.index(i), count=1)
     mbarrier.init(l_bar, count=2)
@@ -492,40 +504,11 @@ def {KNAME}(q_ptr, pool_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, ROWS, NH, TQ, max
     bt_row = bt_ptr + b * max_pages
     desc = tma.make_tensor_descriptor(pool_ptr, shape=[2147483647, W], strides=[W, 1], block_shape=[PS, 64],
                                       layout=SW)
-    # pages before n_full are whole; the last page, when partial, is read through `tail` (zero-filled past the end)
-    n_full = seq_len // PS
-    last = gl.load(bt_row + gl.maximum(n_pages - 1, 0)).to(gl.int64)
-    tail = tma.make_tensor_descriptor(pool_ptr + last * (PS * W), shape=[gl.maximum(seq_len - n_full * PS, 1), W],
-                                      strides=[W, 1], block_shape=[PS, 64], layout=SW)
-    bt_split = bt_row + p_begin
-    n_full = n_full - p_begin
+    args = (q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin, n_blocks,
+            rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr)
     if n_blocks > 0:
-        _load_page(desc, tail, bt_split, kv_lat, kv_pe, ready, 0, n_full)
+        _load_page(desc, bt_row, kv_lat, kv_pe, ready, p_begin, 0)
     if n_blocks > 1:
-        _load_page(desc, tail, bt_split, kv_lat, kv_pe, ready, 1, n_full)
-    args = (q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail, bt_split,
-            n_full, n_blocks, seq_len - TQ - p_begin * PS, rows0, NH)
-    gl.warp_specialize([(_warpgroup0, args), (_warpgroup1, args),
-                        (_producer, (desc, tail, bt_split, kv_lat, kv_pe, ready, free, n_blocks, n_full))],
-                       [4, 1], [{REGS1}, 24])
-    gl.barrier()
-    # epilogue: the normalised o (fp32, in the two page buffers) and the natural-log LSE, coalesced
-    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    HALF: gl.constexpr = L // 2
-    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    out_base = (split.to(gl.int64) * B + b) * ROWS
-    orow = rows0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUT))
-    ocol = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))
-    o_row = o_ptr + (out_base + gl.where(orow < ROWS, orow, 0).to(gl.int64)) * L
-    for i in gl.static_range(L // 64):
-        half = kv_lat.index(i // (HALF // 64)).reinterpret(gl.float32, [BLOCK_H, HALF], FLAT2)
-        ot = half.slice((i % (HALF // 64)) * 64, 64, dim=1).load(OUT)
-        gl.store(o_row[:, None] + (i * 64 + ocol)[None, :], ot, mask=(orow < ROWS)[:, None])
-    ST: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    srow = rows0 + gl.arange(0, BLOCK_H, layout=ST)
-    m_fin = stats.index(0).load(ST)
-    l_fin = stats.index(1).load(ST)
-    has = l_fin > 0.0
-    lse = gl.where(has, (m_fin + gl.log2(gl.where(has, l_fin, 1.0))) * {INV_LOG2E}, float('-inf'))
-    gl.store(lse_ptr + out_base + gl.where(srow < ROWS, srow, 0).to(gl.int64), lse, mask=srow < ROWS)
+        _load_page(desc, bt_row, kv_lat, kv_pe, ready, p_begin, 1)
+    gl.warp_specialize([(_warpgroup0, args), (_warpgroup1, args)], [4], [{REGS1}])
 """

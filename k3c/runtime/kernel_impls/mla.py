@@ -183,7 +183,7 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, c
     hit = _DECODE_SETUP.get(key)
     if hit is not None and hit[0] is tgt:
         return hit[1]
-    plan = plan or decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt))
+    plan = plan or decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt), rope_dim=W - L)
 
     def kernel(p):
         return _decode_kernel(p, L, W - L, ps, float(scale), target=tgt, dtype=tt_dtype(dt),
@@ -191,7 +191,7 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, c
 
     ks = kernel(plan)
     if plan.tier != "portable" and tier_fallback(ks, device):       # a tier kernel neither loadable nor buildable
-        plan = decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt), tiers=False)
+        plan = decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt), rope_dim=W - L, tiers=False)
         ks = kernel(plan)
     tiles = -(-ROWS // plan.block_h)
     S = splits or choose_splits(B, tiles, n_pages, device)

@@ -33,7 +33,7 @@ from ...reference.kda import KDAState
 from ..caches.block_pool import BlockPool, CacheFullError
 from ..devices import target_for
 from ..caches.latent_format import check_kv_dtype, pool_dtype, row_width
-from ..sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
+from ..sampling import GREEDY, as_params, make_generator, params_for_rows, penalize, sample_rows
 from ..caches.seq_state import SeqState
 from ..session import _device, describe_graph, load_graph
 from .graph_pool import GraphPool
@@ -87,6 +87,7 @@ class Engine:
         self.seqs: dict[int, SeqState] = {}
         self._sampling: dict[int, tuple] = {}      # rid -> (seeded SamplingParams, its generator) of sampled requests
         self._stop: dict[int, frozenset] = {}      # rid -> the token ids that end it
+        self._penalty: dict[int, float] = {}       # rid -> its repetition penalty, where not 1 (it does not draft)
         self._next_rid = 0
         self.stats = Counter()
         self._rooms(num_pages, page_size, prefix_cache, speculation, graph_backend)
@@ -115,7 +116,7 @@ class Engine:
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
         self.speculator = None if speculation is None else Speculator(
             speculation, scheduler=self.scheduler, ledger=self.ledger, runner=self.runner, seqs=self.seqs,
-            sampling=self._sampling, stop=self._stop, finish=self.finish, max_context=self.max_context,
+            sampling=self._sampling, stop=self._stop, penalty=self._penalty, finish=self.finish, max_context=self.max_context,
             stats=self.stats)
 
     # -- what the rooms hold, read through the facade --------------------------------------------------------------
@@ -167,6 +168,8 @@ class Engine:
         seq = self._new_seq(tokens, max_new_tokens, scheduled=True)
         if not params.greedy:
             self._sampling[seq.rid] = (params, make_generator(params))
+        if params.repetition_penalty != 1.0:
+            self._penalty[seq.rid] = params.repetition_penalty
         if stop:
             self._stop[seq.rid] = stop
         self.scheduler.queue(seq)
@@ -203,6 +206,7 @@ class Engine:
         self.scheduler.remove(seq)
         self._sampling.pop(rid, None)
         self._stop.pop(rid, None)
+        self._penalty.pop(rid, None)
         if self.speculation is not None:
             self.speculation.forget(rid)
         if self.prefix is not None:
@@ -274,8 +278,9 @@ class Engine:
         the whole batch; a row whose sampling raises fails alone (sample_rows): it leaves with its error, the others
         keep their tokens."""
         drawn = [self._sampling.get(s.rid, (GREEDY, None)) for s in ready]
-        picks = sample_rows(torch.stack([s.last_logits for s in ready]), [p for p, _ in drawn],
-                            [g for _, g in drawn]) if ready else []
+        rows = [penalize(s.last_logits, s.tokens, self._penalty[s.rid]) if s.rid in self._penalty else s.last_logits
+                for s in ready]
+        picks = sample_rows(torch.stack(rows), [p for p, _ in drawn], [g for _, g in drawn]) if ready else []
         now = time.perf_counter()
         outs = []
         for seq, tok, (params, _) in zip(ready, picks, drawn):
