@@ -228,7 +228,7 @@ class DecodeGraph:
         if batch < 1 or capacity < 1 or tokens < 1:
             raise ArgumentError(f"batch, capacity and tokens must be positive, got {batch}, {capacity}, {tokens}")
         # tokens > 1: a speculative verification call (the last token and a draft per sequence); each run writes
-        # the KDA states after every token into static buffers (`trace`, runtime/kda_rollback.py)
+        # the KDA states after every token into static buffers (`trace`, runtime/caches/kda_rollback.py)
         self.tokens = tokens
         self.trace: dict | None = None               # the last run's KDA trace (tokens > 1)
         self._traces: dict = {}                      # bucket (None: eager) -> the trace its runs fill

@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/speculative.py, runtime/kda_rollback.py, Engine's draft / verify / rewind).
+"""Speculative decoding (runtime/speculative.py, runtime/caches/kda_rollback.py, serving/speculation.py, Engine.rewind).
 
 On the CPU in fp32 with the trained example model examples/k3-stdlib (kernels off) unless a test says otherwise:
   - greedy identity: with speculation (prompt lookup, then a draft model: the same model, and a random one that

@@ -10,7 +10,7 @@ import torch
 
 from ..caches.kda_rollback import restore
 from ..caches.seq_state import SeqState
-from ..speculative import accept_greedy, accept_sampled, propose
+from .. import speculative            # looked up per call: the drafters and the acceptance rules live there
 from .ledger import PageLedger
 from .requests import StepOutput
 from .runner import Runner
@@ -46,7 +46,7 @@ class Speculator:
         if not spec.wanted(rids):
             return {}, False, True
         ks = [self.draft_room(s) for s in rows]
-        got = propose(spec, rids, [s.tokens for s in rows], ks)
+        got = speculative.propose(spec, rids, [s.tokens for s in rows], ks)
         got = [list(d)[:k] for d, k in zip(got, ks)]
         lengths = [len(d) for d in got]
         spec.found(rids, lengths)
@@ -85,7 +85,7 @@ class Speculator:
             chosen = set(spec.shadow_rids(rids))
             rows = [s for s in rows if s.rid in chosen]
             if rows:
-                got = propose(spec, [s.rid for s in rows], [s.tokens for s in rows],
+                got = speculative.propose(spec, [s.rid for s in rows], [s.tokens for s in rows],
                               [self.draft_room(s) for s in rows])
                 spec.found([s.rid for s in rows], [len(d) for d in got])
                 for s, d in zip(rows, got):
@@ -141,12 +141,12 @@ class Speculator:
             draft, seg = drafts[rid]
             pick = picks.get(rid)
             if pick is not None:
-                emitted, seed = accept_greedy(pick, draft), None
+                emitted, seed = speculative.accept_greedy(pick, draft), None
             else:
                 params, gen = self.sampling[rid]
                 seed = params.seed
                 try:
-                    emitted = accept_sampled(logits[rid], draft, params, gen)
+                    emitted = speculative.accept_sampled(logits[rid], draft, params, gen)
                 except Exception as exc:
                     failed.append((seq, exc))
                     continue
