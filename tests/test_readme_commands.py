@@ -105,6 +105,10 @@ def _serve(cmd: str, work, env) -> None:
         r = subprocess.run([sys.executable, "-c", client], cwd=work, env=env, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
+        tool_call = _blocks(section, "python")[2].replace("8000", port)
+        r = subprocess.run([sys.executable, "-c", tool_call], cwd=work, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and r.stdout.startswith("functions.get_weather:0 get_weather {"), r.stderr[-3000:]
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)

@@ -6,7 +6,8 @@
 
 The model, weights and engine are built as `k3c run` builds them (commands/run.py), with a prefix cache; the
 engine then runs in its own thread (serve/engine_loop.py) and uvicorn serves the app (serve/app.py) on one socket
-bound before the "listening" line is printed (so --port 0 takes a free port and says which). SIGINT / SIGTERM:
+bound before the model loads (while it loads, serve/loading.py answers 503, `/health` "loading"; the "listening"
+line says it is ready, and which port --port 0 took). SIGINT / SIGTERM:
 open streams get a last error event, new requests a 503, every sequence leaves the engine, the process exits 0.
 """
 from __future__ import annotations
@@ -163,6 +164,7 @@ def cmd_serve(args) -> int:
     from ..serve.chat import ChatTemplate
     from ..serve.connection import with_header_timeout
     from ..serve.engine_loop import EngineLoop
+    from ..serve.grammar import Grammars
     from ..serve.metrics import ServerMetrics
     from ..serve.protocol import ModelInfo
     from .run import _build, _check_run_args
@@ -175,6 +177,12 @@ def cmd_serve(args) -> int:
     if args.disk_dir is not None:
         _check_dir(args.disk_dir)
     sock = _bind(args.host, args.port)          # before the model loads: a taken port fails at once
+    from ..serve.loading import LoadingResponder
+
+    loading = LoadingResponder(sock).start()    # 503 ("loading") until the model is ready
+    bound_host, bound_port = sock.getsockname()[:2]
+    print(f"k3c serve: loading {args.model} (http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:"
+          f"{bound_port} answers 503 until it is ready)", flush=True)
     try:
         cache = prefix_cache(args)
         context: list[int] = []
@@ -197,10 +205,11 @@ def cmd_serve(args) -> int:
         if tok is None:
             raise ArgumentError(f"{args.model}: no tokenizer (tokenizer.json); give --tokenizer DIR")
         template = ChatTemplate.from_directory(os.path.dirname(tok.path),
-                                               eos_token=None if tok.eos_id is None else tok.decode([tok.eos_id]))
+                                               eos_token=None if tok.eos_id is None else
+                                               tok.decode([tok.eos_id], skip_special_tokens=False))
         info = ModelInfo(name=args.served_model_name or model.spec.name, tokenizer=tok, max_context=context[0],
                          vocab_size=model.spec.vocab_size, render_chat=template.render, created=int(time.time()),
-                         max_prompt_chars=tok.max_chars(context[0]))
+                         max_prompt_chars=tok.max_chars(context[0]), grammars=Grammars(tok, model.spec.vocab_size))
         metrics = ServerMetrics()
         loop = EngineLoop(eng, metrics, eos_id=tok.eos_id)
         max_body = body_limit(info.max_prompt_chars)
@@ -229,6 +238,7 @@ def cmd_serve(args) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
             print(f"k3c serve: warning: bound to {args.host} without an API key: anyone who can reach it can use it",
                   file=sys.stderr, flush=True)
+        loading.stop()                          # connections from here on wait for uvicorn, a moment away
         print(f"k3c serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port} "
               f"(Ctrl-C stops)", flush=True)
         server.run(sockets=[sock])
@@ -237,4 +247,5 @@ def cmd_serve(args) -> int:
               f"MLA pages free (the rest hold prefix-cache checkpoints)", flush=True)
         return 0
     finally:
+        loading.stop()
         sock.close()

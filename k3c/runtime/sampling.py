@@ -87,9 +87,9 @@ def penalize(logits: torch.Tensor, context: list[int], penalty: float) -> torch.
     tensor; penalty 1 returns the row as it is). Applied before temperature, top-k and top-p."""
     if penalty == 1.0 or not context:
         return logits
-    ids = torch.tensor(sorted(set(context)), device=logits.device)
-    seen = logits.index_select(0, ids)
-    return logits.index_copy(0, ids, torch.where(seen > 0, seen / penalty, seen * penalty))
+    from .logits_processors import RowLogits, process     # the one implementation of the rule (batched)
+
+    return process(logits[None], [RowLogits(repetition_penalty=penalty)], [list(context)], [len(context)])[0]
 
 
 def as_params(sampling, name: str = "sampling") -> SamplingParams:

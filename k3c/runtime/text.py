@@ -60,8 +60,15 @@ class Tokenizer:
             self._longest = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1) or 1
         return tokens * self._longest * (4 if self._backend.normalizer is not None else 1)
 
-    def decode(self, ids) -> str:
-        return self._backend.decode([int(i) for i in ids])
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the added (special) token spelled `text`, None when the vocabulary has none."""
+        for tid, added in self._backend.get_added_tokens_decoder().items():
+            if added.content == text:
+                return tid
+        return None
 
 
 def has_tokenizer(directory: str) -> bool:

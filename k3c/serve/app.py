@@ -35,11 +35,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..runtime.logits_processors import RowLogits
 from ..runtime.sampling import params_for_rows
 from .engine_loop import EngineLoop, ErrorEvent, Job, TokenEvent, server_error
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import APIError, GenerationRequest, ModelInfo, decode_body, parse_chat, parse_completion, shown
+from .protocol import (APIError, GenerationRequest, ModelInfo, decode_body, parse_chat, parse_completion,
+                       parse_detokenize, parse_tokenize, shown)
 from .text_stream import TextStream
+from .tool_parser import CallArgs, CallStart, Content, K2OutputParser, Reasoning, collect
 
 log = logging.getLogger("k3c.serve")
 
@@ -58,14 +61,45 @@ def body_limit(max_prompt_chars: int | None) -> int:
 
 
 class _Choice:
-    """What one choice has produced so far, as the client will see it."""
+    """What one choice has produced so far, as the client will see it. A chat choice's text goes through the K2
+    output parser (reasoning, and tool calls when tools were offered): `message` holds what it made of it."""
 
-    def __init__(self, job: Job, tokenizer, stop, eos_id):
+    def __init__(self, job: Job, tokenizer, stop, eos_id, parser: K2OutputParser | None = None):
         self.job, self._tok, self._eos = job, tokenizer, eos_id
-        self.text = TextStream(tokenizer, stop)
+        self.text = TextStream(tokenizer, stop, keep_special=parser is not None)
+        self.parser = parser
         self.finish_reason: str | None = None
         self.tokens = 0
         self.logprobs: list[tuple[int, float, list]] = []     # (token, logprob, top) per token, in order
+        self.events: list = []                                # the parser's events so far
+
+    def chat_delta(self, text: str) -> dict:
+        """The chat delta of new text (OpenAI's shape: content, reasoning_content, tool_calls); at the end (a
+        finish_reason set) what the parser held back too, and "tool_calls" as the reason when calls were made."""
+        if self.parser is None:
+            return {"content": text} if text else {}
+        events = self.parser.feed(text) if text else []
+        if self.finish_reason is not None:
+            events += self.parser.finish()
+            if self.finish_reason == "stop" and self.parser.calls:
+                self.finish_reason = "tool_calls"
+        self.events += events
+        return delta_of(events)
+
+    def message(self) -> dict:
+        """The whole message: the same parser events joined."""
+        if self.parser is None:
+            return {"role": "assistant", "content": self.text.text}
+        parsed = collect(self.events)
+        msg = {"role": "assistant", "content": parsed["content"] if parsed["content"] or not parsed["tool_calls"]
+               else None}
+        if parsed["reasoning_content"]:
+            msg["reasoning_content"] = parsed["reasoning_content"]
+        if parsed["tool_calls"]:
+            msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in parsed["tool_calls"]]
+        return msg
 
     def on_token(self, ev: TokenEvent, loop: EngineLoop) -> tuple[str, list]:
         """(new text, new log-prob entries) of one token; sets finish_reason once the choice has ended."""
@@ -82,13 +116,49 @@ class _Choice:
             if not ev.finished:
                 loop.cancel(self.job, "stop")
         elif ev.finished:
-            self.finish_reason = "length"
+            self.finish_reason = ev.reason or "length"      # stop: the request's grammar is complete
             delta += self.text.finish()
         self.logprobs += entries
         return delta, entries
 
     def token_text(self, token: int) -> str:
         return self._tok.decode([token])
+
+
+def _row_logits(req: GenerationRequest) -> RowLogits | None:
+    """One choice's logit changes: its own grammar matcher (a choice's grammar state is its own)."""
+    grammar = req.grammar.matcher() if req.grammar is not None else None
+    if req.logits is None and grammar is None:
+        return None
+    return RowLogits(**(req.logits or {}), grammar=grammar)
+
+
+def _parser(req: GenerationRequest) -> K2OutputParser | None:
+    """A chat choice's output parser: reasoning always (K3 thinks), tool calls when tools were offered."""
+    if req.kind != "chat":
+        return None
+    return K2OutputParser(reasoning=True, tools=bool(req.tools is not None and req.tools.parse_calls))
+
+
+def delta_of(events) -> dict:
+    """Parser events as one chat delta: content and reasoning_content joined, tool_calls in OpenAI's streaming
+    shape (a call's first entry carries its id, type and name; later ones add to its arguments)."""
+    delta: dict = {}
+    calls: dict[int, dict] = {}
+    for ev in events:
+        if isinstance(ev, Content):
+            delta["content"] = delta.get("content", "") + ev.text
+        elif isinstance(ev, Reasoning):
+            delta["reasoning_content"] = delta.get("reasoning_content", "") + ev.text
+        elif isinstance(ev, CallStart):
+            calls[ev.index] = {"index": ev.index, "id": ev.id, "type": "function",
+                               "function": {"name": ev.name, "arguments": ""}}
+        elif isinstance(ev, CallArgs):
+            calls.setdefault(ev.index, {"index": ev.index, "function": {"arguments": ""}})
+            calls[ev.index]["function"]["arguments"] += ev.text
+    if calls:
+        delta["tool_calls"] = list(calls.values())
+    return delta
 
 
 class Server:
@@ -165,6 +235,33 @@ class Server:
             {"id": self.info.name, "object": "model", "created": self.info.created, "owned_by": "k3c",
              "max_model_len": self.info.max_context}]})
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {"prompt": str} or {"messages": [...], "tools"?} (rendered by the chat template) ->
+        {"tokens", "count", "max_model_len"}."""
+        def work(raw):
+            ids = parse_tokenize(decode_body(raw), self.info)
+            return {"tokens": list(ids), "count": len(ids), "max_model_len": self.info.max_context}
+        return await self._simple(request, "tokenize", work)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        def work(raw):
+            return {"prompt": parse_detokenize(decode_body(raw), self.info)}
+        return await self._simple(request, "detokenize", work)
+
+    async def _simple(self, request: Request, endpoint: str, work) -> Response:
+        try:
+            self._authorize(request)
+            raw = await self._body(request)
+            out = await anyio.to_thread.run_sync(lambda: work(raw), limiter=self._parsers)  # CPU work
+        except ClientDisconnect:
+            self._count(endpoint, 499)
+            return Response(status_code=499)
+        except APIError as err:
+            return self._error(endpoint, err)
+        self._count(endpoint, 200)
+        return JSONResponse(out)
+
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completions", parse_completion)
 
@@ -188,14 +285,15 @@ class Server:
             events: asyncio.Queue = asyncio.Queue()
             aloop = asyncio.get_running_loop()
             rows = params_for_rows(req.sampling, len(req.prompts) * req.n)
+            procs = await anyio.to_thread.run_sync(lambda: [_row_logits(req) for _ in rows], limiter=self._parsers)
             jobs = [Job(index=i, prompt=req.prompts[i // req.n], max_tokens=req.max_tokens, sampling=rows[i],
-                        logprobs=req.logprobs, events=events, aloop=aloop, t_arrival=t_arrival)
+                        logprobs=req.logprobs, events=events, aloop=aloop, t_arrival=t_arrival, logits=procs[i])
                     for i in range(len(rows))]
             for job in jobs:
                 self.loop.submit(job)
         except APIError as err:
             return self._error(endpoint, err)
-        choices = [_Choice(j, self.info.tokenizer, req.stop, self.eos_id) for j in jobs]
+        choices = [_Choice(j, self.info.tokenizer, req.stop, self.eos_id, _parser(req)) for j in jobs]
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
@@ -216,7 +314,10 @@ class Server:
                 ev = await events.get()
                 if isinstance(ev, ErrorEvent):
                     return ev.error
-                choices[ev.index].on_token(ev, self.loop)
+                c = choices[ev.index]
+                delta, _ = c.on_token(ev, self.loop)
+                if req.kind == "chat":
+                    c.chat_delta(delta)
             return None
 
         async def disconnected():
@@ -273,8 +374,7 @@ class Server:
     def _choice_body(self, req: GenerationRequest, c: _Choice) -> dict:
         lp = self._logprobs_body(req, c, c.logprobs)
         if req.kind == "chat":
-            return {"index": c.job.index, "message": {"role": "assistant", "content": c.text.text},
-                    "logprobs": lp, "finish_reason": c.finish_reason}
+            return {"index": c.job.index, "message": c.message(), "logprobs": lp, "finish_reason": c.finish_reason}
         return {"index": c.job.index, "text": c.text.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     async def _stream(self, req, jobs, choices, events, rid, created):
@@ -288,9 +388,11 @@ class Server:
             if req.kind == "chat":
                 for c in choices:
                     sent_role.add(c.job.index)
-                    yield json.dumps({**head, "choices": [{"index": c.job.index, "delta": {"role": "assistant",
-                                                                                             "content": ""},
-                                                           "logprobs": None, "finish_reason": None}]})
+                    chunk = {**head, "choices": [{"index": c.job.index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
+                    if req.continuous_usage:
+                        chunk["usage"] = self._usage(req, choices)
+                    yield json.dumps(chunk)
             while any(c.finish_reason is None for c in choices):
                 ev = await events.get()
                 if isinstance(ev, ErrorEvent):
@@ -303,11 +405,16 @@ class Server:
                 lp = self._logprobs_body(req, c, entries, offsets[ev.index])
                 offsets[ev.index] += len(delta)
                 if req.kind == "chat":
-                    part = {"index": ev.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                    part = {"index": ev.index, "delta": c.chat_delta(delta), "logprobs": lp,
                             "finish_reason": c.finish_reason}
+                    if not part["delta"] and not entries and c.finish_reason is None:
+                        continue                  # text the parser holds back (a marker may be starting)
                 else:
                     part = {"index": ev.index, "text": delta, "logprobs": lp, "finish_reason": c.finish_reason}
-                yield json.dumps({**head, "choices": [part]})
+                chunk = {**head, "choices": [part]}
+                if req.continuous_usage:
+                    chunk["usage"] = self._usage(req, choices)
+                yield json.dumps(chunk)
             else:
                 if req.include_usage:
                     yield json.dumps({**head, "choices": [], "usage": self._usage(req, choices)})
@@ -339,6 +446,8 @@ def build_app(loop: EngineLoop, info: ModelInfo, metrics: ServerMetrics, api_key
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),
+        Route("/tokenize", s.tokenize, methods=["POST"]),
+        Route("/detokenize", s.detokenize, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found, Exception: _server_error})
     app.state.server = s

@@ -41,6 +41,7 @@ class TokenEvent:
     finished: bool                    # the engine ended the sequence (max_tokens or the EOS token)
     logprob: float | None = None      # of `token` under the model's distribution
     top: list[tuple[int, float]] | None = None     # the most likely alternatives (id, logprob)
+    reason: str | None = None         # of a finished one: stop (the EOS token, or its grammar completed) | length
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Job:
     events: asyncio.Queue
     aloop: asyncio.AbstractEventLoop
     t_arrival: float = field(default_factory=time.perf_counter)
+    logits: object = None             # runtime.logits_processors.RowLogits (penalties, biases, grammar), or None
     rid: int | None = None
     seq: object = None                # the engine's SeqState (its `resumed` count outlives the sequence)
     tokens: int = 0
@@ -157,7 +159,8 @@ class EngineLoop:
                 return
             try:
                 job.rid = self.engine.add_request(list(job.prompt), job.max_tokens, sampling=job.sampling,
-                                                  stop_token_ids=() if self.eos_id is None else (self.eos_id,))
+                                                  stop_token_ids=() if self.eos_id is None else (self.eos_id,),
+                                                  logits=job.logits)
             except UserError as exc:       # larger than the whole pool, or a bad argument
                 self._close(job, ErrorEvent(job.index, APIError(400, str(exc))))
                 return
@@ -217,6 +220,9 @@ class EngineLoop:
                 m.ttft.observe(now - job.t_arrival)
                 m.prompt_tokens.inc(len(job.prompt))
                 m.cached_tokens.inc(getattr(job.seq, "resumed", 0))
+                admitted = getattr(job.seq, "t_admitted", None)
+                if admitted is not None:
+                    m.queue_time.observe(max(0.0, admitted - job.t_arrival))
             else:
                 m.itl.observe(now - job.t_last)
             job.t_last = now
@@ -230,7 +236,9 @@ class EngineLoop:
             if o.finished:
                 del self._jobs[o.rid]
                 m.latency.observe(now - job.t_arrival)
-                m.finished.labels("stop" if o.token == self.eos_id else "length").inc()
+                done = o.token == self.eos_id or (job.logits is not None and job.logits.finished)
+                event.reason = "stop" if done else "length"
+                m.finished.labels(event.reason).inc()
                 job.closed = True
             job.put(event)
         m.observe_engine(self.engine)

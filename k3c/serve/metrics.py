@@ -5,6 +5,17 @@ inter-token latency, request latency and the batch each engine step ran; gauges 
 requests, the MLA page pool, the prefix cache (checkpoints and bytes per tier) and its hit rate, and with
 speculative decoding the draft tokens verified and kept. The engine loop
 updates them after every step; /metrics renders them as Prometheus text.
+
+vLLM's names, for dashboards built on them (same semantics; docs/runtime.md has the table):
+    vllm:num_requests_running / waiting       k3c_requests_running / k3c_requests_waiting
+    vllm:kv_cache_usage_perc                  k3c_kv_cache_usage (a fraction, as vLLM's)
+    vllm:prefix_cache_queries / hits          k3c_prompt_tokens_total / k3c_prompt_tokens_cached_total (tokens)
+    vllm:prompt_tokens / generation_tokens    k3c_prompt_tokens_total / k3c_generated_tokens_total
+    vllm:request_success{finished_reason}     k3c_choices_finished_total{reason}
+    vllm:time_to_first_token_seconds          k3c_time_to_first_token_seconds
+    vllm:inter_token_latency_seconds          k3c_inter_token_latency_seconds
+    vllm:e2e_request_latency_seconds          k3c_request_latency_seconds
+    vllm:request_queue_time_seconds           k3c_request_queue_time_seconds
 """
 from __future__ import annotations
 
@@ -35,10 +46,14 @@ class ServerMetrics:
                                  buckets=_LATENCY, registry=r)
         self.batch = Histogram("k3c_step_batch_size", "sequences that got a token in one engine step",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.queue_time = Histogram("k3c_request_queue_time_seconds", "request arrival to joining the batch",
+                                    buckets=_LATENCY, registry=r)
         self.running = Gauge("k3c_requests_running", "sequences in the engine's batch", registry=r)
         self.waiting = Gauge("k3c_requests_waiting", "sequences queued for a place in the batch", registry=r)
         self.pages_total = Gauge("k3c_kv_pages_total", "MLA page pool size (pages)", registry=r)
         self.pages_used = Gauge("k3c_kv_pages_used", "MLA pages held by sequences and checkpoints", registry=r)
+        self.kv_usage = Gauge("k3c_kv_cache_usage", "fraction of the MLA page pool in use (vLLM's kv_cache_usage_perc)",
+                              registry=r)
         self.prefix_pages = Gauge("k3c_prefix_cache_pages", "MLA pages held by prefix-cache checkpoints",
                                   registry=r)
         self.prefix_entries = Gauge("k3c_prefix_cache_checkpoints", "prefix-cache checkpoints by tier", ("tier",),
@@ -59,6 +74,7 @@ class ServerMetrics:
         pool = engine.pool
         self.pages_total.set(pool.num_pages)
         self.pages_used.set(pool.num_pages - pool.num_free)
+        self.kv_usage.set((pool.num_pages - pool.num_free) / pool.num_pages if pool.num_pages else 0.0)
         cache = engine.prefix
         if cache is not None:
             self.prefix_pages.set(cache.device_pages())

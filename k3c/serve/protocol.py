@@ -24,6 +24,8 @@ from typing import Callable
 
 from ..limits import MAX_SEED, MAX_TOP_K
 from ..runtime.sampling import SamplingParams
+from .api_error import APIError, field_error, json_kind
+from .tools import parse_tool_fields
 
 MAX_N = 16                    # choices per request
 MAX_STOP = 4                  # stop strings per request (the API's limit)
@@ -35,28 +37,17 @@ SHOWN_CHARS = 64              # of a client's name (an unknown key) echoed in an
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class APIError(Exception):
-    """An error the client caused (4xx) or the server could not avoid (5xx), as OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     name: str                                   # the model id clients send and /v1/models lists
     tokenizer: object                           # runtime.text.Tokenizer
     max_context: int                            # prompt + completion tokens per sequence
     vocab_size: int
-    render_chat: Callable[[list[dict]], str]    # chat.ChatTemplate.render
+    render_chat: Callable[..., str]             # chat.ChatTemplate.render(messages, tools)
     created: int = 0                            # /v1/models' "created" (server start, Unix seconds)
     max_prompt_chars: int | None = None         # longer prompt text cannot fit max_context (Tokenizer.max_chars;
                                                 # None: no such bound)
+    grammars: object = None                     # grammar.Grammars of the tokenizer (None: no constrained decoding)
 
 
 @dataclass(frozen=True)
@@ -71,6 +62,13 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False                 # stream_options.include_usage: a last chunk with the usage
     model: str = ""                             # the model id the request named (echoed in the response)
+    logits: dict | None = None                  # runtime.logits_processors.RowLogits arguments (penalties, biases)
+    tools: object = None                        # tools.ToolFields of a chat request
+    continuous_usage: bool = False              # stream_options.continuous_usage_stats: usage on every chunk
+
+    @property
+    def grammar(self):
+        return getattr(self.tools, "grammar", None)
 
 
 def shown(name: str) -> str:
@@ -105,26 +103,17 @@ def decode_body(raw: bytes):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, v in items:
             if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
-                raise _bad(_path(where) or None, f"a key holds a lone UTF-16 surrogate ({ascii(shown(key))})",
+                raise field_error(_path(where) or None, f"a key holds a lone UTF-16 surrogate ({ascii(shown(key))})",
                            code="invalid_unicode")
             if isinstance(v, str):
                 if not v.isascii() and _SURROGATE.search(v):
-                    raise _bad(_path(where + (key,)), "holds a lone UTF-16 surrogate (not text)",
+                    raise field_error(_path(where + (key,)), "holds a lone UTF-16 surrogate (not text)",
                                code="invalid_unicode")
             elif isinstance(v, (dict, list)):
                 stack.append((v, depth + 1, where + (key,)))
     if isinstance(body, str) and _SURROGATE.search(body):
-        raise _bad("", "the request body holds a lone UTF-16 surrogate", code="invalid_unicode")
+        raise field_error("", "the request body holds a lone UTF-16 surrogate", code="invalid_unicode")
     return body
-
-
-def _bad(param: str, message: str, code: str | None = None) -> APIError:
-    return APIError(400, f"{param}: {message}" if param else message, param=param or None, code=code)
-
-
-def _kind(v) -> str:
-    return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
-                                     list: "array", dict: "object"}.get(type(v), type(v).__name__)
 
 
 def _integer(body: dict, name: str, default, low: int, high: int | None = None):
@@ -132,9 +121,9 @@ def _integer(body: dict, name: str, default, low: int, high: int | None = None):
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise _bad(name, f"expected an integer, got {_kind(v)}")
+        raise field_error(name, f"expected an integer, got {json_kind(v)}")
     if v < low or (high is not None and v > high):
-        raise _bad(name, f"{v} is out of range: it must be in [{low}, {high}]" if high is not None
+        raise field_error(name, f"{v} is out of range: it must be in [{low}, {high}]" if high is not None
                    else f"{v} is out of range: it must be >= {low}")
     return int(v)
 
@@ -144,9 +133,9 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-        raise _bad(name, f"expected a finite number, got {_kind(v) if not isinstance(v, float) else v}")
+        raise field_error(name, f"expected a finite number, got {json_kind(v) if not isinstance(v, float) else v}")
     if v < low or v > high or (low_open and v == low):
-        raise _bad(name, f"{v} is out of range: it must be in {'(' if low_open else '['}{low:g}, {high:g}]")
+        raise field_error(name, f"{v} is out of range: it must be in {'(' if low_open else '['}{low:g}, {high:g}]")
     return float(v)
 
 
@@ -155,26 +144,26 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise _bad(name, f"expected a boolean, got {_kind(v)}")
+        raise field_error(name, f"expected a boolean, got {json_kind(v)}")
     return v
 
 
 def _unsupported(body: dict, name: str, allowed: Callable[[object], bool], why: str) -> None:
     if name in body and body[name] is not None and not allowed(body[name]):
-        raise _bad(name, f"not supported by this server ({why})", code="unsupported_parameter")
+        raise field_error(name, f"not supported by this server ({why})", code="unsupported_parameter")
 
 
 def _check_keys(body: dict, known: frozenset) -> None:
     for key in body:
         if key not in known:
-            raise _bad(shown(key), "unrecognized request argument", code="unrecognized_argument")
+            raise field_error(shown(key), "unrecognized request argument", code="unrecognized_argument")
 
 
 def _model(body: dict, ctx: ModelInfo) -> str:
     v = body.get("model")
     if not isinstance(v, str):
-        raise _bad("model", "required: a string naming the model" if v is None else
-                   f"expected a string, got {_kind(v)}")
+        raise field_error("model", "required: a string naming the model" if v is None else
+                   f"expected a string, got {json_kind(v)}")
     if v != ctx.name:
         raise APIError(404, f"the model {v[:200]!r} does not exist; this server serves {ctx.name!r}",
                        param="model", code="model_not_found")
@@ -187,12 +176,12 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise _bad("stop", f"expected a string or an array of strings, got {_kind(v)}")
+        raise field_error("stop", f"expected a string or an array of strings, got {json_kind(v)}")
     if len(items) > MAX_STOP:
-        raise _bad("stop", f"at most {MAX_STOP} stop sequences, got {len(items)}")
+        raise field_error("stop", f"at most {MAX_STOP} stop sequences, got {len(items)}")
     for s in items:
         if not s or len(s) > MAX_STOP_CHARS:
-            raise _bad("stop", f"each stop sequence must hold 1 to {MAX_STOP_CHARS} characters")
+            raise field_error("stop", f"each stop sequence must hold 1 to {MAX_STOP_CHARS} characters")
     return tuple(dict.fromkeys(items))
 
 
@@ -204,28 +193,31 @@ def _sampling(body: dict) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
     stream = _boolean(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not stream:
-        raise _bad("stream_options", "only allowed with stream: true")
+        raise field_error("stream_options", "only allowed with stream: true")
     if not isinstance(opts, dict):
-        raise _bad("stream_options", f"expected an object, got {_kind(opts)}")
-    _check_keys({f"stream_options.{k}": v for k, v in opts.items()}, frozenset({"stream_options.include_usage"}))
+        raise field_error("stream_options", f"expected an object, got {json_kind(opts)}")
+    _check_keys({f"stream_options.{k}": v for k, v in opts.items()},
+                frozenset({"stream_options.include_usage", "stream_options.continuous_usage_stats"}))
     return stream, _boolean({"stream_options.include_usage": opts.get("include_usage")},
-                            "stream_options.include_usage", False)
+                            "stream_options.include_usage", False), \
+        _boolean({"stream_options.continuous_usage_stats": opts.get("continuous_usage_stats")},
+                 "stream_options.continuous_usage_stats", False)
 
 
 def _token_ids(v: list, param: str, ctx: ModelInfo) -> tuple[int, ...]:
     if not v:
-        raise _bad(param, "a prompt must hold at least one token")
+        raise field_error(param, "a prompt must hold at least one token")
     for t in v:
         if isinstance(t, bool) or not isinstance(t, int):
-            raise _bad(param, f"token ids must be integers, got {_kind(t)}")
+            raise field_error(param, f"token ids must be integers, got {json_kind(t)}")
         if not 0 <= t < ctx.vocab_size:
-            raise _bad(param, f"token id {t} is outside the vocabulary [0, {ctx.vocab_size})")
+            raise field_error(param, f"token id {t} is outside the vocabulary [0, {ctx.vocab_size})")
     return tuple(v)
 
 
@@ -236,7 +228,7 @@ def _encode(text: str, param: str, ctx: ModelInfo) -> tuple[int, ...]:
                        f"({ctx.max_prompt_chars})", param=param, code="context_length_exceeded")
     ids = tuple(ctx.tokenizer.encode(text))
     if not ids:
-        raise _bad(param, "the prompt encodes to no tokens")
+        raise field_error(param, "the prompt encodes to no tokens")
     return ids
 
 
@@ -245,18 +237,19 @@ def _prompts(body: dict, ctx: ModelInfo) -> tuple[tuple[int, ...], ...]:
     arrays of token ids."""
     v = body.get("prompt")
     if v is None:
-        raise _bad("prompt", "required: a string, an array of strings or an array of token ids")
+        raise field_error("prompt", "required: a string, an array of strings or an array of token ids")
     if isinstance(v, str):
         return (_encode(v, "prompt", ctx),)
     if not isinstance(v, list) or not v:
-        raise _bad("prompt", f"expected a string or a non-empty array, got {_kind(v) if v != [] else 'an empty array'}")
+        raise field_error("prompt", "expected a string or a non-empty array, got "
+                          f"{json_kind(v) if v != [] else 'an empty array'}")
     if all(isinstance(p, str) for p in v):
         return tuple(_encode(p, f"prompt[{i}]", ctx) for i, p in enumerate(v))
     if all(isinstance(p, int) and not isinstance(p, bool) for p in v):
         return (_token_ids(v, "prompt", ctx),)
     if all(isinstance(p, list) for p in v):
         return tuple(_token_ids(p, f"prompt[{i}]", ctx) for i, p in enumerate(v))
-    raise _bad("prompt", "an array prompt must hold only strings, only token ids or only arrays of token ids")
+    raise field_error("prompt", "an array prompt must hold only strings, only token ids or only arrays of token ids")
 
 
 def _fits(prompts, max_tokens: int | None, ctx: ModelInfo, param: str, prompt_param: str) -> int:
@@ -278,6 +271,7 @@ def _fits(prompts, max_tokens: int | None, ctx: ModelInfo, param: str, prompt_pa
 
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
                      "stop", "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+                     "repetition_penalty",
                      "best_of", "metadata", "store", "service_tier"})
 _COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix"}
 _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
@@ -286,15 +280,6 @@ _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "to
 
 
 def _refuse_unsupported(body: dict) -> None:
-    zero = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0    # noqa: E731
-    _unsupported(body, "presence_penalty", zero, "no repetition penalties; send 0 or leave it out")
-    _unsupported(body, "frequency_penalty", zero, "no repetition penalties; send 0 or leave it out")
-    _unsupported(body, "logit_bias", lambda v: v == {}, "no logit bias")
-    for name in ("tools", "functions"):
-        _unsupported(body, name, lambda v: v == [], "no tool calls")
-    for name in ("tool_choice", "function_call"):
-        _unsupported(body, name, lambda v: v == "none", "no tool calls")
-    _unsupported(body, "response_format", lambda v: v == {"type": "text"}, 'only {"type": "text"}')
     _unsupported(body, "echo", lambda v: v is False, "the prompt is not echoed")
     _unsupported(body, "suffix", lambda v: v == "", "no insertion")
     _unsupported(body, "modalities", lambda v: v == ["text"], "text only")
@@ -304,18 +289,47 @@ def _refuse_unsupported(body: dict) -> None:
 
 def _common(body: dict, ctx: ModelInfo) -> dict:
     if not isinstance(body, dict):
-        raise _bad("", f"the request body must be a JSON object, got {_kind(body)}")
+        raise field_error("", f"the request body must be a JSON object, got {json_kind(body)}")
     _model(body, ctx)
     _refuse_unsupported(body)
     n = _integer(body, "n", 1, 1, MAX_N)
     best_of = _integer(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
-        raise _bad("best_of", "not supported by this server (best_of must equal n)", code="unsupported_parameter")
-    stream, include_usage = _stream(body)
+        raise field_error("best_of", "not supported by this server (best_of must equal n)",
+                          code="unsupported_parameter")
+    stream, include_usage, continuous = _stream(body)
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
-        raise _bad("user", f"expected a string, got {_kind(body['user'])}")
+        raise field_error("user", f"expected a string, got {json_kind(body['user'])}")
     return dict(sampling=_sampling(body), n=n, stop=_stop(body), stream=stream, include_usage=include_usage,
-                model=body["model"])
+                continuous_usage=continuous, model=body["model"], logits=_logits(body, ctx))
+
+
+def _logits(body: dict, ctx: ModelInfo) -> dict | None:
+    """RowLogits' arguments: presence / frequency penalties in [-2, 2] (OpenAI), repetition_penalty in (0, 2]
+    (vLLM's extension, transformers' rule), logit_bias {token id: bias in [-100, 100]}; None when all are off."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name, 0.0, -2.0, 2.0)
+        if v:
+            out[name] = v
+    r = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True)
+    if r != 1.0:
+        out["repetition_penalty"] = r
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise field_error("logit_bias", f"expected an object of token ids to numbers, got {json_kind(bias)}")
+        if len(bias) > ctx.vocab_size:
+            raise field_error("logit_bias", f"at most {ctx.vocab_size} entries (the vocabulary)")
+        parsed = {}
+        for k, v in bias.items():
+            where = f"logit_bias.{shown(k)}"
+            if not k.isascii() or not k.isdigit() or int(k) >= ctx.vocab_size:
+                raise field_error(where, f"keys must be token ids in [0, {ctx.vocab_size})")
+            parsed[int(k)] = _number({where: v}, where, 0.0, -100.0, 100.0)
+        if any(parsed.values()):
+            out["logit_bias"] = {t: b for t, b in parsed.items() if b}
+    return out or None
 
 
 def parse_completion(body, ctx: ModelInfo) -> GenerationRequest:
@@ -324,7 +338,7 @@ def parse_completion(body, ctx: ModelInfo) -> GenerationRequest:
     _check_keys(body, _COMPLETION_KEYS)
     prompts = _prompts(body, ctx)
     if len(prompts) * common["n"] > MAX_N * 4:
-        raise _bad("prompt", f"at most {MAX_N * 4} choices (prompts x n) per request")
+        raise field_error("prompt", f"at most {MAX_N * 4} choices (prompts x n) per request")
     max_tokens = _fits(prompts, _integer(body, "max_tokens", 16, 1), ctx, "max_tokens", "prompt")
     logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     return GenerationRequest("completion", prompts, max_tokens, logprobs=logprobs, **common)
@@ -333,49 +347,117 @@ def parse_completion(body, ctx: ModelInfo) -> GenerationRequest:
 def _messages(body: dict) -> list[dict]:
     v = body.get("messages")
     if not isinstance(v, list) or not v:
-        raise _bad("messages", "required: a non-empty array of messages" if v is None or v == [] else
-                   f"expected an array, got {_kind(v)}")
+        raise field_error("messages", "required: a non-empty array of messages" if v is None or v == [] else
+                   f"expected an array, got {json_kind(v)}")
     out = []
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(where, f"expected an object, got {_kind(m)}")
+            raise field_error(where, f"expected an object, got {json_kind(m)}")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise _bad(f"{where}.role", f"must be system, developer, user, assistant or tool, got {role!r}"[:200])
+            raise field_error(f"{where}.role",
+                              f"must be system, developer, user, assistant or tool, got {role!r}"[:200])
         content = m.get("content")
         if isinstance(content, list):            # content parts: text only
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"{where}.content[{j}]", 'only {"type": "text", "text": ...} parts are supported')
+                    raise field_error(f"{where}.content[{j}]", 'only {"type": "text", "text": ...} parts are supported')
                 texts.append(part["text"])
             content = "".join(texts)
         elif content is None and role == "assistant":
             content = ""
         elif not isinstance(content, str):
-            raise _bad(f"{where}.content", f"expected a string or an array of text parts, got {_kind(content)}")
-        if m.get("tool_calls"):
-            raise _bad(f"{where}.tool_calls", "not supported by this server (no tool calls)",
-                       code="unsupported_parameter")
+            raise field_error(f"{where}.content",
+                              f"expected a string or an array of text parts, got {json_kind(content)}")
+        extra = {}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise field_error(f"{where}.tool_calls", "only assistant messages make tool calls")
+            extra["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str):
+                raise field_error(f"{where}.tool_call_id", "required for a tool message: the id of the call it answers")
+            extra["tool_call_id"] = tid
         name = m.get("name")
         if name is not None and not isinstance(name, str):
-            raise _bad(f"{where}.name", f"expected a string, got {_kind(name)}")
-        out.append({"role": role, "content": content, **({"name": name} if name else {})})
+            raise field_error(f"{where}.name", f"expected a string, got {json_kind(name)}")
+        out.append({"role": role, "content": content, **({"name": name} if name else {}), **extra})
+    return out
+
+
+def _tool_calls(v, where: str) -> list[dict]:
+    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name", "arguments": str}}]."""
+    if not isinstance(v, list):
+        raise field_error(where, f"expected an array, got {json_kind(v)}")
+    out = []
+    for i, c in enumerate(v):
+        at = f"{where}[{i}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise field_error(at, 'expected {"id", "type": "function", "function": {"name", "arguments"}}')
+        f = c["function"]
+        if not isinstance(f.get("name"), str) or not isinstance(f.get("arguments", ""), str):
+            raise field_error(f"{at}.function", "name and arguments must be strings")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise field_error(f"{at}.id", f"expected a string, got {json_kind(cid)}")
+        out.append({"id": cid or f"functions.{f['name']}:{i}", "type": "function",
+                    "function": {"name": f["name"], "arguments": f.get("arguments", "")}})
     return out
 
 
 def parse_chat(body, ctx: ModelInfo) -> GenerationRequest:
-    """A /v1/chat/completions body: its messages rendered by the chat template, then encoded."""
+    """A /v1/chat/completions body: its messages rendered by the chat template (with the tools offered), then
+    encoded; the tool and output-format fields checked and their grammar compiled (tools.py)."""
     common = _common(body, ctx)
     _check_keys(body, _CHAT_KEYS)
     messages = _messages(body)
-    text = ctx.render_chat(messages)
+    tools = parse_tool_fields(body, ctx.grammars)
+    text = ctx.render_chat(messages, tools.template_tools())
     ids = _encode(text, "messages", ctx)
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _fits((ids,), _integer(body, param, None, 1), ctx, param, "messages")
     want = _boolean(body, "logprobs", False)
     top = _integer(body, "top_logprobs", None, 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want:
-        raise _bad("top_logprobs", "needs logprobs: true")
-    return GenerationRequest("chat", (ids,), max_tokens, logprobs=(top or 0) if want else None, **common)
+        raise field_error("top_logprobs", "needs logprobs: true")
+    return GenerationRequest("chat", (ids,), max_tokens, logprobs=(top or 0) if want else None, tools=tools,
+                             **common)
+
+
+def parse_tokenize(body, ctx: ModelInfo) -> tuple[int, ...]:
+    """A /tokenize body (vLLM's): {"model"?, "prompt": str} or {"model"?, "messages", "tools"?} -> the token ids
+    (a chat rendered by the template as /v1/chat/completions renders it)."""
+    if not isinstance(body, dict):
+        raise field_error("", f"the request body must be a JSON object, got {json_kind(body)}")
+    if body.get("model") is not None:
+        _model(body, ctx)
+    _check_keys(body, frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
+                                 "add_generation_prompt"}))
+    if ("prompt" in body) == ("messages" in body):
+        raise field_error("prompt", "send either prompt (a string) or messages")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise field_error("prompt", f"expected a string, got {json_kind(body['prompt'])}")
+        return _encode(body["prompt"], "prompt", ctx)
+    tools = parse_tool_fields({"tools": body.get("tools")}, None)
+    return _encode(ctx.render_chat(_messages(body), tools.template_tools()), "messages", ctx)
+
+
+def parse_detokenize(body, ctx: ModelInfo) -> str:
+    """A /detokenize body (vLLM's): {"model"?, "tokens": [ids]} -> their text."""
+    if not isinstance(body, dict):
+        raise field_error("", f"the request body must be a JSON object, got {json_kind(body)}")
+    if body.get("model") is not None:
+        _model(body, ctx)
+    _check_keys(body, frozenset({"model", "tokens"}))
+    v = body.get("tokens")
+    if not isinstance(v, list):
+        raise field_error("tokens", "required: an array of token ids" if v is None else
+                          f"expected an array, got {json_kind(v)}")
+    if len(v) > ctx.max_context:
+        raise field_error("tokens", f"at most {ctx.max_context} tokens (the context)")
+    return ctx.tokenizer.decode(_token_ids(v, "tokens", ctx)) if v else ""

@@ -14,8 +14,9 @@ _REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), keep_special: bool = False):
         self._tok = tokenizer
+        self._keep = keep_special       # special tokens decoded as their text (K2's tool-call markers are)
         self._stop = tuple(stop)
         self._ids: list[int] = []
         self._sent = 0                  # characters of the decoded text already handed out
@@ -39,11 +40,14 @@ class TextStream:
         self.text += delta
         return delta
 
+    def _decode(self) -> str:
+        return self._tok.decode(self._ids, skip_special_tokens=False) if self._keep else self._tok.decode(self._ids)
+
     def push(self, token_id: int) -> str:
         if self.stopped:
             return ""
         self._ids.append(int(token_id))
-        full = self._tok.decode(self._ids)
+        full = self._decode()
         if self._stop:
             # a stop string can only start where it could not have been seen before: at most len(s) - 1 characters
             # back from what was sent
@@ -58,5 +62,5 @@ class TextStream:
         """The held-back text, once no token will follow."""
         if self.stopped or not self._ids:
             return ""
-        full = self._tok.decode(self._ids)
+        full = self._decode()
         return self._emit(len(full), full)

@@ -183,7 +183,7 @@ def test_an_unhandled_error_is_a_500_without_its_text(caplog):
         def submit(self, job):
             raise RuntimeError(SECRET)
 
-    info = ModelInfo(name="m", tokenizer=None, max_context=64, vocab_size=100, render_chat=lambda m: "")
+    info = ModelInfo(name="m", tokenizer=None, max_context=64, vocab_size=100, render_chat=lambda m, tools=None: "")
     app = build_app(BrokenLoop(), info, ServerMetrics())
     sent = []
 

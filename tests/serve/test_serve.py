@@ -193,7 +193,8 @@ def test_models_health_metrics(server, client):
     ("/v1/completions", b'{"model": "k3-stdlib", "prompt": "x", "n": 0}', 400, "n"),
     ("/v1/completions", b'{"model": "k3-stdlib", "prompt": "x", "stop": [1]}', 400, "stop"),
     ("/v1/completions", b'{"model": "k3-stdlib", "prompt": "x", "echo": true}', 400, "echo"),
-    ("/v1/completions", b'{"model": "k3-stdlib", "prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    ("/v1/completions", b'{"model": "k3-stdlib", "prompt": "x", "presence_penalty": 2.5}', 400, "presence_penalty"),
+    ("/v1/completions", b'{"model": "k3-stdlib", "prompt": "x", "logit_bias": {"x": 1}}', 400, "logit_bias.x"),
     ("/v1/completions", b'{"model": "k3-stdlib", "prompt": "x", "frobnicate": 1}', 400, "frobnicate"),
     ("/v1/completions", b'{"model": "k3-stdlib", "prompt": [99999]}', 400, "prompt"),
     ("/v1/completions", b'{"model": "k3-stdlib", "prompt": "' + b"x " * 5000 + b'"}', 400, "prompt"),
@@ -203,7 +204,7 @@ def test_models_health_metrics(server, client):
     ("/v1/chat/completions", b'{"model": "k3-stdlib", "messages": [{"role": "user", "content": 5}]}', 400,
      "messages[0].content"),
     ("/v1/chat/completions", b'{"model": "k3-stdlib", "messages": [{"role": "user", "content": "x"}], '
-                             b'"tools": [{"type": "function"}]}', 400, "tools"),
+                             b'"tools": [{"type": "function"}]}', 400, "tools[0].function"),
     ("/v1/chat/completions", b'{"model": "k3-stdlib", "messages": [{"role": "user", "content": "x"}], '
                              b'"top_logprobs": 2}', 400, "top_logprobs"),
 ])

@@ -33,7 +33,8 @@ from ...reference.kda import KDAState
 from ..caches.block_pool import BlockPool, CacheFullError
 from ..devices import target_for
 from ..caches.latent_format import check_kv_dtype, pool_dtype, row_width
-from ..sampling import GREEDY, as_params, make_generator, params_for_rows, penalize, sample_rows
+from ..logits_processors import RowLogits, process
+from ..sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
 from ..caches.seq_state import SeqState
 from ..session import _device, describe_graph, load_graph
 from .graph_pool import GraphPool
@@ -87,7 +88,7 @@ class Engine:
         self.seqs: dict[int, SeqState] = {}
         self._sampling: dict[int, tuple] = {}      # rid -> (seeded SamplingParams, its generator) of sampled requests
         self._stop: dict[int, frozenset] = {}      # rid -> the token ids that end it
-        self._penalty: dict[int, float] = {}       # rid -> its repetition penalty, where not 1 (it does not draft)
+        self._logits: dict[int, RowLogits] = {}    # rid -> its penalties, biases, grammar (logits_processors.py)
         self._next_rid = 0
         self.stats = Counter()
         self._rooms(num_pages, page_size, prefix_cache, speculation, graph_backend)
@@ -116,7 +117,7 @@ class Engine:
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
         self.speculator = None if speculation is None else Speculator(
             speculation, scheduler=self.scheduler, ledger=self.ledger, runner=self.runner, seqs=self.seqs,
-            sampling=self._sampling, stop=self._stop, penalty=self._penalty, finish=self.finish, max_context=self.max_context,
+            sampling=self._sampling, stop=self._stop, logits=self._logits, finish=self.finish, max_context=self.max_context,
             stats=self.stats)
 
     # -- what the rooms hold, read through the facade --------------------------------------------------------------
@@ -149,10 +150,12 @@ class Engine:
         self.seqs[seq.rid] = seq
         return seq
 
-    def add_request(self, prompt, max_new_tokens: int = 16, sampling=None, stop_token_ids=()) -> int:
+    def add_request(self, prompt, max_new_tokens: int = 16, sampling=None, stop_token_ids=(), logits=None) -> int:
         """Queue a request (prompt: 1-D token ids); it joins the batch at the next step with room. It ends after
         max_new_tokens or after emitting one of `stop_token_ids` (the EOS id); `sampling` (SamplingParams, None:
-        greedy) chooses its tokens, a seed of None drawn now (reported in each StepOutput). Returns its id."""
+        greedy) chooses its tokens, a seed of None drawn now (reported in each StepOutput); `logits` (a
+        logits_processors.RowLogits: penalties, biases, a grammar) changes its logits first, and a grammar that
+        is complete ends it. Returns its id."""
         tokens = self._tokens(prompt, "prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ArgumentError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -168,10 +171,18 @@ class Engine:
         seq = self._new_seq(tokens, max_new_tokens, scheduled=True)
         if not params.greedy:
             self._sampling[seq.rid] = (params, make_generator(params))
-        if params.repetition_penalty != 1.0:
-            self._penalty[seq.rid] = params.repetition_penalty
         if stop:
             self._stop[seq.rid] = stop
+        if logits is not None and not isinstance(logits, RowLogits):
+            raise ArgumentError(f"logits must be a RowLogits or None, got {type(logits).__name__}")
+        if params.repetition_penalty != 1.0:          # the sampling params' penalty: one rule, RowLogits'
+            if logits is None:
+                logits = RowLogits(repetition_penalty=params.repetition_penalty)
+            elif logits.repetition == 1.0:
+                logits.repetition = params.repetition_penalty
+        if logits is not None:
+            if logits.active:
+                self._logits[seq.rid] = logits
         self.scheduler.queue(seq)
         return seq.rid
 
@@ -206,7 +217,7 @@ class Engine:
         self.scheduler.remove(seq)
         self._sampling.pop(rid, None)
         self._stop.pop(rid, None)
-        self._penalty.pop(rid, None)
+        self._logits.pop(rid, None)
         if self.speculation is not None:
             self.speculation.forget(rid)
         if self.prefix is not None:
@@ -278,12 +289,13 @@ class Engine:
         the whole batch; a row whose sampling raises fails alone (sample_rows): it leaves with its error, the others
         keep their tokens."""
         drawn = [self._sampling.get(s.rid, (GREEDY, None)) for s in ready]
-        rows = [penalize(s.last_logits, s.tokens, self._penalty[s.rid]) if s.rid in self._penalty else s.last_logits
-                for s in ready]
-        picks = sample_rows(torch.stack(rows), [p for p, _ in drawn], [g for _, g in drawn]) if ready else []
+        procs = [self._logits.get(s.rid) for s in ready]
+        picks = sample_rows(process(torch.stack([s.last_logits for s in ready]), procs, [s.tokens for s in ready],
+                                    [s.prompt_len for s in ready]), [p for p, _ in drawn],
+                            [g for _, g in drawn]) if ready else []
         now = time.perf_counter()
         outs = []
-        for seq, tok, (params, _) in zip(ready, picks, drawn):
+        for seq, tok, (params, _), proc in zip(ready, picks, drawn, procs):
             if isinstance(tok, BaseException):
                 outs.append(StepOutput(seq.rid, -1, seq.last_logits, True, params.seed, error=tok))
                 self.finish(seq.rid, checkpoint=False)
@@ -296,6 +308,9 @@ class Engine:
                 if self.speculation is not None:
                     self.speculation.prepare(seq.rid, seq.tokens)
             done = seq.done or tok in self._stop.get(seq.rid, ())
+            if proc is not None:
+                proc.accept(tok)
+                done = done or proc.finished
             outs.append(StepOutput(seq.rid, tok, seq.last_logits, done, params.seed))
             if done:
                 self.finish(seq.rid)

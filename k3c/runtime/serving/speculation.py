@@ -19,20 +19,20 @@ from .scheduler import Scheduler
 
 class Speculator:
     def __init__(self, speculation, *, scheduler: Scheduler, ledger: PageLedger, runner: Runner,
-                 seqs: dict[int, SeqState], sampling: dict, stop: dict, penalty: dict, finish, max_context: int,
+                 seqs: dict[int, SeqState], sampling: dict, stop: dict, logits: dict, finish, max_context: int,
                  stats: Counter):
         self.speculation = speculation              # runtime/speculative.py Speculation
         self.scheduler, self.ledger, self.runner = scheduler, ledger, runner
-        self.seqs, self.sampling, self.stop, self.penalty = seqs, sampling, stop, penalty   # the engine's, read only
+        self.seqs, self.sampling, self.stop, self.logits = seqs, sampling, stop, logits    # the engine's, read only
         self.finish = finish                        # Engine.finish: a request that is done or failed leaves
         self.max_context, self.stats = max_context, stats
         self.kda_layers = runner.kda_layers
         self.accept_counts: Counter = Counter()     # drafts kept in one sequence-verification -> how often
 
     def drafting_rows(self, plan) -> list[SeqState]:
-        """The sequences of a plan that may draft: scheduled requests decoding one token (not under a repetition
-        penalty: a verified draft's tokens would be chosen without it)."""
-        return [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled and s.rid not in self.penalty]
+        """The sequences of a plan that may draft: scheduled requests decoding one token, without logit changes (a
+        verified draft's tokens are chosen from the raw logits: a grammar or penalty would not see them)."""
+        return [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled and s.rid not in self.logits]
 
     def draft(self, plan) -> tuple[dict[int, tuple[list[int], list[int]]], bool, bool]:
         """({rid: (draft, the call's segment: last token + draft padded to the call's bucket)} for the decoding
