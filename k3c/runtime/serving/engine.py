@@ -39,8 +39,8 @@ from ..caches.seq_state import SeqState
 from ..session import _device, describe_graph, load_graph
 from .graph_pool import GraphPool
 from .ledger import PageLedger
-from .requests import (ADMISSIONS, StepOutput, check_adopted, host_to_device, positive_ints, segment_plan, stop_ids,
-                       token_ids)
+from .requests import (ADMISSIONS, StepOutput, check_adopted, host_to_device, positive_ints, row_logits, segment_plan,
+                       stop_ids, token_ids)
 from .runner import Runner
 from .scheduler import Scheduler
 from .speculation import Speculator
@@ -173,16 +173,9 @@ class Engine:
             self._sampling[seq.rid] = (params, make_generator(params))
         if stop:
             self._stop[seq.rid] = stop
-        if logits is not None and not isinstance(logits, RowLogits):
-            raise ArgumentError(f"logits must be a RowLogits or None, got {type(logits).__name__}")
-        if params.repetition_penalty != 1.0:          # the sampling params' penalty: one rule, RowLogits'
-            if logits is None:
-                logits = RowLogits(repetition_penalty=params.repetition_penalty)
-            elif logits.repetition == 1.0:
-                logits.repetition = params.repetition_penalty
+        logits = row_logits(logits, params)
         if logits is not None:
-            if logits.active:
-                self._logits[seq.rid] = logits
+            self._logits[seq.rid] = logits
         self.scheduler.queue(seq)
         return seq.rid
 

@@ -6,6 +6,7 @@ import numbers
 import torch
 
 from ...errors import ArgumentError
+from ..logits_processors import RowLogits
 from ..session import check_token_ids
 
 # reserve: a request is admitted when the pool holds its worst case (prompt + max_new_tokens) on top of what running
@@ -74,6 +75,19 @@ def check_adopted(n: int, kda: dict, latent: dict, kda_layers: list[int], widths
         if tuple(latent[i].shape) != (n, width):
             raise ArgumentError(f"adopt(): layer {i} latent has shape {tuple(latent[i].shape)}, expected "
                                 f"({n}, {width})")
+
+
+def row_logits(logits, params) -> RowLogits | None:
+    """add_request's `logits` (a RowLogits or None) with the sampling params' repetition penalty folded in (one rule,
+    RowLogits'); None when nothing changes the request's logits."""
+    if logits is not None and not isinstance(logits, RowLogits):
+        raise ArgumentError(f"logits must be a RowLogits or None, got {type(logits).__name__}")
+    if params.repetition_penalty != 1.0:
+        if logits is None:
+            logits = RowLogits(repetition_penalty=params.repetition_penalty)
+        elif logits.repetition == 1.0:
+            logits.repetition = params.repetition_penalty
+    return logits if logits is not None and logits.active else None
 
 
 def positive_ints(**values) -> None:
