@@ -60,7 +60,7 @@ from k3c.runtime.devices import target_for, tt_dtype  # noqa: E402
 from k3c.runtime.kernel_impls import mla as rt  # noqa: E402
 
 try:                                     # the fp8 latent cache (absent in older checkouts: bf16 rows only)
-    from k3c.runtime.kernel_impls import latent_format as lf  # noqa: E402
+    from k3c.runtime.caches import latent_format as lf  # noqa: E402
     LF_ERROR = None
 except ImportError as _e:                # pragma: no cover - depends on the checkout
     lf, LF_ERROR = None, f"{type(_e).__name__}: {_e}"

@@ -45,10 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-SOURCES = ["k3c/runtime/engine.py", "k3c/runtime/prefix_cache.py", "k3c/runtime/block_pool.py",
+SOURCES = ["k3c/runtime/serving/engine.py", "k3c/runtime/prefix_cache.py", "k3c/runtime/caches/block_pool.py",
            "k3c/runtime/sampling.py", "k3c/runtime/cuda_graph.py", "k3c/runtime/kv_tiers.py", "k3c/frontend/spec.py",
            "k3c/ir/core.py", "k3c/codegen/writer.py", "k3c/analysis/cost.py", "k3c/runtime/launcher.py",
-           "k3c/passes/attnres_split.py", "k3c/runtime/seq_state.py", "k3c/quant/mx.py", "k3c/cli.py",
+           "k3c/passes/attnres_split.py", "k3c/runtime/caches/seq_state.py", "k3c/quant/mx.py", "k3c/cli.py",
            "k3c/runtime/checkpoint.py"]
 
 

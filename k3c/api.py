@@ -211,7 +211,7 @@ class CompiledModel:
             path = os.path.join(path, self.cache_key[:32])
         else:
             path = os.path.join(settings().cache_dir, "artifacts", self.cache_key[:32])
-        if _is_artifact(path):
+        if _is_valid_artifact(path):
             try:
                 cached = load(path)
             except UserError:
@@ -255,7 +255,7 @@ class CompiledModel:
         launch their generated Triton kernels unless use_kernels=False: on a GPU the artifact's binaries (one is
         compiled into the cache if this model has none; kernel_policy: runtime.session.bind_kernels), on a CPU
         through the interpreter. kv_dtype: the MLA latent cache's format, "auto" (the activation dtype) or "fp8"
-        (e4m3 with per-token scales; runtime/kernel_impls/latent_format.py)."""
+        (e4m3 with per-token scales; runtime/caches/latent_format.py)."""
         from .runtime.session import Session
 
         return Session(self, weights, device=device, max_batch=max_batch, max_context=max_context,
@@ -369,7 +369,9 @@ def _read_manifest(path: str):
         return None
 
 
-def _is_artifact(path: str) -> bool:
+def _is_valid_artifact(path: str) -> bool:
+    """A directory whose manifest reads as a k3c artifact's (commands/run.py's `_is_artifact` only asks whether there
+    is a manifest to read: load then says what is wrong with it)."""
     try:
         manifest = _read_manifest(path)
     except UserError:

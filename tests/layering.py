@@ -6,7 +6,9 @@ Importing `a.b.c` also runs the package files `a/__init__.py` and `a/b/__init__.
 packages too, unless they enclose the importer (Python has run them before the importer started).
 
 The rule: every module sits in one layer of LAYERS (the longest prefix that names it), an import never points to
-a higher layer, and the graph has no cycle, inside a layer included.
+a higher layer, and the graph has no cycle, inside a layer included. Inside the runtime the same holds for the
+runtime's own order (RUNTIME_LAYERS: platform < caches < kernel impls < executor < session < the serving rooms <
+the engine).
 """
 from __future__ import annotations
 
@@ -30,6 +32,23 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("commands", ("k3c.commands", "k3c.cli", "k3c")),   # `k3c ...` commands, the rank launcher, the CLI
 )
 LAYER_NAMES = tuple(name for name, _ in LAYERS)
+
+# Inside the runtime layer, lowest first (the same longest-prefix rule; "k3c.runtime" catches a new module at the
+# bottom, so what it imports from above is reported until it is placed here).
+RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("platform", ("k3c.runtime",)),                     # devices, launcher, binary, checkpoints, weights, sampling
+    ("caches", ("k3c.runtime.caches", "k3c.runtime.prefix_cache")),   # pages, sequence state, latent stores, KDA
+    ("kernel_impls", ("k3c.runtime.kernel_impls",)),
+    ("executor", ("k3c.runtime.executor", "k3c.runtime.cuda_graph")),
+    ("session", ("k3c.runtime.session", "k3c.runtime.opcheck", "k3c.runtime.speculative")),
+    ("serving.requests", ("k3c.runtime.serving", "k3c.runtime.serving.requests")),
+    ("serving.ledger", ("k3c.runtime.serving.ledger",)),
+    ("serving.scheduler", ("k3c.runtime.serving.scheduler",)),
+    ("serving.graph_pool", ("k3c.runtime.serving.graph_pool",)),
+    ("serving.runner", ("k3c.runtime.serving.runner",)),
+    ("serving.speculation", ("k3c.runtime.serving.speculation",)),
+    ("serving.engine", ("k3c.runtime.serving.engine", "k3c.runtime.engine")),
+)
 
 
 @dataclass(frozen=True)
@@ -92,9 +111,9 @@ def import_edges(root: pathlib.Path) -> list[Edge]:
     return edges
 
 
-def layer_of(mod: str) -> str | None:
+def layer_of(mod: str, layers=LAYERS) -> str | None:
     best, best_len = None, -1
-    for name, prefixes in LAYERS:
+    for name, prefixes in layers:
         for prefix in prefixes:
             if (mod == prefix or mod.startswith(prefix + ".")) and len(prefix) > best_len:
                 best, best_len = name, len(prefix)
@@ -151,10 +170,16 @@ def violations(root: pathlib.Path) -> list[str]:
     edges = import_edges(root)
     out = [f"{m}: in no layer (add it to tests/layering.py LAYERS)" for m in known if layer_of(m) is None]
     rank = {name: i for i, name in enumerate(LAYER_NAMES)}
+    runtime_rank = {name: i for i, (name, _) in enumerate(RUNTIME_LAYERS)}
     for e in edges:
         a, b = layer_of(e.src), layer_of(e.dst)
         if a is not None and b is not None and rank[b] > rank[a]:
             out.append(f"{e.file}:{e.line}: {e.src} ({a}) imports {e.dst} ({b}), a higher layer")
+        elif a == b == "runtime":
+            ra, rb = layer_of(e.src, RUNTIME_LAYERS), layer_of(e.dst, RUNTIME_LAYERS)
+            if runtime_rank[rb] > runtime_rank[ra]:
+                out.append(f"{e.file}:{e.line}: {e.src} (runtime {ra}) imports {e.dst} (runtime {rb}), a higher "
+                           "runtime layer")
     for comp in _cycles(edges):
         out.append(f"import cycle: {' <-> '.join(comp)}")
     return out

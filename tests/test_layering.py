@@ -146,3 +146,25 @@ def test_ahead_of_time_compilation_runs_without_torch(tmp_path):
         """, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-1] == "2"
+
+
+def test_a_back_edge_inside_the_runtime_fails(tmp_path):
+    """The runtime's own order (tests/layering.py RUNTIME_LAYERS): the page ledger may not reach up to the engine,
+    nor a kernel impl to the serving rooms."""
+    root = _copy_package(tmp_path)
+    _append(root / "k3c/runtime/serving/ledger.py", """
+        def _helper():
+            from .engine import Engine  # a back edge: the ledger reaching up to the facade over it
+            return Engine
+        """)
+    _append(root / "k3c/runtime/kernel_impls/basic.py", """
+        def _helper():
+            from ..serving.runner import batch_mla_mode  # a back edge: a kernel impl reaching up to the runner
+            return batch_mla_mode
+        """)
+    found = _new_violations(root)
+    assert any("k3c.runtime.serving.ledger (runtime serving.ledger) imports k3c.runtime.serving.engine (runtime "
+               "serving.engine)" in v for v in found), found
+    assert any("k3c.runtime.kernel_impls.basic (runtime kernel_impls) imports k3c.runtime.serving.runner" in v
+               for v in found), found
+    assert any(v.startswith("import cycle:") and "k3c.runtime.serving.ledger" in v for v in found), found

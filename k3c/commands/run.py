@@ -63,7 +63,7 @@ def _graph_line(eng, stats=None) -> str:
     stats = eng.stats if stats is None else stats
     per = "; ".join(f"batch {b}" + (f" x {t} tokens" if t > 1 else "") + f": {dg.report.mode}"
                     + (f" ({dg.report.reason[:160]})" if dg.report.mode != "graph" else "")
-                    for (b, t), dg in sorted(eng._graphs.items()))
+                    for (b, t), dg in sorted(eng.graph_pool.graphs.items()))
     return (f"  decode graphs:   {stats.get('decode_graph_calls', 0)} of {stats.get('decode_calls', 0)} decode steps "
             f"replayed; {per or 'none captured (a batch size gets its graph on its second decode step in a row)'}")
 
@@ -77,7 +77,7 @@ def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, pr
     import math
 
     from ..frontend.weight_names import weight_table
-    from ..runtime.kernel_impls.latent_format import row_width
+    from ..runtime.caches.latent_format import row_width
 
     weights = sum(math.prod(w.shape) * (4 if w.dtype == "fp32" else elem_bytes) for w in weight_table(spec).values())
     ctx = prompt_len + new_tokens
@@ -247,7 +247,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     from ..runtime import launcher
     from ..runtime.devices import target_for, torch_dtype as to_torch_dtype
     from ..runtime.engine import Engine
-    from ..runtime.kernel_impls.latent_format import pool_dtype
+    from ..runtime.caches.latent_format import pool_dtype
 
     cuda = device.startswith("cuda")
     kernels = kernels_on(device, use_kernels, interpret)

@@ -37,11 +37,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import ArgumentError
+from .caches.context import CallContext
 from .executor import LayerCaches
-from .kernel_impls.latent_format import encode_rows, pool_dtype, row_width
-from .kernel_impls.mla import DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table
+from .caches.latent_format import encode_rows, pool_dtype, row_width
+from .caches.latent_store import DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table
 from ..reference.kda import KDAState, kda_zero_state
-from .kda_rollback import KDATokens
+from .caches.kda_rollback import KDATokens
 
 # ops whose decode path has a host sync or a data-dependent shape on every impl / on the torch impl
 _COLLECTIVES = ("all_reduce", "all_gather", "seq_scatter", "reduce_scatter", "seq_gather")
@@ -227,7 +228,7 @@ class DecodeGraph:
         if batch < 1 or capacity < 1 or tokens < 1:
             raise ArgumentError(f"batch, capacity and tokens must be positive, got {batch}, {capacity}, {tokens}")
         # tokens > 1: a speculative verification call (the last token and a draft per sequence); each run writes
-        # the KDA states after every token into static buffers (`trace`, runtime/kda_rollback.py)
+        # the KDA states after every token into static buffers (`trace`, runtime/caches/kda_rollback.py)
         self.tokens = tokens
         self.trace: dict | None = None               # the last run's KDA trace (tokens > 1)
         self._traces: dict = {}                      # bucket (None: eager) -> the trace its runs fill
@@ -399,18 +400,17 @@ class DecodeGraph:
     def _cache(self, max_len: int | None) -> LayerCaches:
         """The executor's cache over the static buffers: device lengths (max_len given: the capturable path) or
         host lengths (the eager path)."""
-        c = LayerCaches(self.spec.num_layers)
+        c = LayerCaches(self.spec.num_layers, ctx=CallContext(mla_modes=dict(self.mla_modes)))
         for i, st in self.kda.items():
             c.layers[i] = st
         if self.tokens > 1:
-            c.kda_trace, c.kda_token_buffers = {}, self.kda_tokens
+            c.ctx.kda_trace, c.ctx.kda_token_buffers = {}, self.kda_tokens
         for i, pool in self.pools.items():
             if max_len is None:
                 c.layers[i] = PagedLatentCache(LatentStore(pool, self.block_table, self.lens), tuple(self.lens))
             else:
                 c.layers[i] = DeviceLenLatentCache(LatentStore(pool, self.block_table, self.lens), self.lens_dev,
                                                    max_len)
-        c.mla_modes = dict(self.mla_modes)
         return c
 
     def _run(self, max_len: int | None, commit: bool) -> tuple[torch.Tensor]:
@@ -426,7 +426,7 @@ class DecodeGraph:
                             d.copy_(s)
                 self.lens_dev.add_(self.tokens)
                 if self.tokens > 1:          # a replay refills these tensors: they are the trace of every replay
-                    self._traces[max_len] = cache.kda_trace
+                    self._traces[max_len] = cache.ctx.kda_trace
         return (logits,)
 
     def _capture(self, bucket: int) -> None:
@@ -484,7 +484,7 @@ class DecodeGraph:
         """After a verification step (tokens > 1): row b of the KDA slots back to its state after the first keeps[b]
         tokens of the step. The step's trace lives in the static per-token buffers, so the restore is captured
         once (kda_rollback.CapturedRestore: one replay, not a gather per tensor and layer); eager otherwise."""
-        from .kda_rollback import CapturedRestore, restore
+        from .caches.kda_rollback import CapturedRestore, restore
 
         trace = self.trace
         if not trace:

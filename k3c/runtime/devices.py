@@ -14,6 +14,7 @@ from ..ir.core import DTYPE_SPELLINGS
 
 TORCH_TO_TT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
                torch.int32: "i32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
+TT_TO_TORCH = {name: dt for dt, name in TORCH_TO_TT.items()}      # a kernel signature type's torch dtype
 
 # The torch dtype of each IR float type a model runs in, and of every spelling of it k3c accepts.
 TORCH_OF_IR = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}

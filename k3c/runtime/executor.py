@@ -24,22 +24,22 @@ from ..ir import Module
 from ..ir.mxfp4_weights import is_mxfp4
 from ..ir.ops import bind, get_op_def
 from .. import reference as ref
-from . import distributed, kda_rollback, kernel_impls, routing_replay
+from . import distributed, kernel_impls, routing_replay
+from .caches import kda_rollback
 from .kernel_impls import mxfp4_linear
-from .kernel_impls.latent_format import check_kv_dtype
+from .caches.context import CallContext
 
 
 class LayerCaches:
     """Mutable per-layer cache: KDA layers hold a KDAState, MLA layers a paged latent cache (kernel_impls/mla.py)."""
 
-    def __init__(self, num_layers: int, kv_dtype: str = "auto"):
+    def __init__(self, num_layers: int, kv_dtype: str = "auto", ctx: CallContext | None = None):
         self.layers: list[Any] = [None] * num_layers
         self.length = 0
-        self.modes: dict[int, str] = {}        # MLA layer -> the mode ("mha" | "mqa") its last call ran
-        self.kv_dtype = check_kv_dtype(kv_dtype)   # the format of MLA stores made for this cache (latent_format)
+        self.ctx = ctx if ctx is not None else CallContext(kv_dtype)   # the call's context (caches/context.py)
 
     def copy(self) -> "LayerCaches":
-        out = LayerCaches(len(self.layers), self.kv_dtype)
+        out = LayerCaches(len(self.layers), self.ctx.kv_dtype)
         out.layers, out.length = list(self.layers), self.length   # entries are never mutated in place
         return out
 

@@ -5,7 +5,7 @@ prompt end, every `interval` tokens (default 32768) and when a request finishes.
 holds each KDA layer's state and conv tails (one sequence), the logits at token n-1 (so an identical prompt needs no
 compute at all), and the MLA latent rows [0, n): on the device as page ids shared by reference count with the
 sequences that wrote them, once offloaded as page keys into a tier (kv_tiers.py: a page stored once per tier, however
-many checkpoints hold it). AttnRes keeps nothing across tokens (seq_state.py).
+many checkpoints hold it). AttnRes keeps nothing across tokens (caches/seq_state.py).
 
 A new request resumes from the deepest checkpoint inside its prompt (matched by a SHA-256 of the token prefix) and
 recomputes the rest. Device checkpoints are evicted when their bytes pass `max_bytes` or when the engine needs
@@ -38,10 +38,10 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
-from .block_pool import CacheFullError
+from .caches.block_pool import CacheFullError
 from .kv_tiers import DiskTier, HostTier, page_keys
 from ..reference.kda import KDAState
-from .seq_state import SeqState, clone_row, state_bytes
+from .caches.seq_state import SeqState, clone_row, state_bytes
 
 POLICIES = ("lru", "working-set")
 GUARD_NONE, GUARD_WANTED, GUARD_WORKING_SET = 0, 1, 2     # what an eviction for pages must spare (guard())
@@ -94,17 +94,23 @@ class PrefixCache:
         self._displaced_at = float("-inf")          # the last cold admission allowed to displace the working set
         self.stats = Counter()
         self.engine = None
+        self.ledger = None                          # the engine's page ledger: every page reference goes through it
+        self._running: list = []                    # the engine's running batch (read: is the engine busy?)
+        self._kda_layers: list[int] = []
+        self._device = None
 
     def attach(self, engine) -> None:
         if self.engine is not None and self.engine is not engine:
             raise ArgumentError("a PrefixCache serves one engine")
         self.engine = engine
+        self.ledger, self._running = engine.ledger, engine.scheduler.running
+        self._kda_layers, self._device = engine.kda_layers, engine.device
         if self.host is None:
             self.host = HostTier(pin=engine.device.type == "cuda")
 
     @property
     def pool(self):
-        return self.engine.pool
+        return self.ledger.pool
 
     # -- accounting ---------------------------------------------------------------------------------------------
     def tier_bytes(self, tier: str) -> int:
@@ -147,32 +153,29 @@ class PrefixCache:
         c = self.lookup(seq.tokens, seq.prompt_len if limit is None else limit)
         if c is None:
             return True
-        eng, pool = self.engine, self.pool
+        pool, device = self.pool, self._device
         if c.tier == "device":
-            pages = list(c.pages)
-            pool.incref(pages)
+            self.ledger.share(seq, c.pages)
             kda = c.kda
         else:
             n = pool.pages_for(c.length)
-            guard = GUARD_WANTED if self.engine.running else GUARD_NONE
+            guard = GUARD_WANTED if self._running else GUARD_NONE
             while pool.num_free < n and self.evict_for_pages(guard):
                 pass
             if pool.num_free < n:
                 self.stats["restore_waits"] += 1
                 return False
-            pages = pool.alloc(n)
             tier = self.host if c.tier == "host" else self.disk_tier
-            for p, k in zip(pages, c.page_keys):
-                pool.write_page(p, tier.rows(k))
+            self.ledger.restore(seq, n, (tier.rows(k) for k in c.page_keys))
             kda, logits = self._states(c)
-            kda = {i: KDAState(s.state.to(eng.device, non_blocking=True),
-                               tuple(t.to(eng.device, non_blocking=True) for t in s.conv)) for i, s in kda.items()}
+            kda = {i: KDAState(s.state.to(device, non_blocking=True),
+                               tuple(t.to(device, non_blocking=True) for t in s.conv)) for i, s in kda.items()}
             self.stats[f"restored_{c.tier}"] += 1
             self.stats["restored_bytes"] += n * pool.page_bytes
-        seq.pages, seq.length, seq.resumed = pages, c.length, c.length
+        seq.length, seq.resumed = c.length, c.length
         seq.resumed_tier = c.tier
-        seq.kda = {i: (kda[i], 0) for i in eng.kda_layers}
-        seq.last_logits = (c.logits if c.tier == "device" else logits).to(eng.device, non_blocking=True)
+        seq.kda = {i: (kda[i], 0) for i in self._kda_layers}
+        seq.last_logits = (c.logits if c.tier == "device" else logits).to(device, non_blocking=True)
         seq.resumed_from = c.key
         return True
 
@@ -222,9 +225,9 @@ class PrefixCache:
         if self.policy != "working-set":
             return GUARD_NONE
         if seq.resumed:
-            return GUARD_WANTED if self.engine.running else GUARD_NONE
+            return GUARD_WANTED if self._running else GUARD_NONE
         now = self.clock()
-        if self.engine.running or seq.queued_at is None or now - seq.queued_at <= self.protect_s \
+        if self._running or seq.queued_at is None or now - seq.queued_at <= self.protect_s \
                 or now - self._displaced_at <= self.protect_s:
             return GUARD_WORKING_SET
         self._displaced_at = now
@@ -249,10 +252,10 @@ class PrefixCache:
             c.used = self.clock()
             return
         pages = list(seq.pages[: self.pool.pages_for(n)])
-        self.pool.incref(pages)
+        self.ledger.hold(pages)
         for p in pages:
             self._page_holders[p] += 1
-        kda = {i: clone_row(seq.kda[i]) for i in self.engine.kda_layers}
+        kda = {i: clone_row(seq.kda[i]) for i in self._kda_layers}
         keys = page_keys(seq.tokens, n, self.pool.page_size) if self.pool.used else []
         self.entries[key] = Checkpoint(key, n, kda, seq.last_logits.detach().clone(), keys, pages=pages,
                                        used=self.clock())
@@ -313,7 +316,7 @@ class PrefixCache:
             self._page_holders[p] -= 1
             if not self._page_holders[p]:
                 del self._page_holders[p]
-        self.pool.decref(c.pages)
+        self.ledger.drop(c.pages)
         c.pages = None
 
     def _page_rows(self, c: Checkpoint):

@@ -13,24 +13,9 @@ import torch
 
 from ..errors import ArgumentError
 from .executor import LayerCaches, build_graph_module
-from .kernel_impls.latent_format import check_kv_dtype
+from .caches.latent_format import check_kv_dtype
 from .sampling import make_generator, params_for_rows, sample
 from .weight_prep import prepare_weights
-
-
-def _mla_mode_from_cache(op, fn):
-    """An `mla_absorbed` op of mode "auto" runs the mode its caller put in `cache.mla_modes` {layer: mode} when
-    there is one (the engine: chosen per call over every sequence, engine.batch_mla_mode), else its own choice."""
-    if op.op != "mla_absorbed" or op.attr("mode", "auto") != "auto":
-        return fn
-
-    def mla_absorbed_mode(a, cache, data, w):
-        mode = getattr(cache, "mla_modes", None)
-        mode = mode.get(a["layer"]) if mode else None
-        return fn({**a, "mode": mode} if mode else a, cache, data, w)
-
-    mla_absorbed_mode.__name__ = getattr(fn, "__name__", "mla_absorbed") + "_mode"
-    return mla_absorbed_mode
 
 
 def bind_kernels(compiled, device: torch.device, policy: str = "artifact") -> str:
@@ -68,7 +53,7 @@ def bind_kernels(compiled, device: torch.device, policy: str = "artifact") -> st
 def load_graph(compiled, weights: dict[str, torch.Tensor], device: torch.device, use_kernels: bool, *,
                wrap=None, kernel_policy: str = "artifact"):
     """The compiled graph with `weights` (checked against the IR's params) on `device`. MLA ops take a mode a
-    caller sets per call (`cache.mla_modes`); `wrap(op, fn)` may further replace op implementations. On a GPU the
+    caller sets per call (`CallContext.mla_modes`); `wrap(op, fn)` may replace op implementations. On a GPU the
     kernels come from the artifact under `kernel_policy` (bind_kernels)."""
     weights = prepare_weights(compiled.module, weights, compiled.spec)
     if use_kernels and device.type == "cpu":
@@ -78,8 +63,7 @@ def load_graph(compiled, weights: dict[str, torch.Tensor], device: torch.device,
     if use_kernels:
         bind_kernels(compiled, device, kernel_policy)
     on_device = {name: t.to(device) for name, t in weights.items()}
-    both = _mla_mode_from_cache if wrap is None else (lambda op, fn: wrap(op, _mla_mode_from_cache(op, fn)))
-    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels, wrap=both)
+    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels, wrap=wrap)
 
 
 def describe_graph(compiled, use_kernels: bool) -> str:
@@ -133,7 +117,7 @@ class Session:
     @property
     def last_modes(self) -> dict[int, str]:
         """MLA layer -> the mode ("mha" | "mqa") the cost model picked in the last call."""
-        return dict(self.cache.modes) if self.cache else {}
+        return dict(self.cache.ctx.modes) if self.cache else {}
 
     @property
     def length(self) -> int:

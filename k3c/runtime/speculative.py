@@ -8,7 +8,7 @@ token and the drafts as one call of 1 + k tokens (rows of one call padded to the
 is rejected), which gives the target's logits after each of them; `accept` keeps the longest prefix of drafts the
 target agrees with, plus one token of the target's own (the bonus): 1 to k + 1 tokens per call. Then the engine
 rolls back what was not kept: MLA rows past the kept length are released (their pages go back to the pool) and each
-KDA layer's state is set to the one the call kept after the last kept token (runtime/kda_rollback.py).
+KDA layer's state is set to the one the call kept after the last kept token (runtime/caches/kda_rollback.py).
 
 Greedy requests keep a draft when it is the target's argmax: the output is non-speculative decoding's, token for
 token. Sampled requests use rejection sampling (Leviathan et al. 2023, Chen et al. 2023) against the drafter's

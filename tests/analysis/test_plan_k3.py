@@ -117,7 +117,7 @@ def test_kv_dtype_fp8_is_the_runtime_row(k3_model):
     """fp8 rows as the runtime stores them (the pool's row width: codes + two scales, padded): 592 / 1152 of bf16."""
     import torch
 
-    from k3c.runtime.kernel_impls.latent_format import row_width
+    from k3c.runtime.caches.latent_format import row_width
 
     fp8 = plan(k3_model, "mi355x", tp=8, context=131072, kv_dtype="fp8").to_dict()["per_gpu"]
     bf16 = plan(k3_model, "mi355x", tp=8, context=131072, kv_dtype="bf16").to_dict()["per_gpu"]

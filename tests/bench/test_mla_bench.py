@@ -57,7 +57,7 @@ def test_decode_bytes_by_hand():
 
 
 def test_fp8_row_width_is_the_runtimes():
-    lf = pytest.importorskip("k3c.runtime.kernel_impls.latent_format")
+    lf = pytest.importorskip("k3c.runtime.caches.latent_format")
     assert mb.row_bytes("fp8") == lf.row_width(512, 64, FP8) == 592
     assert mb.row_bytes("fp8", 32, 8) == lf.row_width(32, 8, FP8)
 
@@ -79,7 +79,7 @@ def smoke_dims(monkeypatch):
 
 
 def test_fp8_cache_holds_the_same_values(smoke_dims):
-    lf = pytest.importorskip("k3c.runtime.kernel_impls.latent_format")
+    lf = pytest.importorskip("k3c.runtime.caches.latent_format")
     L, R = smoke_dims[:2]
     B, T, ps = 3, 200, 64
     store = mb.make_cache(B, T, torch.device("cpu"), ps)
@@ -96,7 +96,7 @@ def test_fp8_cache_holds_the_same_values(smoke_dims):
 def test_fp8_error_is_the_cache_rounding(smoke_dims):
     """k3c on the fp8 cache against torch attention over the fp8 cache's own (decoded) values: bf16-level, so the
     fp8 row's error against the bf16 cache is the e4m3 rounding, not the kernel."""
-    lf = pytest.importorskip("k3c.runtime.kernel_impls.latent_format")
+    lf = pytest.importorskip("k3c.runtime.caches.latent_format")
     L, R, P = smoke_dims[:3]
     dev, B, T, H = torch.device("cpu"), 2, 128, 4
     store = mb.make_cache(B, T, dev, 64)
@@ -169,7 +169,7 @@ def smoke_run(tmp_path_factory):
 
 
 def test_smoke_rows(smoke_run):
-    pytest.importorskip("k3c.runtime.kernel_impls.latent_format")
+    pytest.importorskip("k3c.runtime.caches.latent_format")
     records, drows, arows, on_disk, text = smoke_run
     assert on_disk == records
     L, R = mb.SMOKE_DIMS[:2]

@@ -103,7 +103,7 @@ def test_all_kda_model_has_no_mla_section_needed(tiny_text):
 def test_block_pool_without_mla_layers():
     import torch
 
-    from k3c.runtime.block_pool import BlockPool
+    from k3c.runtime.caches.block_pool import BlockPool
 
     pool = BlockPool(2, 64, {}, torch.bfloat16, "cpu")
     assert not pool.used and pool.pages_for(100) == 0

@@ -10,7 +10,7 @@ from k3c.errors import ArgumentError
 from k3c.runtime.cuda_graph import EagerBackend
 from k3c.runtime.engine import Engine
 from k3c.runtime.kernel_impls import mla as rt
-from k3c.runtime.kernel_impls.latent_format import decode_rows, encode_rows, pool_dtype, row_width
+from k3c.runtime.caches.latent_format import decode_rows, encode_rows, pool_dtype, row_width
 from k3c.runtime.prefix_cache import PrefixCache
 from numerics import rel
 

@@ -10,7 +10,7 @@ import torch
 import k3c
 from k3c.errors import ArgumentError
 from k3c.runtime.cuda_graph import DecodeGraph, EagerBackend, capture_blockers, make_buckets, pick_bucket
-from k3c.runtime.kernel_impls.mla import DeviceLenLatentCache, PagedLatentCache
+from k3c.runtime.caches.latent_store import DeviceLenLatentCache, PagedLatentCache
 from k3c.reference.kda import KDAState
 from numerics import rel
 

@@ -5,7 +5,7 @@ import torch
 
 import k3c
 from k3c.errors import ArgumentError
-from k3c.runtime.block_pool import CacheFullError
+from k3c.runtime.caches.block_pool import CacheFullError
 from k3c.runtime.engine import Engine
 from numerics import rel
 

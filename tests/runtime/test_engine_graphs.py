@@ -78,8 +78,8 @@ def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case
     assert eng.stats["padded_graph_rows"] == 5
     assert eng.stats["graph_slot_gathers"] == gathers and eng.stats["graph_slot_joins"] == 1
     assert eng.stats["decode_graph_calls"] > 0
-    assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
-    assert len(eng._graphs) <= max_graphs
+    assert all(dg.report.mode == "graph" for dg in eng.graph_pool.graphs.values())
+    assert len(eng.graph_pool.graphs) <= max_graphs
     assert eng.stats["decode_graphs_created"] == created
     assert eng.stats["decode_calls"] > eng.stats["decode_graph_calls"]    # each new size's first step is eager
     for a, b in zip(with_graphs, without):
@@ -117,7 +117,7 @@ def test_a_request_joining_takes_a_free_row_in_place(one_thread, case):
     _, without = run(model, w, False, prompts, news, joins)
     eng, with_graphs = run(model, w, True, prompts, news, joins)
     assert eng.stats["graph_slot_gathers"] == 1 and eng.stats["graph_slot_joins"] == 1
-    assert eng.stats["padded_graph_rows"] > 0 and set(eng._graphs) == {(3, 1)}
+    assert eng.stats["padded_graph_rows"] > 0 and set(eng.graph_pool.graphs) == {(3, 1)}
     for a, b in zip(with_graphs, without):
         assert [o.token for o in a] == [o.token for o in b]
         assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5

@@ -31,9 +31,9 @@ def test_engine_graph_decode_equals_ordinary_decode_on_gpu(spec_path, dtype, tol
     eng, with_graphs = run(model, w, True, prompts, news, joins)
     _, without = run(model, w, False, prompts, news, joins)
     assert eng.stats["decode_graph_calls"] > 0
-    assert all(dg.report.mode == "graph" for dg in eng._graphs.values()), \
-        [dg.report.reason for dg in eng._graphs.values()]
-    assert len(eng._graphs) >= 2
+    assert all(dg.report.mode == "graph" for dg in eng.graph_pool.graphs.values()), \
+        [dg.report.reason for dg in eng.graph_pool.graphs.values()]
+    assert len(eng.graph_pool.graphs) >= 2
     for a, b in zip(with_graphs, without):
         ta, tb = [o.token for o in a], [o.token for o in b]
         if dtype == torch.float32:

@@ -1,4 +1,4 @@
-"""Two sequences writing one shared partial MLA page in the same call (engine._needs): the second copies it.
+"""Two sequences writing one shared partial MLA page in the same call (PageLedger.needs): the second copies it.
 
 A request whose prompt extends a running request's prompt resumes from that request's prompt-end checkpoint and so
 holds its last, partly filled page; in the next step both write the same row of it (the running one its first

@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/speculative.py, runtime/kda_rollback.py, Engine's draft / verify / rewind).
+"""Speculative decoding (runtime/speculative.py, runtime/caches/kda_rollback.py, serving/speculation.py, Engine.rewind).
 
 On the CPU in fp32 with the trained example model examples/k3-stdlib (kernels off) unless a test says otherwise:
   - greedy identity: with speculation (prompt lookup, then a draft model: the same model, and a random one that
@@ -27,7 +27,7 @@ from k3c.errors import ArgumentError
 from k3c.frontend import parse_spec_text
 from k3c.runtime.engine import Engine
 from k3c.runtime.sampling import SamplingParams, filtered_probs
-from k3c.runtime.seq_state import row_state
+from k3c.runtime.caches.seq_state import row_state
 from k3c.runtime.speculative import (DraftModelDrafter, NgramDrafter, Speculation, accept_greedy,
                                      accept_sampled)
 
@@ -163,7 +163,7 @@ def test_greedy_identity_ngram_continuous_batching(stdlib, prompts, reference, d
     assert st["spec_drafted"] > st["spec_accepted"]                  # and drafts were rejected
     assert st["verify_calls"] > 0
     assert st["generated_tokens"] == sum(news)
-    assert not eng.seqs and not eng._budget
+    assert not eng.seqs and not eng.ledger.budget
     eng.pool.check_empty()
 
 
@@ -538,7 +538,7 @@ def test_restore_against_token_by_token_kda(stdlib, prompts):
     `restore` with keep counts (n_a, n_b) gives each row the state of the same sequences stepped one token at a
     time (plain decoding's T = 1 path) over its first n tokens, for equal and different counts, in place of the
     call's committed states; n = T leaves them as the call made them; counts outside [1, T] are refused."""
-    from k3c.runtime.kda_rollback import restore
+    from k3c.runtime.caches.kda_rollback import restore
 
     T = 6
     seg_a, seg_b = [11, 12, 13, 14, 15, 16], prompts[0][:T]
@@ -551,9 +551,9 @@ def test_restore_against_token_by_token_kda(stdlib, prompts):
             got_rows.append((a, b))
         (a, b), (sa_, sb_) = got_rows
         sa, sb = eng.seqs[a], eng.seqs[b]
-        eng._run([(sa, seg_a), (sb, seg_b)], evict=True, trace={a, b})   # the engine's traced (verification) call
-        trace, row_a, _ = eng._traces[a]
-        assert eng._traces[b][0] is trace and row_a == 0 and eng._traces[b][1] == 1
+        eng.runner.run([(sa, seg_a), (sb, seg_b)], evict=True, trace={a, b})   # a traced (verification) call
+        trace, row_a, _ = eng.runner.traces[a]
+        assert eng.runner.traces[b][0] is trace and row_a == 0 and eng.runner.traces[b][1] == 1
         assert set(trace) == set(eng.kda_layers) and trace[eng.kda_layers[0]].states.shape[:2] == (T, 2)
         for r, seg, n in ((sa_, seg_a, keeps[0]), (sb_, seg_b, keeps[1])):
             for tok in seg[:n]:
@@ -575,7 +575,7 @@ def test_captured_restore_equals_eager_restore():
     refused."""
     from k3c.runtime.cuda_graph import EagerBackend
     from k3c.reference.kda import KDAState
-    from k3c.runtime.kda_rollback import CapturedRestore, KDATokens, restore
+    from k3c.runtime.caches.kda_rollback import CapturedRestore, KDATokens, restore
 
     g = torch.Generator().manual_seed(0)
     T, B = 4, 3
@@ -615,13 +615,13 @@ def test_page_pool_tight_pool_rejected_drafts(stdlib, prompts, reference):
     eng = engine(stdlib, ngram(7, min_n=1), page_size=16, num_pages=14)
     pool = eng.pool
     released = []
-    orig = eng._rewind_pages
+    orig = eng.ledger.rewind
 
     def counting(seq, n):
         before = len(seq.pages)
         orig(seq, n)
         released.append(before - len(seq.pages))
-    eng._rewind_pages = counting
+    eng.ledger.rewind = counting
     rids = [eng.add_request(prompts[i], n) for i, n in zip(sel, news)]
     worst = {r: pool.pages_for(len(prompts[i]) + n) for r, i, n in zip(rids, sel, news)}
     got = {r: [] for r in rids}
@@ -631,7 +631,7 @@ def test_page_pool_tight_pool_rejected_drafts(stdlib, prompts, reference):
             break
         # plain decoding's reserve rule: the head of the queue is admitted while the pool holds its worst case on
         # top of what running requests may still claim (that sum is independent of their lengths)
-        free = pool.num_free - sum(max(0, b) for b in eng._budget.values())
+        free = pool.num_free - sum(max(0, b) for b in eng.ledger.budget.values())
         running, expect = len(eng.running), []
         for s in eng.waiting:
             if running >= eng.max_batch or free < worst[s.rid]:
@@ -648,17 +648,17 @@ def test_page_pool_tight_pool_rejected_drafts(stdlib, prompts, reference):
         held = 0
         for seq in eng.running:
             assert len(seq.pages) == pool.pages_for(seq.length)
-            assert eng._budget[seq.rid] == worst[seq.rid] - len(seq.pages) >= 0
+            assert eng.ledger.budget[seq.rid] == worst[seq.rid] - len(seq.pages) >= 0
             held += len(seq.pages)
         assert pool.num_free == pool.num_pages - held
-        assert all(b >= 0 for b in eng._budget.values())
+        assert all(b >= 0 for b in eng.ledger.budget.values())
     assert not eng.has_work()
     assert waits > 0                                       # the pool, not max_batch, held requests back
     assert [got[r] for r in rids] == [reference[i][:n] for i, n in zip(sel, news)]
     st = eng.stats
     assert st["spec_drafted"] - st["spec_accepted"] >= 30
     assert sum(released) >= 5                              # rejections gave whole pages back
-    assert not eng._budget
+    assert not eng.ledger.budget
     pool.check_empty()
 
 
@@ -883,12 +883,12 @@ def test_verification_graph_greedy_identity(one_thread):
     st = eng.stats
     assert st["verify_graph_calls"] > 0
     assert st["spec_drafted"] > st["spec_accepted"] > 0
-    assert all(dg.report.mode == "graph" for dg in eng._graphs.values())
-    assert any(dg.tokens == 3 for dg in eng._graphs.values())
-    assert eng._kda_tokens[3][eng.kda_layers[0]].states.shape[:2] == (3, 3)
+    assert all(dg.report.mode == "graph" for dg in eng.graph_pool.graphs.values())
+    assert any(dg.tokens == 3 for dg in eng.graph_pool.graphs.values())
+    assert eng.graph_pool.kda_tokens[3][eng.kda_layers[0]].states.shape[:2] == (3, 3)
     # rollbacks inside a graph's slots ran through its captured restore (kda_rollback.CapturedRestore)
-    assert any(dg._restore is not None and dg._restore._replay is not None for dg in eng._graphs.values())
-    assert all(dg.kda_tokens[i].states.shape[:2] == (3, dg.batch) for dg in eng._graphs.values() if dg.tokens == 3
+    assert any(dg._restore is not None and dg._restore._replay is not None for dg in eng.graph_pool.graphs.values())
+    assert all(dg.kda_tokens[i].states.shape[:2] == (3, dg.batch) for dg in eng.graph_pool.graphs.values() if dg.tokens == 3
                for i in eng.kda_layers)
     eng.pool.check_empty()
     plain.pool.check_empty()

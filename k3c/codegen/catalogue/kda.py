@@ -6,7 +6,7 @@ from ..kernel import KernelSource
 from ..kernels.common import IR_DTYPES
 from ..kernels.gemm import emit_gemm
 from ..kernels.kda import (DECODE_NORM_EPS, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
-                           emit_kda_prep, kda_plan, run_dot)
+                           emit_kda_prep, kda_plan, prep_qkv_dtype, run_dot)
 
 
 def _dtype(module, value: str) -> str:
@@ -22,7 +22,7 @@ def emit_attn(op, module, target) -> list[KernelSource]:
     loc = op.loc or ""
     dot = run_dot(dt, a["dot"])
     plan = kda_plan(d, dt, target, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot)
-    qkv = "bf16" if dot == "bf16" else "fp32"           # the prep's q / k / v rows
+    qkv = prep_qkv_dtype(dot)                           # the prep's q / k / v rows
     common = dict(gate=a["gate"], gate_lower_bound=a["gate_lower_bound"], l2norm_eps=a["l2norm_eps"], target=target,
                   dtype=dt, ir_op="kda_attn", loc=loc)
     return [emit_kda_prep(h, d, a["conv_kernel"], qkv_dtype=qkv, **common),

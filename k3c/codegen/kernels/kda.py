@@ -70,6 +70,12 @@ def inter_dtype(dot: str) -> str:
     return "bf16" if dot == "bf16" else "fp32"
 
 
+def prep_qkv_dtype(dot: str) -> str:
+    """dtype of the prep kernel's q / k / v rows, the chunk kernels' matmul operands: bf16 under bf16 products (half
+    the bytes; the products round them anyway), else fp32. The catalogue and the runtime's launcher both ask here."""
+    return "bf16" if dot == "bf16" else "fp32"
+
+
 def run_dot(dtype: str, ir_dot: str) -> str:
     """The matmul precision a run uses: the IR's `dot` is chosen for the model's declared (bf16) activations; a run
     in fp32 gets exact fp32 products, which is what it is for (a bf16 dot there is far off the fp32 reference:

@@ -16,14 +16,14 @@ import functools
 import torch
 
 from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
-                                    emit_kda_prep, inter_dtype, kda_plan, run_dot)
+                                    emit_kda_prep, inter_dtype, kda_plan, prep_qkv_dtype, run_dot)
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
 from ... import reference as ref
 from ...reference.kda import KDAState
 from ...reference.norms import acc
-from ..kda_rollback import step_tokens, traced
-from ..devices import interpreted, target_for, torch_dtype, tt_dtype
+from ..caches.kda_rollback import step_tokens, traced
+from ..devices import TT_TO_TORCH, interpreted, target_for, torch_dtype, tt_dtype
 from ..launcher import launch
 from .basic import gemm
 
@@ -308,9 +308,8 @@ def launch_kda_attn(a, cache, data, w):
         flat = [x.reshape(b * t, -1) for x in data]
         cu = _equal_cu(t, b, xq.device)
         dot = run_dot(tt_dtype(xq.dtype), a["dot"])
-        # bf16 matmul operands: the prep writes q / k / v in bf16 (half the bytes; the products round them anyway)
         packed, tails = kda_prep(*flat, conv_w, _fp32(w["A_log"]), _fp32(w["dt_bias"]), st.conv, cu,
-                                 max_len=t, qkv_dtype=torch.bfloat16 if dot == "bf16" else torch.float32, **common)
+                                 max_len=t, qkv_dtype=TT_TO_TORCH[prep_qkv_dtype(dot)], **common)
         q, k, v, g, beta = unpack(packed, h, d)
         o, s = kda_chunk(q, k, v, g, beta, cu, st.state, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot,
                          max_len=t)

@@ -1,22 +1,15 @@
 """Runtime of the absorbed MLA sublayer (`mla_absorbed`, from the mla-absorb pass) and the weight transform
-`mla_kvb_split`: the paged latent cache, the kernel launchers, the MHA / MQA mode choice, and the torch
-implementations the executor uses when an op is not marked impl="kernel".
+`mla_kvb_split`: the kernel launchers, the MHA / MQA mode choice (batch_mla_mode: the one rule, which the serving
+runner also calls), and the torch implementations the executor uses when an op is not marked impl="kernel".
 
-Cache entry (cache.layers[layer]) = PagedLatentCache: a view (per-sequence lengths) of a LatentStore (the page pool
-[pages, PS, width] and the block table i32 [B, max_pages]). The pool's dtype is the cache format (latent_format:
-the activation dtype, or fp8 rows with per-token scales, width 592 for 576 values); a new store takes
-cache.kv_dtype, an existing one keeps its format. Pages of the B sequences are interleaved in the pool
-(page p of sequence b is pool page p*B + b) so growing the pool keeps every page id; the block table is what the
-kernels read, so any other placement (a serving block allocator) works unchanged. Entries are never changed in
-place: a write after an entry's length goes into its store only while no other writer has gone past that length
-(the store's high-water mark), otherwise the store is copied first (copy-on-write), so an old LayerCaches snapshot
-stays valid (Session keeps one for failed calls).
+Cache entry (cache.layers[layer]): a PagedLatentCache or DeviceLenLatentCache over a LatentStore
+(runtime/caches/latent_store.py); a new store takes the call context's kv_dtype (caches/context.py), an existing one
+keeps its format.
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +23,9 @@ from ... import reference as ref
 from ...reference.norms import acc
 from ..devices import interpreted, target_for, tt_dtype
 from ..launcher import binding_generation, fixed_launcher, launch, tier_fallback
-from .latent_format import decode_rows, encode_rows, pool_args, pool_dtype, row_width
+from ..caches.latent_format import decode_rows, encode_rows, pool_args, pool_dtype, row_width
+from ..caches.latent_store import (DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table,
+                                   new_store, reserve)
 
 _emit_write = functools.lru_cache(maxsize=64)(emit_mla_latent_write)
 _emit_write_part = functools.lru_cache(maxsize=64)(emit_mla_latent_partial)
@@ -53,75 +48,6 @@ def torch_mla_kvb_split(a, cache, data, w):
     return split_kvb(w["kv_b_proj.weight"], a["num_heads"], a["qk_nope_head_dim"], a["v_head_dim"], a["part"])
 
 
-# -- paged latent cache -----------------------------------------------------------------------------------------------
-class LatentStore:
-    def __init__(self, pool: torch.Tensor, block_table: torch.Tensor, high: list[int]):
-        self.pool, self.block_table, self.high = pool, block_table, list(high)
-
-    @property
-    def page_size(self) -> int:
-        return self.pool.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.block_table.shape[1] * self.page_size
-
-
-def interleaved_block_table(batch: int, pages: int, device) -> torch.Tensor:
-    return (torch.arange(pages, device=device)[None, :] * batch
-            + torch.arange(batch, device=device)[:, None]).to(torch.int32)
-
-
-def new_store(batch: int, tokens: int, width: int, page_size: int, dtype, device) -> LatentStore:
-    pages = 1 << max(0, (-(-max(tokens, 1) // page_size) - 1).bit_length())
-    pool = torch.empty(pages * batch, page_size, width, dtype=dtype, device=device)
-    return LatentStore(pool, interleaved_block_table(batch, pages, device), [0] * batch)
-
-
-@dataclass(frozen=True)
-class PagedLatentCache:
-    store: LatentStore
-    lens: tuple[int, ...]          # cached tokens per sequence
-
-    @property
-    def batch(self) -> int:
-        return len(self.lens)
-
-    def gather(self, start: int = 0, stop: int | None = None, seq: int | None = None) -> torch.Tensor:
-        """Pool rows [start, stop) of every sequence (or of `seq`) as [B, n, width], in the pool's format (a copy;
-        chunks only; latent_format.decode_rows gives the values)."""
-        stop = max(self.lens) if stop is None else stop
-        pos = torch.arange(start, stop, device=self.store.pool.device)
-        ps = self.store.page_size
-        bt = self.store.block_table if seq is None else self.store.block_table[seq:seq + 1]
-        pages = bt[:, pos // ps].long()
-        return self.store.pool[pages, (pos % ps)[None, :]]
-
-
-def reserve(entry: PagedLatentCache | None, batch: int, new: int, width: int, page_size: int, dtype, device
-            ) -> tuple[LatentStore, tuple[int, ...]]:
-    """A store that may take `new` tokens after `entry` (allocated, grown or copied as needed) and the lengths.
-    width / dtype: a new store's row format; a grown or copied one keeps its store's."""
-    if entry is None:
-        return new_store(batch, new, width, page_size, dtype, device), (0,) * batch
-    if entry.batch != batch:
-        raise ValueError(f"MLA cache holds {entry.batch} sequences, the call has {batch}")
-    st, lens = entry.store, entry.lens
-    need = max(lens) + new
-    fresh = any(h != n for h, n in zip(st.high, lens))          # someone appended past this snapshot
-    if need > st.capacity or fresh:
-        pages_old = st.block_table.shape[1]
-        pages = pages_old
-        while pages * st.page_size < need:
-            pages *= 2
-        pool = torch.empty(pages * batch, st.page_size, st.pool.shape[-1], dtype=st.pool.dtype, device=device)
-        pool[: pages_old * batch] = st.pool                      # interleaved ids survive growth
-        bt = interleaved_block_table(batch, pages, device)
-        bt[:, :pages_old] = st.block_table
-        st = LatentStore(pool, bt, lens)
-    return st, lens
-
-
 def lens_tensor(lens, device) -> torch.Tensor:
     """Lengths as i32 [B] on `device`: a device tensor is used as is (no copy); host ints are copied (a pageable
     host-to-device copy: a device sync, and not allowed while a CUDA graph is being captured)."""
@@ -130,22 +56,6 @@ def lens_tensor(lens, device) -> torch.Tensor:
             raise ValueError(f"lengths tensor must be int32 on {device}, got {lens.dtype} on {lens.device}")
         return lens
     return torch.tensor(list(lens), dtype=torch.int32, device=device)
-
-
-@dataclass(frozen=True)
-class DeviceLenLatentCache:
-    """A paged latent cache whose per-sequence lengths are a device tensor (i32 [B]) rather than host ints: the
-    form a decode step captured in a CUDA graph reads (k3c/runtime/cuda_graph.py). The kernel path writes the new
-    rows at lens[b] and runs MQA with a grid sized for `max_len` tokens (fixed; each program masks by its own
-    sequence's length), so nothing in the call depends on the current lengths on the host. The store is written in
-    place (no copy-on-write, no growth): its owner keeps no snapshots and sized it for `max_len`."""
-    store: LatentStore
-    lens: torch.Tensor             # i32 [B]: cached tokens per sequence, on the device
-    max_len: int                   # bound on lens + new tokens (sizes the decode grid)
-
-    @property
-    def batch(self) -> int:
-        return self.lens.shape[0]
 
 
 # -- kernel launchers -------------------------------------------------------------------------------------------------
@@ -424,14 +334,50 @@ class _SeqView(LatentStore):
 
 
 # -- the sublayer -----------------------------------------------------------------------------------------------------
-def choose_mode(a, new: int, cached: int, batch: int, device) -> str:
-    """The op's mode attr, or for "auto" the faster of MHA and MQA on the device's target (analysis cost model)."""
+def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
+    """MHA or MQA for one MLA call of `new` tokens per sequence after `cached[b]` cached tokens, from the cost model
+    (analysis.cost.mla_mode_costs) over every sequence of the call, on `target`: the one mode rule (the serving
+    runner chooses with it per call, an op with no choice made for it chooses with it over its own lengths).
+      - MQA is one batched call (split-KV decode over each sequence's own pages, W_kvb read once): the cost of the
+        whole batch at the mean cached length (exact: the cost is affine in the cached length);
+      - MHA of equal lengths is one batched call too; of mixed lengths it runs one sequence at a time (each expands
+        K/V from its own rows and reads W_kvb again): the sum of the per-sequence costs, B x the mean's.
+    Every sequence counts: the first sequence's own choice can be the slower one for the batch."""
+    from ...analysis.cost import mla_mode_costs
+
+    b = len(cached)
+    mean = sum(cached) / b
+    both = mla_mode_costs(attrs, new, mean, target, batch=b)
+    if len(set(cached)) == 1:
+        return both.best
+    mha = mla_mode_costs(attrs, new, mean, target, batch=1).mha.scaled(b)
+    mha_s = mha.seconds({"bf16": target.peak_bf16_flops}, target.hbm_bytes_per_s)
+    return "mha" if mha_s <= both.mqa_seconds else "mqa"
+
+
+def choose_mode(a, new: int, cached: list[int], device) -> str:
+    """The op's mode attr, or for "auto" the faster of MHA and MQA for these cached lengths on the device's target
+    (batch_mla_mode)."""
     mode = a.get("mode", "auto")
     if mode != "auto":
         return mode
-    from ...analysis.cost import mla_mode_costs
+    return batch_mla_mode(a, new, list(cached), target_for(device))
 
-    return mla_mode_costs(a, new, cached, target_for(device), batch=batch).best
+
+def _chosen(a, cache) -> str | None:
+    """The mode set for this op: its attr, or for "auto" the caller's choice in the call context (the runner's)."""
+    mode = a.get("mode", "auto")
+    if mode != "auto":
+        return mode
+    return (cache.ctx.mla_modes or {}).get(a["layer"])
+
+
+def call_mode(a, cache, new: int, cached, device) -> str:
+    """The mode this call of the op runs (the one set for it, else choose_mode over its lengths), recorded in the
+    call context (CallContext.modes: the engine reports it per call)."""
+    mode = _chosen(a, cache) or choose_mode(a, new, cached, device)
+    cache.ctx.modes[a["layer"]] = mode
+    return mode
 
 
 def _finish(a, x: torch.Tensor, o: torch.Tensor, w) -> torch.Tensor:
@@ -467,7 +413,7 @@ def torch_mla_absorbed(a, cache, data, w):
     store.high = [n + T for n in lens]
     entry = PagedLatentCache(store, tuple(n + T for n in lens))
     cache.layers[a["layer"]] = entry
-    mode = _record_mode(cache, a, choose_mode(a, T, lens[0], B, x.device))
+    mode = call_mode(a, cache, T, lens, x.device)
     if len(set(entry.lens)) > 1:           # a serving batch of mixed lengths: each sequence over its own rows
         return torch.cat([_ref_attend(a, x[b:b + 1], entry.gather(0, n, seq=b), w, cfg, mode)
                           for b, n in enumerate(entry.lens)])
@@ -481,16 +427,8 @@ def _ref_attend(a, x, rows, w, cfg, mode):
 
 
 def _new_store_dtype(cache, x: torch.Tensor) -> torch.dtype:
-    """The pool dtype of a store made for this cache (LayerCaches.kv_dtype; other cache holders: the activations')."""
-    return pool_dtype(getattr(cache, "kv_dtype", "auto"), x.dtype)
-
-
-def _record_mode(cache, a, mode: str) -> str:
-    """Expose the mode that ran (LayerCaches.modes: the engine reports it per call)."""
-    modes = getattr(cache, "modes", None)
-    if modes is not None:
-        modes[a["layer"]] = mode
-    return mode
+    """The pool dtype of a store made in this call (its context's kv_dtype)."""
+    return pool_dtype(cache.ctx.kv_dtype, x.dtype)
 
 
 def launch_mla_absorbed(a, cache, data, w):
@@ -511,7 +449,7 @@ def launch_mla_absorbed(a, cache, data, w):
     entry = PagedLatentCache(store, tuple(m + T for m in lens))
     cache.layers[a["layer"]] = entry
     q = ref.mla_query(x, w, cfg)
-    if _record_mode(cache, a, choose_mode(a, T, lens[0], B, x.device)) == "mqa":
+    if call_mode(a, cache, T, lens, x.device) == "mqa":
         return _mqa_sublayer(a, x, q, w, store, lens_tensor(entry.lens, x.device), max(entry.lens))
     o = mha_attention(q, entry, w["w_uk_t"], w["w_uv"], scale, a["prefill_chunk"])
     return _finish(a, x, o, w)
@@ -537,14 +475,14 @@ def _kernel_mla_device_lens(a, cache, x, w, entry: DeviceLenLatentCache) -> torc
     B, T, _ = x.shape
     if entry.batch != B:
         raise ValueError(f"MLA cache holds {entry.batch} sequences, the call has {B}")
-    if a.get("mode", "auto") == "mha":
+    if _chosen(a, cache) == "mha":
         raise ValueError("a device-length MLA cache runs the MQA mode only (this call asks for MHA)")
     L = cfg.kv_lora_rank
     write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], entry.store,
                  entry.lens, L)
     lens = entry.lens + T
     cache.layers[a["layer"]] = DeviceLenLatentCache(entry.store, lens, entry.max_len)
-    _record_mode(cache, a, "mqa")
+    cache.ctx.modes[a["layer"]] = "mqa"
     return _mqa_sublayer(a, x, ref.mla_query(x, w, cfg), w, entry.store, lens, entry.max_len)
 
 

@@ -2,7 +2,7 @@
 
 A KDA layer's recurrent state and conv tails cannot be "un-appended": after a verification call of T tokens, a
 sequence that keeps only the first n < T of them needs the state after token n. k3c keeps the state after every
-token of the call: a traced call (the cache carries a `kda_trace` dict) runs each KDA op token by token through the
+token of the call: a traced call (its CallContext carries a `kda_trace` dict) runs each KDA op token by token through the
 one-token path that plain decoding runs (the fused decode kernel, or the reference recurrence), writing the state
 and conv tails after token t into per-token buffers [T, B, ...] (`step_tokens`); `restore` then copies each row's
 state after its kept count into the call's committed states, one gather per tensor and layer for the whole batch.
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..reference.kda import KDAState
+from ...reference.kda import KDAState
 
 
 @dataclass
@@ -66,17 +66,17 @@ class KDATokens:
 
 def traced(cache) -> bool:
     """Whether this call keeps per-token KDA states (a speculative verification)."""
-    return getattr(cache, "kda_trace", None) is not None
+    return cache.ctx.traced
 
 
 def step_tokens(cache, layer: int, data: tuple, state: KDAState, step: Callable) -> tuple[torch.Tensor, KDAState]:
     """A KDA op of a traced call run token by token: step(data_t, state, out) with data_t the op's inputs at token t
     ([B, 1, ...] each) runs one token from `state` and returns (its output [B, 1, ...], the new state); the new
     state lands in `out`, this token's buffers (a step may write it there itself, else it is copied). The buffers
-    are the cache's static ones (`kda_token_buffers`, a CUDA graph's) when it has them, else new; they are recorded
-    in cache.kda_trace. Returns (the outputs [B, T, ...], the state after the last token)."""
+    are the call's static ones (`ctx.kda_token_buffers`, a CUDA graph's) when it has them, else new; they are
+    recorded in ctx.kda_trace. Returns (the outputs [B, T, ...], the state after the last token)."""
     T = data[0].shape[1]
-    bufs = getattr(cache, "kda_token_buffers", {}).get(layer)
+    bufs = cache.ctx.kda_token_buffers.get(layer)
     if bufs is None or bufs.states.shape[:2] != (T, state.state.shape[0]) or not bufs.states[0].is_contiguous():
         bufs = KDATokens.like(state, T)
     outs = []
@@ -89,7 +89,7 @@ def step_tokens(cache, layer: int, data: tuple, state: KDAState, step: Callable)
                 d.copy_(src)
         outs.append(y)
         state = out
-    cache.kda_trace[layer] = bufs
+    cache.ctx.kda_trace[layer] = bufs
     return torch.cat(outs, 1), state
 
 

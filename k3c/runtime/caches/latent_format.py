@@ -11,9 +11,10 @@ import torch
 
 from ...codegen.kernels.mla_common import FP8_MAX, LATENT_FP8, latent_row_width
 from ...errors import ArgumentError
+from ..devices import TT_TO_TORCH
 
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
-_NAMED = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+_NAMED = {**{n: TT_TO_TORCH[n] for n in ("bf16", "fp16", "fp32")}, "fp8": TT_TO_TORCH["fp8e4nv"]}
 
 
 def check_kv_dtype(kv_dtype: object, what: str = "kv_dtype") -> str:

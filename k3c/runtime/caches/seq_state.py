@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..frontend.spec import KDASpec
-from ..reference.kda import KDAState, kda_zero_state
+from ...frontend.spec import KDASpec
+from ...reference.kda import KDAState, kda_zero_state
 
 RowRef = tuple[KDAState, int]
 

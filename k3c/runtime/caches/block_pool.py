@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
+from ...errors import UserError
 
 
 class CacheFullError(UserError):
@@ -24,7 +24,7 @@ class BlockPool:
         self.num_pages, self.page_size = num_pages, page_size
         # layer -> pool tensor; empty for a model without MLA layers (then no page is ever needed). One page more
         # than num_pages: `scratch`, never handed out, where the padding rows of a graph call run for a smaller
-        # batch write their rows (Engine._graph_step)
+        # batch write their rows (GraphPool.step)
         self.pools = {layer: torch.zeros(num_pages + 1, page_size, w, dtype=dtype, device=device)
                       for layer, w in widths.items()}
         self.scratch = num_pages

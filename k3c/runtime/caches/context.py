@@ -1,0 +1,27 @@
+"""The call context: what one graph call's op implementations need beyond their inputs, weights and cache entries,
+set by the caller (Session, the serving runner, a DecodeGraph) and read by the kernel impls. It travels as
+`LayerCaches.ctx` (every impl gets the LayerCaches), declared here instead of attributes set on the cache by whoever
+calls and read back with getattr defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .latent_format import check_kv_dtype
+
+
+@dataclass
+class CallContext:
+    kv_dtype: str = "auto"                      # the format of MLA stores made in this call (latent_format), checked
+    mla_modes: dict[int, str] | None = None     # {MLA layer: mode} the caller chose (the runner: batch_mla_mode);
+    #                                             None or a layer missing: the op chooses with the same rule
+    modes: dict[int, str] = field(default_factory=dict)    # {MLA layer: the mode its op ran}: written by the impls
+    kda_trace: dict | None = None               # a speculative verification: {KDA layer: KDATokens} (kda_rollback)
+    kda_token_buffers: dict = field(default_factory=dict)  # static per-token buffers to trace into (a CUDA graph's)
+
+    def __post_init__(self):
+        self.kv_dtype = check_kv_dtype(self.kv_dtype)
+
+    @property
+    def traced(self) -> bool:
+        """Whether this call keeps per-token KDA states (a speculative verification)."""
+        return self.kda_trace is not None

@@ -1,0 +1,130 @@
+"""The runner: graph calls. It groups a plan by segment length, takes the step's pages from the ledger, makes the
+one MLA mode choice of a call (batch_mla_mode: the kernels run what it chose), runs the call through a captured
+graph or eagerly, and commits the new KDA states and lengths. It owns the mode statistics and the KDA traces of
+the last verification call."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+
+from ..caches.context import CallContext
+from ..executor import LayerCaches
+from ..caches.latent_store import LatentStore, PagedLatentCache
+from ..kernel_impls.mla import batch_mla_mode
+from ..caches.seq_state import SeqState, gather_kda
+from .graph_pool import GraphPool
+from .ledger import PageLedger
+
+
+def auto_mla_layers(module) -> dict[int, tuple]:
+    """MLA layers whose op picks its mode at run time ("auto"): layer -> (key, attrs without the layer); layers of
+    equal attrs share one choice."""
+    out = {}
+    for op in module.ops:
+        if op.op == "mla_absorbed" and op.attr("mode", "auto") == "auto":
+            attrs = {k: v for k, v in op.attr_dict.items() if k != "layer"}
+            out[op.attr("layer")] = (repr(sorted(attrs.items())), attrs)
+    return out
+
+
+class Runner:
+    def __init__(self, compiled, graph, ledger: PageLedger, graphs: GraphPool, *, target, kv_dtype: str,
+                 dtype, device, max_batch: int, cuda_graphs: bool, stats: Counter):
+        self.spec, self.graph, self.ledger, self.graphs = compiled.spec, graph, ledger, graphs
+        self.target, self.kv_dtype, self.dtype, self.device = target, kv_dtype, dtype, device
+        self.max_batch, self.cuda_graphs, self.stats = max_batch, cuda_graphs, stats
+        self.kda_layers, self.mla_layers = graphs.kda_layers, graphs.mla_layers
+        self._mla_auto = auto_mla_layers(compiled.module)
+        self.last_modes: dict[int, str] = {}       # MLA layer -> mode of the last graph call
+        self.mode_counts: Counter = Counter()      # (layer, mode) -> calls
+        self.traces: dict = {}                     # rid -> (KDA trace of its last verification call, row, its
+        #                                            DecodeGraph or None)
+
+    def mla_modes(self, new: int, cached: list[int]) -> dict[int, str]:
+        """{MLA layer: mode} for a call of `new` tokens per sequence after `cached` tokens (batch_mla_mode)."""
+        memo: dict[str, str] = {}
+        out = {}
+        for layer, (key, attrs) in self._mla_auto.items():
+            if key not in memo:
+                memo[key] = batch_mla_mode(attrs, new, cached, self.target)
+            out[layer] = memo[key]
+        return out
+
+    def run(self, plan, evict: bool, trace: set[int] = frozenset()) -> dict[int, torch.Tensor]:
+        """One graph call per group of equal segment length (at most max_batch rows each). {rid: logits [T, V]}.
+        trace: the ids of the sequences whose calls keep every token's KDA states (self.traces) for a rollback
+        inside them (speculative verification); they run apart from prefill pieces of the same length."""
+        undo = self.ledger.reserve(plan, evict)
+        groups: dict[tuple, list] = {}
+        for seq, seg in plan:
+            groups.setdefault((len(seg), seq.rid in trace), []).append((seq, seg))
+        out: dict[int, torch.Tensor] = {}
+        done = set()
+        try:
+            for (t, traced), items in groups.items():
+                for i in range(0, len(items), self.max_batch):
+                    chunk = items[i:i + self.max_batch]
+                    logits = self.call([s for s, _ in chunk], [g for _, g in chunk], trace=traced and t > 1)
+                    for (seq, _), rows in zip(chunk, logits.unbind(0)):     # one call for every row's view
+                        out[seq.rid] = rows
+                        done.add(seq.rid)
+        except BaseException:
+            self.ledger.rollback([u for u in undo if u[0].rid not in done])
+            self.ledger.commit([u for u in undo if u[0].rid in done])
+            raise
+        self.ledger.commit(undo)
+        return out
+
+    def call(self, seqs: list[SeqState], segments: list[list[int]], trace: bool = False) -> torch.Tensor:
+        """One graph call of equal-length segments; trace: a verification call (T > 1) whose KDA inputs are kept
+        for a rollback (self.traces), through a CUDA graph per (batch, T) like decode steps."""
+        B, T = len(segments), len(segments[0])
+        lens = [s.length for s in seqs]
+        modes = self.mla_modes(T, lens) if self.mla_layers else {}
+        dg, slots, joining = self.graphs.choose(seqs, T, graphable=T == 1 or trace,
+                                                eligible=self.cuda_graphs and all(m == "mqa"
+                                                                                 for m in modes.values()))
+        if dg is not None:
+            t0 = time.perf_counter()
+            logits, slots = self.graphs.call(dg, seqs, segments, slots, joining)
+            states, ran, kda_trace = dg.kda, modes, dg.trace
+        else:
+            slots = range(B)                           # the KDA state row of each sequence after the call
+            logits, states, ran, kda_trace, t0 = self._eager(seqs, segments, modes, trace)
+        kind = "decode" if T == 1 else "verify" if trace else "prefill"
+        if trace:
+            for j, seq in zip(slots, seqs):
+                self.traces[seq.rid] = (kda_trace, j, dg)
+        self.stats[f"{kind}_calls"] += 1
+        self.stats[f"{kind}_tokens"] += B * T
+        self.stats[f"{kind}_seconds_launch"] += time.perf_counter() - t0     # host time (no device sync)
+        for j, seq in zip(slots, seqs):                # commit: nothing above changed a sequence
+            for i in self.kda_layers:
+                seq.kda[i] = (states[i], j)
+            self.ledger.written(seq, T)
+            seq.length += T
+        self.last_modes = ran
+        for layer, mode in ran.items():
+            self.mode_counts[(layer, mode)] += 1
+        return logits
+
+    def _eager(self, seqs: list[SeqState], segments: list[list[int]], modes: dict[int, str], trace: bool):
+        """The call through the fx graph: (logits, the KDA states after it, the MLA modes it ran, its KDA trace, when
+        the launch began)."""
+        ids = self.ledger.h2d(torch.tensor(segments, dtype=torch.long))
+        lens = [s.length for s in seqs]
+        ctx = CallContext(self.kv_dtype, mla_modes=modes, kda_trace={} if trace else None)
+        cache = LayerCaches(self.spec.num_layers, ctx=ctx)
+        for i in self.kda_layers:
+            cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
+        if self.mla_layers:
+            bt = self.ledger.block_table(seqs)
+            for i in self.mla_layers:
+                cache.layers[i] = PagedLatentCache(LatentStore(self.ledger.pool.pools[i], bt, list(lens)),
+                                                   tuple(lens))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = self.graph(ids, cache)
+        return logits, cache.layers, dict(ctx.modes), ctx.kda_trace, t0
