@@ -135,6 +135,14 @@ def _emit_body(w: SourceWriter, gdt: str, scale: float) -> None:
     ln("p_end = gl.minimum(p_begin + pages_per_split, n_pages)")
     ln("bt_row = bt_ptr + b * max_pages")
     w.blank()
+    _emit_shared_and_query(w, gdt)
+    _emit_page_loop(w, gdt, scale)
+    _emit_epilogue(w)
+
+
+def _emit_shared_and_query(w: SourceWriter, gdt: str) -> None:
+    """Shared memory, barriers and the pool's descriptor; the query tile; the first page's loads."""
+    ln = w.line
     w.comment("shared memory: the query tile, two page buffers, P; one barrier per (buffer, piece)")
     ln(f"q_lat = gl.allocate_shared_memory({gdt}, [BLOCK_H, L], SW)")
     ln(f"q_pe = gl.allocate_shared_memory({gdt}, [BLOCK_H, R], SW)")
@@ -172,6 +180,11 @@ def _emit_body(w: SourceWriter, gdt: str, scale: float) -> None:
         ln("page0 = gl.load(bt_row + p_begin)")
         _emit_page_load(w, "page0", "0")
     w.blank()
+
+
+def _emit_page_loop(w: SourceWriter, gdt: str, scale: float) -> None:
+    """The online softmax over the split's pages: the next page loads while this one is scored and multiplied."""
+    ln = w.line
     ln("rows_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)")
     ln("qpos = seq_len - TQ + rows_s // NH  # each row's query position (causal limit)")
     ln("keys = gl.arange(0, PS, layout=COL_S)")
@@ -231,6 +244,11 @@ def _emit_body(w: SourceWriter, gdt: str, scale: float) -> None:
         ln("acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])")
         ln("gl.barrier()")
     w.blank()
+
+
+def _emit_epilogue(w: SourceWriter) -> None:
+    """Barriers released; the normalised partial and its natural-log LSE stored."""
+    ln = w.line
     ln("for i in gl.static_range(2 * NPIECE):")
     with w.indent():
         ln("mbarrier.invalidate(bars.index(i))")
