@@ -13,19 +13,12 @@ pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-from .test_serve import KEY, ServerProcess  # noqa: E402
+from .test_serve import KEY, server  # noqa: E402,F401 - test_serve's module-scoped server fixture, one per module
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from structured_outputs import random_schema  # noqa: E402
 
 M = "k3-stdlib"
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--api-key", KEY, "--max-batch", "8")
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
