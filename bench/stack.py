@@ -541,8 +541,15 @@ def setup(args) -> dict:
     cuda = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    spec = k3c.load_spec(args.spec)
-    model = k3c.compile(spec, target="h200" if cuda else "cpu")
+    if args.artifact:
+        # an artifact compiled on a machine whose Triton builds the Hopper tier (the GPU box's cannot): k3c runs
+        # its binaries, tier kernels included, as a deployment would
+        model = k3c.load(args.artifact)
+        spec = model.spec
+        progress(f"k3c: artifact {args.artifact} (target {model.target.name}, tiers {model.target.tiers or 'none'})")
+    else:
+        spec = k3c.load_spec(args.spec)
+        model = k3c.compile(spec, target="h200" if cuda else "cpu")
     t0 = time.perf_counter()
     w = make_weights(spec, model.module, args.device, dtype, seed=args.seed, reference=False)
     progress(f"weights in {time.perf_counter() - t0:.1f} s")
@@ -758,6 +765,7 @@ def print_table(result: dict) -> None:
           f"{result['peers']['peers']}")
     if result["peers"]["fallbacks_to_stand_ins"]:
         print(f"  calls run by torch stand-ins: {result['peers']['fallbacks_to_stand_ins']}")
+    print(f"k3c: {result['k3c_from']}; kernels {result.get('k3c_kernels')}")
     print("deviations from vLLM 0.33's K3 path:")
     for d in result["deviations"]:
         print(f"  - {d}")
@@ -817,6 +825,9 @@ def argument_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-kernels", action="store_true", help="k3c with every op through torch")
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no new row starts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--artifact", default=None,
+                    help="k3c from this compiled artifact (`k3c compile SPEC --target h100 -o DIR`, made where the "
+                         "Hopper tier builds) instead of compiling --spec in this process")
     ap.add_argument("--out", help="JSON (rewritten after every row)")
     return ap
 
@@ -844,6 +855,8 @@ def parse(argv):
         ap.error("--prefill / --decode: rows like 1x8192,8x1024 (SxL / BxT)")
     if any(len(r) != 2 or min(r) < 1 for r in a.prefill + a.decode):
         ap.error("--prefill / --decode: rows like 1x8192,8x1024 (SxL / BxT), positive")
+    if a.artifact and not os.path.isfile(os.path.join(a.artifact, "manifest.json")):
+        ap.error(f"--artifact {a.artifact}: not a k3c artifact (no manifest.json)")
     if a.out and not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
         ap.error(f"--out {a.out}: no such directory")
     a.prefill_tokens = [L for _, L in a.prefill]
@@ -859,13 +872,20 @@ def parse(argv):
 def run(argv=None) -> dict:
     args = parse(argv)
     b = setup(args)
+    from k3c.runtime import launcher
+
+    launcher.reset_stats()
     result = {"spec": b["spec"].name, "device": args.device, "dtype": args.dtype,
+              "k3c_from": (f"artifact {args.artifact} (target {b['model'].target.name}, tiers "
+                           f"{list(b['model'].target.tiers)})") if args.artifact else "compiled in this process",
               "gpu": torch.cuda.get_device_name() if b["cuda"] else None, "torch": torch.__version__,
               "args": {k: v for k, v in vars(args).items()}, "deviations": DEVIATIONS, "fp8": FP8_NA,
               "rows": [], "errors": {}, "skipped": []}
 
     def save():
         result["peers"] = b["peers"].describe()
+        st = launcher.stats()
+        result["k3c_kernels"] = {"binaries": st.binaries, "jit": st.jit, "tier_fallbacks": list(st.tier_fallbacks)}
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(result, fh, indent=2)

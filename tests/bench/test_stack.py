@@ -144,3 +144,22 @@ def test_small_cli_json(tmp_path):
         assert x["k3c_ms"] > 0 and x["stack_ms"] > 0
     assert rows[0]["last_logits_rel_stack_vs_k3c"] < 1e-4
     assert rows[2]["first_step_rel_stack_vs_k3c"] < 1e-4 and rows[2]["stack_reads_k3c_pages"] in (True, False)
+
+
+def test_small_cli_from_an_artifact(tmp_path):
+    """--artifact: k3c runs from a saved artifact (where the GPU box's Triton cannot build the Hopper tier, an
+    artifact compiled elsewhere brings its binaries); the spec is the artifact's, the JSON says where k3c came from;
+    a directory that is not an artifact is refused before anything is built."""
+    import k3c
+
+    art = tmp_path / "tiny-cpu"
+    k3c.compile(k3c.load_spec(TINY), target="cpu").save(str(art))
+    out = tmp_path / "stack.json"
+    assert stack.main(["--small", "--artifact", str(art), "--prefill", "1x6", "--decode", "1x4", "--check-len", "0",
+                       "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["errors"] == {} and r["k3c_from"].startswith(f"artifact {art} (target cpu")
+    assert r["spec"] == k3c.load_spec(TINY).name
+    with pytest.raises(SystemExit) as exc:
+        stack.main(["--small", "--artifact", str(tmp_path), "--prefill", "1x6", "--decode", "1x4"])
+    assert exc.value.code == 2
