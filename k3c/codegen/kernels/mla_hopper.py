@@ -316,131 +316,153 @@ def _seesaw(kname: str, sig: dict, cx: dict, gdt: str, scale: float, target: Tar
 # checked names and numbers only.
 SEESAW_SOURCE = """
 @gluon.jit
-def _load_page(desc, bt_row, kv_lat, kv_pe, ready, p_begin, t):
-    # page t of the split into buffer t % 2: (L + R) / 64 TMA pieces, each on its own barrier
+def _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, u, part: gl.constexpr):
+    # part of page u of the split into buffer u % 2 on barrier ready[u % 2, part]: part 0 / 1 = value half 0 / 1
+    # (L / 128 pieces of 64 columns), part 2 = the rope pieces. The sequence's partial last page comes through
+    # `tail`, a descriptor over its live rows only: the copy engine zero-fills the rest (NaN may live there)
     PS: gl.constexpr = kv_lat.shape[1]
-    NVAL: gl.constexpr = kv_lat.shape[2] // 64
-    NPIECE: gl.constexpr = NVAL + kv_pe.shape[2] // 64
-    b = t % 2
-    page = gl.load(bt_row + p_begin + t)
-    for i in gl.static_range(NPIECE):
-        bar = ready.index(b * NPIECE + i)
-        mbarrier.expect(bar, PS * 64 * 2)
-        if i < NVAL:
-            tma.async_load(desc, [page * PS, i * 64], bar, kv_lat.index(b).slice(i * 64, 64, dim=1))
+    NH2: gl.constexpr = kv_lat.shape[2] // 128
+    NR: gl.constexpr = kv_pe.shape[2] // 64
+    b = u % 2
+    bar = ready.index(b * 3 + part)
+    if part < 2:
+        mbarrier.expect(bar, PS * 64 * 2 * NH2)
+    else:
+        mbarrier.expect(bar, PS * 64 * 2 * NR)
+    if u < n_full:
+        row = gl.load(bt_split + u) * PS
+        if part < 2:
+            for i in gl.static_range(NH2):
+                tma.async_load(desc, [row, (part * NH2 + i) * 64], bar, kv_lat.index(b).slice((part * NH2 + i) * 64, 64, dim=1))
         else:
-            tma.async_load(desc, [page * PS, i * 64], bar, kv_pe.index(b).slice((i - NVAL) * 64, 64, dim=1))
+            for i in gl.static_range(NR):
+                tma.async_load(desc, [row, kv_lat.shape[2] + i * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
+    else:
+        if part < 2:
+            for i in gl.static_range(NH2):
+                tma.async_load(tail, [0, (part * NH2 + i) * 64], bar, kv_lat.index(b).slice((part * NH2 + i) * 64, 64, dim=1))
+        else:
+            for i in gl.static_range(NR):
+                tma.async_load(tail, [0, kv_lat.shape[2] + i * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
 
 
 @gluon.jit
-def _scores(q_lat, q_pe, kv_lat, kv_pe, ready, t, S_L: gl.constexpr, BLOCK_H: gl.constexpr, PS: gl.constexpr,
-            NPIECE: gl.constexpr, NVAL: gl.constexpr):
-    # S = Q K_t^T over the whole L + R reduction, each 64-column piece as soon as it has landed
-    b = t % 2
+def _scores(q_lat, q_pe, kv_lat, kv_pe, ready, t, W: gl.constexpr, S_L: gl.constexpr):
+    # S = Q K_t^T over the whole L + R reduction: this warpgroup's value half first (it loaded it itself, first),
+    # then the other half, then the rope, each as soon as it has landed. z (always 0, opaque to the compiler) keeps
+    # the 2 x 36 operand descriptors from being hoisted out of the page loop into registers (they would spill)
+    BLOCK_H: gl.constexpr = q_lat.shape[1]
+    PS: gl.constexpr = kv_lat.shape[1]
+    NH2: gl.constexpr = kv_lat.shape[2] // 128
+    NR: gl.constexpr = kv_pe.shape[2] // 64
+    z = t >> 30
+    b = t % 2 + z
+    ph = (t // 2) % 2
+    ql = q_lat.index(z)
+    qp = q_pe.index(z)
+    kl = kv_lat.index(b)
+    kp = kv_pe.index(b)
     s = gl.zeros([BLOCK_H, PS], gl.float32, layout=S_L)
-    for i in gl.static_range(NPIECE):
-        mbarrier.wait(ready.index(b * NPIECE + i), (t // 2) % 2)
-        if i < NVAL:
-            s = warpgroup_mma(q_lat.slice(i * 64, 64, dim=1), kv_lat.index(b).slice(i * 64, 64, dim=1).permute((1, 0)),
-                              s, is_async=True)
-        else:
-            s = warpgroup_mma(q_pe.slice((i - NVAL) * 64, 64, dim=1),
-                              kv_pe.index(b).slice((i - NVAL) * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+    for h in gl.static_range(2):
+        mbarrier.wait(ready.index(b * 3 + (W + h) % 2), ph)
+        for i in gl.static_range(NH2):
+            s = warpgroup_mma(ql.slice((((W + h) % 2) * NH2 + i) * 64, 64, dim=1),
+                              kl.slice((((W + h) % 2) * NH2 + i) * 64, 64, dim=1).permute((1, 0)), s,
+                              use_acc=(h + i) > 0, is_async=True)
+    mbarrier.wait(ready.index(b * 3 + 2), ph)
+    for i in gl.static_range(NR):
+        s = warpgroup_mma(qp.slice(i * 64, 64, dim=1), kp.slice(i * 64, 64, dim=1).permute((1, 0)), s,
+                          is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=[s])
 
 
 @gluon.jit
-def _softmax(s, kv_lat, kv_pe, m_buf, sc_buf, sm_bar, t, p_begin, seq_len, qpos, m_run,
-             S_L: gl.constexpr, PS: gl.constexpr, L: gl.constexpr):
+def _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L: gl.constexpr):
     # block t's probabilities against the running max m_run (the max after block t - 1): P_t into the dead rope
-    # piece of its buffer, its max and rescale factor into shared memory, then the other warpgroup is told
+    # piece of its buffer, its max and rescale factor into shared memory, then the other warpgroup is told.
+    # qrel: each row's query position relative to the split's first key; keys past it are masked (qpos <= seq_len
+    # - 1, so this also hides the slots past the sequence's end)
+    PS: gl.constexpr = kv_pe.shape[1]
     b = t % 2
-    p = p_begin + t
     keys = gl.arange(0, PS, layout=gl.SliceLayout(0, S_L))
-    kpos = p * PS + keys
-    ok = (kpos[None, :] <= qpos[:, None]) & (kpos < seq_len)[None, :]
-    s = gl.where(ok, s * {SCALE_LOG2}, float('-inf'))
+    s = gl.where(keys[None, :] <= (qrel - t * PS)[:, None], s * {SCALE_LOG2}, float('-inf'))  # log2 domain
     m_new = gl.maximum(m_run, gl.max(s, axis=1))
     m_use = gl.where(m_new == float('-inf'), 0.0, m_new)
     sc = gl.exp2(m_run - m_use)
     pr = gl.exp2(s - m_use[:, None])
-    if (p + 1) * PS > seq_len:
-        # the sequence's last page: value rows past its end may hold NaN (0 * NaN = NaN): zero them
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        dead = (p * PS + gl.arange(0, PS, layout=gl.SliceLayout(1, LD))) >= seq_len
-        for i in gl.static_range(L // 64):
-            vp = kv_lat.index(b).slice(i * 64, 64, dim=1)
-            vt = vp.load(LD)
-            vp.store(gl.where(dead[:, None], gl.zeros_like(vt), vt))
     kv_pe.index(b).store(pr.to(kv_pe.dtype))
     m_buf.index(b).store(m_new)
     sc_buf.index(b).store(sc)
     fence_async_shared()
     gl.barrier()
     mbarrier.arrive(sm_bar.index(b))
-    return pr, sc, m_new
+    return gl.sum(pr, axis=1), sc, m_new
 
 
 @gluon.jit
-def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row,
-               seq_len, p_begin, n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr):
-    BLOCK_H: gl.constexpr = q_lat.shape[0]
-    L: gl.constexpr = q_lat.shape[1]
+def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats,
+               desc, tail, bt_split, n_full, n_blocks, qrel0, rows0, NH):
+    BLOCK_H: gl.constexpr = q_lat.shape[1]
+    L: gl.constexpr = q_lat.shape[2]
     PS: gl.constexpr = kv_lat.shape[1]
-    NVAL: gl.constexpr = L // 64
-    NPIECE: gl.constexpr = NVAL + q_pe.shape[1] // 64
     # warpgroup W: the softmax of blocks t = W, W + 2, ... (seesaw: the two warpgroups' softmaxes alternate) and,
-    # for every block, O[:, W * L/2 : (W + 1) * L/2] += P_t V_t of its half of the value columns
+    # for every block, O[:, W * L/2 : (W + 1) * L/2] += P_t V_t of its half of the value columns. Once its P V of a
+    # block is done, its half of that buffer is dead: it loads its half of the block two ahead there at once; the
+    # rope piece (which holds P) waits for both warpgroups (`free`) and is loaded by the next block's other owner
     HALF: gl.constexpr = L // 2
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PS, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
-    rows = rows0 + gl.arange(0, BLOCK_H, layout=ROW_S)
-    qpos = seq_len - TQ + rows // NH
+    qrel = qrel0 + (rows0 + gl.arange(0, BLOCK_H, layout=ROW_S)) // NH
     m_run = gl.full([BLOCK_H], float('-inf'), gl.float32, layout=ROW_S)
     l_w = gl.zeros([BLOCK_H], gl.float32, layout=ROW_S)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=O_L)
-    start = 1
     if W == 0:
-        start = 2
         if n_blocks > 0:
-            s = _scores(q_lat, q_pe, kv_lat, kv_pe, ready, 0, S_L, BLOCK_H, PS, NPIECE, NVAL)
-            pr, sc, m_run = _softmax(s, kv_lat, kv_pe, m_buf, sc_buf, sm_bar, 0, p_begin, seq_len, qpos, m_run,
-                                     S_L, PS, L)
-            l_w = gl.sum(pr, axis=1)
+            s = _scores(q_lat, q_pe, kv_lat, kv_pe, ready, 0, W, S_L)
+            l_w, sc, m_run = _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, 0, qrel, m_run, S_L)
             acc = warpgroup_mma(kv_pe.index(0), kv_lat.index(0).slice(W * HALF, HALF, dim=1), acc)
+            if n_blocks > 2:
+                _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, 2, W)
             mbarrier.arrive(free.index(0))
-    for t in range(start, n_blocks + 1, 2):
+    # own blocks t >= 1; each step also does the other warpgroup's block t - 1
+    for t in range(2 - W, n_blocks, 2):
         b = t % 2
         ob = 1 - b
-        own = t < n_blocks
-        s = gl.zeros([BLOCK_H, PS], gl.float32, layout=S_L)
-        if own:
-            s = _scores(q_lat, q_pe, kv_lat, kv_pe, ready, t, S_L, BLOCK_H, PS, NPIECE, NVAL)
+        s = _scores(q_lat, q_pe, kv_lat, kv_pe, ready, t, W, S_L)
         # the other warpgroup's block t - 1: its rescale factor and max, then P V of this half (async)
         mbarrier.wait(sm_bar.index(ob), ((t - 1) // 2) % 2)
         sc_o = sc_buf.index(ob).load(ROW_S)
         m_run = m_buf.index(ob).load(ROW_S)
-        l_w = l_w * sc_o
         acc = acc * gl.convert_layout(sc_o, ROW_O)[:, None]
         acc = warpgroup_mma(kv_pe.index(ob), kv_lat.index(ob).slice(W * HALF, HALF, dim=1), acc, is_async=True)
-        sc = gl.full([BLOCK_H], 1.0, gl.float32, layout=ROW_S)
-        if own:
-            pr, sc, m_run = _softmax(s, kv_lat, kv_pe, m_buf, sc_buf, sm_bar, t, p_begin, seq_len, qpos, m_run,
-                                     S_L, PS, L)
-            l_w = l_w * sc + gl.sum(pr, axis=1)
+        l_t, sc, m_run = _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L)
+        l_w = (l_w * sc_o) * sc + l_t
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        if t + 1 < n_blocks:
+            _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, t + 1, W)
         mbarrier.arrive(free.index(ob))
         if t + 1 < n_blocks:
-            # block t + 1 (the other warpgroup's next) into the buffer of block t - 1, once both are done with it
+            # block t + 1's rope piece into the buffer of block t - 1 once both are done with P_{t-1}
             mbarrier.wait(free.index(ob), ((t - 1) // 2) % 2)
-            _load_page(desc, bt_row, kv_lat, kv_pe, ready, p_begin, t + 1)
-        if own:
-            acc = acc * gl.convert_layout(sc, ROW_O)[:, None]
-            acc = warpgroup_mma(kv_pe.index(b), kv_lat.index(b).slice(W * HALF, HALF, dim=1), acc)
-            mbarrier.arrive(free.index(b))
-    # the row sums of both warpgroups' blocks (same running max), then o = acc / l and the natural-log LSE
+            _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, t + 1, 2)
+        acc = acc * gl.convert_layout(sc, ROW_O)[:, None]
+        acc = warpgroup_mma(kv_pe.index(b), kv_lat.index(b).slice(W * HALF, HALF, dim=1), acc)
+        if t + 2 < n_blocks:
+            _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, t + 2, W)
+        mbarrier.arrive(free.index(b))
+    # the split's last block, when the other warpgroup owns it
+    t_last = n_blocks - 1
+    if (t_last >= 0) & (t_last % 2 != W):
+        ob = t_last % 2
+        mbarrier.wait(sm_bar.index(ob), (t_last // 2) % 2)
+        sc_o = sc_buf.index(ob).load(ROW_S)
+        m_run = m_buf.index(ob).load(ROW_S)
+        l_w = l_w * sc_o
+        acc = acc * gl.convert_layout(sc_o, ROW_O)[:, None]
+        acc = warpgroup_mma(kv_pe.index(ob), kv_lat.index(ob).slice(W * HALF, HALF, dim=1), acc)
+    # the row sums of both warpgroups' blocks (same running max), then o = acc / l and the final max and sum
     l_buf.index(W).store(l_w)
     gl.barrier()
     mbarrier.arrive(l_bar)
@@ -448,30 +470,26 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
     l_i = l_w + l_buf.index(1 - W).load(ROW_S)
     has = l_i > 0.0
     inv = gl.convert_layout(gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0), ROW_O)
-    o = acc * inv[:, None]
-    rows_o = rows0 + gl.arange(0, BLOCK_H, layout=ROW_O)
-    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-    ok_o = rows_o < ROWS
-    out_row = out_base + gl.where(ok_o, rows_o, 0).to(gl.int64)
-    gl.store(o_ptr + out_row[:, None] * L + cols[None, :], o, mask=ok_o[:, None])
+    # o = acc / l into the (now dead) page buffer W as fp32; the kernel's epilogue writes it out
+    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    kv_lat.index(W).reinterpret(gl.float32, [BLOCK_H, HALF], FLAT2).store(acc * inv[:, None])
     if W == 0:
-        lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_i, 1.0))) * {INV_LOG2E}, float('-inf'))
-        ok_l = rows < ROWS
-        gl.store(lse_ptr + out_base + gl.where(ok_l, rows, 0).to(gl.int64), lse, mask=ok_l)
+        stats.index(0).store(m_run)
+        stats.index(1).store(l_i)
 
 
 @gluon.jit
-def _warpgroup0(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin,
-                n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr):
-    _warpgroup(0, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin,
-               n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr)
+def _warpgroup0(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
+                bt_split, n_full, n_blocks, qrel0, rows0, NH):
+    _warpgroup(0, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
+               bt_split, n_full, n_blocks, qrel0, rows0, NH)
 
 
 @gluon.jit
-def _warpgroup1(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin,
-                n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr):
-    _warpgroup(1, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin,
-               n_blocks, rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr)
+def _warpgroup1(q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
+                bt_split, n_full, n_blocks, qrel0, rows0, NH):
+    _warpgroup(1, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail,
+               bt_split, n_full, n_blocks, qrel0, rows0, NH)
 
 
 @gluon.jit
@@ -490,43 +508,70 @@ def {KNAME}(q_ptr, pool_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, ROWS, NH, TQ, max
     p_begin = split * pages_per_split
     n_blocks = gl.maximum(gl.minimum(p_begin + pages_per_split, n_pages) - p_begin, 0)
     rows0 = pid_h * BLOCK_H
-    out_base = (split.to(gl.int64) * B + b) * ROWS
-    q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, L], SW)
-    q_pe = gl.allocate_shared_memory(DT, [BLOCK_H, R], SW)
+    q_lat = gl.allocate_shared_memory(DT, [1, BLOCK_H, L], SW)
+    q_pe = gl.allocate_shared_memory(DT, [1, BLOCK_H, R], SW)
     kv_lat = gl.allocate_shared_memory(DT, [2, PS, L], SW)
     kv_pe = gl.allocate_shared_memory(DT, [2, PS, R], SW)
     m_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
     sc_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
     l_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * NPIECE, 1], mbarrier.MBarrierLayout())
+    stats = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FLAT)  # final row max and row sum
+    ready = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     sm_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * NPIECE):
+    for i in gl.static_range(6):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(free.index(i), count=2)
         mbarrier.init(sm_bar.index(i), count=1)
     mbarrier.init(l_bar, count=2)
+    bt_row = bt_ptr + b * max_pages
+    desc = tma.make_tensor_descriptor(pool_ptr, shape=[2147483647, W], strides=[W, 1], block_shape=[PS, 64],
+                                      layout=SW)
+    # pages before n_full are whole; the last page, when partial, is read through `tail` (zero-filled past the end)
+    n_full = seq_len // PS
+    last = gl.load(bt_row + gl.maximum(n_pages - 1, 0)).to(gl.int64)
+    tail = tma.make_tensor_descriptor(pool_ptr + last * (PS * W), shape=[gl.maximum(seq_len - n_full * PS, 1), W],
+                                      strides=[W, 1], block_shape=[PS, 64], layout=SW)
+    bt_split = bt_row + p_begin
+    n_full = n_full - p_begin
+    for u in gl.static_range(2):
+        if u < n_blocks:
+            for part in gl.static_range(3):
+                _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, u, part)
     lrows = rows0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
     lcols = gl.arange(0, 64, layout=gl.SliceLayout(0, LD))
     q_base = q_ptr + (b * ROWS + gl.where(lrows < ROWS, lrows, 0).to(gl.int64)) * W
     for i in gl.static_range(NPIECE):
         qt = gl.load(q_base[:, None] + (i * 64 + lcols)[None, :], mask=(lrows < ROWS)[:, None], other=0.0)
         if i < NVAL:
-            q_lat.slice(i * 64, 64, dim=1).store(qt)
+            q_lat.index(0).slice(i * 64, 64, dim=1).store(qt)
         else:
-            q_pe.slice((i - NVAL) * 64, 64, dim=1).store(qt)
+            q_pe.index(0).slice((i - NVAL) * 64, 64, dim=1).store(qt)
     fence_async_shared()
     gl.barrier()
-    bt_row = bt_ptr + b * max_pages
-    desc = tma.make_tensor_descriptor(pool_ptr, shape=[2147483647, W], strides=[W, 1], block_shape=[PS, 64],
-                                      layout=SW)
-    args = (q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, desc, bt_row, seq_len, p_begin, n_blocks,
-            rows0, ROWS, NH, TQ, out_base, o_ptr, lse_ptr)
-    if n_blocks > 0:
-        _load_page(desc, bt_row, kv_lat, kv_pe, ready, p_begin, 0)
-    if n_blocks > 1:
-        _load_page(desc, bt_row, kv_lat, kv_pe, ready, p_begin, 1)
+    args = (q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar, m_buf, sc_buf, l_buf, l_bar, stats, desc, tail, bt_split,
+            n_full, n_blocks, seq_len - TQ - p_begin * PS, rows0, NH)
     gl.warp_specialize([(_warpgroup0, args), (_warpgroup1, args)], [4], [{REGS1}])
+    gl.barrier()
+    # epilogue: the normalised o (fp32, in the two page buffers) and the natural-log LSE, coalesced
+    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    HALF: gl.constexpr = L // 2
+    OUT: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    out_base = (split.to(gl.int64) * B + b) * ROWS
+    orow = rows0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUT))
+    ocol = gl.arange(0, 64, layout=gl.SliceLayout(0, OUT))
+    o_row = o_ptr + (out_base + gl.where(orow < ROWS, orow, 0).to(gl.int64)) * L
+    for i in gl.static_range(L // 64):
+        half = kv_lat.index(i // (HALF // 64)).reinterpret(gl.float32, [BLOCK_H, HALF], FLAT2)
+        ot = half.slice((i % (HALF // 64)) * 64, 64, dim=1).load(OUT)
+        gl.store(o_row[:, None] + (i * 64 + ocol)[None, :], ot, mask=(orow < ROWS)[:, None])
+    ST: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    srow = rows0 + gl.arange(0, BLOCK_H, layout=ST)
+    m_fin = stats.index(0).load(ST)
+    l_fin = stats.index(1).load(ST)
+    has = l_fin > 0.0
+    lse = gl.where(has, (m_fin + gl.log2(gl.where(has, l_fin, 1.0))) * {INV_LOG2E}, float('-inf'))
+    gl.store(lse_ptr + out_base + gl.where(srow < ROWS, srow, 0).to(gl.int64), lse, mask=srow < ROWS)
 """
