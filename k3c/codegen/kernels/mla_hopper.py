@@ -14,22 +14,26 @@ Common design (after FlashMLA's SM90 dense decode, deepseek-ai/FlashMLA csrc/sm9
 - online softmax in the log2 domain (scale * log2 e baked in); O (64 x 512 fp32) split by value columns, each
   warpgroup owning 256 (128 registers a thread), O += P V one warpgroup MMA of N = 256 per warpgroup, V being the
   first L columns of the same page buffer (keys = values);
-- slots past a sequence's end may hold anything, NaN too (0 * NaN would poison P V): they are zeroed or zero-filled
-  before the P V product and masked to -inf like the causal band of a multi-token query.
+- slots past a sequence's end may hold anything, NaN too (0 * NaN would poison P V): they are zeroed (lockstep) or
+  zero-filled by TMA (seesaw) before the P V product and masked to -inf like the causal band of a multi-token query.
 
 Schedules (`schedule`):
-- "lockstep" (shipped): 8 warps run one program text (NVMMA layouts with warps [4, 2]): each page's 9 pieces on
-  their own barriers, S = Q K^T with the warpgroups taking 32 keys each (the score MMA of piece i starts when it has
-  landed), a cross-warpgroup softmax, P through shared memory, then P V; the next page's TMA runs during the
-  current page. 225 registers, no spills.
-- "seesaw": FlashMLA's schedule: warp-specialised (gl.warp_specialize) into two warpgroup partitions; block t
-  belongs to warpgroup t % 2 (full 64 x 64 scores, its softmax), the running max and rescale factor pass to the
-  other warpgroup through shared memory, P_t goes into the dead rope piece of its buffer, every block's P V is done
-  by both warpgroups on their halves, and the warpgroup that did not own block t - 1 reloads its buffer with block
-  t + 1 once both are done with it. 7-10% faster than lockstep at 96 heads on an H100 (bench/mla_hopper.py), but at
-  255 registers a thread ptxas keeps values on the stack (about 100 B: a spill), so it is not shipped: the tier is
-  spill-free. (A producer warp instead of in-loop loads and a zero-filling descriptor for the tail page cut the stack
-  to 40 B; not yet run on a GPU.)
+- "seesaw" (shipped): FlashMLA's schedule, warp-specialised (gl.warp_specialize) into two warpgroup partitions of
+  256 registers a thread; block t of the split belongs to warpgroup t % 2 (its full 64 x 64 scores and softmax);
+  the running max and rescale factor pass to the other warpgroup through shared memory, P_t goes into the dead rope
+  piece of its buffer, and both warpgroups multiply every block's P by their half of V, the other's block (async)
+  overlapping their own softmax. Each page arrives in three parts on their own barriers (value half 0, value half 1,
+  rope): a warpgroup reloads its half of a buffer as soon as its own P V of that buffer is done, the rope piece
+  once both are (it holds P); the owner's scores start with the half it loaded itself. The last page of a sequence
+  comes through a second descriptor over its live rows only, so the copy engine zero-fills the slots past the end.
+  255 registers, no stack: the page loop holds only own blocks (the other warpgroup's last block after it), the first
+  score MMA reads no accumulator, and the 2 x 36 score operand descriptors are rebuilt in the loop (an opaque zero
+  index; hoisted out of it they took 144 registers and spilled). The output is staged in the dead page buffers
+  (fp32) and stored coalesced after the partitions join.
+- "lockstep": 8 warps run one program text (NVMMA layouts with warps [4, 2]): each page's 9 pieces on their own
+  barriers, S = Q K^T with the warpgroups taking 32 keys each (the score MMA of piece i starts when it has landed),
+  a cross-warpgroup softmax, P through shared memory, then P V; the next page's TMA runs during the current page.
+  225 registers, no spills; 14-16% slower than the seesaw at 96 heads from batch 32 up (bench/mla_hopper.py).
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ BLOCK_H = 64            # query rows per program: the wgmma M of one warpgroup (
 PIECE = 64              # columns per TMA piece: 64 bf16 = one 128-byte swizzle row
 NUM_WARPS = 8           # two warpgroups
 LOCKSTEP, SEESAW = "lockstep", "seesaw"
-SCHEDULES = (LOCKSTEP, SEESAW)          # the first is shipped (see the module doc)
+SCHEDULES = (SEESAW, LOCKSTEP)          # the first is shipped (see the module doc)
 WG_REGS = 256           # registers per thread of each warpgroup partition (setmaxnreg): 2 x 128 threads x 256 = the
                         # whole register file of an SM; one program per SM (its shared memory says so too)
 HOPPER_ARCH = "sm_90"   # Target.arch of the chips this tier serves (compiled for sm_90a)
@@ -60,7 +64,7 @@ def hopper_decode_supported(kv_lora_rank: int, rope_dim: int, page_size: int, dt
 
 def emit_mla_decode_hopper(kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *, target: Target,
                            dtype: str = "bf16", cache_dtype: str | None = None, name: str | None = None,
-                           ir_op: str = "mla_absorbed", loc: str = "", schedule: str = LOCKSTEP) -> KernelSource:
+                           ir_op: str = "mla_absorbed", loc: str = "", schedule: str = SEESAW) -> KernelSource:
     """Kernel args: q_ptr [B, ROWS, L+R] (rows token-major (t, head)), pool_ptr (latent rows [pages * PS, L+R]),
     bt_ptr i32 [B, max_pages], lens_ptr i32 [B] (total tokens incl. the new ones), o_ptr fp32 [S, B, ROWS, L],
     lse_ptr fp32 [S, B, ROWS], ROWS, NH, TQ, max_pages, pages_per_split, B, S; grid (cdiv(ROWS, 64), S, B)."""
@@ -305,15 +309,13 @@ def _seesaw(kname: str, sig: dict, cx: dict, gdt: str, scale: float, target: Tar
                         grid=("cdiv(ROWS, BLOCK_H)", "S", "B"), num_warps=4, num_stages=1, ir_op=ir_op, loc=loc)
 
 
-# The seesaw kernel (after FlashMLA's schedule of the same name, written for Gluon). Block t of the split belongs
-# to warpgroup t % 2, which computes its scores and softmax; every block's P V is split by value columns (each
-# warpgroup owns 256 of the 512 output columns, 128 fp32 registers a thread). While one warpgroup runs its
-# softmax, the other's scores or P V keep the tensor cores busy. The running max passes from one warpgroup's
-# softmax to the next through shared memory (m_buf / sc_buf, barrier sm_bar), so both rescale their halves of O
-# by the same factors; P_t is written into the rope piece of block t's buffer (dead once its scores are done).
-# A buffer is reloaded (block t + 2) once both warpgroups are done with block t (barrier `free`), by the
-# warpgroup that did not own block t. Placeholders: {KNAME} {GDT} {SCALE_LOG2} {INV_LOG2E} {REGS1}, replaced by
-# checked names and numbers only.
+# The seesaw kernel (after FlashMLA's schedule of the same name, written for Gluon; see the module doc). Block t of
+# the split belongs to warpgroup t % 2, which computes its scores and softmax; every block's P V is split by value
+# columns (each warpgroup owns 256 of the 512 output columns, 128 fp32 registers a thread). While one warpgroup runs
+# its softmax, its P V of the other's previous block keeps the tensor cores busy. The running max passes from one
+# warpgroup's softmax to the next through shared memory (m_buf / sc_buf, barrier sm_bar), so both rescale their
+# halves of O by the same factors; P_t is written into the rope piece of block t's buffer (dead once its scores are
+# done). Placeholders: {KNAME} {GDT} {SCALE_LOG2} {INV_LOG2E} {REGS1}, replaced by checked names and numbers only.
 SEESAW_SOURCE = """
 @gluon.jit
 def _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, u, part: gl.constexpr):
@@ -321,29 +323,26 @@ def _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, u, part: gl.c
     # (L / 128 pieces of 64 columns), part 2 = the rope pieces. The sequence's partial last page comes through
     # `tail`, a descriptor over its live rows only: the copy engine zero-fills the rest (NaN may live there)
     PS: gl.constexpr = kv_lat.shape[1]
-    NH2: gl.constexpr = kv_lat.shape[2] // 128
-    NR: gl.constexpr = kv_pe.shape[2] // 64
-    b = u % 2
-    bar = ready.index(b * 3 + part)
+    bar = ready.index((u % 2) * 3 + part)
     if part < 2:
-        mbarrier.expect(bar, PS * 64 * 2 * NH2)
+        mbarrier.expect(bar, PS * kv_lat.shape[2] * 2 // 2)
     else:
-        mbarrier.expect(bar, PS * 64 * 2 * NR)
+        mbarrier.expect(bar, PS * kv_pe.shape[2] * 2)
     if u < n_full:
-        row = gl.load(bt_split + u) * PS
-        if part < 2:
-            for i in gl.static_range(NH2):
-                tma.async_load(desc, [row, (part * NH2 + i) * 64], bar, kv_lat.index(b).slice((part * NH2 + i) * 64, 64, dim=1))
-        else:
-            for i in gl.static_range(NR):
-                tma.async_load(desc, [row, kv_lat.shape[2] + i * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
+        _copy_part(desc, gl.load(bt_split + u) * PS, bar, kv_lat, kv_pe, u % 2, part)
     else:
-        if part < 2:
-            for i in gl.static_range(NH2):
-                tma.async_load(tail, [0, (part * NH2 + i) * 64], bar, kv_lat.index(b).slice((part * NH2 + i) * 64, 64, dim=1))
-        else:
-            for i in gl.static_range(NR):
-                tma.async_load(tail, [0, kv_lat.shape[2] + i * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
+        _copy_part(tail, 0, bar, kv_lat, kv_pe, u % 2, part)
+
+
+@gluon.jit
+def _copy_part(d, row, bar, kv_lat, kv_pe, b, part: gl.constexpr):
+    NH2: gl.constexpr = kv_lat.shape[2] // 128
+    if part < 2:
+        for i in gl.static_range(part * NH2, (part + 1) * NH2):
+            tma.async_load(d, [row, i * 64], bar, kv_lat.index(b).slice(i * 64, 64, dim=1))
+    else:
+        for i in gl.static_range(kv_pe.shape[2] // 64):
+            tma.async_load(d, [row, kv_lat.shape[2] + i * 64], bar, kv_pe.index(b).slice(i * 64, 64, dim=1))
 
 
 @gluon.jit
