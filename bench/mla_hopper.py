@@ -114,10 +114,11 @@ class Hopper:
         self.dev = dev
 
     def plan(self, B, ROWS, n_pages):
-        from k3c.runtime.kernel_impls.mla import choose_splits
+        from k3c.codegen.kernels.mla import DecodePlan
+        from k3c.runtime.kernel_impls.mla import decode_splits
 
         tiles = -(-ROWS // 64)
-        S = choose_splits(B, tiles, n_pages, self.dev)
+        S = decode_splits(DecodePlan(64, 8, 1, tier="hopper"), B, tiles, n_pages, self.dev)   # the runtime's rule
         pps = max(1, -(-n_pages // S))
         return max(1, -(-n_pages // pps)), pps, tiles
 
