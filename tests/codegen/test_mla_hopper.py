@@ -71,6 +71,7 @@ def test_same_runtime_contract_as_the_portable_decode(schedule):
     (dict(cache_dtype="fp8e4nv"), "fp8"),
     (dict(dtype="fp32"), "bf16, fp16"),
     (dict(kv_lora_rank=384), "L in (256, 512)"),
+    (dict(rope_dim=128), "L + R <= 576"),           # 3 x 64 x 640 x 2 B = 240 KB of query tile and page buffers
     (dict(target="mi355x"), "sm_90"),
     (dict(name="bad name"), "invalid identifier"),
     (dict(scale=float("nan")), "scale"),

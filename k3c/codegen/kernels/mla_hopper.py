@@ -51,15 +51,18 @@ SCHEDULES = (SEESAW, LOCKSTEP)          # the first is shipped (see the module d
 WG_REGS = 256           # registers per thread of each warpgroup partition (setmaxnreg): 2 x 128 threads x 256 = the
                         # whole register file of an SM; one program per SM (its shared memory says so too)
 HOPPER_ARCH = "sm_90"   # Target.arch of the chips this tier serves (compiled for sm_90a)
+SHARED_SLACK = 8192     # shared memory past the query tile and page buffers: P (lockstep), barriers, row stats
 
 
 def hopper_decode_supported(kv_lora_rank: int, rope_dim: int, page_size: int, dtype: str,
                             cache_dtype: str | None, target: Target) -> bool:
     """Whether this kernel serves the shape: an sm_90 target, bf16 / fp16 queries over a cache of the same dtype,
-    pages of 64 keys, L 256 or 512 (two warpgroups x one N <= 256 MMA), R 64 or 128 (power-of-two tiles)."""
+    pages of 64 keys, L 256 or 512 (two warpgroups x one N <= 256 MMA), R 64 or 128 (power-of-two tiles), and the
+    query tile with two page buffers in shared memory (L 512 with R 128 is 240 KB: more than an SM holds)."""
     return (target.arch == HOPPER_ARCH and target.backend == "cuda" and page_size == 64
             and dtype in ("bf16", "fp16") and (cache_dtype or dtype) == dtype
-            and kv_lora_rank in (256, 512) and rope_dim in (64, 128))
+            and kv_lora_rank in (256, 512) and rope_dim in (64, 128)
+            and 3 * BLOCK_H * (kv_lora_rank + rope_dim) * 2 + SHARED_SLACK <= target.shared_mem_bytes)
 
 
 def emit_mla_decode_hopper(kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, *, target: Target,
@@ -75,7 +78,7 @@ def emit_mla_decode_hopper(kv_lora_rank: int, rope_dim: int, page_size: int, sca
         raise CodegenError("hopper decode: the fp8 latent cache is not on the Hopper tier yet (portable tier)")
     if not hopper_decode_supported(L, R, PS, dt, cdt, target):
         raise CodegenError(f"hopper decode: needs an sm_90 cuda target, {dt} == cache dtype in (bf16, fp16), "
-                           f"page size 64, L in (256, 512), R in (64, 128); got {target.name} "
+                           f"page size 64, L in (256, 512), R in (64, 128), L + R <= 576 (shared memory); got {target.name} "
                            f"({target.backend} {target.arch}) L={L} R={R} PS={PS} {dt} cache:{cdt}")
     _check_scale(scale)
     if schedule not in SCHEDULES:
@@ -378,7 +381,8 @@ def _scores(q_lat, q_pe, kv_lat, kv_pe, ready, t, W: gl.constexpr, S_L: gl.const
 @gluon.jit
 def _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L: gl.constexpr):
     # block t's probabilities against the running max m_run (the max after block t - 1): P_t into the dead rope
-    # piece of its buffer, its max and rescale factor into shared memory, then the other warpgroup is told.
+    # piece of its buffer (its first PS columns), its max and rescale factor into shared memory, then the other
+    # warpgroup is told.
     # qrel: each row's query position relative to the split's first key; keys past it are masked (qpos <= seq_len
     # - 1, so this also hides the slots past the sequence's end)
     PS: gl.constexpr = kv_pe.shape[1]
@@ -389,7 +393,7 @@ def _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L: gl.constexpr)
     m_use = gl.where(m_new == float('-inf'), 0.0, m_new)
     sc = gl.exp2(m_run - m_use)
     pr = gl.exp2(s - m_use[:, None])
-    kv_pe.index(b).store(pr.to(kv_pe.dtype))
+    kv_pe.index(b).slice(0, PS, dim=1).store(pr.to(kv_pe.dtype))
     m_buf.index(b).store(m_new)
     sc_buf.index(b).store(sc)
     fence_async_shared()
@@ -421,7 +425,7 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
         if n_blocks > 0:
             s = _scores(q_lat, q_pe, kv_lat, kv_pe, ready, 0, W, S_L)
             l_w, sc, m_run = _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, 0, qrel, m_run, S_L)
-            acc = warpgroup_mma(kv_pe.index(0), kv_lat.index(0).slice(W * HALF, HALF, dim=1), acc)
+            acc = warpgroup_mma(kv_pe.index(0).slice(0, PS, dim=1), kv_lat.index(0).slice(W * HALF, HALF, dim=1), acc)
             if n_blocks > 2:
                 _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, 2, W)
             mbarrier.arrive(free.index(0))
@@ -435,7 +439,8 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
         sc_o = sc_buf.index(ob).load(ROW_S)
         m_run = m_buf.index(ob).load(ROW_S)
         acc = acc * gl.convert_layout(sc_o, ROW_O)[:, None]
-        acc = warpgroup_mma(kv_pe.index(ob), kv_lat.index(ob).slice(W * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(kv_pe.index(ob).slice(0, PS, dim=1), kv_lat.index(ob).slice(W * HALF, HALF, dim=1), acc,
+                            is_async=True)
         l_t, sc, m_run = _softmax(s, kv_pe, m_buf, sc_buf, sm_bar, t, qrel, m_run, S_L)
         l_w = (l_w * sc_o) * sc + l_t
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -447,7 +452,7 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
             mbarrier.wait(free.index(ob), ((t - 1) // 2) % 2)
             _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, t + 1, 2)
         acc = acc * gl.convert_layout(sc, ROW_O)[:, None]
-        acc = warpgroup_mma(kv_pe.index(b), kv_lat.index(b).slice(W * HALF, HALF, dim=1), acc)
+        acc = warpgroup_mma(kv_pe.index(b).slice(0, PS, dim=1), kv_lat.index(b).slice(W * HALF, HALF, dim=1), acc)
         if t + 2 < n_blocks:
             _load_part(desc, tail, bt_split, n_full, kv_lat, kv_pe, ready, t + 2, W)
         mbarrier.arrive(free.index(b))
@@ -460,7 +465,7 @@ def _warpgroup(W: gl.constexpr, q_lat, q_pe, kv_lat, kv_pe, ready, free, sm_bar,
         m_run = m_buf.index(ob).load(ROW_S)
         l_w = l_w * sc_o
         acc = acc * gl.convert_layout(sc_o, ROW_O)[:, None]
-        acc = warpgroup_mma(kv_pe.index(ob), kv_lat.index(ob).slice(W * HALF, HALF, dim=1), acc)
+        acc = warpgroup_mma(kv_pe.index(ob).slice(0, PS, dim=1), kv_lat.index(ob).slice(W * HALF, HALF, dim=1), acc)
     # the row sums of both warpgroups' blocks (same running max), then o = acc / l and the final max and sum
     l_buf.index(W).store(l_w)
     gl.barrier()
