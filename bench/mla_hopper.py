@@ -34,7 +34,7 @@ HEADS = (96, 12)
 
 
 def kernel_sources():
-    """Both schedules of the Hopper decode (the shipped lockstep first, then the seesaw)."""
+    """Both schedules of the Hopper decode (the shipped seesaw first, then the lockstep one)."""
     from k3c.codegen.kernels.mla_hopper import SCHEDULES, emit_mla_decode_hopper
     from k3c.codegen.targets import get_target
 
@@ -114,22 +114,28 @@ class Hopper:
         self.dev = dev
 
     def plan(self, B, ROWS, n_pages):
-        from k3c.runtime.kernel_impls.mla import choose_splits
+        from k3c.codegen.kernels.mla import DecodePlan
+        from k3c.runtime.kernel_impls.mla import decode_splits
 
         tiles = -(-ROWS // 64)
-        S = choose_splits(B, tiles, n_pages, self.dev)
+        S = decode_splits(DecodePlan(64, 8, 1, tier="hopper"), B, tiles, n_pages, self.dev)   # the runtime's rule
         pps = max(1, -(-n_pages // S))
         return max(1, -(-n_pages // pps)), pps, tiles
 
-    def partials(self, q, pool, bt, lens, NH, max_len, splits=None):
-        import torch
-
-        B, ROWS, _ = q.shape
+    def split(self, B, ROWS, max_len, splits=None):
+        """(S, pages per split, head tiles): the runtime's rule, or `splits` asked for."""
         n_pages = -(-max_len // PS)
         S, pps, tiles = self.plan(B, ROWS, n_pages)
         if splits:
             pps = max(1, -(-n_pages // splits))
             S = -(-n_pages // pps)
+        return S, pps, tiles
+
+    def partials(self, q, pool, bt, lens, NH, max_len, splits=None):
+        import torch
+
+        B, ROWS, _ = q.shape
+        S, pps, tiles = self.split(B, ROWS, max_len, splits)
         o = torch.full((S, B, ROWS, L), float("nan"), dtype=torch.float32, device=q.device)
         lse = torch.full((S, B, ROWS), float("nan"), dtype=torch.float32, device=q.device)
         args = [q, pool, bt, lens, o, lse, ROWS, NH, ROWS // NH, bt.shape[1], pps, B, S]
@@ -268,7 +274,7 @@ def load_bench_mla():
     return mod
 
 
-def timings(hops, dev, shapes, heads, portable: bool, out_json: str | None) -> None:
+def timings(hops, dev, shapes, heads, portable: bool, out_json: str | None, splits=(None,)) -> None:
     import torch
 
     from k3c.runtime.kernel_impls import mla as rt
@@ -278,9 +284,9 @@ def timings(hops, dev, shapes, heads, portable: bool, out_json: str | None) -> N
     print(f"# FlashMLA: {note}")
     name = torch.cuda.get_device_name(dev)
     recs = []
-    print(f"| B | T | H | schedule | k3c hopper ms | FlashMLA ms | portable k3c ms | ratio FlashMLA/hopper "
+    print(f"| B | T | H | schedule | splits | k3c hopper ms | FlashMLA ms | portable k3c ms | ratio FlashMLA/hopper "
           f"| hopper TFLOP/s | hopper TB/s | err vs FlashMLA | GPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, T in shapes:
         pages = -(-T // PS)
         g = torch.Generator(device=dev).manual_seed(1)
@@ -304,18 +310,19 @@ def timings(hops, dev, shapes, heads, portable: bool, out_json: str | None) -> N
                     tp = timeit(lambda: rt.mqa_decode(q, store, lens, SCALE, L, num_heads=H, max_len=T, plan=pp))
                 except Exception as e:
                     print(f"# portable failed: {type(e).__name__}: {str(e)[:200]}")
-            for hop in hops:
-                fn = hop.decode_fn(q, pool, bt, lens, H, T)
+            for hop, split in ((h, sp) for h in hops for sp in splits):
+                fn = hop.decode_fn(q, pool, bt, lens, H, T, split)
+                n_split = hop.split(B, H, T, split)[0]
                 th = timeit(fn)
                 ef = rel_err(fn(), f()) if f is not None else None
                 flops = B * H * T * (2 * (L + R) + 2 * L)
                 byts = B * T * (L + R) * 2
                 ratio = tf / th if tf else float("nan")
-                recs.append({"B": B, "T": T, "H": H, "schedule": hop.tag, "hopper_ms": th, "flashmla_ms": tf,
-                             "portable_ms": tp, "ratio": ratio, "err_vs_flashmla": ef, "gpu": name})
+                recs.append({"B": B, "T": T, "H": H, "schedule": hop.tag, "splits": n_split, "hopper_ms": th,
+                             "flashmla_ms": tf, "portable_ms": tp, "ratio": ratio, "err_vs_flashmla": ef, "gpu": name})
                 fmt = lambda v, p=3: "n/a" if v is None else f"{v:.{p}f}"   # noqa: E731
-                print(f"| {B} | {T // 1024}K | {H} | {hop.tag} | {th:.3f} | {fmt(tf)} | {fmt(tp)} | {ratio:.2f} | "
-                      f"{flops / th / 1e9:.0f} | {byts / th / 1e9:.2f} | "
+                print(f"| {B} | {T // 1024}K | {H} | {hop.tag} | {n_split} | {th:.3f} | {fmt(tf)} | {fmt(tp)} "
+                      f"| {ratio:.2f} | {flops / th / 1e9:.0f} | {byts / th / 1e9:.2f} | "
                       f"{'n/a' if ef is None else f'{ef:.1e}'} | {name} |", flush=True)
             del q
         del pool
@@ -339,6 +346,7 @@ def main(argv=None) -> int:
     r.add_argument("--shapes", default=None, help="B:T,B:T,...")
     r.add_argument("--heads", default="96,12")
     r.add_argument("--json", default=None)
+    r.add_argument("--splits", default=None, help="N,N,...: time these KV split counts too (0: the runtime's rule)")
     r.add_argument("--schedule", default=None, choices=("lockstep", "seesaw"), help="one schedule (default: both)")
     a = ap.parse_args(argv)
     if a.cmd == "build":
@@ -375,7 +383,8 @@ def main(argv=None) -> int:
     else:
         shapes = SHAPES
     heads = tuple(int(h) for h in a.heads.split(","))
-    timings(hops, dev, shapes, heads, not a.no_portable, a.json)
+    splits = tuple(int(x) or None for x in a.splits.split(",")) if a.splits else (None,)
+    timings(hops, dev, shapes, heads, not a.no_portable, a.json, splits)
     return 0 if ok else 1
 
 

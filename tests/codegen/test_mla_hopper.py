@@ -1,8 +1,8 @@
-"""The Hopper-tier MLA decode (k3c/codegen/kernels/mla_hopper.py): the shipped (lockstep) kernel compiles ahead of
-time for sm_90a through compile_kernels into a spill-free binary whose PTX holds warpgroup MMAs and TMA loads; the
-seesaw schedule compiles too (warp-specialised); both keep the portable decode's runtime contract (signature, grid)
-so the runtime swaps kernels by plan alone; shapes the tier does not serve are refused. Numerics run on the GPU
-(bench/mla_hopper.py)."""
+"""The Hopper-tier MLA decode (k3c/codegen/kernels/mla_hopper.py): both schedules (the shipped seesaw, warp-specialised,
+and the lockstep one) compile ahead of time for sm_90a through compile_kernels into spill-free binaries whose PTX holds
+warpgroup MMAs and TMA loads; both keep the portable decode's runtime contract (signature, grid) so the runtime swaps
+kernels by plan alone; shapes the tier does not serve are refused. Numerics run on the GPU (bench/mla_hopper.py,
+tests/mla/test_mla_hopper_gpu.py)."""
 from __future__ import annotations
 
 import re
@@ -18,26 +18,35 @@ from k3c.codegen.writer import CodegenError
 SCALE = (128 + 64) ** -0.5
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mla_hopper")
-    ks = emit_mla_decode_hopper(512, 64, 64, SCALE, target=get_target("h200"))
+# per schedule: (score MMA shape, its count, P V MMA count) in the PTX. lockstep: 9 pieces x 4 k-steps at N = 32 (each
+# warpgroup 32 keys), 4 k-steps at N = 256; seesaw: a whole 64 x 64 score tile per warpgroup (36 k-steps) in warpgroup
+# 0's first block and in each warpgroup's page loop, P V in 7 places (first block, own / other block, the last one)
+MMAS = {"lockstep": ("m64n32k16", 36, 4), "seesaw": ("m64n64k16", 3 * 36, 7 * 4)}
+
+
+@pytest.fixture(scope="module", params=SCHEDULES)
+def compiled(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"mla_hopper_{request.param}")
+    ks = emit_mla_decode_hopper(512, 64, 64, SCALE, target=get_target("h200"), schedule=request.param)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")          # as in the CPU suite: the compile workers must clear it
         mp.setenv("K3C_CACHE_DIR", str(root / "cache"))
         (ck,) = compile_kernels([ks], get_target("h200"), str(root / "out"), progress=False, keep_asm=True)
-        yield ks, ck, root / "out"
+        yield request.param, ks, ck, root / "out"
     shutdown_workers()
 
 
 def test_compiles_for_sm90a_spill_free_with_wgmma_and_tma(compiled):
-    ks, ck, out = compiled
+    schedule, ks, ck, out = compiled
     ptx = (out / ck.files["ptx"]).read_text()
     assert ".target sm_90a" in ptx
-    # 9 pieces x 4 k-steps for S = Q K^T, 4 k-steps for O += P V (N = 256 per warpgroup)
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16", ptx)) == 36
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", ptx)) == 4
+    score, n_score, n_pv = MMAS[schedule]
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.{score}", ptx)) == n_score
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", ptx)) == n_pv
     assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx
+    assert ck.metadata["num_warps"] == 8
+    if schedule == "seesaw":        # two warp-specialised warpgroups, each given the whole register file's half
+        assert ks.name.endswith("_seesaw") and ks.num_warps == 4 and "setmaxnreg" in ptx
     res = ck.resources
     assert not res.has_spills and res.scratch_bytes == 0, res
     assert 0 < res.regs <= 255
@@ -57,24 +66,12 @@ def test_same_runtime_contract_as_the_portable_decode(schedule):
     assert emit_mla_decode_hopper(512, 64, 64, SCALE, target=tgt, name="my_decode").name == "my_decode"
 
 
-def test_seesaw_schedule_compiles_warp_specialised(tmp_path):
-    """Two warpgroup partitions (setmaxnreg), warpgroup MMAs, TMA pieces; not shipped: at
-    255 registers a thread it keeps a few words on the stack (see the module doc)."""
-    ks = emit_mla_decode_hopper(512, 64, 64, SCALE, target=get_target("h200"), schedule="seesaw")
-    assert ks.name.endswith("_seesaw") and ks.num_warps == 4
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3C_CACHE_DIR", str(tmp_path / "cache"))
-        (ck,) = compile_kernels([ks], get_target("h200"), str(tmp_path / "out"), progress=False, keep_asm=True)
-    ptx = (tmp_path / "out" / ck.files["ptx"]).read_text()
-    assert "setmaxnreg" in ptx and "cp.async.bulk.tensor.2d" in ptx
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) > 0 and ck.metadata["num_warps"] == 8
-
-
 @pytest.mark.parametrize("kw, what", [
     (dict(page_size=32), "page size 64"),
     (dict(cache_dtype="fp8e4nv"), "fp8"),
     (dict(dtype="fp32"), "bf16, fp16"),
     (dict(kv_lora_rank=384), "L in (256, 512)"),
+    (dict(rope_dim=128), "L + R <= 576"),           # 3 x 64 x 640 x 2 B = 240 KB of query tile and page buffers
     (dict(target="mi355x"), "sm_90"),
     (dict(name="bad name"), "invalid identifier"),
     (dict(scale=float("nan")), "scale"),

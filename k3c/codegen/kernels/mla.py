@@ -61,10 +61,12 @@ def decode_plan(rows: int, kv_lora_rank: int, target: Target, block_h: int | Non
     """The shipped decode plan by shape (rows = query tokens x heads of one sequence).
 
     Targets with the hopper tier (h100, h200), a bf16 cache, the shapes kernels/mla_hopper.py serves (rope_dim
-    given) and more than 16 rows: the Gluon kernel (64-row head tiles over two warpgroups). On an H100 it is
-    1.15-1.54x the portable kernel at 96 heads, while at 12 heads (one 16-row tile) the portable kernel is level or
-    1-8% faster at batch >= 32 (bench/mla_hopper.py; docs/perf.md). `tiers=False` asks for the portable plan (the
-    runtime's fallback where a tier kernel can be neither loaded nor built: k3c.codegen.tiers).
+    given) and more than 16 rows: the Gluon kernel (64-row head tiles over two warpgroups, the seesaw schedule). On
+    an H100 its lockstep schedule was 1.15-1.54x the portable kernel at 96 heads; the seesaw is 1.16-1.19x the
+    lockstep at batch 32-128, 32K keys on an H200 (level at 4K, 7-8% slower at batch 1). At 12 heads (one 16-row
+    tile) the portable kernel is level or 1-8% faster at batch >= 32 (bench/mla_hopper.py; docs/perf.md).
+    `tiers=False` asks for the portable plan (the runtime's fallback where a tier kernel can be neither loaded nor
+    built: k3c.codegen.tiers).
 
     sm_90 (H100 / H200), 512-wide latent: 16-row head tiles, 4 warps, whole pages, 2 stages, for every head count
     (12 heads: one tile, each page loaded once; 96 heads: six tiles, the page re-reads mostly hit L2): the fastest

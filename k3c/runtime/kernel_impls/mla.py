@@ -171,6 +171,36 @@ def _choose_splits(batch: int, tiles: int, pages: int, kind: str, index, max_spl
     return best if base * cap >= sms else cap
 
 
+# A one-program-per-SM program's fixed cost in pages of its loop: the query tile, the first page's latency and the
+# fp32 partial it stores (64 x 512 x 4 B: two pages' bytes) before the merge reads it back (bench/mla_hopper.py)
+RESIDENT_OVERHEAD_PAGES = 2
+
+
+def decode_splits(plan, batch: int, tiles: int, pages: int, device: torch.device) -> int:
+    """KV splits for a decode plan: a tier kernel holds one program per SM (its shared memory: the hopper tier's
+    query tile and two page buffers), so its splits come from the wave count x pages per split; the portable
+    kernels' from choose_splits."""
+    if plan.tier == "portable":
+        return choose_splits(batch, tiles, pages, device)
+    return _choose_splits_resident(batch, tiles, pages, device.type, device.index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_splits_resident(batch: int, tiles: int, pages: int, kind: str, index, max_splits: int = 512,
+                            min_pages: int = 2) -> int:
+    """The S (splits per sequence and head tile) that minimises waves x (pages per split + the fixed cost), one
+    program per SM; the smallest S within 2% of that (fewer partials to merge). B=32, 64 pages, 2 head tiles, 132
+    SMs: 2 (one wave of 32 pages) where choose_splits gives 8 (four waves of 8)."""
+    sms = _sm_count(kind, index)
+    cost = {}
+    for s in range(1, max(1, min(max_splits, pages // min_pages)) + 1):
+        pps = -(-pages // s)
+        waves = -(-batch * tiles * -(-pages // pps) // sms)
+        cost[s] = waves * (pps + RESIDENT_OVERHEAD_PAGES)
+    least = min(cost.values())
+    return min(s for s, c in cost.items() if c <= 1.02 * least)
+
+
 _DECODE_SETUP: dict = {}
 
 
@@ -194,7 +224,7 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, c
         plan = decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt), rope_dim=W - L, tiers=False)
         ks = kernel(plan)
     tiles = -(-ROWS // plan.block_h)
-    S = splits or choose_splits(B, tiles, n_pages, device)
+    S = splits or decode_splits(plan, B, tiles, n_pages, device)
     pps = max(1, -(-n_pages // S))
     S = max(1, -(-n_pages // pps))
     mk = _emit_merge(L, target=tgt, out_dtype=tt_dtype(odt),
@@ -490,5 +520,6 @@ KERNEL_IMPLS = {"mla_absorbed": launch_mla_absorbed}
 TORCH_IMPLS = {"mla_kvb_split": torch_mla_kvb_split, "mla_absorbed": torch_mla_absorbed}
 
 __all__ = ["PagedLatentCache", "DeviceLenLatentCache", "LatentStore", "new_store", "reserve", "write_latent",
-           "mqa_decode", "mha_step", "DecodePlan", "mha_attention", "choose_mode", "choose_splits", "split_kvb",
+           "mqa_decode", "mha_step", "DecodePlan", "mha_attention", "choose_mode", "choose_splits", "decode_splits",
+           "split_kvb",
            "interleaved_block_table"]
