@@ -73,7 +73,8 @@ def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, pr
     """A rough lower bound of the memory `k3c run` needs, by part: the weights (at `elem_bytes`, fp32 entries at
     4), the engine's MLA page pool (batch x pages of the whole context), the KDA states (fp32) and conv tails of
     every sequence, and the activations of the largest step (the prefill of every prompt, or one chunk of each:
-    the logits [n, vocab] and a few hidden-state buffers; AttnRes keeps its completed blocks)."""
+    a few hidden-state buffers per token, AttnRes's completed blocks, and the logits of each prompt's last position:
+    the engine projects no other prompt position)."""
     import math
 
     from ..frontend.weight_names import weight_table
@@ -94,7 +95,7 @@ def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, pr
         kda = batch * kinds.count("kda") * (h * d * d * 4 + 3 * h * d * (spec.kda.conv_kernel - 1) * elem_bytes)
     n = batch * min(prompt_len, prefill_chunk or prompt_len)          # tokens of the largest step
     blocks = -(-spec.num_layers // spec.attn_res.block_size) + 1 if spec.attn_res else 0
-    acts = n * (spec.vocab_size + spec.hidden_size * (4 + blocks)) * elem_bytes
+    acts = (n * spec.hidden_size * (4 + blocks) + batch * spec.vocab_size) * elem_bytes   # logits: last rows only
     return {"weights": weights, "MLA cache": mla, "KDA state": kda, "activations": acts}
 
 

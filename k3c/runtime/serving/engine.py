@@ -242,7 +242,7 @@ class Engine:
         if not drafts:
             if self.admission == "optimistic":
                 plan = self.scheduler.fit(plan)
-            logits = self.runner.run(plan, evict=True) if plan else {}
+            logits = self.runner.run(plan, evict=True, all_positions=False) if plan else {}
         if spec is not None:
             spec.while_device_runs(plan, shadowing and not drafts)
         outs = spec.verify(drafts, logits) if drafts else []
@@ -272,7 +272,7 @@ class Engine:
             self.stats["spec_fallbacks"] += 1
             return {}, {}
         try:
-            return drafts, self.runner.run(spec_plan, evict=True, trace=set(drafts))
+            return drafts, self.runner.run(spec_plan, evict=True, trace=set(drafts), all_positions=False)
         except CacheFullError:        # the padded drafts do not fit beside the batch: decode plainly
             self.stats["spec_fallbacks"] += 1
             return {}, {}
