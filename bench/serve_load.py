@@ -15,8 +15,8 @@ runs the same workload on the same graph; --compare runs the step budget off, th
 --itl-target-ms), in one invocation. Reports per configuration the inter-token latency p50/p90/p99 of every
 request's consecutive tokens after the first long prompt arrived (as the engine emitted them: no HTTP), TTFT
 p50/p90 of the long prompts (arrival to first token), total tokens/s (prompt and generated tokens the engine ran
-over the wall time) and generated tokens/s, peak GPU memory (torch.cuda.max_memory_allocated; None on a CPU), and
-the most tokens one step ran.
+over the wall time) and generated tokens/s, peak GPU memory (torch.cuda.max_memory_allocated; None on a CPU), the
+most tokens one step ran, and how many decode calls replayed a captured CUDA graph.
 
     python bench/serve_load.py --mixed --spec examples/k3-wide.yaml --device cuda --streams 32 --long 16 \
         --compare --out bench/serve-mixed-h200.json
@@ -192,6 +192,8 @@ def run_mixed(make_engine, work: dict, *, long_new: int, stream_new: int, arrive
             "tokens_per_s": tokens / wall, "generated_tokens_per_s": sum(len(v) for v in stamps.values()) / wall,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "most_step_tokens": most, "steps": ran.get("steps", 0), "streams_ended_early": ended_early,
+            # decode calls that replayed a captured CUDA graph (the decode rows of a step with a chunk included)
+            "decode_calls": ran.get("decode_calls", 0), "decode_graph_calls": ran.get("decode_graph_calls", 0),
             "long_prompt_tokens": [len(p) for p in work["long"]]}
 
 
