@@ -246,7 +246,13 @@ def mixed_main(args) -> dict:
           f"{'tok/s':>9s} {'gen tok/s':>9s} | {'peak GiB':>8s} {'max step':>8s}")
     out = {"spec": spec.name, "device": args.device, "dtype": str(dtype)[6:], "args": vars(args), "configs": {}}
     for name, budget, target in configs:
-        r = run_mixed(engine(budget, target), work, arrive_s=args.arrive_ms / 1e3, **mixed)
+        try:
+            r = run_mixed(engine(budget, target), work, arrive_s=args.arrive_ms / 1e3, **mixed)
+        except torch.cuda.OutOfMemoryError as exc:     # the budget-off run of a large burst may not fit: say so
+            out["configs"][name] = {"max_step_tokens": budget, "error": f"out of memory: {str(exc).splitlines()[0]}"}
+            print(f"{name:>14s} | out of memory ({str(exc).splitlines()[0][:100]})", flush=True)
+            torch.cuda.empty_cache()
+            continue
         out["configs"][name] = r
         i = r["itl_ms"]
         label = "off" if budget is None else f"{budget}" + (f" <{target:g}ms" if target else "")
@@ -257,6 +263,9 @@ def mixed_main(args) -> dict:
         if args.out:                              # after every configuration: a run cut short keeps what it measured
             with open(args.out, "w") as fh:
                 json.dump(out, fh, indent=1)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
     return out
 
 
