@@ -141,7 +141,8 @@ def run_point(model, w, graph, args, sessions, concurrency: int, config: str, nu
                      policy=policy, protect_s=args.protect_s, clock=clock)
     eng = Engine(model, w, device=args.device, max_batch=args.max_batch, max_context=max_context,
                  num_pages=num_pages, page_size=args.page_size, use_kernels=not args.no_kernels, prefix_cache=pc, graph=graph,
-                 kv_dtype=args.kv_dtype, admission=args.admission)
+                 kv_dtype=args.kv_dtype, admission=args.admission, max_step_tokens=args.max_step_tokens,
+                 itl_target_ms=args.itl_target_ms)
     kv_row = eng.pool.page_bytes // eng.pool.page_size          # MLA bytes per token, every MLA layer
     kda_state = 0                                               # KDA states of a sequence: from a checkpoint
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -250,6 +251,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-bytes", type=int, default=32 << 30, help="prefix-cache device budget (states + pages)")
     ap.add_argument("--interval", type=int, default=32768)
     ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-step-tokens", type=int, help="the engine's step token budget (chunked prefill; default "
+                    "none: whole prompts)")
+    ap.add_argument("--itl-target-ms", type=float, help="the engine's inter-token latency target (default none)")
     ap.add_argument("--page-size", type=int, help="MLA page size (default the device target's)")
     ap.add_argument("--sessions-factor", type=float, default=2.0, help="sessions per point = this x C")
     ap.add_argument("--virtual-clock", action="store_true")
@@ -299,7 +303,9 @@ def main(argv=None) -> int:
     print(f"{spec.name} on {args.device} ({str(dtype)[6:]}): InferenceX shape / {args.scale:g}, median turn input "
           f"{median_context(every)} tokens, longest request {max_ctx - 1}; pool {num_pages} pages of {ps} "
           f"(budget {args.budget} sessions at the median context)"
-          + (f", virtual clock ({args.tick} s per step)" if args.virtual_clock else ""))
+          + (f", virtual clock ({args.tick} s per step)" if args.virtual_clock else "")
+          + (f"; step budget {args.max_step_tokens} tokens" if args.max_step_tokens else "")
+          + (f" within {args.itl_target_ms:g} ms" if args.itl_target_ms else ""))
     print(f"{'config':>12s} {'C':>3s} | {'hit':>6s} {'later':>6s} | {'TTFT p50/p90/p99 ms':>24s} | "
           f"{'ITL p50/p90/p99 ms':>20s} | {'tok/s':>8s} {'KV GB/s':>8s} {'waits':>6s}")
     for c in levels:

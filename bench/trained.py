@@ -41,12 +41,15 @@ from k3c.errors import ArgumentError  # noqa: E402  (after the path above)
 
 EXAMPLE = ROOT / "examples" / "k3-stdlib"
 PATHS = ("reference-fp32", "reference-bf16", "compiled-fp32", "compiled-bf16", "mxfp4", "tp2-ep2",
-         "prefix-resume", "cuda-graphs", "fp8-kv")
+         "prefix-resume", "cuda-graphs", "fp8-kv", "chunked-prefill")
+# chunked-prefill's chunk (and step budget): odd, so boundaries fall inside KDA's 16-token sub-chunks and MLA pages
+CHUNK = 45
 # the activation dtype of each path; the paths without one in their name serve bf16 (the checkpoint's), except
 # tp2-ep2, whose fp32 isolates the sharding from rounding
 DTYPES = {"reference-fp32": torch.float32, "reference-bf16": torch.bfloat16, "compiled-fp32": torch.float32,
           "compiled-bf16": torch.bfloat16, "mxfp4": torch.bfloat16, "tp2-ep2": torch.float32,
-          "prefix-resume": torch.bfloat16, "cuda-graphs": torch.bfloat16, "fp8-kv": torch.bfloat16}
+          "prefix-resume": torch.bfloat16, "cuda-graphs": torch.bfloat16, "fp8-kv": torch.bfloat16,
+          "chunked-prefill": torch.bfloat16}
 MIN_PROMPT_TOKENS = 8
 
 
@@ -198,7 +201,7 @@ def _in_dtype(spec, weights: dict, dtype: torch.dtype, device) -> dict:
 
 def _path_dtype(path: str, dtype: torch.dtype | None) -> torch.dtype:
     """The path's dtype (DTYPES), or `dtype` for a path whose name fixes none (mxfp4, tp2-ep2, prefix-resume,
-    cuda-graphs)."""
+    cuda-graphs, chunked-prefill)."""
     if path not in PATHS:
         raise ArgumentError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     if dtype is None:
@@ -255,9 +258,11 @@ def _engine(path: str, spec, w: dict, dev: torch.device, model_dir, kernels: boo
     prefix = PrefixCache() if path == "prefix-resume" else None
     pages = -(-max_context // target_for(dev).mla_page_size)
     # the prefix cache's checkpoints hold pages of finished requests: room for them beside the running ones
+    chunk = CHUNK if path == "chunked-prefill" else None
     return Engine(model, w, device=str(dev), max_batch=max_batch, max_context=max_context,
                   num_pages=max_batch * pages * (3 if prefix else 1), use_kernels=kernels, prefix_cache=prefix,
-                  cuda_graphs=path == "cuda-graphs", kv_dtype="fp8" if path == "fp8-kv" else "auto")
+                  cuda_graphs=path == "cuda-graphs", kv_dtype="fp8" if path == "fp8-kv" else "auto",
+                  prefill_chunk=chunk, max_step_tokens=chunk)
 
 
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -337,7 +342,9 @@ def greedy(path: str, prompts: list[list[int]], new_tokens: int, *, device: str 
       prefix-resume: the Engine with a PrefixCache, every prompt served twice; returned is the second serving, which
         resumes from the checkpoint at its prompt end: its first token comes from the checkpoint's logits and every
         decode step runs on the restored KDA states and the shared MLA pages;
-      cuda-graphs: compiled-bf16 with its decode steps through captured CUDA graphs (cuda, kernels only).
+      cuda-graphs: compiled-bf16 with its decode steps through captured CUDA graphs (cuda, kernels only);
+      chunked-prefill: the Engine under a step budget of CHUNK tokens: prompts prefilled in chunks of CHUNK (beside
+        the other prompts' decoding rows), and held-out windows scored chunk by chunk (extend, prefill_chunk CHUNK).
     dtype: another activation dtype (fp32 or bf16) for the paths whose name fixes none (DTYPES)."""
     prompts = _check_prompts(prompts, new_tokens)
     spec, w, dev, dtype = _setup(path, device, model_dir, weights, kernels, dtype)

@@ -69,11 +69,14 @@ def _graph_line(eng, stats=None) -> str:
 
 
 def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, prefill_chunk: int | None = None,
-                       elem_bytes: int = 4, page_size: int = 64, kv_pool=None) -> dict[str, int]:
+                       elem_bytes: int = 4, page_size: int = 64, kv_pool=None,
+                       max_step_tokens: int | None = None) -> dict[str, int]:
     """A rough lower bound of the memory `k3c run` needs, by part: the weights (at `elem_bytes`, fp32 entries at
     4), the engine's MLA page pool (batch x pages of the whole context), the KDA states (fp32) and conv tails of
-    every sequence, and the activations of the largest step (the prefill of every prompt, or one chunk of each:
-    the logits [n, vocab] and a few hidden-state buffers; AttnRes keeps its completed blocks)."""
+    every sequence, and the activations of the largest step (the prefill of every prompt, one chunk of each, or a
+    step token budget's worth:
+    a few hidden-state buffers per token, AttnRes's completed blocks, and the logits of each prompt's last position:
+    the engine projects no other prompt position)."""
     import math
 
     from ..frontend.weight_names import weight_table
@@ -93,8 +96,10 @@ def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, pr
         h, d = spec.kda.num_heads, spec.kda.head_dim
         kda = batch * kinds.count("kda") * (h * d * d * 4 + 3 * h * d * (spec.kda.conv_kernel - 1) * elem_bytes)
     n = batch * min(prompt_len, prefill_chunk or prompt_len)          # tokens of the largest step
+    if max_step_tokens:
+        n = min(n, max_step_tokens + batch)          # the budget (decoding rows beside it: at most the batch)
     blocks = -(-spec.num_layers // spec.attn_res.block_size) + 1 if spec.attn_res else 0
-    acts = n * (spec.vocab_size + spec.hidden_size * (4 + blocks)) * elem_bytes
+    acts = (n * spec.hidden_size * (4 + blocks) + batch * spec.vocab_size) * elem_bytes   # logits: last rows only
     return {"weights": weights, "MLA cache": mla, "KDA state": kda, "activations": acts}
 
 
@@ -238,7 +243,7 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=(), on_token=No
 def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, interpret, prefill_chunk,
            cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto", prefix_cache=None,
            admission: str = "reserve", speculate: str | None = None, draft_len: int = 4,
-           size_flags=RUN_SIZE_FLAGS) -> dict:
+           size_flags=RUN_SIZE_FLAGS, max_step_tokens: int | None = None, itl_target_ms: float | None = None) -> dict:
     """What both modes of `k3c run` set up, timed apart: the model (artifact loaded or spec compiled), its checks
     against `sizes(model)` -> (batch, prompt_len, new_tokens), the weights (given, the model directory's
     checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool)."""
@@ -266,7 +271,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     torch_dtype = to_torch_dtype(dtype, "--dtype")
     kv = pool_dtype(kv_dtype, torch_dtype, "--kv-dtype")   # fp8 with fp32 activations: refused before loading
     check_run_fits(model.spec, device, size_flags, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                   prefill_chunk=prefill_chunk, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
+                   prefill_chunk=prefill_chunk, max_step_tokens=max_step_tokens, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
                    page_size=target_for(torch.device(device)).mla_page_size, kv_pool=kv)
     default = model_checkpoint(spec_or_artifact) if weights is None else None
     t = time.perf_counter()
@@ -281,7 +286,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
                  use_kernels=kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
                  kernel_policy=kernel_policy, kv_dtype=kv_dtype, prefix_cache=prefix_cache, admission=admission,
-                 speculation=speculation)
+                 speculation=speculation, max_step_tokens=max_step_tokens, itl_target_ms=itl_target_ms)
     del w                        # the graph holds what it reads
     sync()
     return {"model": model, "eng": eng, "sync": sync, "cuda": cuda, "dtype": dtype, "kernels": kernels,
@@ -353,7 +358,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
                use_kernels: bool = True, interpret: bool = False, prefill_chunk: int | None = None,
                progress: bool | None = None, cuda_graphs: bool | None = None, warmup: bool | None = None,
                kernel_policy: str = "artifact", sampling=None, kv_dtype: str = "auto", speculate: str | None = None,
-               draft_len: int = 4, threads: str | None = None) -> str:
+               draft_len: int = 4, threads: str | None = None, max_step_tokens: int | None = None) -> str:
     """Serve `batch` random prompts through the engine (paged MLA cache, continuous batching): one prefill step,
     then decode steps (greedy, or under `sampling`: runtime.sampling.params_for_rows). Timed apart: weights
     (given, else a Hugging Face model directory's own checkpoint, else random, drawn on the device; then prepared
@@ -383,7 +388,7 @@ def run_report(spec_or_artifact: str, *, weights: str | None = None, batch: int 
     b = _build(spec_or_artifact, weights=weights, seed=seed, device=device, dtype=dtype, use_kernels=use_kernels,
                interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
                kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype, speculate=speculate,
-               draft_len=draft_len)
+               draft_len=draft_len, max_step_tokens=max_step_tokens)
     model, eng, spec = b["model"], b["eng"], b["model"].spec
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, spec.vocab_size, (batch, prompt_len), generator=gen)
@@ -415,7 +420,7 @@ def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, 
              interpret: bool = False, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
              warmup: bool | None = None, kernel_policy: str = "artifact", warn=None,
              kv_dtype: str = "auto", speculate: str | None = None, draft_len: int = 4, stop: tuple[str, ...] = (),
-             on_text=None, threads: str | None = None) -> tuple[str, str]:
+             on_text=None, threads: str | None = None, max_step_tokens: int | None = None) -> tuple[str, str]:
     """Text in, text out through the same engine path as run_report: `prompt` encoded with the model's tokenizer,
     continued by up to `new_tokens` tokens (greedy, or under `sampling`; ending at the EOS token, not shown, or
     before the first of the `stop` strings). `on_text(delta)` is handed the text as the timed pass decides it
@@ -445,7 +450,7 @@ def run_text(spec_or_artifact: str, prompt: str, *, weights: str | None = None, 
     b = _build(spec_or_artifact, weights=weights, seed=seed, device=device, dtype=dtype, use_kernels=use_kernels,
                interpret=interpret, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
                kernel_policy=kernel_policy, sizes=sizes, kv_dtype=kv_dtype, speculate=speculate,
-               draft_len=draft_len)
+               draft_len=draft_len, max_step_tokens=max_step_tokens)
     _warn_random(b, spec_or_artifact, warn)
     text, reason, warm, run, kernels = _generate_text(b, ids, new_tokens, warmup, params, stop, on_text)
     return text, "\n".join(_text_stats(b, warm, run, len(ids), len(run["tokens"][0]), reason, params, kernels,

@@ -111,6 +111,9 @@ def _performance(g) -> None:
                    help="most draft tokens verified per step with --speculate (default 4)")
     g.add_argument("--prefill-chunk", metavar="N", type=positive("--prefill-chunk", MAX_TOKENS),
                    help="prefill at most this many tokens per sequence and step (default: the whole prompt)")
+    g.add_argument("--max-step-tokens", metavar="N", type=positive("--max-step-tokens", MAX_TOKENS),
+                   help="run at most N tokens per engine step, all sequences together: decoding rows first, prompts "
+                   "chunked into the rest (chunked prefill; bounds a step's activations) (default: no budget)")
 
 
 def _cache(g) -> None:

@@ -45,7 +45,7 @@ def run_command(args) -> int:
     common = dict(weights=args.weights, device=args.device, dtype=args.dtype, use_kernels=not args.no_kernels,
                   interpret=args.interpret, prefill_chunk=args.prefill_chunk, cuda_graphs=args.cuda_graphs,
                   kernel_policy=args.kernel_policy, kv_dtype=args.kv_dtype, speculate=args.speculate,
-                  draft_len=args.draft_len)
+                  draft_len=args.draft_len, max_step_tokens=args.max_step_tokens)
     if not text:
         print(run_report(args.spec, batch=args.batch or 1, prompt_len=args.prompt_len or 16,
                          new_tokens=args.new_tokens or 8, seed=args.seed or 0, sampling=sampling,

@@ -22,6 +22,11 @@ import time
 from ..errors import ArgumentError
 
 API_KEY_ENV = "K3C_API_KEY"
+# --max-step-tokens' default: a step runs every decoding stream's token and at most this many tokens in all, prompts
+# chunked into what is left (chunked prefill). 2048 is the low end of what vLLM and SGLang budget a step (2048-8192):
+# with 64 streams, 1984 prompt tokens a step. Chosen, not yet measured for k3c: bench/serve_load.py --mixed
+# --compare is the measurement that should move it (docs/runtime.md, "Step token budget").
+MAX_STEP_TOKENS = 2048
 
 
 def add_parser(sub, positive, path, seed) -> None:
@@ -67,6 +72,14 @@ def add_parser(sub, positive, path, seed) -> None:
                    help="reserve (default): a request joins when its worst case (prompt + max tokens) fits; "
                    "optimistic: when its prompt fits, preempting the newest sequences (into --host-bytes, or "
                    "recomputed) when a step runs short")
+    s.add_argument("--max-step-tokens", type=positive("--max-step-tokens", 1 << 24), default=MAX_STEP_TOKENS,
+                   metavar="N", help=f"tokens one engine step runs: every decoding stream's next token, then chunks "
+                   f"of waiting prompts up to N (default {MAX_STEP_TOKENS}), so a long prompt no longer stalls "
+                   f"the streams; a number above --max-batch plus the longest prompt prefills whole prompts")
+    s.add_argument("--itl-target-ms", type=lambda t: _millis(t, "--itl-target-ms"), metavar="MS",
+                   help="inter-token latency target: while streams decode, a step takes only the prompt tokens "
+                   "its measured costs say fit in MS milliseconds (at least 16; default: no target, "
+                   "--max-step-tokens alone)")
     s.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache")
     s.add_argument("--speculate", metavar="ngram|draft:PATH",
                    help="speculative decoding: ngram (prompt lookup) or draft:PATH (a draft model directory sharing "
@@ -127,6 +140,16 @@ def _seconds(text: str, name: str, low: float = 0.0) -> float:
         v = -1.0
     if not low <= v <= 86400:
         raise argparse.ArgumentTypeError(f"{name} must be a number of seconds in [{low:g}, 86400], got {text!r}")
+    return v
+
+
+def _millis(text: str, name: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 < v <= 3_600_000:
+        raise argparse.ArgumentTypeError(f"{name} must be a number of milliseconds in (0, 3600000], got {text!r}")
     return v
 
 
@@ -199,7 +222,8 @@ def cmd_serve(args) -> int:
                    use_kernels=not args.no_kernels, interpret=False, prefill_chunk=None, cuda_graphs=None,
                    kernel_policy="artifact", sizes=sizes, kv_dtype=args.kv_dtype, prefix_cache=cache,
                    size_flags=("--max-batch", "--max-context", None),
-                   admission=args.admission, speculate=args.speculate, draft_len=args.draft_len)
+                   admission=args.admission, speculate=args.speculate, draft_len=args.draft_len,
+                   max_step_tokens=args.max_step_tokens, itl_target_ms=args.itl_target_ms)
         model, eng = b["model"], b["eng"]
         tok = load_tokenizer(args.tokenizer, model.spec.vocab_size) if args.tokenizer else model.tokenizer
         if tok is None:
@@ -230,8 +254,10 @@ def cmd_serve(args) -> int:
         loop.start()
         host, port = sock.getsockname()[:2]
         weights = b["weights"] or f"random (seed {args.seed})"
+        target = f" within {args.itl_target_ms:g} ms" if args.itl_target_ms is not None else ""
         print(f"k3c serve: {info.name} on {args.device} ({b['dtype']}, weights {weights}; max batch "
-              f"{args.max_batch}, context {info.max_context}, {eng.pool.num_pages} MLA pages; chat template "
+              f"{args.max_batch}, context {info.max_context}, {eng.pool.num_pages} MLA pages, {args.max_step_tokens} "
+              f"tokens a step{target}; chat template "
               f"{template.origin}; requests up to {max_body} bytes, prompts up to "
               f"{info.max_prompt_chars or 'any number of'} characters; ready in {time.perf_counter() - t0:.1f} s)",
               flush=True)

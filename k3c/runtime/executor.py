@@ -193,6 +193,18 @@ def _implementation(op, use_kernels: bool) -> Callable:
     return fn
 
 
+def _last_rows_when_asked(impl: Callable) -> Callable:
+    """An lm_head implementation that projects only each row's last position when the call's context says so
+    (CallContext.last_logits_only): a prefill of n tokens needs one row of logits, not n ([n, vocab] is most of a
+    long prefill's activation memory)."""
+    def lm_head(a, cache, data, w):
+        x = data[0]
+        if cache is not None and cache.ctx.last_logits_only and x.dim() == 3 and x.shape[1] > 1:
+            data = (x[:, -1:].contiguous(),) + tuple(data[1:])
+        return impl(a, cache, data, w)
+    return lm_head
+
+
 def _inputs(op, value_of: Callable) -> tuple[tuple, dict]:
     """`op`'s inputs as an implementation takes them: (data values in role order, {param role: value})."""
     params = {r.name for r in get_op_def(op.op).roles(op.attr_dict) if r.param}
@@ -234,6 +246,8 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
             folded[op.results[0]] = weights[name]
             continue
         impl = _implementation(op, use_kernels)
+        if op.op == "lm_head":
+            impl = _last_rows_when_asked(impl)
         if _is_weight_transform(op) and all(v in folded for v in op.inputs):
             # evaluated once here, when the weights load, and held as buffers: no per-call cost
             fdata, fparams = _inputs(op, folded.__getitem__)

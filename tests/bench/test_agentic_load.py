@@ -61,3 +61,15 @@ def test_figures_and_kv_bytes(sweep):
         later = [t for t in p["per_turn"] if t["turn"] > 0]
         assert p["hit_rate_later_turns"] == pytest.approx(sum(t["resumed"] for t in later)
                                                           / sum(t["prompt"] for t in later))
+
+
+def test_step_budget_flag(tmp_path):
+    """--max-step-tokens reaches the engines of a (one-session) point: it runs, its later turns hit, it is recorded."""
+    out = tmp_path / "budget.json"
+    assert agentic_load.main(["--spec", TINY, "--device", "cpu", "--no-kernels", "--small", "--concurrency", "1",
+                              "--configs", "lru", "--sessions-factor", "1", "--max-step-tokens", "16",
+                              "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["args"]["max_step_tokens"] == 16
+    (p,) = r["points"]
+    assert p["hit_rate"] > 0.5 and p["tokens_per_s"] > 0

@@ -22,8 +22,23 @@ def test_run_report_through_the_engine(capsys, one_thread):
         assert sum(int(n) for n in counts.values()) == 6 and int(counts["mqa"]) >= 3
 
 
+def test_run_under_a_step_token_budget(capsys, one_thread):
+    """--max-step-tokens 5 over 3 prompts of 9: the prompts go in chunks of the budget (more graph calls than one
+    whole-prompt prefill); the engine's equality with whole-prompt prefill is test_chunked_prefill's."""
+    argv = ["run", TINY, "--batch", "3", "--prompt-len", "9", "--new-tokens", "3", "--no-kernels"]
+    assert main(argv) == 0
+    whole = capsys.readouterr().out
+    assert main(argv + ["--max-step-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "logits finite:   True" in out
+    calls = {k: int(n) for k, n in re.findall(r"layer 3 (mha|mqa) x(\d+)", out)}
+    assert sum(calls.values()) > sum(int(n) for n in re.findall(r"layer 3 (?:mha|mqa) x(\d+)", whole))
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--max-step-tokens", "0"], "--max-step-tokens must be >= 1"),
+    (["--max-step-tokens", "many"], "--max-step-tokens"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--new-tokens", "5000"], "exceeds the spec's max_context 4096"),
 ])

@@ -84,7 +84,9 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--api-key", KEY, "--max-batch", "8")
+    # a small step budget: prompts are prefilled in chunks (of 4, beside decoding streams), and the greedy
+    # completions below still equal k3c run's whole-prompt prefill
+    s = ServerProcess("--api-key", KEY, "--max-batch", "8", "--max-step-tokens", "4")
     yield s
     s.stop()
 

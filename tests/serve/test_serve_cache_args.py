@@ -1,5 +1,5 @@
-"""`k3c serve`'s prefix-cache arguments become the PrefixCache it serves with (policy, tiers, protection); bad ones
-exit 2 naming the argument before anything loads."""
+"""`k3c serve`'s prefix-cache arguments become the PrefixCache it serves with (policy, tiers, protection), its step
+token budget and latency target the engine's; bad ones exit 2 naming the argument before anything loads."""
 import pytest
 
 from k3c.cli import build_parser, main
@@ -21,11 +21,23 @@ def test_defaults_and_flags(tmp_path):
     assert _args().admission == "reserve" and _args("--admission", "optimistic").admission == "optimistic"
 
 
+def test_step_budget_flags():
+    from k3c.commands.serve import MAX_STEP_TOKENS
+
+    assert (_args().max_step_tokens, _args().itl_target_ms) == (MAX_STEP_TOKENS, None)
+    a = _args("--max-step-tokens", "512", "--itl-target-ms", "40")
+    assert (a.max_step_tokens, a.itl_target_ms) == (512, 40.0)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--kv-policy", "mru"], "--kv-policy: invalid choice"),
     (["--admission", "eager"], "--admission: invalid choice"),
     (["--protect-s", "-1"], "--protect-s must be a number of seconds"),
     (["--protect-s", "nan"], "--protect-s must be a number of seconds"),
+    (["--max-step-tokens", "0"], "--max-step-tokens must be >= 1"),
+    (["--max-step-tokens", "1.5"], "--max-step-tokens"),
+    (["--itl-target-ms", "0"], "--itl-target-ms must be a number of milliseconds"),
+    (["--itl-target-ms", "nan"], "--itl-target-ms must be a number of milliseconds"),
 ])
 def test_bad_arguments_exit_2(capsys, extra, message):
     assert main(["serve", "examples/k3-tiny.yaml", *extra]) == 2

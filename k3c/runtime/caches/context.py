@@ -17,6 +17,8 @@ class CallContext:
     modes: dict[int, str] = field(default_factory=dict)    # {MLA layer: the mode its op ran}: written by the impls
     kda_trace: dict | None = None               # a speculative verification: {KDA layer: KDATokens} (kda_rollback)
     kda_token_buffers: dict = field(default_factory=dict)  # static per-token buffers to trace into (a CUDA graph's)
+    last_logits_only: bool = False              # lm_head on each row's last position only (logits [B, 1, V]): a
+    #                                             prefill whose prompt-position logits nobody asked for
 
     def __post_init__(self):
         self.kv_dtype = check_kv_dtype(self.kv_dtype)

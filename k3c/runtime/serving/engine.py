@@ -8,9 +8,14 @@
 
 Each step admits waiting requests (up to max_batch; a request is admitted only when the pool can hold its worst case
 on top of what running requests may still claim, so a step never runs out of pages), feeds every running sequence
-its next segment (the rest of its prompt, cut at prefix-cache checkpoint boundaries and `prefill_chunk`, or its last
-generated token), one graph call per group of equal segment length, and samples (runtime/sampling.py: greedy by
-default; a request with a temperature draws from its own seeded generator). Sequences of different
+its next segment (its last generated token, or the rest of its prompt cut at prefix-cache checkpoint boundaries,
+`prefill_chunk` and the step token budget: `max_step_tokens` bounds a step's tokens, decoding rows first, prompts
+taking chunks of the rest in admission order; `itl_target_ms` further limits the prompt tokens of a step beside
+decoding rows to what measured costs say fits the inter-token latency target: scheduler.StepBudget), one graph
+call per group of equal segment length, and samples (runtime/sampling.py: greedy by
+default; a request with a temperature draws from its own seeded generator). A prompt chunk resumes from the
+state its previous chunk left (KDA states and conv tails per row, MLA latent rows in its pages), so chunked and
+whole prefill compute the same thing; only each prompt's last position goes through lm_head in a step. Sequences of different
 lengths share a call: MLA reads each one's pages and length from the block table, KDA states are per row, and the
 MLA mode (MHA / MQA) is chosen per call from the cost model over all of them (runner.batch_mla_mode).
 
@@ -39,10 +44,10 @@ from ..caches.seq_state import SeqState
 from ..session import _device, describe_graph, load_graph
 from .graph_pool import GraphPool
 from .ledger import PageLedger
-from .requests import (ADMISSIONS, StepOutput, check_adopted, host_to_device, positive_ints, row_logits, segment_plan,
-                       stop_ids, token_ids)
+from .requests import (ADMISSIONS, StepOutput, check_adopted, host_to_device, positive_ints, positive_number,
+                       row_logits, segment_plan, stop_ids, token_ids)
 from .runner import Runner
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepBudget
 from .speculation import Speculator
 
 
@@ -52,13 +57,14 @@ class Engine:
                  use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
                  cuda_graphs: bool | None = None, graph_backend=None, max_graphs: int = 4,
                  kernel_policy: str = "artifact", kv_dtype: str = "auto", admission: str = "reserve",
-                 speculation=None):
+                 speculation=None, max_step_tokens: int | None = None, itl_target_ms: float | None = None):
         spec = compiled.spec
         if any(op.op == "mla" for op in compiled.module.ops):
             raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
                                 "(the default pipeline)")
         positive_ints(max_batch=max_batch, max_context=max_context, num_pages=num_pages, page_size=page_size,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, max_step_tokens=max_step_tokens)
+        positive_number("itl_target_ms", itl_target_ms)
         if admission not in ADMISSIONS:
             raise ArgumentError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
         self.admission = admission
@@ -68,6 +74,7 @@ class Engine:
         self.max_context = max_context or spec.max_context
         self.use_kernels = use_kernels
         self.prefill_chunk = prefill_chunk
+        self.max_step_tokens, self.itl_target_ms = max_step_tokens, itl_target_ms
         self.dtype = weights["embed_tokens.weight"].dtype
         self.kv_dtype = check_kv_dtype(kv_dtype)
         self.kv_pool_dtype = pool_dtype(kv_dtype, self.dtype)     # the page pool's row format (latent_format)
@@ -103,7 +110,9 @@ class Engine:
         self.prefix = prefix_cache
         self.scheduler = Scheduler(self.ledger, max_batch=self.max_batch, admission=self.admission,
                                    prefill_chunk=self.prefill_chunk, prefix=prefix_cache, kda_layers=self.kda_layers,
-                                   stats=self.stats)
+                                   stats=self.stats, budget=StepBudget(
+                                       self.max_step_tokens,
+                                       None if self.itl_target_ms is None else self.itl_target_ms / 1000))
         if prefix_cache is not None:
             self.ledger.prefix = prefix_cache
             prefix_cache.attach(self)
@@ -226,8 +235,8 @@ class Engine:
         """Admit, run one segment of every running sequence, sample; finished requests leave. With speculation,
         decoding sequences run their last token and a draft in one call and may emit several tokens."""
         t0 = time.perf_counter()               # the controller times whole steps: drafting to the last output
-        self.scheduler.admit()
-        plan = [(s, self.scheduler.segment(s)) for s in self.running if s.pending > 0]
+        step = self.last_plan = self.scheduler.plan()
+        plan = step.segments
         # tried: the drafter was asked (a step that asked and found nothing is no cost sample); shadowing: a plain
         # step by the controller's choice, whose rows may shadow-draft (Speculator.while_device_runs)
         t_draft = time.perf_counter()
@@ -241,8 +250,9 @@ class Engine:
             drafts, logits = self._verification_call(plan, drafts)
         if not drafts:
             if self.admission == "optimistic":
-                plan = self.scheduler.fit(plan)
-            logits = self.runner.run(plan, evict=True) if plan else {}
+                self.scheduler.fit(step)
+                plan = step.segments
+            logits = self.runner.run(plan, evict=True, all_positions=False) if plan else {}
         if spec is not None:
             spec.while_device_runs(plan, shadowing and not drafts)
         outs = spec.verify(drafts, logits) if drafts else []
@@ -259,6 +269,8 @@ class Engine:
                               and o.rid in self.seqs) if drafts else None
             self.speculation.observe([s.rid for s, _ in plan], time.perf_counter() - t0 - bookkeeping, emitted,
                                      timed=not self.graph_pool.untimed)
+        if not drafts and not self.graph_pool.untimed:
+            self.scheduler.budget.observe(step.decode_tokens, step.prefill_tokens, time.perf_counter() - t0)
         self.graph_pool.untimed = False
         self.stats["steps"] += 1
         return outs
@@ -272,7 +284,7 @@ class Engine:
             self.stats["spec_fallbacks"] += 1
             return {}, {}
         try:
-            return drafts, self.runner.run(spec_plan, evict=True, trace=set(drafts))
+            return drafts, self.runner.run(spec_plan, evict=True, trace=set(drafts), all_positions=False)
         except CacheFullError:        # the padded drafts do not fit beside the batch: decode plainly
             self.stats["spec_fallbacks"] += 1
             return {}, {}

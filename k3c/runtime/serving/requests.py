@@ -97,6 +97,12 @@ def positive_ints(**values) -> None:
             raise ArgumentError(f"{name} must be a positive integer, got {v!r}")
 
 
+def positive_number(name: str, v) -> None:
+    """ArgumentError unless `v` is None or a finite number above 0."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < float("inf")):
+        raise ArgumentError(f"{name} must be a positive number, got {v!r}")
+
+
 class StepOutput:
     """One emitted token: rid, token (chosen from `logits` under the request's SamplingParams, default greedy),
     logits ([vocab]), finished (max_new_tokens reached, or `token` is one of the request's stop tokens), seed (the

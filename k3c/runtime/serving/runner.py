@@ -52,10 +52,13 @@ class Runner:
             out[layer] = memo[key]
         return out
 
-    def run(self, plan, evict: bool, trace: set[int] = frozenset()) -> dict[int, torch.Tensor]:
+    def run(self, plan, evict: bool, trace: set[int] = frozenset(), all_positions: bool = True
+            ) -> dict[int, torch.Tensor]:
         """One graph call per group of equal segment length (at most max_batch rows each). {rid: logits [T, V]}.
         trace: the ids of the sequences whose calls keep every token's KDA states (self.traces) for a rollback
-        inside them (speculative verification); they run apart from prefill pieces of the same length."""
+        inside them (speculative verification); they run apart from prefill pieces of the same length.
+        all_positions False: untraced rows get the logits of their last position only ([1, V]; lm_head runs on
+        those rows alone), what a step samples from; a verification always gets every position's."""
         undo = self.ledger.reserve(plan, evict)
         groups: dict[tuple, list] = {}
         for seq, seg in plan:
@@ -66,7 +69,8 @@ class Runner:
             for (t, traced), items in groups.items():
                 for i in range(0, len(items), self.max_batch):
                     chunk = items[i:i + self.max_batch]
-                    logits = self.call([s for s, _ in chunk], [g for _, g in chunk], trace=traced and t > 1)
+                    logits = self.call([s for s, _ in chunk], [g for _, g in chunk], trace=traced and t > 1,
+                                       all_positions=all_positions or traced)
                     for (seq, _), rows in zip(chunk, logits.unbind(0)):     # one call for every row's view
                         out[seq.rid] = rows
                         done.add(seq.rid)
@@ -77,9 +81,11 @@ class Runner:
         self.ledger.commit(undo)
         return out
 
-    def call(self, seqs: list[SeqState], segments: list[list[int]], trace: bool = False) -> torch.Tensor:
+    def call(self, seqs: list[SeqState], segments: list[list[int]], trace: bool = False,
+             all_positions: bool = True) -> torch.Tensor:
         """One graph call of equal-length segments; trace: a verification call (T > 1) whose KDA inputs are kept
-        for a rollback (self.traces), through a CUDA graph per (batch, T) like decode steps."""
+        for a rollback (self.traces), through a CUDA graph per (batch, T) like decode steps. Logits [B, T, V], or
+        [B, 1, V] (each row's last position) when not all_positions."""
         B, T = len(segments), len(segments[0])
         lens = [s.length for s in seqs]
         modes = self.mla_modes(T, lens) if self.mla_layers else {}
@@ -92,7 +98,7 @@ class Runner:
             states, ran, kda_trace = dg.kda, modes, dg.trace
         else:
             slots = range(B)                           # the KDA state row of each sequence after the call
-            logits, states, ran, kda_trace, t0 = self._eager(seqs, segments, modes, trace)
+            logits, states, ran, kda_trace, t0 = self._eager(seqs, segments, modes, trace, all_positions)
         kind = "decode" if T == 1 else "verify" if trace else "prefill"
         if trace:
             for j, seq in zip(slots, seqs):
@@ -110,12 +116,14 @@ class Runner:
             self.mode_counts[(layer, mode)] += 1
         return logits
 
-    def _eager(self, seqs: list[SeqState], segments: list[list[int]], modes: dict[int, str], trace: bool):
+    def _eager(self, seqs: list[SeqState], segments: list[list[int]], modes: dict[int, str], trace: bool,
+               all_positions: bool = True):
         """The call through the fx graph: (logits, the KDA states after it, the MLA modes it ran, its KDA trace, when
         the launch began)."""
         ids = self.ledger.h2d(torch.tensor(segments, dtype=torch.long))
         lens = [s.length for s in seqs]
-        ctx = CallContext(self.kv_dtype, mla_modes=modes, kda_trace={} if trace else None)
+        ctx = CallContext(self.kv_dtype, mla_modes=modes, kda_trace={} if trace else None,
+                          last_logits_only=not all_positions)
         cache = LayerCaches(self.spec.num_layers, ctx=ctx)
         for i in self.kda_layers:
             cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
