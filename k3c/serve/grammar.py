@@ -43,6 +43,13 @@ class Constraint:
         if not self._m.is_terminated() and not self._m.accept_token(int(token)):
             self.failed = True
 
+    def advance(self, token: int) -> bool:
+        return not self._m.is_terminated() and self._m.accept_token(int(token))
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
+
     @property
     def finished(self) -> bool:
         return self._m.is_terminated()
