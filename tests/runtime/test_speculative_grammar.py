@@ -83,10 +83,10 @@ def _ngram(draft_len=4):
     return Speculation(NgramDrafter(), draft_len=draft_len, adaptive=False)
 
 
-def _run(eng, reqs):
+def _run(eng, reqs, max_new=MAX_NEW):
     """reqs: [(prompt, RowLogits)]: the generated tokens of each, run to the end."""
     eos = eng.compiled.tokenizer.eos_id
-    rids = [eng.add_request(p, MAX_NEW, stop_token_ids=[eos], logits=proc) for p, proc in reqs]
+    rids = [eng.add_request(p, max_new, stop_token_ids=[eos], logits=proc) for p, proc in reqs]
     got = eng.run()
     return [got[r] for r in rids]
 
@@ -136,8 +136,8 @@ class Scripted:
 def test_drafts_the_grammar_refuses_are_cut(stdlib, cases, plain):
     prompt, schema, g = cases[0]
     want = prompt + plain[0]
-    free = _engine(stdlib).generate([prompt], MAX_NEW)[0]          # unconstrained: not JSON (never seen any)
-    assert free[:len(plain[0])] != plain[0]
+    free = _engine(stdlib).generate([prompt], 4)[0]          # unconstrained: not JSON (never seen any)
+    assert free != plain[0][:4]
 
     def right_then_wrong(ctx, k):                   # the constrained continuation with its 2nd token replaced
         d = list(want[len(ctx):len(ctx) + k])
@@ -195,8 +195,38 @@ def test_penalized_and_biased_with_speculation_are_plain(stdlib, cases):
         return [RowLogits(presence_penalty=0.4, frequency_penalty=0.3),
                 RowLogits(repetition_penalty=1.2, logit_bias={model.tokenizer.encode(" ")[0]: -2.0})]
 
-    want = _run(_engine(stdlib), list(zip(prompts, procs())))
+    want = _run(_engine(stdlib), list(zip(prompts, procs())), 48)
     eng = _engine(stdlib, _ngram())
-    got = _run(eng, list(zip(prompts, procs())))
+    got = _run(eng, list(zip(prompts, procs())), 48)
     assert got == want
     assert eng.stats["spec_calls"] > 0 and eng.stats["spec_accepted"] > 0
+
+
+def test_auto_tool_choice_a_started_call_is_valid(stdlib, grammars):
+    """tool_choice "auto": free text, and once a section begins (here: the output so far began one, as a model
+    that decided to call would) the model, which has never seen a call, completes valid calls; with speculation
+    the same tokens."""
+    from k3c.serve.tool_parser import SECTION_BEGIN, parse_whole
+
+    model, _ = stdlib
+    tok = model.tokenizer
+    rng = random.Random(28)                          # two small schemas: a short call
+    tools = [{"name": "pick", "parameters": random_schema(rng)}, {"name": "other", "parameters": random_schema(rng)}]
+    g = grammars.tool_call_auto(tools, parallel=False)
+    started = tok.encode("I will look it up. " + SECTION_BEGIN)
+    prompt = tok.encode("Tools: pick, other. Call one.\n")
+
+    def proc():
+        c = g.matcher()
+        for t in started:
+            c.accept(t)
+        assert not c.failed
+        return RowLogits(grammar=c)
+
+    outs = [_run(_engine(stdlib, spec), [(prompt + started, proc())])[0] for spec in (None, _ngram())]
+    assert outs[0] == outs[1] and outs[0][-1] == tok.eos_id
+    parsed = parse_whole(tok.decode(started + outs[0][:-1]))
+    assert parsed["content"] == "I will look it up. " and len(parsed["tool_calls"]) == 1
+    c = parsed["tool_calls"][0]
+    jsonschema.validate(json.loads(c["arguments"]), next(t["parameters"] for t in tools if t["name"] == c["name"]))
+    assert c["id"] == f"functions.{c['name']}:0"
