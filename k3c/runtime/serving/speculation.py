@@ -43,15 +43,17 @@ class Speculator:
         """The sequences of a plan that may draft: scheduled requests decoding one token."""
         return [s for s, g in plan if len(g) == 1 and s.generated and s.scheduled]
 
-    def _grammar_cut(self, rids: list[int], got: list[list[int]]) -> list[list[int]]:
-        """Each draft cut before the first token its request's grammar refuses (or one completing it)."""
+    def _grammar_cut(self, rids: list[int], got: list[list[int]], count: bool = True) -> list[list[int]]:
+        """Each draft cut before the first token its request's grammar refuses (or one completing it); `count`: in
+        stat spec_grammar_cut."""
         out = []
         for rid, d in zip(rids, got):
             proc = self.logits.get(rid)
             if proc is not None and proc.grammar is not None and d:
                 n = proc.draft_prefix(d)
                 if n < len(d):
-                    self.stats["spec_grammar_cut"] += len(d) - n
+                    if count:
+                        self.stats["spec_grammar_cut"] += len(d) - n
                     d = d[:n]
             out.append(d)
         return out
@@ -112,6 +114,8 @@ class Speculator:
             if rows:
                 got = speculative.propose(spec, [s.rid for s in rows], [s.tokens for s in rows],
                               [self.draft_room(s) for s in rows])
+                # scored as a verification would have kept them: the grammar cuts a shadow draft as a real one
+                got = self._grammar_cut([s.rid for s in rows], [list(d) for d in got], count=False)
                 spec.found([s.rid for s in rows], [len(d) for d in got])
                 for s, d in zip(rows, got):
                     spec.shadow(s.rid, len(s.tokens), d)
