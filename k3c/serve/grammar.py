@@ -29,6 +29,8 @@ from .tool_parser import ALIASES, ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN
 MAX_PARALLEL_CALLS = 8        # calls one forced section may hold (parallel_tool_calls: true)
 CACHED_GRAMMARS = 64          # compiled grammars kept for requests that repeat their tools or schema
 _SEPARATORS = (",", ":")
+_batch = None                 # xgrammar's BatchGrammarMatcher (a thread pool), made on first use
+_batch_lock = threading.Lock()
 
 
 class Constraint:
@@ -40,6 +42,17 @@ class Constraint:
 
     def fill_mask(self, bitmask, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+
+    @staticmethod
+    def fill_masks(constraints: list["Constraint"], bitmask) -> None:
+        """bitmask[j] = constraints[j]'s mask, the rows filled by xgrammar's thread pool (half the host's cores)."""
+        global _batch
+        import xgrammar
+
+        with _batch_lock:
+            if _batch is None:
+                _batch = xgrammar.BatchGrammarMatcher("auto")
+            _batch.batch_fill_next_token_bitmask([c._m for c in constraints], bitmask)
 
     def accept(self, token: int) -> None:
         if not self._m.is_terminated() and not self._m.accept_token(int(token)):

@@ -108,3 +108,21 @@ def test_tool_fields_constrain_auto_unless_the_format_does(grammars):
     assert fmt.choice == "auto" and accepts(grammars, fmt.grammar, '{"a":1}')
     assert not accepts(grammars, fmt.grammar, "text")
     assert parse_tool_fields({"tools": tools, "tool_choice": "none"}, grammars).grammar is None
+
+
+def test_batch_fill_equals_row_by_row(grammars):
+    from k3c.runtime.logits_processors import fill_masks
+
+    gs = [grammars.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "p"),
+          grammars.tool_call(TOOLS), grammars.tool_call_auto(TOOLS), grammars.json_object()]
+    cs = [g.matcher() for g in gs]
+    for c, text in zip(cs, ['{"a":', SB + "<|tool_call_begin|>functions.", "some text ", '{"k":[1,']):
+        for t in grammars._tokenizer.encode(text):
+            c.accept(t)
+        assert not c.failed
+    batch = torch.zeros(len(cs), 128, dtype=torch.int32)
+    fill_masks(cs, batch)
+    rows = torch.zeros(len(cs), 128, dtype=torch.int32)
+    for j, c in enumerate(cs):
+        c.fill_mask(rows, j)
+    assert torch.equal(batch, rows) and len({tuple(r.tolist()) for r in rows}) == len(cs)
