@@ -205,8 +205,8 @@ class Speculator:
     def _accept(self, seqs: list[SeqState], drafts, logits, chosen_from, picks):
         """Each sequence's emitted tokens (greedy: `picks`, the argmax; sampled: accept_sampled over `chosen_from`,
         the logits after the requests' changes), its MLA rows and length cut back to them; a grammar advanced past
-        them (ending the request when it completes). (outputs, {id(trace): (trace, {row: kept count}, the call's KDA states, its
-        DecodeGraph)}, [(seq, the exception its acceptance raised)]: those leave alone)."""
+        them (ending the request when it completes). (outputs, {id(trace): (trace, {row: kept count}, the call's KDA
+        states, its DecodeGraph)}, [(seq, the exception its acceptance raised)]: those leave alone)."""
         outs, kept, failed = [], {}, []
         drafted = accepted = 0
         now = time.perf_counter()
