@@ -27,7 +27,7 @@ def test_small_run(tmp_path, capsys):
     for r in rows:
         assert r["decode_tokens_per_s"] > 0 and r["batch"] == 4
     assert constrained["vs_unconstrained"] == pytest.approx(
-        constrained["decode_tokens_per_s"] / free["decode_tokens_per_s"], rel=0.02)
+        constrained["decode_tokens_per_s"] / free["decode_tokens_per_s"], rel=1e-3)
     printed = capsys.readouterr().out
     assert "json_schema" in printed and "unconstrained" in printed
 
