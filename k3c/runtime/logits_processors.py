@@ -187,7 +187,9 @@ def process(logits: torch.Tensor, procs: list, contexts: list[list[int]], prompt
     if grammar_rows and bitmask is None:             # host work first: nothing above has waited on the device
         bitmask = torch.zeros(len(grammar_rows), mask_words(V), dtype=torch.int32)
         fill_masks([procs[i].grammar for i in grammar_rows], bitmask)
-    out = logits.float().clone()
+    out = logits.float()
+    if out is logits:                                # fp32 already: a copy to change (bf16 -> fp32 copied once)
+        out = out.clone()
     pen = [i for i in rows if procs[i].penalized]
     if pen:
         index = torch.tensor(pen, device=dev)
