@@ -5,6 +5,8 @@
     eng.add_request(ids, 64, logits=proc)
     # each step, for the rows choosing a token:  logits = process(logits, procs, contexts, prompt_lens)
     # after the choice:                          proc.accept(token)   (advances the grammar)
+    # a speculative draft:  n = proc.draft_prefix(draft)   (the drafts the grammar takes; cut the rest)
+    #                       proc.fill_draft_masks(draft, bitmask, row0)     (the mask at each verified position)
 
 The rules (OpenAI's API and vLLM's, which match transformers' for the repetition penalty):
 - repetition_penalty r (1: off) over every token of the context (prompt and generated): a positive logit divided
@@ -13,6 +15,11 @@ The rules (OpenAI's API and vLLM's, which match transformers' for the repetition
 - logit_bias: added to the named tokens' logits;
 - grammar: tokens the request's grammar forbids get -inf (its mask is computed on the host, one bit per token).
 Applied in that order, before temperature, top-k and top-p (sampling.py): greedy requests are constrained too.
+
+Speculative verification applies the same rules at every verified position of a draft, exactly: position j's row
+is processed with the context extended by the draft's first j tokens (its penalties count them) and with the
+grammar's mask after those tokens (fill_draft_masks walks the grammar along the draft and back), so a draft token
+is accepted only when the processed logits accept it; a token the grammar refuses is never drafted (draft_prefix).
 
 Batched: one [R, V] count tensor built by one scatter-add over the rows' padded token ids, one index_put of every
 row's biases, one unpack of the rows' grammar bitmasks into a boolean mask, all on the logits' device; the only
@@ -40,6 +47,12 @@ class TokenGrammar(Protocol):
 
     def accept(self, token: int) -> None:
         """Advance past the chosen token."""
+
+    def advance(self, token: int) -> bool:
+        """Advance past `token` if the grammar allows it here (False: refused, nothing changed)."""
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n tokens advanced past."""
 
     @property
     def finished(self) -> bool:
@@ -83,6 +96,37 @@ class RowLogits:
     def finished(self) -> bool:
         return self.grammar is not None and self.grammar.finished
 
+    def draft_prefix(self, draft: list[int]) -> int:
+        """How many leading tokens of a speculative draft the grammar takes: up to the first it refuses, and short
+        of one that completes it (that token is left to the model's own pick, after which nothing may follow). The
+        grammar is left where it was. Without a grammar: all of them."""
+        g = self.grammar
+        if g is None:
+            return len(draft)
+        n, completes = 0, False
+        for t in draft:
+            if not g.advance(t):
+                break
+            n += 1
+            if g.finished:
+                completes = True
+                break
+        g.rollback(n)
+        return n - 1 if completes else n
+
+    def fill_draft_masks(self, draft: list[int], bitmask: torch.Tensor, row: int) -> None:
+        """bitmask[row + j] = the grammar's mask after draft[:j], j = 0..len(draft) (each verified position of the
+        draft; every draft token must be one the grammar takes: draft_prefix). The grammar is left where it was."""
+        g = self.grammar
+        for j, t in enumerate(draft):
+            g.fill_mask(bitmask, row + j)
+            if not g.advance(t):
+                g.rollback(j)
+                raise ValueError(f"draft token {t} at {j} is not one the grammar takes (cut drafts with "
+                                 f"draft_prefix)")
+        g.fill_mask(bitmask, row + len(draft))
+        g.rollback(len(draft))
+
 
 def _padded(lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [R, L] padded with 0, valid [R, L] float) of token lists, on `device` (one copy each)."""
@@ -108,21 +152,44 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return allowed.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def process(logits: torch.Tensor, procs: list, contexts: list[list[int]], prompt_lens: list[int]) -> torch.Tensor:
+def mask_words(vocab: int) -> int:
+    """int32 words of a grammar bitmask row over `vocab` tokens."""
+    return (vocab + 31) // 32
+
+
+def fill_masks(grammars: list, bitmask: torch.Tensor) -> None:
+    """bitmask[j] = grammars[j]'s mask: in one call of their class's `fill_masks(grammars, bitmask)` when they share a
+    class that has one (serve/grammar.py: xgrammar's batch fill, rows in parallel threads: at a vocabulary of K3's
+    size one row's mask takes ~0.5 ms), else row by row."""
+    kind = type(grammars[0])
+    batch = getattr(kind, "fill_masks", None)
+    if batch is not None and all(type(g) is kind for g in grammars):
+        batch(grammars, bitmask)
+        return
+    for j, g in enumerate(grammars):
+        g.fill_mask(bitmask, j)
+
+
+def process(logits: torch.Tensor, procs: list, contexts: list[list[int]], prompt_lens: list[int],
+            bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] after each row's RowLogits (None: unchanged); `contexts` the rows' tokens so far (prompt then
-    generated), `prompt_lens` where their generated tokens start. A new tensor when any row changes."""
+    generated: read for penalized rows only), `prompt_lens` where their generated tokens start. `bitmask`: the masks
+    of the rows with a grammar, one row each in row order, filled already (a draft's positions: fill_draft_masks);
+    None: each row's grammar fills its own. A new tensor when any row changes."""
     rows = [i for i, p in enumerate(procs) if p is not None and p.active]
     if not rows:
         return logits
     B, V = logits.shape
     dev = logits.device
     grammar_rows = [i for i in rows if procs[i].grammar is not None]
-    bitmask = None
-    if grammar_rows:                                 # host work first: nothing above has waited on the device
-        bitmask = torch.zeros(len(grammar_rows), (V + 31) // 32, dtype=torch.int32)
-        for j, i in enumerate(grammar_rows):
-            procs[i].grammar.fill_mask(bitmask, j)
-    out = logits.float().clone()
+    if bitmask is not None and bitmask.shape[0] != len(grammar_rows):
+        raise ValueError(f"{bitmask.shape[0]} grammar masks for {len(grammar_rows)} rows with a grammar")
+    if grammar_rows and bitmask is None:             # host work first: nothing above has waited on the device
+        bitmask = torch.zeros(len(grammar_rows), mask_words(V), dtype=torch.int32)
+        fill_masks([procs[i].grammar for i in grammar_rows], bitmask)
+    out = logits.float()
+    if out is logits:                                # fp32 already: a copy to change (bf16 -> fp32 copied once)
+        out = out.clone()
     pen = [i for i in rows if procs[i].penalized]
     if pen:
         index = torch.tensor(pen, device=dev)
@@ -142,7 +209,7 @@ def process(logits: torch.Tensor, procs: list, contexts: list[list[int]], prompt
         r, t, b = zip(*biased)
         out.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
                        torch.tensor(b, device=dev), accumulate=True)
-    if bitmask is not None:
+    if grammar_rows:
         index = torch.tensor(grammar_rows, device=dev)
         allowed = unpack_bitmask(bitmask.to(dev, non_blocking=True), V)
         out.index_copy_(0, index, out.index_select(0, index).masked_fill(~allowed, -math.inf))

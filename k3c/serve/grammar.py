@@ -3,6 +3,7 @@
     grammars = Grammars(tokenizer)                       # one per server; xgrammar's tokenizer info built on first use
     g = grammars.json_schema(schema, "response_format.json_schema.schema")     # APIError 400 naming the field
     g = grammars.tool_call(tools, name=None, parallel=True)     # tool_choice "required" (name: a named function)
+    g = grammars.tool_call_auto(tools, parallel=True)     # tool_choice "auto": text, or a section of valid calls
     constraint = g.matcher()                             # a fresh per-request matcher: runtime TokenGrammar
 
 Why xgrammar, measured on the example model's tokenizer (bench/grammar_mask.py, bench/grammar-mask-cpu.json): its
@@ -23,10 +24,13 @@ import json
 import threading
 
 from .api_error import APIError
-from .tool_parser import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
+from .tool_parser import ALIASES, ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
 
 MAX_PARALLEL_CALLS = 8        # calls one forced section may hold (parallel_tool_calls: true)
+CACHED_GRAMMARS = 64          # compiled grammars kept for requests that repeat their tools or schema
 _SEPARATORS = (",", ":")
+_batch = None                 # xgrammar's BatchGrammarMatcher (a thread pool), made on first use
+_batch_lock = threading.Lock()
 
 
 class Constraint:
@@ -39,9 +43,27 @@ class Constraint:
     def fill_mask(self, bitmask, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
 
+    @staticmethod
+    def fill_masks(constraints: list["Constraint"], bitmask) -> None:
+        """bitmask[j] = constraints[j]'s mask, the rows filled by xgrammar's thread pool (half the host's cores)."""
+        global _batch
+        import xgrammar
+
+        with _batch_lock:
+            if _batch is None:
+                _batch = xgrammar.BatchGrammarMatcher("auto")
+            _batch.batch_fill_next_token_bitmask([c._m for c in constraints], bitmask)
+
     def accept(self, token: int) -> None:
         if not self._m.is_terminated() and not self._m.accept_token(int(token)):
             self.failed = True
+
+    def advance(self, token: int) -> bool:
+        return not self._m.is_terminated() and self._m.accept_token(int(token))
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
 
     @property
     def finished(self) -> bool:
@@ -79,6 +101,7 @@ class Grammars:
         # the model's logits width: masks cover it (ids past the tokenizer's are never allowed)
         self._vocab_size = max(vocab_size or 0, tokenizer.vocab_size)
         self._compiler = None
+        self._cache: dict[str, Grammar] = {}
         self._lock = threading.Lock()
 
     def compiler(self):
@@ -111,9 +134,25 @@ class Grammars:
                            param=param, code="invalid_schema") from None
         return Grammar(compiled, terminate_without_stop=self._tokenizer.eos_id is None)
 
+    def _cached(self, key: tuple, build, param: str) -> Grammar:
+        """A compiled grammar from the last CACHED_GRAMMARS built (an agent sends the same tools and schemas every
+        turn; compiling a set of tools takes tens of ms), else built now."""
+        text = json.dumps(key, sort_keys=True)
+        with self._lock:
+            got = self._cache.pop(text, None)
+            if got is not None:
+                self._cache[text] = got           # most recent last
+                return got
+        got = self._compiled(build, param)
+        with self._lock:
+            self._cache[text] = got
+            while len(self._cache) > CACHED_GRAMMARS:
+                self._cache.pop(next(iter(self._cache)))
+        return got
+
     def json_schema(self, schema: dict, param: str) -> Grammar:
-        return self._compiled(lambda c: c.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                              separators=_SEPARATORS, strict_mode=True), param)
+        return self._cached(("json_schema", schema), lambda c: c.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=_SEPARATORS, strict_mode=True), param)
 
     def json_object(self) -> Grammar:
         return self.json_schema({"type": "object"}, "response_format")
@@ -126,24 +165,59 @@ class Grammars:
 
         chosen = [t for t in tools if name is None or t["name"] == name]
 
-        def text(s: str):
-            return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(s)}")
+        def build(compiler):
+            return compiler.compile_grammar(xgr.Grammar.concat(_text(SECTION_BEGIN), _calls(chosen, parallel),
+                                                               _text(SECTION_END)))
+
+        return self._cached(("tool_call", tools, name, parallel), build, "tools")
+
+    def tool_call_auto(self, tools: list[dict], parallel: bool = True) -> Grammar | None:
+        """tool_choice "auto": any text, and once the model begins a tool-call section (K2's marker, or its singular
+        spelling: the parser takes both) that section as tool_call's: calls of `tools`, arguments valid against
+        their schemas, then the end of the output. A call header outside a section is refused (the parser would
+        show it as content). Built as an xgrammar structural tag whose trigger is the section's marker: free text
+        costs the mask little (bench/grammar_mask.py). None for a tokenizer without an EOS token (free text could
+        end anywhere: nothing would say when the request is done; the output is parsed, not constrained)."""
+        if self._tokenizer.eos_id is None:
+            return None
+        from xgrammar.structural_tag import GrammarFormat, StructuralTag, TagFormat, TriggeredTagsFormat
 
         def build(compiler):
-            args = [xgr.Grammar.from_json_schema(json.dumps(t.get("parameters") or {"type": "object"}),
-                                                 any_whitespace=False, separators=_SEPARATORS, strict_mode=True)
-                    for t in chosen]
+            calls = GrammarFormat(grammar=str(_calls(tools, parallel)))      # EBNF: one definition of the calls
+            ends = [SECTION_END] + [a for a, m in ALIASES.items() if m == SECTION_END]
+            begins = [SECTION_BEGIN] + [a for a, m in ALIASES.items() if m == SECTION_BEGIN]
+            fmt = TriggeredTagsFormat(triggers=begins, tags=[TagFormat(begin=b, content=calls, end=ends)
+                                                              for b in begins],
+                                      excludes=[CALL_BEGIN], stop_after_first=True)
+            return compiler.compile_structural_tag(StructuralTag(format=fmt))
 
-            def call(k: int):
-                return xgr.Grammar.union(*[
-                    xgr.Grammar.concat(text(f"{CALL_BEGIN}functions.{t['name']}:{k}{ARG_BEGIN}"), a, text(CALL_END))
-                    for t, a in zip(chosen, args)])
+        return self._cached(("tool_call_auto", tools, parallel), build, "tools")
 
-            count = MAX_PARALLEL_CALLS if parallel else 1
-            tail = call(count - 1)
-            for k in range(count - 2, -1, -1):     # call_k followed, or not, by the calls after it
-                first = call(k)
-                tail = xgr.Grammar.union(xgr.Grammar.concat(first, tail), first)
-            return compiler.compile_grammar(xgr.Grammar.concat(text(SECTION_BEGIN), tail, text(SECTION_END)))
 
-        return self._compiled(build, "tools")
+def _text(s: str):
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(s)}")
+
+
+def _calls(tools: list[dict], parallel: bool):
+    """The calls of a K2 tool-call section (without its markers): one, or with `parallel` up to MAX_PARALLEL_CALLS,
+    each `<|tool_call_begin|>functions.NAME:k<|tool_call_argument_begin|>{arguments}<|tool_call_end|>` with k the
+    call's position and the arguments valid against NAME's parameter schema."""
+    import xgrammar as xgr
+
+    args = [xgr.Grammar.from_json_schema(json.dumps(t.get("parameters") or {"type": "object"}),
+                                         any_whitespace=False, separators=_SEPARATORS, strict_mode=True)
+            for t in tools]
+
+    def call(k: int):
+        return xgr.Grammar.union(*[
+            xgr.Grammar.concat(_text(f"{CALL_BEGIN}functions.{t['name']}:{k}{ARG_BEGIN}"), a, _text(CALL_END))
+            for t, a in zip(tools, args)])
+
+    count = MAX_PARALLEL_CALLS if parallel else 1
+    tail = call(count - 1)
+    for k in range(count - 2, -1, -1):     # call_k followed, or not, by the calls after it
+        first = call(k)
+        tail = xgr.Grammar.union(xgr.Grammar.concat(first, tail), first)
+    return tail

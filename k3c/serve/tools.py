@@ -6,7 +6,9 @@ response_format, and the grammar they call for.
 - `tools`: at most MAX_TOOLS functions, each {"type": "function", "function": {"name", "description"?,
   "parameters"? (a JSON schema object), "strict"?}}; names of 1-64 letters, digits, "_" or "-", no two alike.
 - `tool_choice`: "none" (tools are not offered: the template does not render them and nothing is parsed), "auto"
-  (the default with tools: the model decides; its output is parsed for K2 tool calls), "required" (constrained:
+  (the default with tools: the model decides between text and calls; its output is parsed for K2 tool calls and,
+  once it begins a tool-call section, constrained to calls of the tools with valid arguments: unless
+  response_format constrains the output), "required" (constrained:
   a K2 tool-call section of one or more calls, each call's arguments valid against its function's parameters) or
   {"type": "function", "function": {"name": N}} (constrained to a call of N). `parallel_tool_calls: false`
   allows one call.
@@ -162,4 +164,6 @@ def parse_tool_fields(body: dict, grammars) -> ToolFields:
             raise field_error("response_format",
                               f"not together with tool_choice {choice if choice != 'named' else named!r}")
         grammar = grammars.tool_call(list(tools), named, parallel)
+    elif choice == "auto" and grammar is None:
+        grammar = grammars.tool_call_auto(list(tools), parallel)
     return ToolFields(tools=tools, choice=choice, named=named, grammar=grammar, parse_calls=choice != "none")

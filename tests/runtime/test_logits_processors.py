@@ -1,6 +1,6 @@
 """Per-request logit changes, batched: penalties and biases against per-row rules (transformers' for the
 repetition penalty), grammar masks on their own rows only, and in the engine: constrained and free requests in one
-batch, the free ones unchanged, constrained rows never drafting."""
+batch, the free ones unchanged (speculative drafting under a grammar: test_speculative_grammar.py)."""
 import math
 
 import pytest

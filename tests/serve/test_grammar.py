@@ -74,3 +74,55 @@ def test_a_schema_it_cannot_use_is_a_400_naming_the_field(grammars):
     with pytest.raises(APIError) as e:
         grammars.json_schema({"type": 5}, "response_format.json_schema.schema")
     assert e.value.status == 400 and e.value.param == "response_format.json_schema.schema"
+
+
+def test_auto_tool_choice_grammar(grammars):
+    """Text, or text and then a section of valid calls (K2's marker or its singular spelling), then the end."""
+    g = grammars.tool_call_auto(TOOLS)
+    good = SB + call("get_weather", 0, '{"city":"Oslo","unit":"c"}') + call("add", 1, '{"a":3}') + SE
+    assert accepts(grammars, g, "Just text, no call: {a} <b> | : functions.add")
+    assert accepts(grammars, g, "<think>thinking</think>Let me check." + good)
+    assert accepts(grammars, g, good)
+    singular = "<|tool_call_section_begin|>" + call("add", 0, '{"a":3}') + "<|tool_call_section_end|>"
+    assert accepts(grammars, g, singular)
+    assert not accepts(grammars, g, "x" + SB + call("add", 0, '{"a":10}') + SE)     # a started call is schema-valid
+    assert not accepts(grammars, g, SB + call("add", 1, '{"a":3}') + SE)             # numbered from :0
+    assert not accepts(grammars, g, SB + call("nope", 0, '{}') + SE)
+    assert not accepts(grammars, g, SB + SE)                                          # a section holds a call
+    assert not accepts(grammars, g, good + "more text")                               # the section ends the output
+    assert not accepts(grammars, g, "x" + call("add", 0, '{"a":3}'))                  # no call outside a section
+    assert not accepts(grammars, g, "cut off" + SB)                                   # EOS inside a section
+    one = grammars.tool_call_auto(TOOLS, parallel=False)
+    assert not accepts(grammars, one, good)
+    assert grammars.tool_call_auto(TOOLS) is g                                       # compiled once per tool set
+
+
+def test_tool_fields_constrain_auto_unless_the_format_does(grammars):
+    from k3c.serve.tools import parse_tool_fields
+
+    tools = [{"type": "function", "function": t} for t in TOOLS]
+    auto = parse_tool_fields({"tools": tools}, grammars)
+    assert auto.choice == "auto" and auto.grammar is grammars.tool_call_auto(list(auto.tools))
+    assert accepts(grammars, auto.grammar, "text, then " + SB + call("add", 0, '{"a":3}') + SE)
+    fmt = parse_tool_fields({"tools": tools, "response_format": {"type": "json_object"}}, grammars)
+    assert fmt.choice == "auto" and accepts(grammars, fmt.grammar, '{"a":1}')
+    assert not accepts(grammars, fmt.grammar, "text")
+    assert parse_tool_fields({"tools": tools, "tool_choice": "none"}, grammars).grammar is None
+
+
+def test_batch_fill_equals_row_by_row(grammars):
+    from k3c.runtime.logits_processors import fill_masks
+
+    gs = [grammars.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "p"),
+          grammars.tool_call(TOOLS), grammars.tool_call_auto(TOOLS), grammars.json_object()]
+    cs = [g.matcher() for g in gs]
+    for c, text in zip(cs, ['{"a":', SB + "<|tool_call_begin|>functions.", "some text ", '{"k":[1,']):
+        for t in grammars._tokenizer.encode(text):
+            c.accept(t)
+        assert not c.failed
+    batch = torch.zeros(len(cs), 128, dtype=torch.int32)
+    fill_masks(cs, batch)
+    rows = torch.zeros(len(cs), 128, dtype=torch.int32)
+    for j, c in enumerate(cs):
+        c.fill_mask(rows, j)
+    assert torch.equal(batch, rows) and len({tuple(r.tolist()) for r in rows}) == len(cs)

@@ -85,6 +85,24 @@ def test_json_schema_and_json_object(client):
         assert r.choices[0].message.content.startswith("{")
 
 
+def test_auto_tool_choice_text_or_valid_calls(client):
+    """tool_choice "auto" (the default with tools): the model answers text or calls; calls are schema-valid (the
+    grammar takes over once a section begins: tests/runtime/test_speculative_grammar.py starts one); streamed and
+    whole outputs agree."""
+    rng = random.Random(8)
+    schema, decoy = random_schema(rng), random_schema(rng)
+    req = dict(model=M, messages=[{"role": "user", "content": "What is the weather? Use a tool if you need."}],
+               tools=_tools(schema, decoy), max_tokens=48, temperature=0)
+    r = client.chat.completions.create(**req)
+    c = r.choices[0]
+    for call in c.message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), schema if call.function.name == "pick" else decoy)
+    assert c.finish_reason == ("tool_calls" if c.message.tool_calls else c.finish_reason)
+    chunks = list(client.chat.completions.create(stream=True, **req))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == (c.message.content or "")
+    assert chunks[-1].choices[0].finish_reason == c.finish_reason
+
+
 def test_a_tool_conversation_renders_and_tokenize_agrees(client, server):
     tools = _tools({"type": "object", "properties": {"q": {"type": "string"}}}, {"type": "object"})
     messages = [{"role": "user", "content": "find x"},
