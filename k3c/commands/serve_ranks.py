@@ -301,12 +301,12 @@ class Leader:
 
     def finish(self) -> int:
         """After the HTTP server has stopped: the ranks told to stop (when healthy) and waited for; the exit code."""
+        self._stopping = True                   # from here a rank that exits is one that was told to
         if self.failure is None:
             try:
                 self.setup.engine_obj.stop()
             except Exception as exc:    # noqa: BLE001  (a rank gone: reported as the failure)
                 self.failure = f"telling the ranks to stop failed ({exc})"
-        self._stopping = True
         if self.failure is not None:
             print(f"k3c serve: stopped: {self.failure}", file=sys.stderr, flush=True)
             self._end(EXIT_RANK_FAILED)
@@ -343,8 +343,12 @@ def follower_main(args, lay: Layout) -> int:
 
     _die_with_parent()
     stopping: list[float] = []
+    # rank 0 stops the others: a terminal's Ctrl-C (the whole process group) is rank 0's to act on; a launcher's
+    # SIGINT / SIGTERM (torchrun forwards them to every rank) gives rank 0 STOP_GRACE_S to send its stop
     if PARENT_ENV in os.environ:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)          # rank 0 takes the terminal's Ctrl-C and stops us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGINT, lambda *_: stopping.append(time.monotonic()))
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.monotonic()))
     pulse = [time.monotonic()]
     tag = f"k3c serve: rank {lay.rank} of {lay.world}"

@@ -124,19 +124,22 @@ def test_full_prompt_set_equals_the_one_process_server(sharded, one_process):
     print(f"\n{sharded.layout}: {json.dumps({k: v for k, v in res.items() if k not in ('reference', 'wrong')})}")
 
 
-def test_sigterm_stops_every_rank(sharded):
+def test_sigterm_or_sigint_stops_every_rank(sharded):
     ranks = _children(sharded.proc.pid)
     assert len(ranks) == 1
-    code, out = sharded.stop()
+    code, out = sharded.stop(signal.SIGTERM if sharded.layout == "2x2" else signal.SIGINT)
     assert code == 0 and "stopped after" in out
     assert "rank 1 of 2: stopped after" in out
     assert not any(_alive(p) for p in ranks)
 
 
-def test_a_killed_rank_gives_503_and_exit_1():
-    """SIGKILL of rank 1 during a stream and a plain request: both get 503 (the stream its last error event),
-    rank 0 says which rank died and exits 1, no rank is left."""
-    s = ServerProcess("--max-batch", "4", "--tp", "2", "--ep", "2", "--dist-timeout", "30")
+@pytest.mark.parametrize("sig, said", [(signal.SIGKILL, "rank 1 was killed by signal 9"),
+                                       (signal.SIGSTOP, "a step has not finished in 6 s (--dist-timeout): a rank "
+                                                        "hangs")], ids=["killed", "hung"])
+def test_a_failed_rank_gives_503_and_exit_1(sig, said):
+    """Rank 1 killed (SIGKILL) or hung (SIGSTOP) during a stream and a plain request: both get 503 (the stream its
+    last error event), rank 0 says what happened and exits 1 (a hang: after --dist-timeout), no rank is left."""
+    s = ServerProcess("--max-batch", "4", "--tp", "2", "--ep", "2", "--dist-timeout", "6")
     try:
         ranks = _children(s.proc.pid)
         assert len(ranks) == 1
@@ -152,7 +155,7 @@ def test_a_killed_rank_gives_503_and_exit_1():
         t.start()
         time.sleep(0.5)
         t0 = time.time()
-        os.kill(ranks[0], signal.SIGKILL)
+        os.kill(ranks[0], sig)
         rest = [line for line in it if line]
         assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "unavailable" and rest[-1] == "data: [DONE]"
         t.join(30)
@@ -162,7 +165,7 @@ def test_a_killed_rank_gives_503_and_exit_1():
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    assert code == 1 and "rank 1 was killed by signal 9" in out and "Traceback" not in out, out
+    assert code == 1 and said in out and "Traceback" not in out, out
     assert waited < 30
     assert not any(_alive(p) for p in ranks)
 

@@ -182,8 +182,9 @@ class LockstepEngine(Engine):
             self.busy_since = None
 
     def stop(self) -> None:
-        """Tell the followers to exit (the last plan)."""
-        self._send(StepPlan(self.plans, "stop", self.clock.now))
+        """Tell the followers to exit (the last plan: they apply what it carries first)."""
+        self._send(StepPlan(self.plans, "stop", self.clock.now, self._outputs, self._ops, self._account_key))
+        self._ops, self._outputs, self._account_key = [], [], None
 
     def _send(self, plan: StepPlan) -> None:
         try:
@@ -254,8 +255,8 @@ def follow(engine: LockstepEngine, on_plan=None) -> int:
         plan = engine.channel.receive()
         if on_plan is not None:
             on_plan(plan)
+        engine.apply(plan)
         if plan.kind == "stop":
             return engine.plans
-        engine.apply(plan)
         if plan.kind == "step":
             engine.follow_step()
