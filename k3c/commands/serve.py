@@ -218,7 +218,7 @@ def cmd_serve(args) -> int:
     if lay is not None:
         serve_ranks.check_model_shards(args, lay)
         if lay.rank != 0:                       # under torchrun: a rank that follows rank 0
-            return serve_ranks.follower_main(args, lay)
+            return serve_ranks.follower_main(args, lay, build_engine)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if api_key is not None and not api_key.strip():
         raise ArgumentError("--api-key must not be empty")
@@ -301,3 +301,9 @@ def cmd_serve(args) -> int:
     finally:
         loading.stop()
         sock.close()
+
+
+if __name__ == "__main__":          # a rank that a sharded server's rank 0 started (commands/serve_ranks.py)
+    from . import serve_ranks
+
+    sys.exit(serve_ranks.spawned_main(build_engine))

@@ -145,7 +145,7 @@ def _spawn_followers(args, lay: Layout, port: int) -> list[subprocess.Popen]:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(lay.world), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(lay.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    **{ARGS_ENV: env_args, PARENT_ENV: str(os.getpid())})
-        procs.append(subprocess.Popen([sys.executable, "-m", "k3c.commands.serve_ranks"], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "k3c.commands.serve"], env=env,
                                       stdin=subprocess.DEVNULL))
     return procs
 
@@ -336,9 +336,9 @@ class Leader:
 
 
 # ---- ranks > 0 -------------------------------------------------------------------------------------------------------
-def follower_main(args, lay: Layout) -> int:
-    """A rank other than 0: build its slice, follow rank 0's plans until told to stop (exit 0), or fail (exit 1;
-    a build's bad argument: 2)."""
+def follower_main(args, lay: Layout, build) -> int:
+    """A rank other than 0: build its slice (`build(args, rank=RankSetup)`: commands/serve.py build_engine),
+    follow rank 0's plans until told to stop (exit 0), or fail (exit 1; a build's bad argument: 2)."""
     from ..runtime.serving.lockstep import follow
 
     _die_with_parent()
@@ -372,7 +372,7 @@ def follower_main(args, lay: Layout) -> int:
         _threads(lay, setup.device, args)
         error = None
         try:
-            _build_rank(args, setup)
+            build(args, rank=setup)
         except BaseException as exc:                       # noqa: BLE001  (every rank hears of it)
             error = exc
         exchange_ready(setup, error)
@@ -398,18 +398,10 @@ def follower_main(args, lay: Layout) -> int:
     return 0
 
 
-def _build_rank(args, setup: RankSetup) -> dict:
-    """A follower's part of the build: what rank 0 builds (commands/serve.py build_engine), its slice."""
-    from .serve import build_engine
-
-    return build_engine(args, rank=setup)
-
-
-def main() -> int:
-    """Entry of a rank that rank 0 started: the server's arguments from the environment."""
+def spawned_main(build) -> int:
+    """Entry of a rank that rank 0 started (`python -m k3c.commands.serve`): the server's arguments from the
+    environment; `build` as follower_main's."""
     import argparse
-
-    from ..errors import ArgumentError as _AE
 
     _die_with_parent()
     args = argparse.Namespace(**json.loads(os.environ[ARGS_ENV]))
@@ -419,12 +411,9 @@ def main() -> int:
     try:
         lay = layout(args)
         if lay is None:
-            raise _AE("a rank of a sharded server was started without a layout")
-        return follower_main(args, lay)
+            raise ArgumentError("a rank of a sharded server was started without a layout")
+        return follower_main(args, lay, build)
     except UserError as exc:
         print(f"k3c serve: rank {os.environ.get('RANK')}: {exc}", file=sys.stderr, flush=True)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
