@@ -197,9 +197,18 @@ def join_groups(lay: Layout, device: str, dist_timeout: float, *, init_method: s
     return RankSetup(lay, dev, ControlChannel(control, lay.rank), StepClock(), ready_group=ready)
 
 
+class OtherRankFailed(Exception):
+    """Another rank failed to start (rank 0 says which and why); `code`: the exit code."""
+
+    def __init__(self, text: str, code: int):
+        super().__init__(text)
+        self.code = code
+
+
 def exchange_ready(setup: RankSetup, error: BaseException | None) -> None:
-    """Every rank says whether its build succeeded; any failure is raised on every rank (rank 0 names the rank):
-    a UserError (a bad argument, a model that does not fit) stays one (exit 2)."""
+    """Every rank says whether its build succeeded; any failure is raised on every rank: on rank 0 as an error
+    naming the rank (a UserError: a bad argument, a model that does not fit, stays one: exit 2), on the others
+    as their own error or OtherRankFailed."""
     import torch.distributed as dist
 
     mine = None if error is None else ("user" if isinstance(error, UserError) else "error",
@@ -211,7 +220,9 @@ def exchange_ready(setup: RankSetup, error: BaseException | None) -> None:
             kind, text = status
             if r == setup.lay.rank and error is not None:
                 raise error
-            text = f"rank {r}: {text}"
+            if setup.lay.rank != 0:
+                raise OtherRankFailed(f"rank {r} failed to start", 2 if kind == "user" else EXIT_RANK_FAILED)
+            text = text if text.startswith(f"rank {r} ") else f"rank {r}: {text}"
             raise ArgumentError(text) if kind == "user" else RuntimeError(f"{text} (failed to start)")
 
 
@@ -385,8 +396,11 @@ def follower_main(args, lay: Layout, build) -> int:
             pulse[0] = time.monotonic()
 
         plans = follow(eng, on_plan)
+    except OtherRankFailed as exc:                         # rank 0 says why
+        return exc.code
     except UserError as exc:
-        print(f"{tag}: {exc}", file=sys.stderr, flush=True)
+        if lay.torchrun:                                   # else rank 0 prints it, naming this rank
+            print(f"{tag}: {exc}", file=sys.stderr, flush=True)
         return 2
     except Exception as exc:          # noqa: BLE001  (rank 0 reports the failure to clients; here the cause)
         print(f"{tag}: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
