@@ -291,7 +291,8 @@ def cmd_serve(args) -> int:
         server.run(sockets=[sock])
         loop.shutdown(timeout=30.0 if leader is None or leader.failure is None else 0)
         code = 0 if leader is None else leader.finish()     # the ranks told to stop (a failure: exits 1 there)
-        print(f"k3c serve: stopped after {loop.steps} engine steps; {eng.pool.num_free} of {eng.pool.num_pages} "
+        steps = loop.steps if leader is None else eng.stats["steps"]     # not counting the heartbeats
+        print(f"k3c serve: stopped after {steps} engine steps; {eng.pool.num_free} of {eng.pool.num_pages} "
               f"MLA pages free (the rest hold prefix-cache checkpoints)", flush=True)
         return code
     except BaseException:
