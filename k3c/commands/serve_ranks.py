@@ -313,6 +313,9 @@ class Leader:
     def finish(self) -> int:
         """After the HTTP server has stopped: the ranks told to stop (when healthy) and waited for; the exit code."""
         self._stopping = True                   # from here a rank that exits is one that was told to
+        thread = getattr(self._loop, "_thread", None)
+        if self.failure is None and thread is not None and thread.is_alive():
+            self.failure = "the engine thread did not stop (a step still running): the ranks cannot be told"
         if self.failure is None:
             try:
                 self.setup.engine_obj.stop()
