@@ -94,10 +94,10 @@ def add_parser(sub, positive, path, seed) -> None:
     s.add_argument("--ep", type=positive("--ep", 4096),
                    help="expert parallel ranks (default: --tp); --ep 1 with --tp N splits every expert over the TP "
                    "ranks; one of --tp, --ep divides the other and max(tp, ep) ranks run")
-    s.add_argument("--dist-timeout", type=lambda t: _seconds(t, "--dist-timeout", low=1.0), default=120.0,
+    s.add_argument("--dist-timeout", type=lambda t: _seconds(t, "--dist-timeout", low=1.0), default=300.0,
                    metavar="S", help="with --tp / --ep: seconds a step (or rank 0's word, for the other ranks) may "
                    "take before a rank counts as hung: open requests then get 503 and the server exits 1 "
-                   "(default 120; a rank that exits is noticed at once)")
+                   "(default 300: a first step may compile kernels; a rank that exits is noticed at once)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="uvicorn's and k3c serve's log level (default warning)")
 
