@@ -71,9 +71,9 @@ class StepClock:
 class ControlChannel:
     """Plans from rank 0 to the others over a torch.distributed group (gloo: host memory, no device sync; on GPUs
     a group of its own beside the NCCL groups the graph uses). One broadcast of a packed byte tensor a plan: the
-    length is the first 8 bytes of a fixed-size buffer that holds a decode step's plan (a few hundred bytes for a
+    length is the first 8 bytes of a fixed-size 4 KiB buffer that holds a decode step's plan (~1 KB for a
     batch of 64); a plan larger than it (new prompts) sends the rest in a second broadcast."""
-    HEADER = 1 << 14
+    HEADER = 1 << 12
 
     def __init__(self, group, rank: int):
         self.group, self.rank = group, rank
