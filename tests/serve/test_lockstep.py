@@ -80,3 +80,32 @@ def test_a_follower_that_differs_stops_at_the_next_plan(tiny, one_thread):
     fol.follow_step()
     with pytest.raises(DivergedError, match="rank 1 diverged from rank 0 at plan 1"):
         fol.apply(fol.channel.receive())
+
+
+def _channel_rank(rank: int, device: str) -> list:
+    import torch.distributed as dist
+
+    from k3c.runtime.serving.lockstep import ControlChannel, StepPlan
+
+    ch = ControlChannel(dist.new_group(backend="gloo"), rank)
+    got = []
+    # the plan buffer's edge: plans under and over it, and one far over (new prompts)
+    for n in (0, 1300, 1362, 1400, 30000):
+        plan = StepPlan(n, "step", 2.5, ops=[("add", 1, list(range(n)), 7)])
+        if rank == 0:
+            ch.send(plan)
+        got.append(plan == (plan if rank == 0 else ch.receive()))
+    return got
+
+
+def test_plans_cross_the_channel_whole():
+    """ControlChannel over gloo: plans of every size arrive equal (one broadcast when they fit its buffer, two
+    otherwise)."""
+    from k3c.commands.ranks import run_ranks
+    from k3c.runtime.serving.lockstep import ControlChannel, StepPlan
+    import pickle
+
+    sizes = [len(pickle.dumps(StepPlan(n, "step", 2.5, ops=[("add", 1, list(range(n)), 7)]), protocol=5))
+             for n in (1300, 1362, 1400)]
+    assert min(sizes) < ControlChannel.HEADER - 8 < max(sizes)          # the sizes straddle the buffer
+    assert run_ranks(_channel_rank, 2, 2, device="cpu", timeout=300) == [[True] * 5] * 2
