@@ -181,3 +181,24 @@ def test_bad_layouts_exit_2_before_any_rank_starts(args, message, capsys):
     assert main(["serve", str(ROOT / "examples" / "k3-stdlib"), "--port", "0", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_memory_check_runs_per_rank_before_loading():
+    """Every rank checks what it would hold (its slices; the CPU ranks of one host together) before allocating;
+    the refusal names a rank, rank 0 exits 2 with one line, no rank is left."""
+    import subprocess
+
+    from k3c.commands.run import available_bytes
+
+    free = available_bytes("cpu")
+    if free is None or free > 150 << 30:
+        pytest.skip("this machine could hold the oversized pool")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "k3c.cli", "serve", str(ROOT / "examples" / "k3-stdlib"), "--port", "0",
+                        "--tp", "2", "--max-batch", "4096", "--max-context", "2048"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "for each of 2 ranks" in err[0] and "rank 0 of 2: --max-batch 4096" in err[0]
+    assert "Traceback" not in r.stdout + r.stderr
+    print(f"refused in {time.time() - t0:.1f} s")
