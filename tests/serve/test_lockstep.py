@@ -70,6 +70,20 @@ def test_follower_keeps_the_leaders_state_through_preemption_and_cancels(tiny, o
     assert len(got[rids[0]]) == 22 and len(got[rids[4]]) == 4
 
 
+def test_the_followers_plan_with_rank_0s_measurements(tiny, one_thread):
+    """What rank 0 measured and plans by (a step budget's costs: lockstep.MEASURED) reaches the followers, whose
+    own clocks would say otherwise."""
+    from types import SimpleNamespace
+
+    lead, fol = pair(tiny)
+    lead.scheduler.budget = SimpleNamespace(token_s=3e-5, decode_s=0.012)
+    fol.scheduler.budget = SimpleNamespace(token_s=9e-5, decode_s=0.040)
+    lead.add_request(toks(tiny[0], 5, 1), 2)
+    lead.step()
+    fol.apply(fol.channel.receive())
+    assert (fol.scheduler.budget.token_s, fol.scheduler.budget.decode_s) == (3e-5, 0.012)
+
+
 def test_a_follower_that_differs_stops_at_the_next_plan(tiny, one_thread):
     spec = tiny[0]
     lead, fol = pair(tiny, follower_kw={"prefill_chunk": 8})     # it would cut prompts where the leader does not

@@ -35,6 +35,10 @@ from .engine import Engine
 from .requests import StepOutput
 
 HEARTBEAT_S = 1.0          # rank 0 broadcasts at least this often, idle or not
+# rank 0's measurements that steer its scheduler (a step budget fitted to measured step times): they travel with
+# every plan and replace the followers' own, which their clocks would make differ; a path that does not resolve on
+# this engine is skipped
+MEASURED = ("scheduler.budget.token_s", "scheduler.budget.decode_s")
 
 
 class RankFailure(RuntimeError):
@@ -55,6 +59,7 @@ class StepPlan:
     outputs: list[tuple[int, int, bool, bool]] = field(default_factory=list)   # (rid, token, finished, failed)
     ops: list[tuple] = field(default_factory=list)      # ("add", rid, tokens, max_new) | ("finish", rid, checkpoint)
     account: tuple | None = None                # rank 0's account of its previous step (StepAccount.key)
+    measured: dict = field(default_factory=dict)        # MEASURED path -> rank 0's value
 
 
 class StepClock:
@@ -172,7 +177,8 @@ class LockstepEngine(Engine):
         self.busy_since = time.monotonic()
         try:
             self.clock.now = time.monotonic()
-            self._send(StepPlan(self.plans, kind, self.clock.now, self._outputs, self._ops, self._account_key))
+            self._send(StepPlan(self.plans, kind, self.clock.now, self._outputs, self._ops, self._account_key,
+                                self._measured()))
             self._ops, self._outputs, self._account_key = [], [], None
             if kind == "beat":
                 return []
@@ -186,6 +192,17 @@ class LockstepEngine(Engine):
         """Tell the followers to exit (the last plan: they apply what it carries first)."""
         self._send(StepPlan(self.plans, "stop", self.clock.now, self._outputs, self._ops, self._account_key))
         self._ops, self._outputs, self._account_key = [], [], None
+
+    def _measured(self) -> dict:
+        out = {}
+        for path in MEASURED:
+            owner_path, _, name = path.rpartition(".")
+            owner = self
+            for part in owner_path.split("."):
+                owner = getattr(owner, part, None)
+            if owner is not None and hasattr(owner, name):
+                out[path] = getattr(owner, name)
+        return out
 
     def _send(self, plan: StepPlan) -> None:
         try:
@@ -241,6 +258,12 @@ class LockstepEngine(Engine):
                 _, rid, checkpoint = op
                 super().finish(rid, checkpoint)
         self.clock.now = plan.clock
+        for path, value in plan.measured.items():
+            owner_path, _, name = path.rpartition(".")
+            owner = self
+            for part in owner_path.split("."):
+                owner = getattr(owner, part)
+            setattr(owner, name, value)
 
     def follow_step(self) -> None:
         """The step of a "step" plan (an exception here ends this rank: rank 0 then fails as well)."""
