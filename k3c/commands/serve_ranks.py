@@ -58,10 +58,7 @@ def layout(args) -> Layout | None:
 
     tp = args.tp or 1
     ep = args.ep if args.ep is not None else tp
-    try:
-        lay = make_layout(tp, ep)
-    except ArgumentError as exc:
-        raise ArgumentError(str(exc)) from None
+    lay = make_layout(tp, ep)                   # ArgumentError: one of --tp, --ep must divide the other
     env_world = os.environ.get("WORLD_SIZE")
     if lay.world == 1 and env_world in (None, "1"):
         return None
@@ -77,12 +74,11 @@ def layout(args) -> Layout | None:
 
 def check_model_shards(args, lay: Layout) -> None:
     """--tp / --ep that the model's heads or experts cannot be split by: one line, exit 2, before any rank starts."""
+    from .. import api
+    from ..frontend import load_spec
     from ..frontend.to_ir import spec_to_module
     from ..passes.shard import check_divisible, make_layout
     from .run import _is_artifact
-
-    from .. import api
-    from ..frontend import load_spec
 
     spec = api.load(args.model).spec if _is_artifact(args.model) else load_spec(args.model)
     check_divisible(spec_to_module(spec), make_layout(lay.tp, lay.ep))
@@ -292,7 +288,9 @@ class Leader:
             self._end(EXIT_RANK_FAILED)
         self._loop.fail_open("a rank of the sharded model failed; the server is stopping")
         self._server.should_exit = True
-        threading.Timer(20.0, self._end, (EXIT_RANK_FAILED,)).start()   # whatever still blocks
+        deadline = threading.Timer(20.0, self._end, (EXIT_RANK_FAILED,))    # whatever still blocks
+        deadline.daemon = True
+        deadline.start()
 
     def _end(self, code: int) -> None:
         self._kill_followers()
