@@ -48,6 +48,7 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serving.runner", ("k3c.runtime.serving.runner",)),
     ("serving.speculation", ("k3c.runtime.serving.speculation",)),
     ("serving.engine", ("k3c.runtime.serving.engine", "k3c.runtime.engine")),
+    ("serving.lockstep", ("k3c.runtime.serving.lockstep",)),    # one engine step on every rank (sharded serving)
 )
 
 

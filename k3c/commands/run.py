@@ -18,19 +18,28 @@ def _is_artifact(path: str) -> bool:
     return os.path.isdir(path) and os.path.lexists(os.path.join(path, "manifest.json"))
 
 
-def _load_model(spec_or_artifact: str, device: str = "cpu"):
+def _load_model(spec_or_artifact: str, device: str = "cpu", shard=None):
     """An artifact is loaded as it is; a spec is compiled for the device's target (cuda: devices.target_for, which
-    tells an H200 from an H100; anything else: cpu)."""
+    tells an H200 from an H100; anything else: cpu). `shard` (tp, ep, rank): this rank's slice, compiled (an
+    artifact's spec is recompiled sharded, its tokenizer kept)."""
     from .. import api
 
-    if _is_artifact(spec_or_artifact):
-        return api.load(spec_or_artifact)
     if str(device).startswith("cuda"):
         from ..runtime.devices import target_for
 
         target = target_for(device)
     else:
         target = "cpu"
+    if _is_artifact(spec_or_artifact):
+        whole = api.load(spec_or_artifact)
+        if shard is None:
+            return whole
+        model = api.compile(whole.spec, target=target, tp=shard[0], ep=shard[1], rank=shard[2])
+        if getattr(model, "tokenizer", None) is None:
+            model.tokenizer = whole.tokenizer
+        return model
+    if shard is not None:
+        return api.compile(spec_or_artifact, target=target, tp=shard[0], ep=shard[1], rank=shard[2])
     return api.compile(spec_or_artifact, target=target)
 
 
@@ -70,19 +79,25 @@ def _graph_line(eng, stats=None) -> str:
 
 def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, prefill_chunk: int | None = None,
                        elem_bytes: int = 4, page_size: int = 64, kv_pool=None,
-                       max_step_tokens: int | None = None) -> dict[str, int]:
+                       max_step_tokens: int | None = None, shards=None, tp: int = 1) -> dict[str, int]:
     """A rough lower bound of the memory `k3c run` needs, by part: the weights (at `elem_bytes`, fp32 entries at
     4), the engine's MLA page pool (batch x pages of the whole context), the KDA states (fp32) and conv tails of
     every sequence, and the activations of the largest step (the prefill of every prompt, one chunk of each, or a
-    step token budget's worth:
-    a few hidden-state buffers per token, AttnRes's completed blocks, and the logits of each prompt's last position:
-    the engine projects no other prompt position)."""
+    step token budget's worth: a few hidden-state buffers per token, AttnRes's completed blocks, and the logits of
+    each prompt's last position: the engine projects no other prompt position). One rank of a sharded model:
+    `shards` (distributed.param_shards: name -> (dim, rank, size) or None) divides each weight by its split, and
+    the KDA states (heads) by `tp`; the MLA cache is replicated on every rank."""
     import math
 
     from ..frontend.weight_names import weight_table
     from ..runtime.caches.latent_format import row_width
 
-    weights = sum(math.prod(w.shape) * (4 if w.dtype == "fp32" else elem_bytes) for w in weight_table(spec).values())
+    def parts(name) -> int:
+        split = (shards or {}).get(name)
+        return split[2] if split else 1
+
+    weights = sum(math.prod(w.shape) * (4 if w.dtype == "fp32" else elem_bytes) // parts(name)
+                  for name, w in weight_table(spec).items())
     ctx = prompt_len + new_tokens
     kinds = spec.layer_kinds
     mla = 0
@@ -94,7 +109,7 @@ def estimate_run_bytes(spec, *, batch: int, prompt_len: int, new_tokens: int, pr
     kda = 0
     if spec.kda is not None:
         h, d = spec.kda.num_heads, spec.kda.head_dim
-        kda = batch * kinds.count("kda") * (h * d * d * 4 + 3 * h * d * (spec.kda.conv_kernel - 1) * elem_bytes)
+        kda = batch * kinds.count("kda") * (h * d * d * 4 + 3 * h * d * (spec.kda.conv_kernel - 1) * elem_bytes) // tp
     n = batch * min(prompt_len, prefill_chunk or prompt_len)          # tokens of the largest step
     if max_step_tokens:
         n = min(n, max_step_tokens + batch)          # the budget (decoding rows beside it: at most the batch)
@@ -129,20 +144,24 @@ def available_bytes(device: str) -> int | None:
 RUN_SIZE_FLAGS = ("--batch", "--prompt-len", "--new-tokens")
 
 
-def check_run_fits(spec, device: str, flags=RUN_SIZE_FLAGS, **sizes) -> None:
+def check_run_fits(spec, device: str, flags=RUN_SIZE_FLAGS, *, rank: str = "", copies: int = 1, **sizes) -> None:
     """ArgumentError when the run's estimated memory (estimate_run_bytes) exceeds what `device` has free: refused
     before anything is allocated, not found out by the OOM killer. `flags`: the command's own names of batch,
-    prompt length and new tokens (None: a size the command has no flag for), which the refusal names."""
+    prompt length and new tokens (None: a size the command has no flag for), which the refusal names. One rank of
+    a sharded run: `rank` names it ("rank 1 of 4"), `copies` ranks share this device's memory (the host's, when
+    the ranks of one host run on its CPU)."""
     parts = estimate_run_bytes(spec, **sizes)
-    need, free = sum(parts.values()), available_bytes(device)
+    need, free = sum(parts.values()) * copies, available_bytes(device)
     if free is not None and need > free:
         what = ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in parts.items() if v)
         batch, length, new = flags
         shape = f"{batch} {sizes['batch']} x {length} {sizes['prompt_len']}" + (
             f" + {new} {sizes['new_tokens']}" if new else "")
-        raise ArgumentError(f"{shape}: the run needs at least {need / 2**30:,.2f} GiB ({what} GiB), "
-                            f"{device} has {free / 2**30:,.2f} GiB free; use a smaller {batch} or a shorter "
-                            f"{length}")
+        who = f"{rank}: " if rank else ""
+        each = f" for each of {copies} ranks" if copies > 1 else ""
+        raise ArgumentError(f"{who}{shape}: the run needs at least {sum(parts.values()) / 2**30:,.2f} GiB{each} "
+                            f"({what} GiB), {device} has {free / 2**30:,.2f} GiB free; use a smaller {batch} or a "
+                            f"shorter {length}")
 
 
 # --dtype choices -> the artifact's run dtype name (the IR's, from its one spelling table)
@@ -243,10 +262,13 @@ def _serve(eng, ids, new_tokens: int, sync, bar, rows=None, stop=(), on_token=No
 def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, interpret, prefill_chunk,
            cuda_graphs, kernel_policy, sizes, kv_dtype: str = "auto", prefix_cache=None,
            admission: str = "reserve", speculate: str | None = None, draft_len: int = 4,
-           size_flags=RUN_SIZE_FLAGS, max_step_tokens: int | None = None, itl_target_ms: float | None = None) -> dict:
+           size_flags=RUN_SIZE_FLAGS, max_step_tokens: int | None = None, itl_target_ms: float | None = None,
+           rank=None) -> dict:
     """What both modes of `k3c run` set up, timed apart: the model (artifact loaded or spec compiled), its checks
     against `sizes(model)` -> (batch, prompt_len, new_tokens), the weights (given, the model directory's
-    checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool)."""
+    checkpoint, or random, drawn on the device; then prepared) and the engine (graph, kernels bound, page pool).
+    `rank` (commands/serve_ranks.py RankSetup): one rank of a sharded model: its slice compiled and loaded, the
+    memory check of what it holds, its lock-step engine."""
     import torch
 
     from ..runtime import launcher
@@ -263,7 +285,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
 
     launcher.reset_stats()
     t = time.perf_counter()
-    model = _load_model(spec_or_artifact, device)
+    model = _load_model(spec_or_artifact, device, None if rank is None else rank.shard)
     t_model = time.perf_counter() - t
     batch, prompt_len, new_tokens = sizes(model)
     dtype = _run_dtype(model, spec_or_artifact, dtype, cuda,
@@ -271,11 +293,13 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     torch_dtype = to_torch_dtype(dtype, "--dtype")
     kv = pool_dtype(kv_dtype, torch_dtype, "--kv-dtype")   # fp8 with fp32 activations: refused before loading
     check_run_fits(model.spec, device, size_flags, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                   prefill_chunk=prefill_chunk, max_step_tokens=max_step_tokens, elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
-                   page_size=target_for(torch.device(device)).mla_page_size, kv_pool=kv)
+                   prefill_chunk=prefill_chunk, max_step_tokens=max_step_tokens,
+                   elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),
+                   page_size=target_for(torch.device(device)).mla_page_size, kv_pool=kv,
+                   **({} if rank is None else rank.fits(model)))
     default = model_checkpoint(spec_or_artifact) if weights is None else None
     t = time.perf_counter()
-    w, t_prep = _graph_weights(model, weights or default, seed, torch_dtype, device, sync)
+    w, t_prep = _graph_weights(model, weights or default, seed, torch_dtype, device, sync, sharded=rank is not None)
     t_weights = time.perf_counter() - t
     t = time.perf_counter()
     speculation = None
@@ -283,7 +307,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
         speculation = build_speculation(speculate, draft_len, model, device=device, torch_dtype=torch_dtype,
                                         use_kernels=kernels, max_batch=batch, max_context=prompt_len + new_tokens,
                                         kernel_policy=kernel_policy, sync=sync)
-    eng = Engine(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
+    eng = (Engine if rank is None else rank.engine)(model, w, device=device, max_batch=batch, max_context=prompt_len + new_tokens,
                  use_kernels=kernels, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
                  kernel_policy=kernel_policy, kv_dtype=kv_dtype, prefix_cache=prefix_cache, admission=admission,
                  speculation=speculation, max_step_tokens=max_step_tokens, itl_target_ms=itl_target_ms)
@@ -624,15 +648,21 @@ def _run_dtype(model, spec_or_artifact: str, dtype: str | None, cuda: bool, *, b
     return dtype
 
 
-def _graph_weights(model, weights: str | None, seed: int, dtype, device: str, sync) -> tuple[dict, float]:
+def _graph_weights(model, weights: str | None, seed: int, dtype, device: str, sync,
+                   sharded: bool = False) -> tuple[dict, float]:
     """(what the graph reads, prepared; the seconds the preparation took): loaded to host memory (the engine build
     moves them) or drawn where they run, then prepared now (float expert stacks packed to MXFP4, the float copies
-    dropped) so that this is counted as weights, not engine build; the engine's own preparation finds them ready."""
+    dropped) so that this is counted as weights, not engine build; the engine's own preparation finds them ready.
+    `sharded`: this rank's slices only (the same values as the slices of the whole model's weights)."""
     from .. import load_weights
+    from ..runtime.distributed import init_sharded_weights, load_sharded_weights
     from ..runtime.weight_prep import prepare_weights
     from ..runtime.weights import init_weights           # takes device= (k3c.init_weights does not)
 
-    if weights:
+    if sharded:
+        w = (load_sharded_weights(model, weights, dtype=dtype) if weights
+             else init_sharded_weights(model, seed=seed, dtype=dtype, device=device))
+    elif weights:
         w = load_weights(model.spec, weights, dtype=dtype)
     else:
         w = init_weights(model.spec, seed=seed, dtype=dtype, device=device)

@@ -100,6 +100,17 @@ def add_parser(sub, positive, path, seed) -> None:
     s.add_argument("--threads", type=positive("--threads", 4096),
                    help="torch CPU threads (default: the cores this process may use, less the machine's load)")
     s.add_argument("--seed", type=seed, default=0, help="seed of random weights (default 0)")
+    s.add_argument("--tp", type=positive("--tp", 4096),
+                   help="tensor parallel ranks (default 1): heads, dense and shared-expert MLPs and the vocabulary "
+                   "split over them; this process is rank 0 and starts the others (or run every rank under "
+                   "torchrun); docs/distributed.md")
+    s.add_argument("--ep", type=positive("--ep", 4096),
+                   help="expert parallel ranks (default: --tp); --ep 1 with --tp N splits every expert over the TP "
+                   "ranks; one of --tp, --ep divides the other and max(tp, ep) ranks run")
+    s.add_argument("--dist-timeout", type=lambda t: _seconds(t, "--dist-timeout", low=1.0), default=300.0,
+                   metavar="S", help="with --tp / --ep: seconds a step (or rank 0's word, for the other ranks) may "
+                   "take before a rank counts as hung: open requests then get 503 and the server exits 1 "
+                   "(default 300: a first step may compile kernels; a rank that exits is noticed at once)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="uvicorn's and k3c serve's log level (default warning)")
 
@@ -110,15 +121,47 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def prefix_cache(args):
-    """The server's PrefixCache from its arguments (None: --no-prefix-cache)."""
+def prefix_cache(args, clock=None, rank: int | None = None):
+    """The server's PrefixCache from its arguments (None: --no-prefix-cache). A rank of a sharded server: the
+    clock rank 0 broadcasts, and a disk tier of its own (rankN/ under --disk-dir: each rank's checkpoints hold its
+    shard)."""
+    import time as _time
+
     from ..runtime.prefix_cache import PrefixCache
 
     if args.no_prefix_cache:
         return None
+    disk_dir = args.disk_dir
+    if disk_dir is not None and rank is not None:
+        disk_dir = os.path.join(disk_dir, f"rank{rank}")
     return PrefixCache(interval=args.prefix_interval, max_bytes=args.prefix_cache_bytes, host_bytes=args.host_bytes,
-                       disk=args.disk_dir is not None, disk_dir=args.disk_dir, policy=args.kv_policy,
-                       protect_s=args.protect_s)
+                       disk=args.disk_dir is not None, disk_dir=disk_dir, policy=args.kv_policy,
+                       protect_s=args.protect_s, clock=clock or _time.monotonic)
+
+
+def build_engine(args, rank=None) -> dict:
+    """The model, weights and engine of `k3c serve` (commands/run.py _build), with the context it serves under
+    "context"; `rank` (serve_ranks.RankSetup): this rank's slice and lock-step engine."""
+    from .run import _build
+
+    cache = prefix_cache(args, None if rank is None else rank.clock, None if rank is None else rank.lay.rank)
+    context: list[int] = []
+
+    def sizes(model):
+        ctx = args.max_context or model.spec.max_context
+        if ctx > model.spec.max_context:
+            raise ArgumentError(f"--max-context {ctx} exceeds the model's max_context {model.spec.max_context}")
+        context.append(ctx)
+        return args.max_batch, ctx, 0
+
+    b = _build(args.model, weights=args.weights, seed=args.seed, device=args.device if rank is None else rank.device,
+               dtype=args.dtype, use_kernels=not args.no_kernels, interpret=False, prefill_chunk=None,
+               cuda_graphs=None, kernel_policy="artifact", sizes=sizes, kv_dtype=args.kv_dtype, prefix_cache=cache,
+               size_flags=("--max-batch", "--max-context", None),
+               admission=args.admission, speculate=args.speculate, draft_len=args.draft_len,
+               max_step_tokens=args.max_step_tokens, itl_target_ms=args.itl_target_ms, rank=rank)
+    b["context"] = context[0]
+    return b
 
 
 def _check_dir(path: str) -> None:
@@ -190,10 +233,16 @@ def cmd_serve(args) -> int:
     from ..serve.grammar import Grammars
     from ..serve.metrics import ServerMetrics
     from ..serve.protocol import ModelInfo
-    from .run import _build, _check_run_args
+    from . import serve_ranks
+    from .run import _check_run_args
 
     _check_run_args(batch=args.max_batch, prompt_len=1, new_tokens=1, prefill_chunk=None, seed=args.seed,
                     device=args.device, kernel_policy="artifact", use_kernels=not args.no_kernels)
+    lay = serve_ranks.layout(args)              # None: one process
+    if lay is not None:
+        serve_ranks.check_model_shards(args, lay)
+        if lay.rank != 0:                       # under torchrun: a rank that follows rank 0
+            return serve_ranks.follower_main(args, lay, build_engine)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if api_key is not None and not api_key.strip():
         raise ArgumentError("--api-key must not be empty")
@@ -206,25 +255,20 @@ def cmd_serve(args) -> int:
     bound_host, bound_port = sock.getsockname()[:2]
     print(f"k3c serve: loading {args.model} (http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:"
           f"{bound_port} answers 503 until it is ready)", flush=True)
+    leader = None
     try:
-        cache = prefix_cache(args)
-        context: list[int] = []
-
-        def sizes(model):
-            ctx = args.max_context or model.spec.max_context
-            if ctx > model.spec.max_context:
-                raise ArgumentError(f"--max-context {ctx} exceeds the model's max_context {model.spec.max_context}")
-            context.append(ctx)
-            return args.max_batch, ctx, 0
-
         t0 = time.perf_counter()
-        b = _build(args.model, weights=args.weights, seed=args.seed, device=args.device, dtype=args.dtype,
-                   use_kernels=not args.no_kernels, interpret=False, prefill_chunk=None, cuda_graphs=None,
-                   kernel_policy="artifact", sizes=sizes, kv_dtype=args.kv_dtype, prefix_cache=cache,
-                   size_flags=("--max-batch", "--max-context", None),
-                   admission=args.admission, speculate=args.speculate, draft_len=args.draft_len,
-                   max_step_tokens=args.max_step_tokens, itl_target_ms=args.itl_target_ms)
-        model, eng = b["model"], b["eng"]
+        if lay is None:
+            b = build_engine(args)
+        else:
+            leader = serve_ranks.Leader.start(args, lay)       # the other ranks started (unless torchrun did)
+            try:
+                b = build_engine(args, rank=leader.setup)
+            except BaseException as exc:
+                serve_ranks.exchange_ready(leader.setup, exc)  # every rank hears of it, then raises it
+                raise
+            serve_ranks.exchange_ready(leader.setup, None)
+        model, eng, context = b["model"], b["eng"], [b["context"]]
         tok = load_tokenizer(args.tokenizer, model.spec.vocab_size) if args.tokenizer else model.tokenizer
         if tok is None:
             raise ArgumentError(f"{args.model}: no tokenizer (tokenizer.json); give --tokenizer DIR")
@@ -252,10 +296,13 @@ def cmd_serve(args) -> int:
                                         http=with_header_timeout(args.header_timeout),
                                         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 5))
         loop.start()
+        if leader is not None:
+            leader.supervise(loop, server)
         host, port = sock.getsockname()[:2]
         weights = b["weights"] or f"random (seed {args.seed})"
+        where = args.device if lay is None else f"{lay.describe(args.device)} on {args.device}"
         target = f" within {args.itl_target_ms:g} ms" if args.itl_target_ms is not None else ""
-        print(f"k3c serve: {info.name} on {args.device} ({b['dtype']}, weights {weights}; max batch "
+        print(f"k3c serve: {info.name} on {where} ({b['dtype']}, weights {weights}; max batch "
               f"{args.max_batch}, context {info.max_context}, {eng.pool.num_pages} MLA pages, {args.max_step_tokens} "
               f"tokens a step{target}; chat template "
               f"{template.origin}; requests up to {max_body} bytes, prompts up to "
@@ -268,10 +315,22 @@ def cmd_serve(args) -> int:
         print(f"k3c serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port} "
               f"(Ctrl-C stops)", flush=True)
         server.run(sockets=[sock])
-        loop.shutdown()
-        print(f"k3c serve: stopped after {loop.steps} engine steps; {eng.pool.num_free} of {eng.pool.num_pages} "
+        loop.shutdown(timeout=30.0 if leader is None or leader.failure is None else 0)
+        code = 0 if leader is None else leader.finish()     # the ranks told to stop (a failure: exits 1 there)
+        steps = loop.steps if leader is None else eng.stats["steps"]     # not counting the heartbeats
+        print(f"k3c serve: stopped after {steps} engine steps; {eng.pool.num_free} of {eng.pool.num_pages} "
               f"MLA pages free (the rest hold prefix-cache checkpoints)", flush=True)
-        return 0
+        return code
+    except BaseException:
+        if leader is not None:
+            leader.abort()
+        raise
     finally:
         loading.stop()
         sock.close()
+
+
+if __name__ == "__main__":          # a rank that a sharded server's rank 0 started (commands/serve_ranks.py)
+    from . import serve_ranks
+
+    sys.exit(serve_ranks.spawned_main(build_engine))

@@ -120,6 +120,18 @@ class EngineLoop:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    def fail_open(self, reason: str) -> None:
+        """From any thread, when the engine cannot go on and its thread may be blocked (a rank of a sharded model
+        died or hangs): new requests get 503 from here on, every open job gets a 503 ErrorEvent now. The engine is
+        not touched."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        error = APIError(503, reason, type="server_error", code="unavailable")
+        for job in list(self._jobs.values()):
+            if not job.closed:
+                self._close(job, ErrorEvent(job.index, error))
+                self.metrics.finished.labels("error").inc()
+
     # -- the engine thread --------------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
@@ -131,9 +143,13 @@ class EngineLoop:
                     self._step()
         except BaseException as exc:             # a bug of the loop itself: say so, fail everyone, end
             ref = uuid.uuid4().hex[:12]
-            log.exception("k3c serve: the engine loop failed (reference %s)", ref)
+            if getattr(exc, "fatal", False):     # a rank failed: its cause is the message, not this thread's stack
+                log.error("k3c serve: %s (reference %s)", exc, ref)
+            else:
+                log.exception("k3c serve: the engine loop failed (reference %s)", ref)
             self.error = exc
-            self._stop_reason = self._stop_reason or f"the engine loop failed (reference {ref})"
+            what = "a rank of the sharded model failed" if getattr(exc, "fatal", False) else "the engine loop failed"
+            self._stop_reason = self._stop_reason or f"{what} (reference {ref})"
         finally:
             self._drain(block=False)
             self._fail_all(APIError(503, self._stop_reason or "the server is shutting down", type="server_error",
@@ -184,15 +200,18 @@ class EngineLoop:
         for rid, job in list(self._jobs.items()):
             if rid in self.engine.seqs:
                 self.engine.finish(rid, checkpoint=reason != "error")
-            self._close(job, ErrorEvent(job.index, error))
-            self.metrics.finished.labels(reason).inc()
+            if not job.closed:                   # fail_open may have told it already
+                self._close(job, ErrorEvent(job.index, error))
+                self.metrics.finished.labels(reason).inc()
         self._jobs.clear()
         self.metrics.observe_engine(self.engine)
 
     def _step(self) -> None:
         try:
             outs = self.engine.step()
-        except Exception:                        # the step's sequences cannot go on; the server can
+        except Exception as exc:                 # the step's sequences cannot go on; the server can
+            if getattr(exc, "fatal", False):     # not a sharded engine's (a rank failed): the loop ends, 503
+                raise
             error, ref = server_error("the engine step running this request failed", "engine_error")
             log.exception("k3c serve: an engine step failed (reference %s)", ref)
             self._fail_all(error, "error")
