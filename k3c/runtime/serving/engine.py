@@ -107,7 +107,7 @@ class Engine:
                                    stats=self.stats)
         if prefix_cache is not None:
             self.ledger.prefix = prefix_cache
-            prefix_cache.attach(self)
+            prefix_cache.attach(self.ledger, kda_layers=self.kda_layers, busy=lambda: bool(self.scheduler.running))
         self.graph_pool = GraphPool(self.compiled, self.graph, self.ledger, self.seqs, device=self.device,
                                     dtype=self.dtype, kv=self.kv, use_kernels=self.use_kernels,
                                     max_batch=self.max_batch, max_context=self.max_context,
