@@ -38,7 +38,7 @@ import torch
 
 from ..errors import ArgumentError
 from .caches.context import CallContext
-from .executor import LayerCaches
+from .executor import LayerCaches, graph_binding
 from .caches.latent_format import AUTO, KVFormat, encode_rows, row_width
 from .launcher import target_of
 from .caches.latent_store import DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table
@@ -233,7 +233,7 @@ class DecodeGraph:
         self._traces: dict = {}                      # bucket (None: eager) -> the trace its runs fill
         self._restore = None                         # kda_rollback.CapturedRestore, made on the first restore()
         self.compiled, self.graph, self.spec = compiled, graph, compiled.spec
-        self.binding = graph.binding                 # the graph owner's Binding: its kernels, captured here
+        self.binding = graph_binding(graph)          # the graph owner's Binding: its kernels, captured here
         self.device = torch.device(device)
         self.batch, self.use_kernels = batch, use_kernels
         self.dtype = dtype or graph.w_embed_tokens_weight.dtype

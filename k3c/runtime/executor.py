@@ -270,3 +270,9 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
     gm = fx.GraphModule(root, graph, class_name="K3cGraph")
     gm.binding = binding
     return gm
+
+
+def graph_binding(graph) -> Binding | None:
+    """The Binding a graph of build_graph_module launches through (None: nothing bound, or a stand-in callable
+    that is no such graph: a test's)."""
+    return graph.binding if isinstance(graph, fx.GraphModule) else None

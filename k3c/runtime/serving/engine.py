@@ -36,6 +36,7 @@ from ..launcher import target_of
 from ..logits_processors import RowLogits, process
 from ..sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
 from ..caches.seq_state import SeqState
+from ..executor import graph_binding
 from ..session import _device, describe_graph, load_graph
 from .graph_pool import GraphPool
 from .ledger import PageLedger
@@ -75,8 +76,8 @@ class Engine:
         self.graph = graph if graph is not None else load_graph(compiled, weights, self.device, use_kernels,
                                                                 kernel_policy=kernel_policy)
         self.kernel_policy = kernel_policy
-        self.binding = self.graph.binding            # its kernels on the device (session.bind_kernels); the graph
-        self.target = target_of(self.binding, self.device)    # built with it (or given) holds it
+        self.binding = graph_binding(self.graph)     # its kernels on the device (session.bind_kernels), which the
+        self.target = target_of(self.binding, self.device)    # graph built with it (or given) holds
         self.kda_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "kda"]
         self.mla_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "mla"]
         if not isinstance(max_graphs, int) or max_graphs < 1:

@@ -11,7 +11,7 @@ import torch
 
 from ..caches.context import CallContext
 from ..caches.latent_format import KVFormat
-from ..executor import LayerCaches
+from ..executor import LayerCaches, graph_binding
 from ..caches.latent_store import LatentStore, PagedLatentCache
 from ..kernel_impls.mla import batch_mla_mode
 from ..caches.seq_state import SeqState, gather_kda
@@ -116,7 +116,7 @@ class Runner:
         the launch began)."""
         ids = self.ledger.h2d(torch.tensor(segments, dtype=torch.long))
         lens = [s.length for s in seqs]
-        ctx = CallContext(self.graph.binding, self.kv, mla_modes=modes, kda_trace={} if trace else None)
+        ctx = CallContext(graph_binding(self.graph), self.kv, mla_modes=modes, kda_trace={} if trace else None)
         cache = LayerCaches(self.spec.num_layers, ctx=ctx)
         for i in self.kda_layers:
             cache.layers[i] = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
