@@ -361,7 +361,7 @@ def precompile(pool, fns, deadline):
     """Record the launches of `fns` without running them, compile their kernels in `pool`, wait (to the deadline)."""
     seen, launches = set(), []
 
-    def record(ks, *args):
+    def record(ks, *args, binding=None):
         if ks.digest not in seen:
             seen.add(ks.digest)
             launches.append((ks, [("t", str(a.dtype).split(".")[-1]) if isinstance(a, torch.Tensor) else int(a)

@@ -554,9 +554,8 @@ def _run_greedy(paths, prompts, args, kernels: dict) -> dict:
 
 
 def _run_heldout(paths, windows: torch.Tensor, args, kernels: dict) -> tuple[dict, dict]:
-    """Every path's windows, one path after the other (an engine's kernels stay bound to the device while it runs:
-    session.bind_kernels binds one artifact per device), in PATHS order, so the references of the whole-model pairs
-    run first and keep their logits for the later path to compare with chunk by chunk:
+    """Every path's windows, one path after the other (one engine, and its kernels' Binding, at a time), in PATHS
+    order, so the references of the whole-model pairs run first and keep their logits for the later path to compare with chunk by chunk:
     ({path: {"nll", "first" | "error", "seconds"}}, {(a, b): rel L2 of a's logits from b's over all windows})."""
     kept = {b: [] for a, b in WHOLE_MODEL_PAIRS if a in paths and b in paths}
     acc = {pair: [0.0, 0.0] for pair in WHOLE_MODEL_PAIRS if set(pair) <= set(paths)}

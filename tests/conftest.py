@@ -72,16 +72,3 @@ def tiny(request):
     target = getattr(request.module, "TINY_TARGET", "mi355x")
     return spec, k3c.compile(spec, target=target), k3c.init_weights(spec, seed=0)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _devices_unbound_after_module():
-    """A session binds its GPU to its artifact and target for the rest of the process (k3c.runtime.launcher.bind,
-    devices.bind_device_target): the next test module must not launch through another module's artifact."""
-    yield
-    if torch.cuda.is_available():
-        from k3c.runtime import launcher
-        from k3c.runtime.devices import unbind_device_target
-
-        for i in range(torch.cuda.device_count()):
-            launcher.unbind(f"cuda:{i}")
-            unbind_device_target(f"cuda:{i}")

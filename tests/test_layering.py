@@ -150,7 +150,8 @@ def test_ahead_of_time_compilation_runs_without_torch(tmp_path):
 
 def test_a_back_edge_inside_the_runtime_fails(tmp_path):
     """The runtime's own order (tests/layering.py RUNTIME_LAYERS): the page ledger may not reach up to the engine,
-    nor a kernel impl to the serving rooms."""
+    a kernel impl to the serving rooms, nor the launcher (where a Binding is a plain value) to the session that
+    makes one."""
     root = _copy_package(tmp_path)
     _append(root / "k3c/runtime/serving/ledger.py", """
         def _helper():
@@ -162,7 +163,14 @@ def test_a_back_edge_inside_the_runtime_fails(tmp_path):
             from ..serving.runner import batch_mla_mode  # a back edge: a kernel impl reaching up to the runner
             return batch_mla_mode
         """)
+    _append(root / "k3c/runtime/launcher.py", """
+        def _helper():
+            from .session import bind_kernels  # a back edge: the launcher looking up who made a Binding
+            return bind_kernels
+        """)
     found = _new_violations(root)
+    assert any("k3c.runtime.launcher (runtime platform) imports k3c.runtime.session (runtime session)" in v
+               for v in found), found
     assert any("k3c.runtime.serving.ledger (runtime serving.ledger) imports k3c.runtime.serving.engine (runtime "
                "serving.engine)" in v for v in found), found
     assert any("k3c.runtime.kernel_impls.basic (runtime kernel_impls) imports k3c.runtime.serving.runner" in v

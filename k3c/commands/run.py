@@ -274,7 +274,7 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     from ..runtime import launcher
     from ..runtime.devices import target_for, torch_dtype as to_torch_dtype
     from ..runtime.engine import Engine
-    from ..runtime.caches.latent_format import pool_dtype
+    from ..runtime.caches.latent_format import kv_format
 
     cuda = device.startswith("cuda")
     kernels = kernels_on(device, use_kernels, interpret)
@@ -291,7 +291,8 @@ def _build(spec_or_artifact: str, *, weights, seed, device, dtype, use_kernels, 
     dtype = _run_dtype(model, spec_or_artifact, dtype, cuda,
                        binaries=cuda and kernels and kernel_policy in ("artifact", "strict"))
     torch_dtype = to_torch_dtype(dtype, "--dtype")
-    kv = pool_dtype(kv_dtype, torch_dtype, "--kv-dtype")   # fp8 with fp32 activations: refused before loading
+    kv_dtype = kv_format(kv_dtype, "--kv-dtype")              # decoded once: the engine takes the KVFormat
+    kv = kv_dtype.pool_dtype(torch_dtype, "--kv-dtype")      # fp8 with fp32 activations: refused before loading
     check_run_fits(model.spec, device, size_flags, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                    prefill_chunk=prefill_chunk, max_step_tokens=max_step_tokens,
                    elem_bytes=torch.empty((), dtype=torch_dtype).element_size(),

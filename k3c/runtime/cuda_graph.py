@@ -38,8 +38,9 @@ import torch
 
 from ..errors import ArgumentError
 from .caches.context import CallContext
-from .executor import LayerCaches
-from .caches.latent_format import encode_rows, pool_dtype, row_width
+from .executor import LayerCaches, graph_binding
+from .caches.latent_format import AUTO, KVFormat, encode_rows, row_width
+from .launcher import target_of
 from .caches.latent_store import DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table
 from ..reference.kda import KDAState, kda_zero_state
 from .caches.kda_rollback import KDATokens
@@ -221,10 +222,8 @@ class DecodeGraph:
     def __init__(self, compiled, graph, *, batch: int, capacity: int, device, use_kernels: bool = True,
                  dtype: torch.dtype | None = None, page_size: int | None = None,
                  buckets: Sequence[int] | None = None, backend=None, strict: bool = False,
-                 pools: dict[int, torch.Tensor] | None = None, kv_dtype: str = "auto", tokens: int = 1,
+                 pools: dict[int, torch.Tensor] | None = None, kv: KVFormat = AUTO, tokens: int = 1,
                  kda_slots: dict | None = None, kda_tokens: dict | None = None):
-        from .devices import target_for
-
         if batch < 1 or capacity < 1 or tokens < 1:
             raise ArgumentError(f"batch, capacity and tokens must be positive, got {batch}, {capacity}, {tokens}")
         # tokens > 1: a speculative verification call (the last token and a draft per sequence); each run writes
@@ -234,6 +233,7 @@ class DecodeGraph:
         self._traces: dict = {}                      # bucket (None: eager) -> the trace its runs fill
         self._restore = None                         # kda_rollback.CapturedRestore, made on the first restore()
         self.compiled, self.graph, self.spec = compiled, graph, compiled.spec
+        self.binding = graph_binding(graph)          # the graph owner's Binding: its kernels, captured here
         self.device = torch.device(device)
         self.batch, self.use_kernels = batch, use_kernels
         self.dtype = dtype or graph.w_embed_tokens_weight.dtype
@@ -242,7 +242,7 @@ class DecodeGraph:
         self.mla_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "mla"]
         if pools is not None:                        # a serving pool (Engine.pool.pools): pages via set_block_table
             page_size = next(iter(pools.values())).shape[1] if pools else page_size
-        self.page_size = page_size or target_for(self.device).mla_page_size
+        self.page_size = page_size or target_of(self.binding, self.device).mla_page_size
         self.buckets = make_buckets(capacity, self.page_size, buckets)
         self.capacity = self.buckets[-1]
         # ---- static inputs
@@ -261,10 +261,11 @@ class DecodeGraph:
             self.kda_tokens = {i: KDATokens.like(st, tokens) for i, st in self.kda.items()} if kda_tokens is None \
                 else {i: kda_tokens[i].rows(batch) for i in self.kda}
         pages = self.capacity // self.page_size
-        self.kv_dtype = pool_dtype(kv_dtype, self.dtype)    # own pools' row format; given pools keep theirs
-        width = row_width(spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, self.kv_dtype) if spec.mla else 0
+        self.kv = kv
+        self.pool_dtype = kv.pool_dtype(self.dtype)  # own pools' row format; given pools keep theirs
+        width = row_width(spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, self.pool_dtype) if spec.mla else 0
         if pools is None:                            # own pools, pages interleaved (page p of row b: p * B + b)
-            self.pools = {i: torch.zeros(pages * batch, self.page_size, width, dtype=self.kv_dtype, device=dev)
+            self.pools = {i: torch.zeros(pages * batch, self.page_size, width, dtype=self.pool_dtype, device=dev)
                           for i in self.mla_layers}
             self.block_table = interleaved_block_table(batch, pages, dev)
         else:
@@ -387,7 +388,7 @@ class DecodeGraph:
 
     def snapshot(self) -> LayerCaches:
         """The current state as a LayerCaches of host-length entries (copies): continue it eagerly (Session form)."""
-        out = LayerCaches(self.spec.num_layers)
+        out = LayerCaches(self.spec.num_layers, CallContext(self.binding, self.kv))
         for i, st in self.kda.items():
             out.layers[i] = KDAState(st.state.clone(), tuple(t.clone() for t in st.conv))
         for i, pool in self.pools.items():
@@ -400,7 +401,7 @@ class DecodeGraph:
     def _cache(self, max_len: int | None) -> LayerCaches:
         """The executor's cache over the static buffers: device lengths (max_len given: the capturable path) or
         host lengths (the eager path)."""
-        c = LayerCaches(self.spec.num_layers, ctx=CallContext(mla_modes=dict(self.mla_modes)))
+        c = LayerCaches(self.spec.num_layers, CallContext(self.binding, self.kv, mla_modes=dict(self.mla_modes)))
         for i, st in self.kda.items():
             c.layers[i] = st
         if self.tokens > 1:

@@ -1,5 +1,5 @@
-"""The torch side of kernels: which Target a device runs (detected from its properties, or bound to an artifact's
-target; whether a tensor's kernels run in the interpreter), and the one dtype table (user spellings -> torch
+"""The torch side of kernels: which Target a device is (detected from its properties; whether a tensor's kernels
+run in the interpreter), and the one dtype table (user spellings -> torch
 dtypes, torch dtypes -> kernel signature types)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from ..codegen.targets import TARGETS, Target, get_target
+from ..codegen.targets import TARGETS, Target
 from ..codegen.writer import CodegenError
 from ..errors import ArgumentError
 from ..ir.core import DTYPE_SPELLINGS
@@ -38,11 +38,8 @@ def torch_dtype(name: str, what: str = "dtype") -> torch.dtype:
 
 
 # -- targets --------------------------------------------------------------------------------------------------------
-# Overrides: a runtime session running an artifact binds the device to the artifact's Target (an h100 artifact on an
-# H200 keeps the h100 row), so the kernels it picks at run time carry the artifact's catalogue keys.
-_BOUND: dict[tuple[str, int], Target] = {}
-
-
+# Only the device's own row is answered here: which Target a model's kernels are planned for at run time is its
+# Binding's (launcher.Binding, owned by the session or engine that loaded it).
 def _device_key(device: torch.device | str) -> tuple[str, int]:
     d = torch.device(device)
     return d.type, d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else 0)
@@ -67,44 +64,14 @@ def _detected_target(device_type: str, index: int) -> Target:
                                  int(getattr(props, "total_memory", 0) or 0), smem)
 
 
-def _device_target(device_type: str, index: int) -> Target:
-    bound = _BOUND.get((device_type, index))
-    return bound if bound is not None else _detected_target(device_type, index)
-
-
-def bind_device_target(device: torch.device | str, target: Target | str) -> Target | None:
-    """From now on `target_for(device)` (and every kernel wrapper running on it) answers `target` instead of the
-    device's own row; returns the Target bound before, if any. A GPU device takes a GPU target (whether its arch
-    matches the device is the caller's check: the artifact loader's); a cpu or meta device takes any target (a CPU
-    run or a meta-tensor recording of another target's kernel choices)."""
-    tgt = get_target(target) if isinstance(target, str) else target
-    if not isinstance(tgt, Target):
-        raise CodegenError(f"bind_device_target: expected a Target or a target name, got {target!r}")
-    key = _device_key(device)
-    if key[0] == "cuda" and tgt.backend == "cpu":
-        raise CodegenError(f"cannot bind target '{tgt.name}' ({tgt.backend}) to device {key[0]}:{key[1]}")
-    prev = _BOUND.get(key)
-    _BOUND[key] = tgt
-    return prev
-
-
-def unbind_device_target(device: torch.device | str) -> Target | None:
-    """Drop `device`'s override (target_for answers the device's own row again); returns what was bound, or None."""
-    return _BOUND.pop(_device_key(device), None)
-
-
-def device_target(device: torch.device | str) -> Target:
-    """The device's own Target (targets.target_for_properties), whatever is bound to it."""
-    return _detected_target(*_device_key(device))
-
-
 def target_for(device: torch.device | str) -> Target:
-    """The Target describing `device`: the one bound to it (bind_device_target), else cpu -> the interpreter
-    target; cuda -> targets.target_for_properties of the device (an H200 -> h200, an H100 -> h100)."""
-    return _device_target(*_device_key(device))
+    """The device's own Target: cpu -> the interpreter target; cuda -> targets.target_for_properties of the device
+    (an H200 -> h200, an H100 -> h100). A model bound to an artifact plans with its Binding's target instead
+    (launcher.target_of)."""
+    return _detected_target(*_device_key(device))
 
 
 def interpreted(t: torch.Tensor) -> bool:
     """Whether kernels on `t` run through the Triton interpreter (a CPU tensor): such a launch takes the
-    interpreter variant of its kernel, whatever target the device is bound to."""
+    interpreter variant of its kernel, whatever target its binding plans for."""
     return t.device.type == "cpu"

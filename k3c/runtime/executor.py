@@ -28,18 +28,20 @@ from . import distributed, kernel_impls, routing_replay
 from .caches import kda_rollback
 from .kernel_impls import mxfp4_linear
 from .caches.context import CallContext
+from .launcher import Binding
 
 
 class LayerCaches:
     """Mutable per-layer cache: KDA layers hold a KDAState, MLA layers a paged latent cache (kernel_impls/mla.py)."""
 
-    def __init__(self, num_layers: int, kv_dtype: str = "auto", ctx: CallContext | None = None):
+    def __init__(self, num_layers: int, ctx: CallContext | None = None):
         self.layers: list[Any] = [None] * num_layers
         self.length = 0
-        self.ctx = ctx if ctx is not None else CallContext(kv_dtype)   # the call's context (caches/context.py)
+        self.ctx = ctx if ctx is not None else CallContext()   # the call's context (caches/context.py)
 
     def copy(self) -> "LayerCaches":
-        out = LayerCaches(len(self.layers), self.ctx.kv_dtype)
+        """The caches for the next call: the same entries, binding and cache format."""
+        out = LayerCaches(len(self.layers), self.ctx.next_call())
         out.layers, out.length = list(self.layers), self.length   # entries are never mutated in place
         return out
 
@@ -60,7 +62,7 @@ def torch_add(a, cache, data, w):
 def torch_lm_head(a, cache, data, w):
     """Float weights: the reference linear; MXFP4 (weight_format "mxfp4"): kernel_impls.mxfp4_linear's form."""
     if is_mxfp4(a):
-        return mxfp4_linear.torch_lm_head(a, data, w)
+        return mxfp4_linear.torch_lm_head(a, cache, data, w)
     return ref.linear(data[0], w["embed_tokens.weight" if a["tied"] else "lm_head.weight"])
 
 
@@ -88,7 +90,7 @@ def torch_mla(a, cache, data, w):
 def torch_mlp(a, cache, data, w):
     """Float weights: the reference MLP; MXFP4 (weight_format "mxfp4"): kernel_impls.mxfp4_linear's form."""
     if is_mxfp4(a):
-        return mxfp4_linear.torch_mlp(a, data, w)
+        return mxfp4_linear.torch_mlp(a, cache, data, w)
     return ref.mlp(data[0], w, ActivationSpec.from_attrs(a))
 
 
@@ -219,10 +221,12 @@ def _is_weight_transform(op) -> bool:
 
 
 def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_kernels: bool = True,
-                       wrap: Callable | None = None) -> fx.GraphModule:
+                       wrap: Callable | None = None, binding: Binding | None = None) -> fx.GraphModule:
     """An fx GraphModule computing `module` with `weights` (canonical names) as buffers. With `use_kernels`,
     ops the codegen pass marked impl="kernel" launch their generated Triton kernels (the interpreter on a CPU).
-    `wrap(op, fn) -> fn'` may replace each op's implementation (k3c.runtime.opcheck uses it)."""
+    `wrap(op, fn) -> fn'` may replace each op's implementation (k3c.runtime.opcheck uses it). The module's
+    `binding` is the Binding its kernels launch through (session.bind_kernels; None: nothing bound): the graph
+    holds it for its owner, whose calls pass it in their CallContext."""
     root = torch.nn.Module()
     graph = fx.Graph()
     values: dict[str, fx.Node] = {}
@@ -277,4 +281,12 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
     for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:
         graph.erase_node(node)
         delattr(root, node.target)
-    return fx.GraphModule(root, graph, class_name="K3cGraph")
+    gm = fx.GraphModule(root, graph, class_name="K3cGraph")
+    gm.binding = binding
+    return gm
+
+
+def graph_binding(graph) -> Binding | None:
+    """The Binding a graph of build_graph_module launches through (None: nothing bound, or a stand-in callable
+    that is no such graph: a test's)."""
+    return graph.binding if isinstance(graph, fx.GraphModule) else None

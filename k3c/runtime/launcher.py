@@ -1,19 +1,20 @@
-"""The one launcher: every generated kernel the runtime runs goes through `launch(ks, *args)`.
+"""The one launcher: every generated kernel the runtime runs goes through `launch(ks, *args, binding=b)`.
 
-    launch(ks, x, w, out, M)            # args in ks.signature order; constexprs come from ks
+    launch(ks, x, w, out, M, binding=b)     # args in ks.signature order; constexprs come from ks
 
-Where the code that runs comes from depends on the device of the tensors:
+`b` is the Binding of the model the launch belongs to (its artifact's catalogue, its Target, its policy): the
+session or engine that loaded the model owns it and its call context carries it to the kernel impls; there is no
+table of bindings per device, so two models on one device (a target and its draft model) each launch their own
+artifact's kernels. Where the code that runs comes from depends on the device of the tensors:
   cpu        Triton's interpreter runs the KernelSource (nothing is compiled).
-  cuda/hip   the binary of the artifact bound to the device (`bind`), found by `ks.key` in its catalogue and loaded
-             through the driver API (k3c.runtime.binary). Models sharing a device (a target and its draft model)
-             share its binding: a catalogue bound under the device's target and policy joins the ones already
-             there, and a launch takes the binary from whichever holds its key; a catalogue for another target or
-             under another policy replaces them. What a miss does is the binding's policy:
+  cuda/hip   the binary of the binding's artifact, found by `ks.key` in its catalogue and loaded through the driver
+             API (k3c.runtime.binary; a binary two artifacts hold is loaded once per device). What a miss does is
+             the binding's policy:
                "artifact"   JIT-compile the source once, with one warning, counted in `stats().jit`;
                "strict"     raise MissingKernelError (also K3C_NO_JIT=1, whatever the policy);
                "allow-jit"  the artifact is for another target: JIT every kernel, saying so once;
                "jit"        ignore the binaries and JIT everything (the comparison path).
-             With nothing bound to the device the source is JIT-compiled (counted), unless K3C_NO_JIT=1.
+             With no binding (binding=None) the source is JIT-compiled (counted), unless K3C_NO_JIT=1.
   meta       nothing runs: inside `recording()` the launch is recorded (the catalogue-coverage test), else an error.
 
 The grid rule is evaluated by `eval_grid`, a small AST walker over names, integer constants, + - * // and calls to
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 
 from ..codegen.kernel import KernelSource
-from .devices import TORCH_TO_TT
+from .devices import TORCH_TO_TT, target_for
 from ..codegen.targets import Target
 from ..codegen.tiers import can_build, refusal, unbuildable
 from ..codegen.writer import CodegenError, ident, name_part
@@ -236,7 +237,7 @@ def load_kernel(ks: KernelSource, interpret: bool) -> Any:
         return fn
 
 
-# -- catalogues bound to devices -------------------------------------------------------------------------------------
+# -- catalogues and bindings ---------------------------------------------------------------------------------------
 @dataclass
 class Catalogue:
     """The kernels of one artifact (checked against its manifest by k3c.load): catalogue key -> CompiledKernel,
@@ -253,23 +254,44 @@ class Catalogue:
         return len(self.entries)
 
 
-@dataclass
-class _Binding:
-    catalogues: tuple[Catalogue, ...]       # most recently bound first
-    policy: str
-    generation: int
-    warned: set = field(default_factory=set)
+class Binding:
+    """Where one model's kernels come from on one device: its artifact's catalogue (None: no artifact), the Target
+    its kernels are planned for, and the policy of a launch whose key the catalogue lacks (see the module doc).
+    The session or engine that loads the model makes it (session.bind_kernels) and owns it; every call's context
+    (caches/context.py) carries it to the kernel impls, which plan with `target` and launch through it. Two models
+    on one device hold two Bindings: neither sees, replaces or re-binds the other's kernels."""
 
-    def find(self, key: str) -> tuple[Catalogue, Any] | None:
-        for cat in self.catalogues:
-            entry = cat.entries.get(key)
-            if entry is not None:
-                return cat, entry
-        return None
+    __slots__ = ("catalogue", "target", "policy", "warned")
+
+    def __init__(self, catalogue: Catalogue | None, target: Target, policy: str = "artifact") -> None:
+        if policy not in POLICIES:
+            raise CodegenError(f"kernel policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if not isinstance(target, Target):
+            raise CodegenError(f"Binding: expected a Target, got {target!r}")
+        self.catalogue, self.target, self.policy = catalogue, target, policy
+        self.warned: set = set()
+
+    @property
+    def has_binaries(self) -> bool:
+        return self.catalogue is not None and len(self.catalogue) > 0
+
+    def find(self, key: str) -> Any | None:
+        """The catalogue entry of `key`, or None."""
+        return None if self.catalogue is None else self.catalogue.entries.get(key)
 
     def describe(self) -> str:
-        roots = " or ".join(c.root for c in self.catalogues)
-        return f"the artifact{'s' if len(self.catalogues) > 1 else ''} {roots} for {self.catalogues[0].target.name}"
+        root = self.catalogue.root if self.catalogue is not None else "(none)"
+        return f"the artifact {root} for {self.catalogue.target.name if self.catalogue else self.target.name}"
+
+    def __repr__(self) -> str:
+        root = self.catalogue.root if self.catalogue is not None else None
+        return f"Binding({root!r}, {self.target.name}, {self.policy})"
+
+
+def target_of(binding: Binding | None, device: torch.device | str) -> Target:
+    """The Target kernels on `device` are planned for: the binding's, or with none the device's own
+    (devices.target_for)."""
+    return binding.target if binding is not None else target_for(device)
 
 
 @dataclass
@@ -286,12 +308,10 @@ class LaunchStats:
     tier_fallbacks: list = field(default_factory=list)  # tier kernels replaced by portable ones (tier_fallback)
 
 
-_BINDINGS: dict[tuple[str, int], _Binding] = {}
-_GENERATION = [0]
 _STATS = LaunchStats()
 _SEEN_INTERP: set = set()
 _RECORDERS: list[list] = []
-_BINARIES: dict[tuple[str, int], Any] = {}
+_BINARIES: dict[tuple[str, int], Any] = {}      # (a binary's sha256, device index) -> its loaded kernel
 
 
 def _device_slot(device: torch.device | str) -> tuple[str, int]:
@@ -301,51 +321,28 @@ def _device_slot(device: torch.device | str) -> tuple[str, int]:
     return d.type, (torch.cuda.current_device() if d.type == "cuda" else 0)
 
 
-def bind(device: torch.device | str, catalogue: Catalogue | None, policy: str = "artifact") -> None:
-    """Launches on `device` from now on take their binaries from `catalogue` under `policy`, together with the
-    catalogues already bound there when those are for the same target under the same policy (see the module doc)."""
-    if policy not in POLICIES:
-        raise CodegenError(f"kernel policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    slot = _device_slot(device)
-    _GENERATION[0] += 1
-    old = _BINDINGS.get(slot)
-    cats: tuple[Catalogue, ...] = () if catalogue is None else (catalogue,)
-    if (old is not None and catalogue is not None and old.policy == policy
-            and all(c.target == catalogue.target for c in old.catalogues)):
-        cats += tuple(c for c in old.catalogues if c.root != catalogue.root)
-    _BINDINGS[slot] = _Binding(cats, policy, _GENERATION[0])
+def _artifact_first(b: Binding | None) -> bool:
+    return b is not None and b.has_binaries and b.policy in ("artifact", "strict")
 
 
-def binding_generation() -> int:
-    """Changes whenever a binding does: run-time choices that depend on what is bound (tier_fallback) are memoised
-    under it."""
-    return _GENERATION[0]
-
-
-def tier_fallback(ks: KernelSource, device: torch.device) -> bool:
+def tier_fallback(ks: KernelSource, device: torch.device, binding: Binding | None = None) -> bool:
     """Whether the run-time plan must replace the tier kernel `ks` by its portable plan on `device`: True where
-    `ks` is neither in the bound artifact nor buildable by this process's Triton (k3c.codegen.tiers) and JIT is
-    what the binding asks for (--allow-jit, the jit policy, or no artifact bound); counted in stats() and said
+    `ks` is neither in the binding's artifact nor buildable by this process's Triton (k3c.codegen.tiers) and JIT
+    is what the binding asks for (--allow-jit, the jit policy, or no artifact); counted in stats() and said
     once. Under the artifact's own policy (or strict, or K3C_NO_JIT=1) that is refused: MissingKernelError."""
     if device.type not in ("cuda", "hip"):
         return False                      # the interpreter never meets a tier plan; meta only records the launch
-    b = _BINDINGS.get(_device_slot(device))
-    if b is not None and b.catalogues and b.policy in ("artifact", "strict") and b.find(ks.key) is not None:
+    if _artifact_first(binding) and binding.find(ks.key) is not None:
         return False
     if can_build(ks):
         return False
-    if settings().no_jit or (b is not None and b.catalogues and b.policy in ("artifact", "strict")):
+    if settings().no_jit or _artifact_first(binding):
         raise MissingKernelError(refusal(ks))
     if ks.name not in _STATS.tier_fallbacks:
         _STATS.tier_fallbacks.append(ks.name)
         warnings.warn(f"k3c: {unbuildable(ks)}; running the portable kernel instead",
                       RuntimeWarning, stacklevel=3)
     return True
-
-
-def unbind(device: torch.device | str) -> None:
-    _GENERATION[0] += 1
-    _BINDINGS.pop(_device_slot(device), None)
 
 
 def stats() -> LaunchStats:
@@ -400,7 +397,7 @@ class _Prepared:
         self.grid_fns = _compile_grid(ks.grid)
         self.kwargs = dict(ks.constexprs, num_warps=ks.num_warps, num_stages=ks.num_stages,
                            enable_fp_fusion=ENABLE_FP_FUSION)
-        self.runners: dict[tuple[str, int], tuple[int, Any]] = {}
+        self.runners: dict[tuple, Any] = {}     # (device slot, Binding or None) -> its runner
 
 
 _PREPARED: dict[int, _Prepared] = {}
@@ -450,8 +447,9 @@ def _grid(p: _Prepared, ks: KernelSource, args: tuple) -> tuple[int, ...]:
     return _run_grid(p.grid_fns, ks.grid, env)
 
 
-def launch(ks: KernelSource, *args: Any) -> None:
-    """Launch `ks` with its runtime args in signature order (tensors for pointers, ints/floats for scalars)."""
+def launch(ks: KernelSource, *args: Any, binding: Binding | None = None) -> None:
+    """Launch `ks` with its runtime args in signature order (tensors for pointers, ints/floats for scalars); on a
+    GPU its code comes from `binding` (None: nothing bound, JIT-compile it)."""
     p = _prepared(ks)
     device = _check_args(p, ks, args)
     for rec in _RECORDERS:
@@ -467,19 +465,19 @@ def launch(ks: KernelSource, *args: Any) -> None:
         return
     if 0 in grid:
         return
-    _runner(p, ks, device)(grid, args)
+    _runner(p, ks, device, binding)(grid, args)
 
 
-def fixed_launcher(ks: KernelSource, *args: Any):
+def fixed_launcher(ks: KernelSource, *args: Any, binding: Binding | None = None):
     """Launch `ks` once like launch(), and return a callable(*args) that repeats it with the same grid and no
     argument checks (for launch-bound decode paths whose ints are fixed), or None where that does not apply."""
-    launch(ks, *args)
+    launch(ks, *args, binding=binding)
     device = args[0].device if isinstance(args[0], torch.Tensor) else None
     if device is None or device.type not in ("cuda",) or _RECORDERS:
         return None
     p = _prepared(ks)
     grid = _grid(p, ks, args)
-    run = _runner(p, ks, device)
+    run = _runner(p, ks, device, binding)
     return lambda *a: run(grid, a)
 
 
@@ -495,24 +493,20 @@ def _interpret(p: _Prepared, ks: KernelSource, grid, args) -> None:
         fn[grid](*args, **p.kwargs)
 
 
-def _runner(p: _Prepared, ks: KernelSource, device: torch.device):
-    slot = _device_slot(device)
-    b = _BINDINGS.get(slot)
-    gen = b.generation if b is not None else 0
-    hit = p.runners.get(slot)
-    if hit is not None and hit[0] == gen:
-        return hit[1]
-    run = _resolve_runner(p, ks, slot, b)
-    p.runners[slot] = (gen, run)
+def _runner(p: _Prepared, ks: KernelSource, device: torch.device, b: Binding | None):
+    key = (_device_slot(device), b)           # a Binding hashes by identity: each model's own runners
+    run = p.runners.get(key)
+    if run is None:
+        run = p.runners[key] = _resolve_runner(p, ks, key[0], b)
     return run
 
 
-def _resolve_runner(p: _Prepared, ks: KernelSource, slot: tuple[str, int], b: _Binding | None):
+def _resolve_runner(p: _Prepared, ks: KernelSource, slot: tuple[str, int], b: Binding | None):
     no_jit = settings().no_jit
-    if b is not None and b.catalogues and b.policy != "jit":
-        hit = b.find(ks.key)
-        if hit is not None and b.policy != "allow-jit":
-            return _binary_runner(hit[0], hit[1], slot)
+    if b is not None and b.has_binaries and b.policy != "jit":
+        entry = b.find(ks.key)
+        if entry is not None and b.policy != "allow-jit":
+            return _binary_runner(b.catalogue, entry, slot)
         if b.policy == "strict" or no_jit:
             raise MissingKernelError(
                 f"kernel {ks.name} (IR op {ks.ir_op or '-'}, key {ks.key}) is not in {b.describe()}: the runtime "
@@ -552,7 +546,8 @@ def _jit_runner(p: _Prepared, ks: KernelSource):
 
 
 def _binary_runner(cat: Catalogue, entry, slot: tuple[str, int]):
-    key = (entry.key, slot[1])
+    # one load per binary and device, whichever artifact lists it (equal sha256: equal code)
+    key = (entry.sha256.get(entry.binary) or os.path.join(cat.root, entry.binary), slot[1])
     bk = _BINARIES.get(key)
     if bk is None:
         from .binary import load_binary
@@ -573,6 +568,6 @@ def _binary_runner(cat: Catalogue, entry, slot: tuple[str, int]):
 
 
 __all__ = ["launch", "fixed_launcher", "load_kernel", "eval_grid", "compile_grid_expr", "GridError", "kernel_dir",
-           "interpret_env", "Catalogue", "bind", "unbind", "binding_generation", "tier_fallback", "stats",
+           "interpret_env", "Catalogue", "Binding", "target_of", "tier_fallback", "stats",
            "reset_stats", "recording",
            "LaunchStats", "MissingKernelError", "POLICIES", "ENABLE_FP_FUSION"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .caches.context import CallContext
 from .executor import TORCH_IMPLS, LayerCaches, build_graph_module
 
 
@@ -55,14 +56,13 @@ def check_ops(compiled, weights: dict[str, torch.Tensor], input_ids: torch.Tenso
     """Run prefill on input_ids[:, :-decode_steps] and the remaining tokens as decodes, comparing every kernel op
     with its torch implementation fed the same inputs. On a GPU the kernels come from the model's artifact
     (session.bind_kernels with `kernel_policy`)."""
+    from .session import bind_kernels
+
     if device == "cpu":
         from ..codegen.triton_mode import prepare_interpreter
 
         prepare_interpreter()
-    else:
-        from .session import bind_kernels
-
-        bind_kernels(compiled, torch.device(device), kernel_policy)
+    binding = bind_kernels(compiled, torch.device(device), kernel_policy)
     phase = {"name": "prefill"}
     errors: list[OpError] = []
 
@@ -84,10 +84,10 @@ def check_ops(compiled, weights: dict[str, torch.Tensor], input_ids: torch.Tenso
 
     # what the graph reads (packed MXFP4 experts quantized from float stacks, shapes checked), once
     on_device = {k: v.to(device) for k, v in prepare_weights(compiled.module, weights, compiled.spec).items()}
-    gm = build_graph_module(compiled.module, on_device, use_kernels=True, wrap=wrap)
+    gm = build_graph_module(compiled.module, on_device, use_kernels=True, wrap=wrap, binding=binding)
     ids = input_ids.to(device)
     t = ids.shape[1] - decode_steps
-    cache = LayerCaches(compiled.spec.num_layers)
+    cache = LayerCaches(compiled.spec.num_layers, CallContext(binding))
     with torch.no_grad():
         gm(ids[:, :t], cache)
         cache.length = t

@@ -93,20 +93,20 @@ class PrefixCache:
         self._newest: dict[int, bytes] = {}                                # rid -> its newest checkpoint
         self._displaced_at = float("-inf")          # the last cold admission allowed to displace the working set
         self.stats = Counter()
-        self.engine = None
         self.ledger = None                          # the engine's page ledger: every page reference goes through it
-        self._running: list = []                    # the engine's running batch (read: is the engine busy?)
+        self._busy = lambda: False                  # whether the engine runs requests (attach)
         self._kda_layers: list[int] = []
         self._device = None
 
-    def attach(self, engine) -> None:
-        if self.engine is not None and self.engine is not engine:
+    def attach(self, ledger, *, kda_layers: list[int], busy) -> None:
+        """Serve the engine whose page ledger is `ledger` (the cache's pages and device come from it): its KDA
+        layers are `kda_layers`, and `busy()` says whether it is running requests (what guard() protects)."""
+        if self.ledger is not None and self.ledger is not ledger:
             raise ArgumentError("a PrefixCache serves one engine")
-        self.engine = engine
-        self.ledger, self._running = engine.ledger, engine.scheduler.running
-        self._kda_layers, self._device = engine.kda_layers, engine.device
+        self.ledger, self._busy = ledger, busy
+        self._kda_layers, self._device = list(kda_layers), ledger.device
         if self.host is None:
-            self.host = HostTier(pin=engine.device.type == "cuda")
+            self.host = HostTier(pin=ledger.device.type == "cuda")
 
     @property
     def pool(self):
@@ -159,7 +159,7 @@ class PrefixCache:
             kda = c.kda
         else:
             n = pool.pages_for(c.length)
-            guard = GUARD_WANTED if self._running else GUARD_NONE
+            guard = GUARD_WANTED if self._busy() else GUARD_NONE
             while pool.num_free < n and self.evict_for_pages(guard):
                 pass
             if pool.num_free < n:
@@ -225,9 +225,9 @@ class PrefixCache:
         if self.policy != "working-set":
             return GUARD_NONE
         if seq.resumed:
-            return GUARD_WANTED if self._running else GUARD_NONE
+            return GUARD_WANTED if self._busy() else GUARD_NONE
         now = self.clock()
-        if self._running or seq.queued_at is None or now - seq.queued_at <= self.protect_s \
+        if self._busy() or seq.queued_at is None or now - seq.queued_at <= self.protect_s \
                 or now - self._displaced_at <= self.protect_s:
             return GUARD_WORKING_SET
         self._displaced_at = now

@@ -12,58 +12,59 @@ from __future__ import annotations
 import torch
 
 from ..errors import ArgumentError
+from .caches.context import CallContext
+from .caches.latent_format import kv_format
 from .executor import LayerCaches, build_graph_module
-from .caches.latent_format import check_kv_dtype
+from .launcher import POLICIES, Binding
 from .sampling import make_generator, params_for_rows, sample
 from .weight_prep import prepare_weights
 
 
-def bind_kernels(compiled, device: torch.device, policy: str = "artifact") -> str:
-    """Make `device`'s kernel launches come from `compiled`'s artifact (k3c.runtime.launcher.bind) and its kernel
-    choices follow the artifact's Target. policy: "artifact" (a kernel the artifact lacks is JIT-compiled once,
-    with a warning), "strict" (such a launch raises), "allow-jit" (an artifact for another target: JIT-compile the
-    kernels for this device instead), "jit" (ignore the binaries: JIT everything). A model with no artifact yet
-    gets one compiled into the cache (CompiledModel.ensure_artifact). Returns a one-line description."""
-    from .devices import bind_device_target, device_target, unbind_device_target
-    from . import launcher
+def bind_kernels(compiled, device: torch.device, policy: str = "artifact") -> Binding:
+    """The Binding `compiled`'s kernels launch through on `device` (launcher.Binding), owned by the caller (a
+    Session or Engine, through its graph) and carried to every launch by its call contexts: nothing is bound to
+    the device, so models sharing it keep their own kernels. policy: "artifact" (a kernel the artifact lacks is
+    JIT-compiled once, with a warning), "strict" (such a launch raises), "allow-jit" (an artifact for another
+    target: JIT-compile the kernels for this device instead), "jit" (ignore the binaries: JIT everything). On a
+    GPU a model with no artifact yet gets one compiled into the cache (CompiledModel.ensure_artifact); on a CPU the
+    interpreter runs the kernels planned for the cpu target; on meta (nothing runs: a recording of the kernels
+    launched) the model's own target is planned for."""
+    from .devices import target_for
 
-    if policy not in launcher.POLICIES:
-        raise ArgumentError(f"kernel policy must be one of {', '.join(launcher.POLICIES)}, got {policy!r}")
+    if policy not in POLICIES:
+        raise ArgumentError(f"kernel policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if device.type == "meta":
+        return Binding(None, compiled.target, "jit")
+    own = target_for(device)
     if device.type != "cuda":
-        return f"{device.type}: kernels run in Triton's interpreter" if device.type == "cpu" else device.type
-    own = device_target(device)
+        return Binding(None, own, "jit")          # Triton's interpreter: nothing is compiled
     tgt = compiled.target
     fits = tgt.backend == own.backend and tgt.arch == own.arch
     if policy == "jit" or (not fits and policy == "allow-jit"):
-        unbind_device_target(device)            # kernels planned for the device itself
-        launcher.bind(device, compiled.catalogue(), "allow-jit" if policy == "allow-jit" else "jit")
-        return (f"JIT-compiling kernels for {own.name} ({own.backend} {own.arch})"
-                + (f" instead of the artifact's {tgt.name} binaries" if policy == "allow-jit" else ""))
+        return Binding(compiled.catalogue(), own, policy)      # kernels planned for the device itself
     if not fits:
         where = f"the artifact {compiled.artifact_dir}" if compiled.artifact_dir else "this model"
         raise ArgumentError(f"{where} is compiled for {tgt.name} ({tgt.backend} {tgt.arch}) and cannot run on "
                             f"{device} ({own.name}, {own.backend} {own.arch}): compile it with --target {own.name}, "
                             f"or pass --allow-jit to JIT-compile its kernels for this device")
     compiled.ensure_artifact()
-    launcher.bind(device, compiled.catalogue(), policy)
-    bind_device_target(device, tgt)
-    return f"{len(compiled.compiled_kernels)} kernels from {compiled.artifact_dir} ({tgt.name}, {policy})"
+    return Binding(compiled.catalogue(), tgt, policy)
 
 
 def load_graph(compiled, weights: dict[str, torch.Tensor], device: torch.device, use_kernels: bool, *,
                wrap=None, kernel_policy: str = "artifact"):
-    """The compiled graph with `weights` (checked against the IR's params) on `device`. MLA ops take a mode a
-    caller sets per call (`CallContext.mla_modes`); `wrap(op, fn)` may replace op implementations. On a GPU the
-    kernels come from the artifact under `kernel_policy` (bind_kernels)."""
+    """The compiled graph with `weights` (checked against the IR's params) on `device`, holding the Binding its
+    kernels launch through (`graph.binding`: bind_kernels under `kernel_policy`; without kernels, the device's
+    own target with nothing bound). MLA ops take a mode a caller sets per call (`CallContext.mla_modes`);
+    `wrap(op, fn)` may replace op implementations."""
     weights = prepare_weights(compiled.module, weights, compiled.spec)
     if use_kernels and device.type == "cpu":
         from ..codegen.triton_mode import prepare_interpreter
 
         prepare_interpreter()       # generated kernels run in Triton's interpreter on a CPU
-    if use_kernels:
-        bind_kernels(compiled, device, kernel_policy)
+    binding = bind_kernels(compiled, device, kernel_policy if use_kernels else "jit")
     on_device = {name: t.to(device) for name, t in weights.items()}
-    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels, wrap=wrap)
+    return build_graph_module(compiled.module, on_device, use_kernels=use_kernels, wrap=wrap, binding=binding)
 
 
 def describe_graph(compiled, use_kernels: bool) -> str:
@@ -106,8 +107,9 @@ class Session:
         self.max_context = max_context or self.spec.max_context
         self.batch: int | None = None            # rows of the cached batch (set by prefill)
         self.use_kernels = use_kernels
-        self.kv_dtype = check_kv_dtype(kv_dtype)      # the MLA latent cache's format (latent_format)
+        self.kv = kv_format(kv_dtype)                # the MLA latent cache's format (latent_format.KVFormat)
         self.graph = load_graph(compiled, weights, self.device, use_kernels, kernel_policy=kernel_policy)
+        self.binding: Binding = self.graph.binding   # this session's kernels on its device (bind_kernels)
         self.cache: LayerCaches | None = None
         self.last_sampling: list = []            # the seeded SamplingParams per row of the last generate()
 
@@ -148,7 +150,7 @@ class Session:
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Start a new batch: logits [B, T, vocab] of the prompt."""
-        return self._run(input_ids, LayerCaches(self.spec.num_layers, self.kv_dtype))
+        return self._run(input_ids, LayerCaches(self.spec.num_layers, CallContext(self.binding, self.kv)))
 
     def append(self, segment_ids: torch.Tensor) -> torch.Tensor:
         """Append-prefill a segment [B, T'] after the cached context."""

@@ -63,9 +63,9 @@ def test_runtime_picks_split_for_few_rows(monkeypatch):
     names = []
     real = ka.launch
 
-    def spy(ks, *args):
+    def spy(ks, *args, binding=None):
         names.append(ks.name)
-        return real(ks, *args)
+        return real(ks, *args, binding=binding)
 
     monkeypatch.setattr(ka, "launch", spy)
     blocks, proj, norm, *_ = make(2, 3, (SPLIT_MAX_M,), 32, torch.float32, seed=3)

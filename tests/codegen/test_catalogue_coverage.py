@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import k3c
-from k3c.runtime.devices import bind_device_target, unbind_device_target
 from k3c.runtime import launcher
 
 GPU_TARGETS = ("h100", "h200", "b200", "mi300x", "mi355x")
@@ -30,20 +29,19 @@ def _meta_weights(model, dtype):
 def record_launches(model, shapes, dtype=torch.bfloat16):
     """[(kernel, (B, T))] for one prefill of B x T tokens and one decode step after it, per shape, on meta."""
     longest = max(t for _, t in shapes) + 1
-    bind_device_target("meta", model.target)
-    try:
-        sess = model.session(_meta_weights(model, dtype), device="meta", max_batch=max(b for b, _ in shapes),
-                             max_context=longest)
-        out = []
-        with launcher.recording() as rec:
-            for b, t in shapes:
-                sess.prefill(torch.zeros(b, t, dtype=torch.long))
-                sess.decode(torch.zeros(b, dtype=torch.long))
-                out += [(ks, (b, t)) for ks in rec]
-                rec.clear()
-        return out
-    finally:
-        unbind_device_target("meta")
+    # a session on meta plans for its model's target (session.bind_kernels): the kernels it records are the ones
+    # that target's GPU would launch
+    sess = model.session(_meta_weights(model, dtype), device="meta", max_batch=max(b for b, _ in shapes),
+                         max_context=longest)
+    assert sess.binding.target is model.target
+    out = []
+    with launcher.recording() as rec:
+        for b, t in shapes:
+            sess.prefill(torch.zeros(b, t, dtype=torch.long))
+            sess.decode(torch.zeros(b, dtype=torch.long))
+            out += [(ks, (b, t)) for ks in rec]
+            rec.clear()
+    return out
 
 
 @pytest.mark.parametrize("target", GPU_TARGETS)

@@ -1,5 +1,6 @@
 """Run-time device -> Target (issue 18): targets.target_for_properties from fake device properties (an H200 is not
-an H100), launch.target_for on faked torch properties, and the bind/unbind override for artifact sessions."""
+an H100), launch.target_for on faked torch properties, and a Binding's target for artifact sessions (the device
+answers its own row whatever runs on it)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -64,7 +65,6 @@ def fake_gpu(monkeypatch):
         launch._detected_target.cache_clear()
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: state["props"])
-    monkeypatch.setattr(launch, "_BOUND", {})
     yield set_props
     launch._detected_target.cache_clear()
 
@@ -88,26 +88,23 @@ def test_target_for_tells_h200_from_h100(fake_gpu):
     assert launch.target_for("cpu") is get_target("cpu")
 
 
-def test_bind_and_unbind(fake_gpu):
+def test_a_binding_plans_for_its_artifact_target_the_device_keeps_its_own(fake_gpu):
+    from k3c.runtime.launcher import Binding, target_of
+
     fake_gpu(name="NVIDIA H200", major=9, minor=0, total_memory=150_109_880_320,
              shared_memory_per_block_optin=232_448)
     h100 = get_target("h100")
-    assert launch.bind_device_target("cuda:0", "h100") is None          # an h100 artifact on an H200
-    assert launch.target_for("cuda:0") is h100
-    assert launch.target_for(torch.device("cuda", 0)) is h100
-    assert launch.target_for("cpu") is get_target("cpu")                         # other devices are not affected
-    assert launch.bind_device_target("cuda:0", get_target("b200")) is h100      # rebinding returns the old one
-    assert launch.unbind_device_target("cuda:0") is get_target("b200")
-    assert launch.target_for("cuda:0") is get_target("h200")                   # the device's own row again
-    assert launch.unbind_device_target("cuda:0") is None
-    # a meta (or cpu) device may take a GPU target: recording another target's kernel choices on meta tensors
-    launch.bind_device_target("meta", "h200")
-    assert launch.target_for(torch.empty(1, device="meta").device) is get_target("h200")
-    launch.unbind_device_target("meta")
+    b = Binding(None, h100, "artifact")                  # an h100 artifact's session on an H200
+    assert target_of(b, "cuda:0") is h100 and target_of(b, torch.device("cuda", 0)) is h100
+    assert target_of(None, "cuda:0") is get_target("h200")            # nothing bound: the device's own row
+    assert launch.target_for("cuda:0") is get_target("h200")          # the binding changed nothing global
+    other = Binding(None, get_target("b200"), "jit")                  # a second model on the same device
+    assert target_of(other, "cuda:0") is get_target("b200") and target_of(b, "cuda:0") is h100
+    # meta has no target of its own: a session there plans for its binding's (a recording of that target)
+    assert target_of(Binding(None, get_target("h200"), "jit"), "meta") is get_target("h200")
     with pytest.raises(CodegenError, match="no kernel target"):
         launch.target_for(torch.empty(1, device="meta").device)
-    with pytest.raises(CodegenError, match="cannot bind target 'cpu'"):
-        launch.bind_device_target("cuda:0", "cpu")
-    with pytest.raises(ArgumentError, match="unknown target"):
-        launch.bind_device_target("cuda:0", "h300")
-    assert launch.target_for("cuda:0") is get_target("h200")
+    with pytest.raises(CodegenError, match="kernel policy"):
+        Binding(None, h100, "sometimes")
+    with pytest.raises(CodegenError, match="expected a Target"):
+        Binding(None, "h100")

@@ -133,12 +133,9 @@ def test_can_build_follows_the_triton_release():
 
 @pytest.fixture
 def cuda_slot():
-    """A cuda device slot with nothing bound (no GPU is touched: bindings and the fallback rule are host state)."""
-    dev = torch.device("cuda", 7)
-    launcher.unbind(dev)
+    """A cuda device (no GPU is touched: bindings and the fallback rule are host state)."""
     launcher.reset_stats()
-    yield dev
-    launcher.unbind(dev)
+    yield torch.device("cuda", 7)
     launcher.reset_stats()
 
 
@@ -148,10 +145,11 @@ def test_unbuildable_tier_kernel_falls_back_where_jit_is_asked_for(cuda_slot, mo
         assert launcher.tier_fallback(ks, cuda_slot)            # nothing bound: everything would be JIT-compiled
     assert launcher.stats().tier_fallbacks == [ks.name]
     for policy in ("allow-jit", "jit"):
-        launcher.bind(cuda_slot, launcher.Catalogue(get_target("h200"), "/nonexistent"), policy)
+        b = launcher.Binding(launcher.Catalogue(get_target("h200"), "/nonexistent", {ks.key: object()}),
+                             get_target("h200"), policy)
         with warnings.catch_warnings():
             warnings.simplefilter("error")                      # said once per kernel
-            assert launcher.tier_fallback(ks, cuda_slot)
+            assert launcher.tier_fallback(ks, cuda_slot, b)
     assert launcher.stats().tier_fallbacks == [ks.name]
     assert not launcher.tier_fallback(probe(tiers.triton_release()), cuda_slot)     # buildable here: JIT it
     assert not launcher.tier_fallback(ks, torch.device("cpu"))
@@ -160,17 +158,17 @@ def test_unbuildable_tier_kernel_falls_back_where_jit_is_asked_for(cuda_slot, mo
 
 def test_unbuildable_tier_kernel_is_refused_under_the_artifact_policy(cuda_slot, monkeypatch):
     ks = probe("0.0")
-    before = launcher.binding_generation()
+    other = launcher.Catalogue(get_target("h200"), "/nonexistent", {"another-kernel": object()})
     for policy in ("artifact", "strict"):
-        launcher.bind(cuda_slot, launcher.Catalogue(get_target("h200"), "/nonexistent"), policy)
+        b = launcher.Binding(other, get_target("h200"), policy)
         with pytest.raises(launcher.MissingKernelError, match="cannot build:") as err:
-            launcher.tier_fallback(ks, cuda_slot)
+            launcher.tier_fallback(ks, cuda_slot, b)
         assert "\n" not in str(err.value)
-    assert launcher.binding_generation() > before
     cat = launcher.Catalogue(get_target("h200"), "/nonexistent", {ks.key: object()})
-    launcher.bind(cuda_slot, cat, "artifact")
-    assert not launcher.tier_fallback(ks, cuda_slot)             # its binary is in the artifact
-    launcher.unbind(cuda_slot)
+    assert not launcher.tier_fallback(ks, cuda_slot, launcher.Binding(cat, get_target("h200"), "artifact"))
+    # the same device, another model's binding: its own artifact decides (the first one's holds the kernel)
+    with pytest.raises(launcher.MissingKernelError, match="cannot build:"):
+        launcher.tier_fallback(ks, cuda_slot, launcher.Binding(other, get_target("h200"), "artifact"))
     monkeypatch.setenv("K3C_NO_JIT", "1")
     with pytest.raises(launcher.MissingKernelError, match="cannot build:"):
         launcher.tier_fallback(ks, cuda_slot)

@@ -62,8 +62,8 @@ def test_cost_model_mode_choice():
     assert t is not None and 1 < t < 8192
     assert mla_mode_costs(k3, t, 131072, h200).best == "mha" and mla_mode_costs(k3, t - 1, 131072, h200).best == "mqa"
     a = {**k3, "mode": "auto"}
-    assert rt.choose_mode(a, 1, [100], torch.device("cpu")) == "mqa"
-    assert rt.choose_mode({**a, "mode": "mha"}, 1, [100], torch.device("cpu")) == "mha"
+    assert rt.choose_mode(a, 1, [100], get_target("cpu")) == "mqa"
+    assert rt.choose_mode({**a, "mode": "mha"}, 1, [100], get_target("cpu")) == "mha"
 
 
 def test_inspect_prints_the_crossover(capsys):

@@ -10,7 +10,7 @@ from k3c.errors import ArgumentError
 from k3c.runtime.cuda_graph import EagerBackend
 from k3c.runtime.engine import Engine
 from k3c.runtime.kernel_impls import mla as rt
-from k3c.runtime.caches.latent_format import decode_rows, encode_rows, pool_dtype, row_width
+from k3c.runtime.caches.latent_format import KVFormat, decode_rows, encode_rows, kv_format, row_width
 from k3c.runtime.prefix_cache import PrefixCache
 from numerics import rel
 
@@ -46,9 +46,15 @@ def test_row_format_is_codes_then_scales_and_rounds_like_torch():
 
 def test_fp8_needs_half_precision_activations():
     with pytest.raises(ArgumentError, match="fp8"):
-        pool_dtype("fp8", torch.float32)
-    with pytest.raises(ArgumentError, match="kv_dtype"):
-        pool_dtype("int8", torch.bfloat16)
+        kv_format("fp8").pool_dtype(torch.float32)
+    with pytest.raises(ArgumentError, match="--kv-dtype must be one of"):
+        kv_format("int8", "--kv-dtype")
+    with pytest.raises(ArgumentError, match="kv_dtype must be one of"):
+        kv_format(torch.float8_e4m3fn)                  # a torch dtype is not a kv_dtype name
+    fmt = kv_format("fp8")
+    assert kv_format(fmt) is fmt and isinstance(fmt, KVFormat) and str(fmt) == "fp8"   # decoded once, passed on
+    assert fmt.pool_dtype(torch.bfloat16) == torch.float8_e4m3fn
+    assert kv_format("auto").pool_dtype(torch.float16) == torch.float16
 
 
 def latent_ref(x, w, nw, L, eps):

@@ -72,11 +72,10 @@ def bound(tmp_path_factory):
         compiled = build(root, target.name)
     else:
         pytest.skip("this Triton cannot build the hopper tier's source: set K3C_HOPPER_BIN (module doc)")
-    launcher.bind(dev, launcher.Catalogue(target, os.path.abspath(root), {ck.catalogue_key: ck for ck in compiled}),
-                  "strict")
+    binding = launcher.Binding(launcher.Catalogue(target, os.path.abspath(root),
+                                                  {ck.catalogue_key: ck for ck in compiled}), target, "strict")
     launcher.reset_stats()
-    yield dev, target
-    launcher.unbind(dev)
+    yield dev, binding
 
 
 def reference(q, pool, bt, lens, tq: int, heads: int) -> torch.Tensor:
@@ -97,7 +96,8 @@ def reference(q, pool, bt, lens, tq: int, heads: int) -> torch.Tensor:
 def test_hopper_decode_through_the_runtime(bound, case):
     from k3c.runtime.kernel_impls import mla as rt
 
-    dev, target = bound
+    dev, binding = bound
+    target = binding.target
     B, H, TQ, lens = case
     gen = torch.Generator(device=dev).manual_seed(len(lens) * 1000 + H)
     store = rt.new_store(B, max(lens), L + R, PS, torch.bfloat16, dev)
@@ -114,8 +114,8 @@ def test_hopper_decode_through_the_runtime(bound, case):
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
     ref = reference(q, store.pool, store.block_table, lens, TQ, H)
 
-    shipped = rt.mqa_decode(q, store, lens_t, SCALE, L, num_heads=H, target=target, max_len=max(lens))
-    portable = rt.mqa_decode(q, store, lens_t, SCALE, L, num_heads=H, target=target, max_len=max(lens),
+    shipped = rt.mqa_decode(q, store, lens_t, SCALE, L, num_heads=H, binding=binding, max_len=max(lens))
+    portable = rt.mqa_decode(q, store, lens_t, SCALE, L, num_heads=H, binding=binding, max_len=max(lens),
                              plan=decode_plan(TQ * H, L, target, cache_dtype="bf16", rope_dim=R, tiers=False))
     assert decode_plan(TQ * H, L, target, cache_dtype="bf16", rope_dim=R).tier == "hopper"
     for got in (shipped, portable):

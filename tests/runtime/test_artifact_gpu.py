@@ -118,23 +118,35 @@ def test_bf16_kernel_ops_from_the_artifact_match_torch(artifact, no_jit):
 
 
 def test_two_models_on_one_device_both_run_from_their_artifacts(tmp_path_factory, no_jit):
-    """A target and its draft model share a GPU: binding the second must not take the first's kernels away."""
+    """A target and its draft model share a GPU: each session holds its own Binding, so making the second takes
+    nothing from the first, and each launches its own artifact's kernels (interleaved, no re-binding)."""
     models = {name: k3c.load(_artifact_path(name, tmp_path_factory)) for name in sorted(SPECS)}
     runs = {}
     for name, model in models.items():
         w = _weights(model.spec, torch.float32)
         ids = torch.randint(0, model.spec.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))
         runs[name] = (model.session(w, device="cuda", max_batch=1, max_context=16, kernel_policy="strict"), ids)
+    bindings = [sess.binding for sess, _ in runs.values()]
+    assert len({id(b) for b in bindings}) == len(bindings)
+    assert all(b.policy == "strict" and b.catalogue is not None for b in bindings)
     launcher.reset_stats()
-    keys = set().union(*(m.catalogue().entries for m in models.values()))
-    with launcher.recording() as launched:
-        for name, (sess, ids) in runs.items():       # the first-bound model runs after the second was bound
-            out = sess.prefill(ids)
-            sess.decode(out[:, -1].argmax(-1))
+    launched = {name: [] for name in runs}
+    outs = {}
+    for name, (sess, ids) in runs.items():        # the first-made model runs after the second was made
+        with launcher.recording() as rec:
+            outs[name] = sess.prefill(ids)
+        launched[name] += rec
+    for name, (sess, ids) in runs.items():        # and again, interleaved
+        with launcher.recording() as rec:
+            sess.decode(outs[name][:, -1].argmax(-1))
+        launched[name] += rec
     torch.cuda.synchronize()
     # binaries loaded by earlier tests stay loaded (stats().binaries counts loads, not launches): what shows that
-    # both models ran from their artifacts is that every launch is a key of one of them and nothing was JIT-compiled
-    assert launched and all(ks.key in keys for ks in launched)
+    # each model ran from its own artifact is that every launch of it is a key of its catalogue (strict: a key
+    # missing there raises) and nothing was JIT-compiled
+    for name, model in models.items():
+        own = model.catalogue().entries
+        assert launched[name] and all(ks.key in own for ks in launched[name]), name
     assert launcher.stats().jit == 0, launcher.stats()
 
 

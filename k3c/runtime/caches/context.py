@@ -4,14 +4,19 @@ set by the caller (Session, the serving runner, a DecodeGraph) and read by the k
 calls and read back with getattr defaults."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from .latent_format import check_kv_dtype
+from ..launcher import Binding
+from .latent_format import AUTO, KVFormat
 
 
 @dataclass
 class CallContext:
-    kv_dtype: str = "auto"                      # the format of MLA stores made in this call (latent_format), checked
+    binding: Binding | None = None              # the model's kernels on its device (launcher.Binding: its artifact,
+    #                                             Target and policy), owned by its Session / Engine; None: nothing
+    #                                             bound (the device's own target, kernels JIT-compiled)
+    kv: KVFormat = AUTO                         # the format of MLA stores made in this call (latent_format.kv_format)
     mla_modes: dict[int, str] | None = None     # {MLA layer: mode} the caller chose (the runner: batch_mla_mode);
     #                                             None or a layer missing: the op chooses with the same rule
     modes: dict[int, str] = field(default_factory=dict)    # {MLA layer: the mode its op ran}: written by the impls
@@ -20,10 +25,18 @@ class CallContext:
     last_logits_only: bool = False              # lm_head on each row's last position only (logits [B, 1, V]): a
     #                                             prefill whose prompt-position logits nobody asked for
 
-    def __post_init__(self):
-        self.kv_dtype = check_kv_dtype(self.kv_dtype)
-
     @property
     def traced(self) -> bool:
         """Whether this call keeps per-token KDA states (a speculative verification)."""
         return self.kda_trace is not None
+
+    def next_call(self) -> "CallContext":
+        """The context of the caller's next call: the same binding and cache format, nothing this call chose or
+        wrote."""
+        return dataclasses.replace(self, mla_modes=None, modes={}, kda_trace=None, kda_token_buffers={})
+
+
+def call_binding(cache) -> Binding | None:
+    """The Binding an op implementation launches through: its call context's (None for a weight transform run at
+    load time, which has no cache)."""
+    return None if cache is None else cache.ctx.binding

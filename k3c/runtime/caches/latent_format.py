@@ -7,6 +7,8 @@ scale for the latent part and one for the rope part: 592 bytes per 576-value row
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...codegen.kernels.mla_common import FP8_MAX, LATENT_FP8, latent_row_width
@@ -17,19 +19,35 @@ KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
 _NAMED = {**{n: TT_TO_TORCH[n] for n in ("bf16", "fp16", "fp32")}, "fp8": TT_TO_TORCH["fp8e4nv"]}
 
 
-def check_kv_dtype(kv_dtype: object, what: str = "kv_dtype") -> str:
-    if kv_dtype not in KV_DTYPES:
+@dataclass(frozen=True)
+class KVFormat:
+    """A decoded kv_dtype: the MLA latent cache's row format. kv_format() is the one place a kv_dtype name is
+    read and checked; Engine, Session, the call context and DecodeGraph hold this value."""
+
+    name: str
+
+    def pool_dtype(self, act_dtype: torch.dtype, what: str = "kv_dtype") -> torch.dtype:
+        """The pool tensor's dtype for a cache of this format in a model running in `act_dtype` (`what` names the
+        argument in errors)."""
+        if self.name == "fp8" and act_dtype == torch.float32:
+            raise ArgumentError(f"{what} fp8 needs bf16 or fp16 activations (an fp32 run is the exact reference)")
+        return act_dtype if self.name == "auto" else _NAMED[self.name]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def kv_format(kv_dtype: object, what: str = "kv_dtype") -> KVFormat:
+    """The KVFormat a user's kv_dtype names ("auto", "bf16", "fp16", "fp32", "fp8"; a KVFormat passes through);
+    ArgumentError naming `what` otherwise."""
+    if isinstance(kv_dtype, KVFormat):
+        return kv_dtype
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
         raise ArgumentError(f"{what} must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    return kv_dtype
+    return KVFormat(kv_dtype)
 
 
-def pool_dtype(kv_dtype: str, act_dtype: torch.dtype, what: str = "kv_dtype") -> torch.dtype:
-    """The pool tensor's dtype for a cache of `kv_dtype` in a model running in `act_dtype` (`what` names the
-    argument in errors)."""
-    check_kv_dtype(kv_dtype, what)
-    if kv_dtype == "fp8" and act_dtype == torch.float32:
-        raise ArgumentError(f"{what} fp8 needs bf16 or fp16 activations (an fp32 run is the exact reference)")
-    return act_dtype if kv_dtype == "auto" else _NAMED[kv_dtype]
+AUTO = KVFormat("auto")     # the activation dtype
 
 
 def is_fp8(pool: torch.Tensor | torch.dtype) -> bool:
@@ -75,5 +93,5 @@ def decode_rows(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int, dtype: tor
     return torch.cat([codes[..., :L] * sc[..., :1], codes[..., L:] * sc[..., 1:]], -1).to(dtype)
 
 
-__all__ = ["KV_DTYPES", "check_kv_dtype", "pool_dtype", "is_fp8", "row_width", "pool_args",
+__all__ = ["KV_DTYPES", "KVFormat", "kv_format", "AUTO", "is_fp8", "row_width", "pool_args",
            "encode_rows", "decode_rows"]

@@ -1,9 +1,11 @@
 """Runtime implementations of the kernel-level ops, one module per kernel family. Each family exports two plain
 dicts of `fn(attrs, cache, data, params)`:
 
-    KERNEL_IMPLS  {op name: launch_<op>}  the op through its generated Triton kernels, on the device of its tensors
-                                           (k3c.runtime.devices: the device's target; the interpreter on a CPU);
-                                           the executor takes it for ops the `codegen` pass marks impl="kernel"
+    KERNEL_IMPLS  {op name: launch_<op>}  the op through its generated Triton kernels, on the device of its tensors,
+                                           planned for and launched through the call's Binding
+                                           (caches.context.call_binding(cache): the model's artifact and Target;
+                                           the interpreter on a CPU); the executor takes it for ops the `codegen`
+                                           pass marks impl="kernel"
     TORCH_IMPLS   {op name: torch_<op>}   the torch path (the reference) of the ops the family's passes introduce;
                                            the layer ops' torch path is the executor's own table
 

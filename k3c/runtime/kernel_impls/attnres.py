@@ -18,8 +18,9 @@ from ...codegen.kernels.attnres import (SPLIT_MAX_M, emit_attnres_phase1, emit_a
 from ...ir.attnres_ops import STATS
 from ...reference.attnres import attn_res_logits, attn_res_query
 from ...reference.norms import acc, rms_norm
-from ..devices import interpreted, target_for, tt_dtype
-from ..launcher import launch
+from ..caches.context import call_binding
+from ..devices import interpreted, tt_dtype
+from ..launcher import Binding, launch, target_of
 
 # -- packed phase-1 rows --------------------------------------------------------------------------------------------
 
@@ -123,8 +124,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def phase1(sources: Sequence[torch.Tensor], queries: torch.Tensor, eps: float, *, target=None, loc: str = "",
-           split: bool | None = None, **plan) -> torch.Tensor:
+def phase1(sources: Sequence[torch.Tensor], queries: torch.Tensor, eps: float, *, target=None,
+           binding: Binding | None = None, loc: str = "", split: bool | None = None, **plan) -> torch.Tensor:
     """The packed phase-1 result [Q, *lead, STATS + D] through the generated kernels: for up to SPLIT_MAX_M token
     rows (decode) the decode form, D split across programs with an f32 workspace (allocated here, so safe under
     CUDA-graph capture); else the row-tile form. `split` forces one form; plan keys: block_m, block_d, num_warps,
@@ -138,7 +139,7 @@ def phase1(sources: Sequence[torch.Tensor], queries: torch.Tensor, eps: float, *
     rows = [_rows(v) for v in sources]
     M = rows[0].shape[0]
     out = torch.empty((Q, M, STATS + D), dtype=x0.dtype, device=x0.device)
-    tgt = target or target_for(x0.device)
+    tgt = target or target_of(binding, x0.device)
     interp = interpreted(x0)
     block_ds = plan.pop("block_ds", None)
     if split if split is not None else M <= SPLIT_MAX_M:
@@ -147,20 +148,22 @@ def phase1(sources: Sequence[torch.Tensor], queries: torch.Tensor, eps: float, *
         n = M * len(sources) * k_part.constexprs["NS"]
         ws = torch.empty(n * (k_part.constexprs["QP"] + 1), dtype=torch.float32, device=x0.device)
         wd, wss = ws[:n * k_part.constexprs["QP"]], ws[n * k_part.constexprs["QP"]:]
-        launch(k_part, *rows, queries.float().contiguous(), wd, wss, M)
-        launch(k_fin, *rows, wd, wss, out, out.view(torch.float32), M)
+        launch(k_part, *rows, queries.float().contiguous(), wd, wss, M, binding=binding)
+        launch(k_fin, *rows, wd, wss, out, out.view(torch.float32), M, binding=binding)
         return out.view((Q,) + tuple(lead) + (STATS + D,))
     k_scores, k_out = _emit1(D, len(sources), Q, float(eps), target=tgt, dtype=tt_dtype(x0.dtype), loc=loc,
                              interpret=interp, **plan)
     scratch = torch.empty((M, len(sources) + 1, k_scores.constexprs["QP"]), dtype=torch.float32, device=x0.device)
-    launch(k_scores, *rows, queries.float().contiguous(), scratch, out.view(torch.float32), M)
-    launch(k_out, *rows, scratch, out, M)
+    launch(k_scores, *rows, queries.float().contiguous(), scratch, out.view(torch.float32), M,
+           binding=binding)
+    launch(k_out, *rows, scratch, out, M, binding=binding)
     return out.view((Q,) + tuple(lead) + (STATS + D,))
 
 
 def phase2(s1: torch.Tensor, queries: torch.Tensor, query: int, eps: float, *, partial: torch.Tensor | None = None,
            update: torch.Tensor | None = None, weight: torch.Tensor | None = None, norm_eps: float | None = None,
-           target=None, loc: str = "", out: torch.Tensor | None = None, **plan) -> torch.Tensor:
+           target=None, binding: Binding | None = None, loc: str = "", out: torch.Tensor | None = None,
+           **plan) -> torch.Tensor:
     """Merge + update + RMSNorm through the generated kernel (see module doc for the result)."""
     D = s1.shape[-1] - STATS
     lead = s1.shape[1:-1]
@@ -168,7 +171,7 @@ def phase2(s1: torch.Tensor, queries: torch.Tensor, query: int, eps: float, *, p
     M = s1c[0].numel() // (STATS + D)
     mode = "update" if update is not None else "source" if partial is not None else "none"
     dt = s1.dtype
-    tgt = target or target_for(s1.device)
+    tgt = target or target_of(binding, s1.device)
     ks = _emit2(D, float(eps), mode=mode, normed=weight is not None,
                 norm_eps=float(norm_eps) if weight is not None else None, target=tgt, dtype=tt_dtype(dt),
                 weight_dtype=tt_dtype(weight.dtype) if weight is not None else None, loc=loc,
@@ -183,16 +186,16 @@ def phase2(s1: torch.Tensor, queries: torch.Tensor, query: int, eps: float, *, p
         args.append(_rows(update.to(dt)))
     if weight is not None:
         args.append(weight.reshape(D).contiguous())
-    launch(ks, *args, out, int(query), M)
+    launch(ks, *args, out, int(query), M, binding=binding)
     return out.view(((2,) if mode == "update" else ()) + tuple(lead) + (D,))
 
 
 def launch_attn_res_phase1(a, cache, data, w):
-    return phase1(list(data[:-1]), data[-1], a["eps"])
+    return phase1(list(data[:-1]), data[-1], a["eps"], binding=call_binding(cache))
 
 
 def launch_attn_res_phase2(a, cache, data, w):
-    return _phase2_call(phase2, a, data, w)
+    return _phase2_call(functools.partial(phase2, binding=call_binding(cache)), a, data, w)
 
 
 # fold_queries and take have no kernel of their own: they run the same way on every path

@@ -3,7 +3,8 @@ k3c/codegen/catalogue/basic.py). The layer ops' torch path is the executor's (k3
 family has no TORCH_IMPLS entries.
 
 Wrappers (each builds and memoises the KernelSource specialised on the actual shapes and dtypes, then launches it
-through k3c.runtime.launcher):
+through k3c.runtime.launcher with the `binding=` its caller gives: the impls pass their call context's; a target
+and binding default to the device's own, JIT):
     rmsnorm(x, weight, eps, residual=None) -> (out, new_residual or None)
     gemm(a, w, bias=None, act=None, residual=None) -> act(a @ w.T + bias) + residual
     gemm_glu(a, w_gate, w_up, act) -> act(a @ w_gate.T, a @ w_up.T)
@@ -22,13 +23,15 @@ from ...codegen.kernels.common import epi_act, glu_act
 from ...codegen.targets import Target, get_target
 from ...codegen.writer import CodegenError
 from ...frontend.spec import ActivationSpec
-from ..devices import interpreted, target_for, tt_dtype
-from ..launcher import launch
+from ..caches.context import call_binding
+from ..devices import interpreted, tt_dtype
+from ..launcher import Binding, launch, target_of
 
 
-def _resolve(target: Target | str | None, t: torch.Tensor) -> Target:
+def _resolve(target: Target | str | None, binding: Binding | None, t: torch.Tensor) -> Target:
+    """The Target to plan for: the one asked for, else the binding's (the device's own with none)."""
     if target is None:
-        return target_for(t.device)
+        return target_of(binding, t.device)
     if isinstance(target, str):
         return get_target(target)
     return target
@@ -81,12 +84,13 @@ def _dt(t: torch.Tensor | None) -> str | None:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None, *,
-            target: Target | str | None = None, inplace: bool = False, max_block: int | None = None,
+            target: Target | str | None = None, binding: Binding | None = None, inplace: bool = False,
+            max_block: int | None = None,
             ir_op: str = "rms_norm", loc: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over the last dim, fp32 inside. With `residual`: s = x + residual (in their promoted dtype) is
     returned as the new residual (written into `residual` itself when inplace=True) and out = rmsnorm(s).
     Returns (out, new_residual or None); out has x's dtype (the promoted dtype when fused), as the reference."""
-    tgt = _resolve(target, x)
+    tgt = _resolve(target, binding, x)
     D = x.shape[-1]
     x2 = _rows(x)
     M = x2.shape[0]
@@ -101,7 +105,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: 
                    lambda: _emit_rmsnorm(D, float(eps), target=tgt, dtype=tt_dtype(x.dtype),
                                          weight_dtype=_dt(weight), has_weight=weight is not None,
                                          max_block=max_block, ir_op=ir_op, loc=loc, interpret=interp))
-        launch(ks, x2, *ws, out, M)
+        launch(ks, x2, *ws, out, M, binding=binding)
         return out.view(x.shape), None
     if residual.shape != x.shape:
         raise CodegenError(f"rmsnorm residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
@@ -119,17 +123,17 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: 
                                      ir_op=ir_op, loc=loc, interpret=interp))
     if r2.dtype != rdt:
         r2 = r2.to(rdt)
-    launch(ks, x2, r2, *ws, out, res_out, M)
+    launch(ks, x2, r2, *ws, out, res_out, M, binding=binding)
     return out.view(x.shape), (residual if inplace else res_out.view(x.shape))
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: object = None,
-         residual: torch.Tensor | None = None, *, target: Target | str | None = None,
+         residual: torch.Tensor | None = None, *, target: Target | str | None = None, binding: Binding | None = None,
          out_dtype: torch.dtype | None = None, fp32_precision: str = "ieee", ir_op: str = "linear",
          loc: str = "") -> torch.Tensor:
     """act(a @ w.T + bias) + residual for a [..., K], w [N, K] (nn.Linear layout); result [..., N] in out_dtype
     (default a's dtype). act: None | 'silu' | 'sigmoid' | 'relu' | ('situ_gate', beta) | ('situ_up', beta)."""
-    tgt = _resolve(target, a)
+    tgt = _resolve(target, binding, a)
     if w.dim() != 2:
         raise CodegenError(f"gemm weight must be [N, K], got shape {tuple(w.shape)}")
     N, K = w.shape
@@ -156,15 +160,16 @@ def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act
                                   out_dtype=tt_dtype(odt), bias=bias is not None, bias_dtype=_dt(bias),
                                   act=epi_act(act), residual=residual is not None, residual_dtype=_dt(residual),
                                   fp32_precision=fp32_precision, ir_op=ir_op, loc=loc, interpret=interp))
-    launch(ks, a2, w.contiguous(), *extra, out, M)
+    launch(ks, a2, w.contiguous(), *extra, out, M, binding=binding)
     return out.view(*a.shape[:-1], N)
 
 
 def gemm_glu(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: object = "swiglu", *,
-             target: Target | str | None = None, out_dtype: torch.dtype | None = None,
+             target: Target | str | None = None, binding: Binding | None = None,
+             out_dtype: torch.dtype | None = None,
              fp32_precision: str = "ieee", ir_op: str = "linear_glu", loc: str = "") -> torch.Tensor:
     """act(a @ w_gate.T, a @ w_up.T) in one kernel (SwiGLU or SiTU-GLU; ActivationSpec accepted)."""
-    tgt = _resolve(target, a)
+    tgt = _resolve(target, binding, a)
     if w_gate.dim() != 2 or w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
         raise CodegenError(f"gemm_glu weights must be two [F, K] of one dtype, got {tuple(w_gate.shape)} "
                            f"{w_gate.dtype} and {tuple(w_up.shape)} {w_up.dtype}")
@@ -180,14 +185,15 @@ def gemm_glu(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: obj
                lambda: _emit_gemm_glu(F, K, glu_act(act), target=tgt, m_hint=mb, dtype=tt_dtype(a.dtype),
                                       w_dtype=tt_dtype(w_gate.dtype), out_dtype=tt_dtype(odt),
                                       fp32_precision=fp32_precision, ir_op=ir_op, loc=loc, interpret=interp))
-    launch(ks, a2, w_gate.contiguous(), w_up.contiguous(), out, M)
+    launch(ks, a2, w_gate.contiguous(), w_up.contiguous(), out, M, binding=binding)
     return out.view(*a.shape[:-1], F)
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor, *, target: Target | str | None = None,
+              binding: Binding | None = None,
               ir_op: str = "embedding", loc: str = "") -> torch.Tensor:
     """table[ids] for integer ids of any shape and table [V, D]; ids outside [0, V) give zero rows."""
-    tgt = _resolve(target, table)
+    tgt = _resolve(target, binding, table)
     if table.dim() != 2:
         raise CodegenError(f"embedding table must be [V, D], got shape {tuple(table.shape)}")
     if ids.dtype not in (torch.int64, torch.int32):
@@ -199,27 +205,28 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, *, target: Target | str | 
     ks = _memo(("embedding", id(tgt), V, D, table.dtype, ids.dtype, ir_op, loc), tgt,
                lambda: _emit_embedding(V, D, target=tgt, dtype=tt_dtype(table.dtype), ids_dtype=tt_dtype(ids.dtype),
                                        ir_op=ir_op, loc=loc))
-    launch(ks, flat, table.contiguous(), out, N)
+    launch(ks, flat, table.contiguous(), out, N, binding=binding)
     return out.view(*ids.shape, D)
 
 
 # -- kernel implementations: fn(attrs, cache, data, params) ----------------------------------------------------------
 def launch_embedding(a, cache, data, w):
-    return embedding(data[0], w["embed_tokens.weight"])
+    return embedding(data[0], w["embed_tokens.weight"], binding=call_binding(cache))
 
 
 def launch_rmsnorm(a, cache, data, w):
-    return rmsnorm(data[0], w["weight"], a["eps"])[0]
+    return rmsnorm(data[0], w["weight"], a["eps"], binding=call_binding(cache))[0]
 
 
 def launch_rmsnorm_residual(a, cache, data, w):
-    out, summed = rmsnorm(data[0], w["weight"], a["eps"], residual=data[1])
+    out, summed = rmsnorm(data[0], w["weight"], a["eps"], residual=data[1], binding=call_binding(cache))
     return summed, out
 
 
 def launch_mlp(a, cache, data, w):
-    h = gemm_glu(data[0], w["gate_proj.weight"], w["up_proj.weight"], ActivationSpec.from_attrs(a))
-    return gemm(h, w["down_proj.weight"])
+    b = call_binding(cache)
+    h = gemm_glu(data[0], w["gate_proj.weight"], w["up_proj.weight"], ActivationSpec.from_attrs(a), binding=b)
+    return gemm(h, w["down_proj.weight"], binding=b)
 
 
 KERNEL_IMPLS = {"embedding": launch_embedding, "rmsnorm": launch_rmsnorm,

@@ -23,8 +23,9 @@ from ... import reference as ref
 from ...reference.kda import KDAState
 from ...reference.norms import acc
 from ..caches.kda_rollback import step_tokens, traced
-from ..devices import TT_TO_TORCH, interpreted, target_for, torch_dtype, tt_dtype
-from ..launcher import launch
+from ..caches.context import call_binding
+from ..devices import TT_TO_TORCH, interpreted, torch_dtype, tt_dtype
+from ..launcher import Binding, launch, target_of
 from .basic import gemm
 
 _emit_prep = functools.lru_cache(maxsize=128)(emit_kda_prep)
@@ -55,16 +56,16 @@ def _equal_cu(t: int, b: int, device) -> torch.Tensor:
     return cu_seqlens([t] * b, device)
 
 
-def _plan(head_dim: int, dtype: torch.dtype, device, chunk=None, block_v=None, dot=None, chunk_warps=None,
+def _plan(head_dim: int, dtype: torch.dtype, tgt, chunk=None, block_v=None, dot=None, chunk_warps=None,
           **overrides):
     overrides = {k_: v_ for k_, v_ in overrides.items() if v_ is not None}
-    return kda_plan(head_dim, tt_dtype(dtype), target_for(device), chunk=chunk, block_v=block_v, dot=dot,
+    return kda_plan(head_dim, tt_dtype(dtype), tgt, chunk=chunk, block_v=block_v, dot=dot,
                     chunk_warps=chunk_warps, **overrides)
 
 
 def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads: int, head_dim: int, gate: str,
              gate_lower_bound: float, l2norm_eps: float, max_len: int, qkv_dtype=torch.float32,
-             ir_op: str = "kda_attn", loc: str = ""):
+             binding: Binding | None = None, ir_op: str = "kda_attn", loc: str = ""):
     """Projections [total, H*D] (xb [total, H]), conv_w (q, k, v) each [H*D, 1, KW] or [H*D, KW], tails (q, k, v) each
     [N, H*D, KW-1] or None (zeros). Returns ((qkv [total, 3HD] in qkv_dtype, g|beta [total, HD+H] fp32), new tails);
     `unpack` gives the q, k, v, g, beta views."""
@@ -72,7 +73,7 @@ def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads
     dt = xq.dtype
     total, N = xq.shape[0], cu.numel() - 1
     kw = conv_w[0].shape[-1]
-    tgt = target_for(xq.device)
+    tgt = target_of(binding, xq.device)
     ks = _emit_prep(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
                     target=tgt, dtype=tt_dtype(dt), qkv_dtype=tt_dtype(qkv_dtype), ir_op=ir_op, loc=loc,
                     interpret=interpreted(xq))
@@ -85,7 +86,7 @@ def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads
     ws = [_c(w_.reshape(H * D, kw), dt) for w_ in conv_w]
     launch(ks, _c(xq), _c(xk, dt), _c(xv, dt), _c(xf, dt), _c(xb, dt), *ws, _c(a_log, torch.float32),
            _c(dt_bias, torch.float32), *(_c(t, dt) for t in tails), *new, qkv, gb, _c(cu, torch.int32), N,
-           int(max_len))
+           int(max_len), binding=binding)
     return (qkv, gb), new
 
 
@@ -112,8 +113,8 @@ def kda_chunk(q, k, v, g, beta, cu, initial_state=None, **kw):
 def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None,
                        out_dtype=torch.float32, chunk: int | None = None, block_v: int | None = None,
                        dot: str | None = None, chunk_warps: int | None = None, intra_warps: int | None = None,
-                       max_len: int | None = None,
-                       final_state: torch.Tensor | None = None, ir_op: str = "kda_attn", loc: str = ""):
+                       max_len: int | None = None, final_state: torch.Tensor | None = None,
+                       binding: Binding | None = None, ir_op: str = "kda_attn", loc: str = ""):
     """kda_chunk's two launches, unlaunched: (intra(), inter(), o, final state); the outputs are filled once both
     ran (benchmarks time each kernel alone). max_len: the longest sequence (the intra kernel's grid; computed from
     cu, a device sync, when not given); chunk .. intra_warps override the target's plan (benchmarks, tests)."""
@@ -125,8 +126,8 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
                                f"{tuple(t.shape)} strides {t.stride()}")
     if beta.shape != (total, H) or beta.stride(1) != 1:
         raise CodegenError(f"kda_chunk: beta must be [total, H] with unit head stride, got {tuple(beta.shape)}")
-    plan = _plan(D, q.dtype, q.device, chunk, block_v, dot, chunk_warps, intra_warps=intra_warps)
-    tgt = target_for(q.device)
+    tgt = target_of(binding, q.device)
+    plan = _plan(D, q.dtype, tgt, chunk, block_v, dot, chunk_warps, intra_warps=intra_warps)
     has_s0 = initial_state is not None
     interp = interpreted(q)
     o = torch.empty(total, H, D, dtype=out_dtype, device=q.device)
@@ -149,10 +150,10 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
 
     def intra():
         launch(ki, q, k, g, beta, kqd[0], kqd[1], kqd[2], at[0], at[1], eg, cu, q.stride(0), k.stride(0),
-               g.stride(0), beta.stride(0), N, int(max_len))
+               g.stride(0), beta.stride(0), N, int(max_len), binding=binding)
 
     def inter():
-        launch(kx, kqd[0], kqd[1], kqd[2], at[0], at[1], eg, v, o, s0, sT, cu, v.stride(0), N)
+        launch(kx, kqd[0], kqd[1], kqd[2], at[0], at[1], eg, v, o, s0, sT, cu, v.stride(0), N, binding=binding)
     return intra, inter, o, sT
 
 
@@ -160,7 +161,7 @@ def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, 
                head_dim: int, gate: str, gate_lower_bound: float, l2norm_eps: float, norm_eps: float,
                inplace: bool = False, fuse_out: bool = True, decode_block_v: int | None = None,
                decode_warps: int | None = None, decode_split: bool | None = None, ir_op: str = "kda_attn",
-               loc: str = "", out: KDAState | None = None):
+               loc: str = "", out: KDAState | None = None, binding: Binding | None = None):
     """One token per sequence: x* [B, H*D] (xb [B, H]), tails (q, k, v) [B, H*D, KW-1], state [B, H, D, D] fp32.
     Returns (y [B, H*D] = RMSNorm(o) x sigmoid(xg), new tails, new state); with inplace the tails and the state are
     updated in place (and returned); with `out` (a KDAState of contiguous buffers) they are written there. Without
@@ -170,8 +171,8 @@ def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, 
     B = xq.shape[0]
     dt = xq.dtype
     kw = conv_w[0].shape[-1]
-    tgt = target_for(xq.device)
-    plan = _plan(D, dt, xq.device, decode_block_v=decode_block_v, decode_warps=decode_warps,
+    tgt = target_of(binding, xq.device)
+    plan = _plan(D, dt, tgt, decode_block_v=decode_block_v, decode_warps=decode_warps,
                  decode_split=decode_split)
     ks = _emit_decode(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
                       norm_eps=float(norm_eps), target=tgt, dtype=tt_dtype(dt), plan=plan, fuse_out=fuse_out,
@@ -197,7 +198,7 @@ def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, 
     norm = (_c(o_norm_w, torch.float32),) if fuse_out else ()
     launch(ks, _c(xq), _c(xk, dt), _c(xv, dt), _c(xf, dt), _c(xb, dt), *outs, *ws, _c(a_log, torch.float32),
            _c(dt_bias, torch.float32), *norm, *tails, *new_tails,
-           state if inplace else _c(state, torch.float32), new_state, y, B)
+           state if inplace else _c(state, torch.float32), new_state, y, B, binding=binding)
     if inplace and split:
         for t, nt in zip(tails, new_tails):
             t.copy_(nt)
@@ -205,13 +206,13 @@ def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, 
     return y, new_tails, new_state
 
 
-def kda_out(o, gate, o_norm_w, eps: float, *, ir_op: str = "kda_out", loc: str = ""):
+def kda_out(o, gate, o_norm_w, eps: float, *, binding: Binding | None = None, ir_op: str = "kda_out", loc: str = ""):
     """o [M, H, D], gate [M, H*D] -> [M, H*D] in gate's dtype."""
     M, H, D = o.shape
-    ks = _emit_out(H, D, norm_eps=float(eps), target=target_for(o.device), dtype=tt_dtype(gate.dtype),
+    ks = _emit_out(H, D, norm_eps=float(eps), target=target_of(binding, o.device), dtype=tt_dtype(gate.dtype),
                    o_dtype=tt_dtype(o.dtype), ir_op=ir_op, loc=loc, interpret=interpreted(o))
     y = torch.empty(M, H * D, dtype=gate.dtype, device=o.device)
-    launch(ks, _c(o), _c(gate), _c(o_norm_w, torch.float32), y, M)
+    launch(ks, _c(o), _c(gate), _c(o_norm_w, torch.float32), y, M, binding=binding)
     return y
 
 
@@ -270,7 +271,7 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 
 def launch_kda_proj(a, cache, data, w):
-    return gemm(data[0], w["weight"], ir_op="kda_proj")     # the generated GEMM
+    return gemm(data[0], w["weight"], ir_op="kda_proj", binding=call_binding(cache))     # the generated GEMM
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -289,7 +290,7 @@ def launch_kda_attn(a, cache, data, w):
     st = _state(cache, a, b, xq.dtype, xq.device)
     conv_w = tuple(w[f"{p}_conv1d.weight"] for p in "qkv")
     common = dict(num_heads=h, head_dim=d, gate=a["gate"], gate_lower_bound=a["gate_lower_bound"],
-                  l2norm_eps=a["l2norm_eps"])
+                  l2norm_eps=a["l2norm_eps"], binding=call_binding(cache))
 
     def one(d1, s, out=None):          # one token: (o [B, 1, H, D], the new state; in `out` when given)
         o, tails, new = kda_decode(*(_aligned(x.reshape(b, -1)) for x in d1), None, conv_w, _fp32(w["A_log"]),
@@ -312,7 +313,7 @@ def launch_kda_attn(a, cache, data, w):
                                  max_len=t, qkv_dtype=TT_TO_TORCH[prep_qkv_dtype(dot)], **common)
         q, k, v, g, beta = unpack(packed, h, d)
         o, s = kda_chunk(q, k, v, g, beta, cu, st.state, chunk=a["chunk"], block_v=min(a["block_v"], d), dot=dot,
-                         max_len=t)
+                         max_len=t, binding=common["binding"])
         o, st = o.view(b, t, h, d), KDAState(s, tails)
     cache.layers[a["layer"]] = st
     return o
@@ -322,7 +323,7 @@ def launch_kda_out(a, cache, data, w):
     o, gate = data
     lead = gate.shape[:-1]
     y = kda_out(o.reshape(-1, a["num_heads"], a["head_dim"]), gate.reshape(-1, gate.shape[-1]),
-                w["o_norm.weight"], a["norm_eps"])
+                w["o_norm.weight"], a["norm_eps"], binding=call_binding(cache))
     return y.view(*lead, gate.shape[-1])
 
 

@@ -3,8 +3,8 @@
 runner also calls), and the torch implementations the executor uses when an op is not marked impl="kernel".
 
 Cache entry (cache.layers[layer]): a PagedLatentCache or DeviceLenLatentCache over a LatentStore
-(runtime/caches/latent_store.py); a new store takes the call context's kv_dtype (caches/context.py), an existing one
-keeps its format.
+(runtime/caches/latent_store.py); a new store takes the call context's cache format (caches/context.py), an
+existing one keeps its format. Kernels are planned for and launched through the call context's Binding.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from ...codegen.targets import Target
 from ...frontend.spec import MLASpec
 from ... import reference as ref
 from ...reference.norms import acc
-from ..devices import interpreted, target_for, tt_dtype
-from ..launcher import binding_generation, fixed_launcher, launch, tier_fallback
-from ..caches.latent_format import decode_rows, encode_rows, pool_args, pool_dtype, row_width
+from ..devices import interpreted, tt_dtype
+from ..launcher import Binding, fixed_launcher, launch, target_of, tier_fallback
+from ..caches.latent_format import decode_rows, encode_rows, pool_args, row_width
 from ..caches.latent_store import (DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table,
                                    new_store, reserve)
 
@@ -59,13 +59,13 @@ def lens_tensor(lens, device) -> torch.Tensor:
 
 
 # -- kernel launchers -------------------------------------------------------------------------------------------------
-def _tgt(t: torch.Tensor, target: Target | None) -> Target:
-    return target or target_for(t.device)
+def _tgt(t: torch.Tensor, target: Target | None, binding: Binding | None) -> Target:
+    return target or target_of(binding, t.device)
 
 
 def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps: float, store: LatentStore,
                  lens, kv_lora_rank: int, *, target: Target | None = None, split: bool | None = None,
-                 splits: int | None = None) -> None:
+                 splits: int | None = None, binding: Binding | None = None) -> None:
     """Kernel (a): store [RMSNorm(x W_c^T) | x W_r^T] of x [B, T, D] at positions lens[b].. of each sequence.
 
     split None: the split-K form (two kernels, the weight stream spread over ~2 programs per SM) when B*T <=
@@ -74,7 +74,7 @@ def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps
     replay runs what the eager step runs)."""
     B, T, D = x.shape
     W = w_dkv.shape[0]
-    tgt = _tgt(x, target)
+    tgt = _tgt(x, target, binding)
     pool = pool_args(store.pool)
     if norm_w.dtype != w_dkv.dtype:
         norm_w = norm_w.to(w_dkv.dtype)
@@ -86,15 +86,16 @@ def write_latent(x: torch.Tensor, w_dkv: torch.Tensor, norm_w: torch.Tensor, eps
                          dtype=tt_dtype(x.dtype), w_dtype=tt_dtype(w_dkv.dtype),
                          cache_dtype=tt_dtype(store.pool.dtype), interpret=interpreted(x))
         launch(ks, x2, w_dkv.contiguous(), norm_w.contiguous(), *pool, store.block_table, lens_t, T,
-               store.block_table.shape[1], B)
+               store.block_table.shape[1], B, binding=binding)
         return
     M = B * T
     S, k_split, ka, kb, slot = _write_setup(M, D, W, kv_lora_rank, float(eps), store.page_size, x.dtype, w_dkv.dtype,
-                                            store.pool.dtype, splits, tgt, x.device, interpreted(x))
+                                            store.pool.dtype, splits, tgt, x.device, interpreted(x), binding)
     ws = torch.empty(S * M * W, dtype=torch.float32, device=x.device)      # partials [S, M, W] (graph-safe)
-    _fast_launch(slot, 0, ka, x2, w_dkv if w_dkv.is_contiguous() else w_dkv.contiguous(), ws, M, k_split, S)
+    _fast_launch(slot, 0, ka, x2, w_dkv if w_dkv.is_contiguous() else w_dkv.contiguous(), ws, M, k_split, S,
+                 binding=binding)
     _fast_launch(slot, 1, kb, ws, norm_w if norm_w.is_contiguous() else norm_w.contiguous(), *pool,
-                 store.block_table, lens_t, T, store.block_table.shape[1], M, S)
+                 store.block_table, lens_t, T, store.block_table.shape[1], M, S, binding=binding)
 
 
 def latent_splits(rows: int, hidden: int, width: int, block_m: int, block_n: int, block_k: int,
@@ -114,9 +115,10 @@ _WRITE_SETUP: dict = {}
 
 
 def _write_setup(M: int, D: int, W: int, L: int, eps: float, ps: int, dt, wdt, cdt, splits: int | None, tgt: Target,
-                 device: torch.device, interp: bool):
-    """The split-K latent write's shape-only decisions (plan, S, both kernels), memoised like _decode_setup."""
-    key = (M, D, W, L, eps, ps, dt, wdt, cdt, splits, id(tgt), device.type, device.index, interp)
+                 device: torch.device, interp: bool, binding: Binding | None = None):
+    """The split-K latent write's shape-only decisions (plan, S, both kernels), memoised like _decode_setup (per
+    binding: the slots hold launchers of its kernels)."""
+    key = (M, D, W, L, eps, ps, dt, wdt, cdt, splits, id(tgt), device.type, device.index, interp, binding)
     hit = _WRITE_SETUP.get(key)
     if hit is not None and hit[0] is tgt:
         return hit[1]
@@ -205,11 +207,13 @@ _DECODE_SETUP: dict = {}
 
 
 def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, cdt: torch.dtype, odt: torch.dtype, plan,
-                  n_pages: int, splits: int | None, scale: float, tgt: Target, device: torch.device, interp: bool):
-    """Everything about a decode call that depends on shapes only (plan, splits, both kernels, grids), memoised:
-    the per-call host work is two allocations and two launches (small-batch decode is launch-bound)."""
+                  n_pages: int, splits: int | None, scale: float, tgt: Target, device: torch.device, interp: bool,
+                  binding: Binding | None = None):
+    """Everything about a decode call that depends on shapes only (plan, splits, both kernels, grids), memoised
+    per binding (what its artifact holds decides the tier fallback; the slots hold launchers of its kernels): the
+    per-call host work is two allocations and two launches (small-batch decode is launch-bound)."""
     key = (B, ROWS, W, L, ps, dt, cdt, odt, plan, n_pages, splits, scale, id(tgt), device.type, device.index, interp,
-           binding_generation())
+           binding)
     hit = _DECODE_SETUP.get(key)
     if hit is not None and hit[0] is tgt:
         return hit[1]
@@ -220,7 +224,7 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, c
                               cache_dtype=tt_dtype(cdt), interpret=interp)
 
     ks = kernel(plan)
-    if plan.tier != "portable" and tier_fallback(ks, device):       # a tier kernel neither loadable nor buildable
+    if plan.tier != "portable" and tier_fallback(ks, device, binding):   # a tier kernel neither loadable nor built
         plan = decode_plan(ROWS, L, tgt, cache_dtype=tt_dtype(cdt), rope_dim=W - L, tiers=False)
         ks = kernel(plan)
     tiles = -(-ROWS // plan.block_h)
@@ -237,25 +241,26 @@ def _decode_setup(B: int, ROWS: int, W: int, L: int, ps: int, dt: torch.dtype, c
     return val
 
 
-def _fast_launch(slot: list, i: int, ks, *args) -> None:
+def _fast_launch(slot: list, i: int, ks, *args, binding: Binding | None) -> None:
     """launch() checks every argument and evaluates the grid; a memoised setup fixes every int that the grid rule
     reads, so after its first (checked) call later calls on a GPU repeat that launch with no checks."""
     fast = slot[i]
     if fast is not None:
         fast(*args)
         return
-    slot[i] = fixed_launcher(ks, *args)
+    slot[i] = fixed_launcher(ks, *args, binding=binding)
 
 
 def mqa_decode(q: torch.Tensor, store: LatentStore, lens: torch.Tensor, scale: float, kv_lora_rank: int, *,
                num_heads: int, splits: int | None = None, plan=None, target: Target | None = None,
-               out_dtype: torch.dtype | None = None, max_len: int | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, max_len: int | None = None,
+               binding: Binding | None = None) -> torch.Tensor:
     """Kernels (b) + merge: q [B, ROWS, L+R] ([q_lat | q_pe], rows token-major (t, head)) against the paged latent
     cache of lengths `lens` (i32 [B], the new tokens included; rows in q's dtype or fp8). Returns o_lat [B, ROWS, L]
     (out_dtype, default q's)."""
     B, ROWS, W = q.shape
     L = kv_lora_rank
-    tgt = target or target_for(q.device)
+    tgt = _tgt(q, target, binding)
     ps = store.page_size
     max_len = int(lens.max()) if max_len is None else max_len      # pass it: lens.max() syncs with the GPU
     n_pages = -(-max_len // ps)
@@ -268,20 +273,21 @@ def mqa_decode(q: torch.Tensor, store: LatentStore, lens: torch.Tensor, scale: f
                          f"{lens.device}, block table {store.block_table.dtype} do not fit q {q.dtype} on {q.device} "
                          f"(lens and block table must be int32)")
     S, pps, ks, mk, slot = _decode_setup(B, ROWS, W, L, ps, q.dtype, store.pool.dtype, odt, plan, n_pages, splits,
-                                         float(scale), tgt, q.device, interp)
+                                         float(scale), tgt, q.device, interp, binding)
     M = B * ROWS
     ws = torch.empty(S * M * (L + 1), dtype=torch.float32, device=q.device)     # partial o, then its lse
     o_part, lse = ws[: S * M * L], ws[S * M * L:]
     _fast_launch(slot, 0, ks, q if q.is_contiguous() else q.contiguous(), *pool_args(store.pool), store.block_table,
-                 lens, o_part, lse, ROWS, num_heads, ROWS // num_heads, store.block_table.shape[1], pps, B, S)
+                 lens, o_part, lse, ROWS, num_heads, ROWS // num_heads, store.block_table.shape[1], pps, B, S,
+                 binding=binding)
     out = torch.empty(M, L, dtype=odt, device=q.device)
-    _fast_launch(slot, 1, mk, o_part, lse, out, lse, M, S)
+    _fast_launch(slot, 1, mk, o_part, lse, out, lse, M, S, binding=binding)
     return out.view(B, ROWS, L)
 
 
 def mha_step(q: torch.Tensor, k: torch.Tensor, kpe: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
              lse: torch.Tensor, shift: int, scale: float, has_prev: bool, *, key_splits: int = 1,
-             target: Target | None = None) -> None:
+             target: Target | None = None, binding: Binding | None = None) -> None:
     """Kernel (c): one chunk of keys k [B, TK, N, P] | kpe [B, TK, R] (any row stride), values v [B, TK, N, V]
     for q [B, TQ, N, P+R]. key_splits = 1: updates the running o fp32 [B, TQ, N, V] / lse fp32 [B, TQ, N] in place
     (continuing them when has_prev); key_splits = KS > 1: writes KS partials o [KS, B, TQ, N, V], lse [KS, ...]."""
@@ -292,13 +298,13 @@ def mha_step(q: torch.Tensor, k: torch.Tensor, kpe: torch.Tensor, v: torch.Tenso
         raise ValueError("k_pe rows must be contiguous")
     if has_prev and key_splits != 1:
         raise ValueError("continuing the running output needs key_splits == 1")
-    tgt = _tgt(q, target)
+    tgt = _tgt(q, target, binding)
     ks = _emit_prefill(P, R, V, float(scale), target=tgt, dtype=tt_dtype(q.dtype), has_prev=bool(has_prev),
                        tq_hint=TQ, interpret=interpreted(q))
     ks_len = -(-TK // key_splits)
     ks_len = -(-ks_len // ks.constexprs["BLOCK_N"]) * ks.constexprs["BLOCK_N"]
     launch(ks, q, k.contiguous(), kpe, v.contiguous(), o, lse, TQ, TK, N, int(shift), kpe.stride(0),
-           kpe.stride(1), B, key_splits, ks_len)
+           kpe.stride(1), B, key_splits, ks_len, binding=binding)
 
 
 def mha_key_splits(B: int, TQ: int, N: int, TK: int, q: torch.Tensor, target: Target) -> int:
@@ -315,8 +321,8 @@ def mha_key_splits(B: int, TQ: int, N: int, TK: int, q: torch.Tensor, target: Ta
 
 
 def mha_attention(q: torch.Tensor, entry: PagedLatentCache, w_uk_t: torch.Tensor, w_uv: torch.Tensor,
-                  scale: float, chunk: int, *, target: Target | None = None, key_splits: int | None = None
-                  ) -> torch.Tensor:
+                  scale: float, chunk: int, *, target: Target | None = None, key_splits: int | None = None,
+                  binding: Binding | None = None) -> torch.Tensor:
     """MHA mode over the paged cache (new tokens already written; entry.lens include them): keys and values are
     expanded from the latent `chunk` tokens at a time; chunks (and key splits inside a chunk, for short query runs)
     are merged by log-sum-exp. Returns o fp32 [B, T, N, V]."""
@@ -326,12 +332,13 @@ def mha_attention(q: torch.Tensor, entry: PagedLatentCache, w_uk_t: torch.Tensor
     V = w_uv.shape[2]
     if len(set(entry.lens)) > 1:        # mixed lengths: one sequence at a time
         return torch.cat([mha_attention(q[b:b + 1], PagedLatentCache(_SeqView(entry.store, b), (entry.lens[b],)),
-                                        w_uk_t, w_uv, scale, chunk, target=target, key_splits=key_splits)
+                                        w_uk_t, w_uv, scale, chunk, target=target, key_splits=key_splits,
+                                        binding=binding)
                           for b in range(B)])
     total = entry.lens[0]
     cached = total - T
     q = q.contiguous()
-    tgt = _tgt(q, target)
+    tgt = _tgt(q, target, binding)
     wk, wv = w_uk_t.to(q.dtype), w_uv.to(q.dtype)
     ksp = key_splits or mha_key_splits(B, T, N, min(chunk, total), q, tgt)
     if ksp == 1:
@@ -348,11 +355,11 @@ def mha_attention(q: torch.Tensor, entry: PagedLatentCache, w_uk_t: torch.Tensor
         k = torch.einsum("bkl,npl->bknp", c, wk)
         v = torch.einsum("bkl,nlv->bknv", c, wv)
         if ksp == 1:
-            mha_step(q, k, lat[..., L:], v, o, lse, cached - c0, scale, c0 > 0, target=tgt)
+            mha_step(q, k, lat[..., L:], v, o, lse, cached - c0, scale, c0 > 0, target=tgt, binding=binding)
         else:
             mha_step(q, k, lat[..., L:], v, part_o[1:], part_lse[1:], cached - c0, scale, False, key_splits=ksp,
-                     target=tgt)
-            launch(mk, part_o, part_lse, o, lse, B * T * N, ksp + 1)
+                     target=tgt, binding=binding)
+            launch(mk, part_o, part_lse, o, lse, B * T * N, ksp + 1, binding=binding)
     return o
 
 
@@ -385,13 +392,13 @@ def batch_mla_mode(attrs, new: int, cached: list[int], target) -> str:
     return "mha" if mha_s <= both.mqa_seconds else "mqa"
 
 
-def choose_mode(a, new: int, cached: list[int], device) -> str:
-    """The op's mode attr, or for "auto" the faster of MHA and MQA for these cached lengths on the device's target
+def choose_mode(a, new: int, cached: list[int], target: Target) -> str:
+    """The op's mode attr, or for "auto" the faster of MHA and MQA for these cached lengths on `target`
     (batch_mla_mode)."""
     mode = a.get("mode", "auto")
     if mode != "auto":
         return mode
-    return batch_mla_mode(a, new, list(cached), target_for(device))
+    return batch_mla_mode(a, new, list(cached), target)
 
 
 def _chosen(a, cache) -> str | None:
@@ -403,9 +410,9 @@ def _chosen(a, cache) -> str | None:
 
 
 def call_mode(a, cache, new: int, cached, device) -> str:
-    """The mode this call of the op runs (the one set for it, else choose_mode over its lengths), recorded in the
-    call context (CallContext.modes: the engine reports it per call)."""
-    mode = _chosen(a, cache) or choose_mode(a, new, cached, device)
+    """The mode this call of the op runs (the one set for it, else choose_mode over its lengths on the target its
+    binding plans for), recorded in the call context (CallContext.modes: the engine reports it per call)."""
+    mode = _chosen(a, cache) or choose_mode(a, new, cached, target_of(cache.ctx.binding, device))
     cache.ctx.modes[a["layer"]] = mode
     return mode
 
@@ -434,7 +441,7 @@ def torch_mla_absorbed(a, cache, data, w):
     entry = cache.layers[a["layer"]]
     new = ref.mla_latent(x, w, cfg)
     L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
+    ps = target_of(cache.ctx.binding, x.device).mla_page_size if entry is None else entry.store.page_size
     pdt = _new_store_dtype(cache, x)
     store, lens = reserve(entry, B, T, row_width(L, R, pdt), ps, pdt, x.device)
     pos = torch.arange(T, device=x.device)[None, :] + torch.tensor(lens, device=x.device)[:, None]
@@ -457,8 +464,8 @@ def _ref_attend(a, x, rows, w, cfg, mode):
 
 
 def _new_store_dtype(cache, x: torch.Tensor) -> torch.dtype:
-    """The pool dtype of a store made in this call (its context's kv_dtype)."""
-    return pool_dtype(cache.ctx.kv_dtype, x.dtype)
+    """The pool dtype of a store made in this call (its context's cache format)."""
+    return cache.ctx.kv.pool_dtype(x.dtype)
 
 
 def launch_mla_absorbed(a, cache, data, w):
@@ -471,21 +478,24 @@ def launch_mla_absorbed(a, cache, data, w):
     entry = cache.layers[a["layer"]]
     if isinstance(entry, DeviceLenLatentCache):
         return _kernel_mla_device_lens(a, cache, x, w, entry)
-    ps = target_for(x.device).mla_page_size if entry is None else entry.store.page_size
+    b = cache.ctx.binding
+    ps = target_of(b, x.device).mla_page_size if entry is None else entry.store.page_size
     pdt = _new_store_dtype(cache, x)
     store, lens = reserve(entry, B, T, row_width(L, r, pdt), ps, pdt, x.device)
-    write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], store, lens, L)
+    write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], store, lens, L,
+                 binding=b)
     store.high = [m + T for m in lens]
     entry = PagedLatentCache(store, tuple(m + T for m in lens))
     cache.layers[a["layer"]] = entry
     q = ref.mla_query(x, w, cfg)
     if call_mode(a, cache, T, lens, x.device) == "mqa":
-        return _mqa_sublayer(a, x, q, w, store, lens_tensor(entry.lens, x.device), max(entry.lens))
-    o = mha_attention(q, entry, w["w_uk_t"], w["w_uv"], scale, a["prefill_chunk"])
+        return _mqa_sublayer(a, x, q, w, store, lens_tensor(entry.lens, x.device), max(entry.lens), b)
+    o = mha_attention(q, entry, w["w_uk_t"], w["w_uv"], scale, a["prefill_chunk"], binding=b)
     return _finish(a, x, o, w)
 
 
-def _mqa_sublayer(a, x, q, w, store: LatentStore, lens: torch.Tensor, max_len: int) -> torch.Tensor:
+def _mqa_sublayer(a, x, q, w, store: LatentStore, lens: torch.Tensor, max_len: int,
+                  binding: Binding | None) -> torch.Tensor:
     """MQA mode after the latent write: absorbed query, split-KV decode over `lens` (i32 [B], new tokens included),
     W_UV, output gate, o_proj."""
     cfg = MLASpec.from_attrs(a)
@@ -493,7 +503,7 @@ def _mqa_sublayer(a, x, q, w, store: LatentStore, lens: torch.Tensor, max_len: i
     n, p, r, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     q_lat = torch.einsum("btnp,npl->btnl", acc(q[..., :p]), acc(w["w_uk_t"]))
     qq = torch.cat([q_lat, acc(q[..., p:])], dim=-1).to(x.dtype).view(B, T * n, L + r)
-    o_lat = mqa_decode(qq, store, lens, (p + r) ** -0.5, L, num_heads=n, max_len=max_len)
+    o_lat = mqa_decode(qq, store, lens, (p + r) ** -0.5, L, num_heads=n, max_len=max_len, binding=binding)
     o = torch.einsum("btnl,nlv->btnv", o_lat.view(B, T, n, L), w["w_uv"].to(o_lat.dtype))
     return _finish(a, x, o, w)
 
@@ -509,11 +519,11 @@ def _kernel_mla_device_lens(a, cache, x, w, entry: DeviceLenLatentCache) -> torc
         raise ValueError("a device-length MLA cache runs the MQA mode only (this call asks for MHA)")
     L = cfg.kv_lora_rank
     write_latent(x, w["kv_a_proj_with_mqa.weight"], w["kv_a_layernorm.weight"], a["lora_norm_eps"], entry.store,
-                 entry.lens, L)
+                 entry.lens, L, binding=cache.ctx.binding)
     lens = entry.lens + T
     cache.layers[a["layer"]] = DeviceLenLatentCache(entry.store, lens, entry.max_len)
     cache.ctx.modes[a["layer"]] = "mqa"
-    return _mqa_sublayer(a, x, ref.mla_query(x, w, cfg), w, entry.store, lens, entry.max_len)
+    return _mqa_sublayer(a, x, ref.mla_query(x, w, cfg), w, entry.store, lens, entry.max_len, cache.ctx.binding)
 
 
 KERNEL_IMPLS = {"mla_absorbed": launch_mla_absorbed}

@@ -29,8 +29,9 @@ from ...quant import mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_q
 from ... import reference as ref
 from ...reference.norms import acc
 from .. import routing_replay
-from ..devices import interpreted, target_for, tt_dtype
-from ..launcher import launch
+from ..caches.context import call_binding
+from ..devices import interpreted, tt_dtype
+from ..launcher import Binding, launch, target_of
 
 _emit_topk = functools.lru_cache(maxsize=64)(emit_moe_topk)
 _emit_rank = functools.lru_cache(maxsize=64)(emit_moe_rank)
@@ -46,12 +47,12 @@ _plan = functools.lru_cache(maxsize=256)(moe_gemm_plan)
 # ---- routing ---------------------------------------------------------------------------------------------------
 def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router_activation: str = "sigmoid",
           renormalize: bool = True, scaling: float = 1.0, ep_rank: int = 0, ep_size: int = 1, ir_op: str = "moe_route",
-          loc: str = ""):
+          loc: str = "", binding: Binding | None = None):
     """Routing kernels on fp32 logits [N, E]: (weights f32 [N, k], ids i32 [N, k], offsets i32 [1 + 4, EL + 1]
     (row 0: expert row offsets; rows 1..4: expert tile offsets for BLOCK_M 16, 32, 64, 128), perm i32 [N * k]:
     row r of the permuted order holds slot perm[r] = t * k + j; under expert parallelism only the first
     off[0, EL] rows are this rank's, the rest are -1)."""
-    tgt = target_for(logits.device)
+    tgt = target_of(binding, logits.device)
     lg = logits.reshape(-1, logits.shape[-1]).to(torch.float32).contiguous()
     N, E = lg.shape
     el, e0 = E // ep_size, ep_rank * (E // ep_size)
@@ -66,7 +67,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router
     ks = _emit_topk(E, top_k, target=tgt, router_activation=router_activation, bias=bias is not None,
                     renormalize=renormalize, scaling=float(scaling), e_local=el, e0=e0, ir_op=ir_op, loc=loc)
     extra = [bias.to(torch.float32).contiguous()] if bias is not None else []
-    launch(ks, lg, *extra, w, ids, pres, N)
+    launch(ks, lg, *extra, w, ids, pres, N, binding=binding)
     if routing_replay.active() is not None:        # a replayed choice: this run's weights and presence for it
         ids = routing_replay.replayed_ids(ids)
         s = torch.sigmoid(lg) if router_activation == "sigmoid" else torch.softmax(lg, dim=-1)
@@ -75,9 +76,10 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, router
         mine = (local >= 0) & (local < el)
         pres = torch.zeros(N, el, dtype=torch.int32, device=dev).scatter_add_(1, local.clamp(0, el - 1),
                                                                               mine.to(torch.int32))
-    launch(_emit_rank(el, target=tgt, ir_op=ir_op, loc=loc), pres, cnt, N)
-    launch(_emit_offsets(el, target=tgt, ir_op=ir_op, loc=loc), cnt, off)
-    launch(_emit_scatter(el, top_k, target=tgt, e0=e0, ir_op=ir_op, loc=loc), ids, pres, off, perm, N)
+    launch(_emit_rank(el, target=tgt, ir_op=ir_op, loc=loc), pres, cnt, N, binding=binding)
+    launch(_emit_offsets(el, target=tgt, ir_op=ir_op, loc=loc), cnt, off, binding=binding)
+    launch(_emit_scatter(el, top_k, target=tgt, e0=e0, ir_op=ir_op, loc=loc), ids, pres, off, perm, N,
+           binding=binding)
     return w, ids, off, perm
 
 
@@ -109,10 +111,10 @@ def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
 
 
 def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtype, plan=None, ir_op="", loc="",
-             scales=()):
+             scales=(), binding: Binding | None = None):
     """(GEMM kernel, dequant kernel or None) for these shapes: expert_plan + expert_gemm_kernels, the one choice
     the AOT catalogue enumerates, with the weights' scale check answered here (only where the plan asks)."""
-    tgt = target_for(a.device)
+    tgt = target_of(binding, a.device)
     dt = tt_dtype(a.dtype)
     first = plan or _plan(kind, n, k, rows, mx, dt, tgt)
     fits = not first.one_mul or scales_fit_one_mul(list(scales))
@@ -123,7 +125,7 @@ def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtyp
                            interpret=interpreted(a))
 
 
-def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots):
+def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots, binding: Binding | None = None):
     """The dequant path: per chunk of experts that fits DEQUANT_WORKSPACE_BYTES, the packed stacks to bf16 (one
     streaming kernel `dq` each), then the bf16 grouped GEMM `ks` on those experts' tiles. The stream orders the
     workspace's reuse; experts without rows are skipped by the dequant kernel and have no tiles."""
@@ -137,19 +139,19 @@ def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots):
     for e0 in range(0, el, chunk):
         e1 = min(el, e0 + chunk)
         for (p, s), w in zip(pairs, ws):
-            launch(dq, p, s, rows_off, w, e0, e1)
+            launch(dq, p, s, rows_off, w, e0, e1, binding=binding)
         if not routed:
-            launch(ks, a, *ws, *tail)
+            launch(ks, a, *ws, *tail, binding=binding)
         elif interpreted(a):
             t_off = off[1 + ROW_BUCKETS.index(bm)]
-            launch(ks, a, *ws, off, *tail, int(t_off[e1] - t_off[e0]), e0, e1)
+            launch(ks, a, *ws, off, *tail, int(t_off[e1] - t_off[e0]), e0, e1, binding=binding)
         else:
-            launch(ks, a, *ws, off, *tail, tile_slots(slots, e1 - e0, bm), e0, e1)
+            launch(ks, a, *ws, off, *tail, tile_slots(slots, e1 - e0, bm), e0, e1, binding=binding)
 
 
 def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: torch.Tensor, perm: torch.Tensor, *,
                  top_k: int, mx: str = "none", act=None, slots: int | None = None, plan=None,
-                 ir_op: str = "", loc: str = "") -> torch.Tensor:
+                 ir_op: str = "", loc: str = "", binding: Binding | None = None) -> torch.Tensor:
     """kind gate_up: a = z [T, K] (rows gathered through perm), weights [w1, w3] (bf16 [EL, M, K]) or
     [w1 packed, w1 scale, w3 packed, w3 scale]; returns h [S, M] in permuted order. kind down: a = h [S, K],
     weights [w2] or [packed, scale]; returns y [S, Z] in slot order. S = T * k (slots)."""
@@ -161,46 +163,47 @@ def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: t
     S = slots if slots is not None else (a.shape[0] * top_k if kind == "gate_up" else a.shape[0])
     rows = -(-S // max(1, el))
     ks, dq = _gemm_ks(kind, n, k, rows, a, weights[0].dtype, mx, el, top_k, act if kind == "gate_up" else None,
-                      a.dtype, plan, ir_op or f"moe_{kind}", loc, scales=weights[1::2] if mx != "none" else ())
+                      a.dtype, plan, ir_op or f"moe_{kind}", loc, scales=weights[1::2] if mx != "none" else (),
+                      binding=binding)
     out = torch.empty(S, n, dtype=a.dtype, device=a.device)
     if dq is not None:
         _dequant_run(ks, dq, a.contiguous(), [t.contiguous() for t in weights], off, perm, out, el=el, n=n, k=k,
-                     slots=S)
+                     slots=S, binding=binding)
         return out
     bm = ks.constexprs["BLOCK_M"]
     if interpreted(a):      # the interpreter pays for every program, also those that exit: count the tiles exactly
         tiles = int(off[1 + ROW_BUCKETS.index(bm), -1])
     else:               # no host sync on a GPU: an upper bound, the programs past the last tile exit
         tiles = tile_slots(S, el, bm)
-    launch(ks, a.contiguous(), *[t.contiguous() for t in weights], off, perm, out, tiles)
+    launch(ks, a.contiguous(), *[t.contiguous() for t in weights], off, perm, out, tiles, binding=binding)
     return out
 
 
 def mx_linear(a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, mx: str | None = None, plan=None,
-              ir_op: str = "mx_linear", loc: str = "") -> torch.Tensor:
+              ir_op: str = "mx_linear", loc: str = "", binding: Binding | None = None) -> torch.Tensor:
     """a [..., K] @ W^T for an MXFP4 weight W [N, K] held as packed u8 [N, K/2] + E8M0 scales u8 [N, K/32]: the
     dense variant of the grouped template (native tl.dot_scaled on MX targets, upcast elsewhere)."""
-    tgt = target_for(a.device)
+    tgt = target_of(binding, a.device)
     mx = mx or ("e4m3" if tgt.native_mxfp4 else "upcast")
     a2 = a.reshape(-1, a.shape[-1]).contiguous()
     M, K = a2.shape
     N = packed.shape[0]
     ks, dq = _gemm_ks("dense", N, K, M, a2, torch.uint8, mx, 1, 1, None, a.dtype, plan, ir_op, loc,
-                      scales=[scale])
+                      scales=[scale], binding=binding)
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     w = [packed.reshape(N, K // 2).contiguous(), scale.reshape(N, K // 32).contiguous()]
     if dq is not None:      # a dequant plan: bf16 weight, then the dense GEMM
-        _dequant_run(ks, dq, a2, w, None, out, M, el=1, n=N, k=K, slots=M)
+        _dequant_run(ks, dq, a2, w, None, out, M, el=1, n=N, k=K, slots=M, binding=binding)
     else:
-        launch(ks, a2, *w, out, M)
+        launch(ks, a2, *w, out, M, binding=binding)
     return out.view(*a.shape[:-1], N)
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor | None = None, *,
             top_k: int, num_experts: int, ep_rank: int = 0, ep_size: int = 1, ir_op: str = "moe_combine",
-            loc: str = "") -> torch.Tensor:
+            loc: str = "", binding: Binding | None = None) -> torch.Tensor:
     """u [N, Z] = sum_j weights[:, j] y[t k + j] (+ residual), fp32 inside, y's dtype out."""
-    tgt = target_for(y.device)
+    tgt = target_of(binding, y.device)
     Z = y.shape[-1]
     y2 = y.reshape(-1, Z).contiguous()
     N = y2.shape[0] // top_k
@@ -212,14 +215,15 @@ def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual:
     extra = [ids.reshape(N, top_k).contiguous()] if ep_size > 1 else []
     if residual is not None:
         extra.append(residual.reshape(N, Z).to(y.dtype).contiguous())
-    launch(ks, y2, weights.reshape(N, top_k).contiguous(), *extra, out, N)
+    launch(ks, y2, weights.reshape(N, top_k).contiguous(), *extra, out, N, binding=binding)
     return out
 
 
 # ---- the IR ops: kernel implementations ---------------------------------------------------------------------------
-def _mx(a, t: torch.Tensor) -> str:
-    """The op's MX mode on the device of `t` (mx "auto": decided by that device's target)."""
-    return mx_mode(a.get("expert_format", "bf16"), target_for(t.device), a.get("act_format"), a["mx"])
+def _mx(a, t: torch.Tensor, cache) -> str:
+    """The op's MX mode for this call (mx "auto": decided by the target its binding plans for)."""
+    return mx_mode(a.get("expert_format", "bf16"), target_of(call_binding(cache), t.device), a.get("act_format"),
+                   a["mx"])
 
 
 def _experts(a, w, names):
@@ -229,10 +233,9 @@ def _experts(a, w, names):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, *, binding: Binding | None = None) -> torch.Tensor:
     """x [..., K] W[N, K]^T (+ residual) through the MoE layer's own GEMM kernels (emit_moe_linear)."""
-
-    tgt = target_for(x.device)
+    tgt = target_of(binding, x.device)
     N, K = w.shape
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
@@ -241,13 +244,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
                       out_dtype=tt_dtype(odt), residual=residual is not None, interpret=interpreted(x))
     out = torch.empty(M, N, dtype=odt, device=x.device)
     extra = [residual.reshape(M, N).contiguous()] if residual is not None else []
-    launch(ks, x2, w.contiguous(), *extra, out, M)
+    launch(ks, x2, w.contiguous(), *extra, out, M, binding=binding)
     return out.view(*x.shape[:-1], N)
 
 
 def launch_moe_linear(a, cache, data, w):
     res = data[1] if a.get("residual") else None
-    return linear(data[0], w["weight"], res, torch.float32 if a.get("out_f32") else None)
+    return linear(data[0], w["weight"], res, torch.float32 if a.get("out_f32") else None,
+                  binding=call_binding(cache))
 
 
 def launch_moe_route(a, cache, data, w):
@@ -257,7 +261,7 @@ def launch_moe_route(a, cache, data, w):
     wt, ids, off, perm = route(lg, w.get("gate.e_score_correction_bias"), top_k=k,
                                router_activation=a["router_activation"], renormalize=a["renormalize"],
                                scaling=a["routed_scaling_factor"], ep_rank=a.get("ep_rank", 0),
-                               ep_size=a.get("ep_size", 1))
+                               ep_size=a.get("ep_size", 1), binding=call_binding(cache))
     return wt.view(*lead, k), ids.view(*lead, k), off, perm.view(*lead, k)
 
 
@@ -265,15 +269,15 @@ def launch_moe_gate_up(a, cache, data, w):
     z, off, perm = data
     k = a["top_k"]
     z2 = z.reshape(-1, z.shape[-1])
-    h = grouped_gemm("gate_up", z2, _experts(a, w, ("w1", "w3")), off, perm.reshape(-1), top_k=k, mx=_mx(a, z),
-                     act=ActivationSpec.from_attrs(a), ir_op="moe_gate_up")
+    h = grouped_gemm("gate_up", z2, _experts(a, w, ("w1", "w3")), off, perm.reshape(-1), top_k=k, mx=_mx(a, z, cache),
+                     act=ActivationSpec.from_attrs(a), ir_op="moe_gate_up", binding=call_binding(cache))
     return h.view(*z.shape[:-1], k, h.shape[-1])
 
 
 def launch_moe_down(a, cache, data, w):
     h, off, perm = data
     y = grouped_gemm("down", h.reshape(-1, h.shape[-1]), _experts(a, w, ("w2",)), off, perm.reshape(-1),
-                     top_k=a["top_k"], mx=_mx(a, h), ir_op="moe_down")
+                     top_k=a["top_k"], mx=_mx(a, h, cache), ir_op="moe_down", binding=call_binding(cache))
     return y.view(*h.shape[:-1], y.shape[-1])
 
 
@@ -281,7 +285,7 @@ def launch_moe_combine(a, cache, data, w):
     y, wt, ids = data[:3]
     res = data[3] if a.get("residual") else None
     u = combine(y, wt, ids, res, top_k=a["top_k"], num_experts=a["num_experts"], ep_rank=a.get("ep_rank", 0),
-                ep_size=a.get("ep_size", 1))
+                ep_size=a.get("ep_size", 1), binding=call_binding(cache))
     return u.view(*y.shape[:-2], y.shape[-1])
 
 
@@ -353,7 +357,7 @@ def torch_moe_gate_up(a, cache, data, w):
     h = torch.zeros(flat.numel(), w1.shape[1], dtype=z.dtype, device=z.device)
     act = ActivationSpec.from_attrs(a)
     for e, lo, hi in _segments(off):
-        zs = act_quantized(z2[flat[lo:hi] // k], _mx(a, z))
+        zs = act_quantized(z2[flat[lo:hi] // k], _mx(a, z, cache))
         h[lo:hi] = ref.glu_act(ref.linear(zs, w1[e]), ref.linear(zs, w3[e]), act)
     return h.view(*z.shape[:-1], k, w1.shape[1])
 
@@ -365,7 +369,7 @@ def torch_moe_down(a, cache, data, w):
     flat = perm.reshape(-1).long()
     y = torch.zeros(h2.shape[0], w2.shape[1], dtype=h.dtype, device=h.device)
     for e, lo, hi in _segments(off):
-        y[flat[lo:hi]] = ref.linear(act_quantized(h2[lo:hi], _mx(a, h)), w2[e])
+        y[flat[lo:hi]] = ref.linear(act_quantized(h2[lo:hi], _mx(a, h, cache)), w2[e])
     return y.view(*h.shape[:-1], w2.shape[1])
 
 

@@ -25,21 +25,23 @@ from ...frontend.spec import ActivationSpec
 from ...ir.mxfp4_weights import PACKED_PARTS, is_mxfp4, packed_name
 from ...quant import mxfp4_dequantize
 from ... import reference as ref
-from ..devices import target_for, tt_dtype
+from ..caches.context import call_binding
+from ..devices import tt_dtype
+from ..launcher import Binding, target_of
 from . import basic, moe
 
 _dense_plan = functools.lru_cache(maxsize=256)(dense_plan)     # (m is already a bucket: few entries)
 
 
 def mx_dense(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, act_format: str | None = None,
-             ir_op: str = "mx_linear") -> torch.Tensor:
+             ir_op: str = "mx_linear", *, binding: Binding | None = None) -> torch.Tensor:
     """x [..., K] W^T for W held as MXFP4 (packed [N, K/2], scales [N, K/32]) through the dense GEMM kernel."""
-    tgt = target_for(x.device)
-    mx = _mode(x, act_format)      # fp32 activations: upcast (the MX matrix units take bf16 / fp16)
+    tgt = target_of(binding, x.device)
+    mx = _mode(x, act_format, binding)      # fp32 activations: upcast (the MX matrix units take bf16 / fp16)
     n, k = packed.shape[0], packed.shape[1] * 2
     m = x.numel() // max(1, x.shape[-1])
     plan = _dense_plan(n, k, m_bucket(m), mx, tt_dtype(x.dtype), tgt)
-    return moe.mx_linear(x, packed, scale, mx=mx, plan=plan, ir_op=ir_op)
+    return moe.mx_linear(x, packed, scale, mx=mx, plan=plan, ir_op=ir_op, binding=binding)
 
 
 def _pair(w: dict, role: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,43 +57,43 @@ def dequantized(w: dict, roles, dtype: torch.dtype) -> dict:
     return out
 
 
-def _mode(x: torch.Tensor, act_format: str | None) -> str:
-    """The MX mode the kernel runs for `x` (as mx_dense decides)."""
-    mx = dense_mx(target_for(x.device), act_format)
+def _mode(x: torch.Tensor, act_format: str | None, binding: Binding | None) -> str:
+    """The MX mode the kernel runs for `x` (as mx_dense decides) on the target `binding` plans for."""
+    mx = dense_mx(target_of(binding, x.device), act_format)
     return "upcast" if x.dtype == torch.float32 else mx
 
 
 # ---- torch forms of MXFP4 weights (eager reference): dequantize, then the float op ------------------------------
-def _aq(x: torch.Tensor, a) -> torch.Tensor:
+def _aq(x: torch.Tensor, a, cache) -> torch.Tensor:
     """What the GEMM multiplies: x itself (upcast, bf16 activations), or on a target with MX matrix units x
     quantized per 32 to the spec's activation format, as the native kernel does in registers."""
-    return moe.act_quantized(x, _mode(x, a.get("act_format")))
+    return moe.act_quantized(x, _mode(x, a.get("act_format"), call_binding(cache)))
 
 
 def _dq(w: dict, role: str, dtype: torch.dtype) -> torch.Tensor:
     return mxfp4_dequantize(*_pair(w, role), dtype)
 
 
-def torch_lm_head(a, data, w):
+def torch_lm_head(a, cache, data, w):
     """An MXFP4 lm_head (the executor's lm_head takes it for weight_format "mxfp4")."""
     x = data[0]
-    return ref.linear(_aq(x, a), _dq(w, "lm_head.weight", x.dtype))
+    return ref.linear(_aq(x, a, cache), _dq(w, "lm_head.weight", x.dtype))
 
 
-def torch_mlp(a, data, w):
+def torch_mlp(a, cache, data, w):
     """An MXFP4 dense MLP (the executor's mlp takes it for weight_format "mxfp4")."""
     x = data[0]
-    xq = _aq(x, a)
+    xq = _aq(x, a, cache)
     h = ref.glu_act(ref.linear(xq, _dq(w, "gate_proj.weight", x.dtype)),
                     ref.linear(xq, _dq(w, "up_proj.weight", x.dtype)), ActivationSpec.from_attrs(a))
-    return ref.linear(_aq(h, a), _dq(w, "down_proj.weight", x.dtype))
+    return ref.linear(_aq(h, a, cache), _dq(w, "down_proj.weight", x.dtype))
 
 
 def torch_moe_linear(a, cache, data, w):
     if not is_mxfp4(a):
         return moe.torch_moe_linear(a, cache, data, w)
     x = data[0]
-    y = ref.linear(_aq(x, a), _dq(w, "weight", x.dtype))
+    y = ref.linear(_aq(x, a, cache), _dq(w, "weight", x.dtype))
     return y + data[1] if a.get("residual") else y
 
 
@@ -99,22 +101,24 @@ def torch_moe_linear(a, cache, data, w):
 def launch_lm_head(a, cache, data, w):
     if not is_mxfp4(a):     # torch runs a float lm_head on purpose: the codegen pass marks it extern, not kernel
         raise IRError("lm_head with float weights has no kernel implementation (it runs as impl=extern)")
-    return mx_dense(data[0], *_pair(w, "lm_head.weight"), a.get("act_format"), "lm_head")
+    return mx_dense(data[0], *_pair(w, "lm_head.weight"), a.get("act_format"), "lm_head",
+                    binding=call_binding(cache))
 
 
 def launch_mlp(a, cache, data, w):
     if not is_mxfp4(a):
         return basic.launch_mlp(a, cache, data, w)
-    x, af = data[0], a.get("act_format")
-    g = mx_dense(x, *_pair(w, "gate_proj.weight"), af, "mlp")
-    u = mx_dense(x, *_pair(w, "up_proj.weight"), af, "mlp")
-    return mx_dense(ref.glu_act(g, u, ActivationSpec.from_attrs(a)), *_pair(w, "down_proj.weight"), af, "mlp")
+    x, af, b = data[0], a.get("act_format"), call_binding(cache)
+    g = mx_dense(x, *_pair(w, "gate_proj.weight"), af, "mlp", binding=b)
+    u = mx_dense(x, *_pair(w, "up_proj.weight"), af, "mlp", binding=b)
+    return mx_dense(ref.glu_act(g, u, ActivationSpec.from_attrs(a)), *_pair(w, "down_proj.weight"), af, "mlp",
+                    binding=b)
 
 
 def launch_moe_linear(a, cache, data, w):
     if not is_mxfp4(a):
         return moe.launch_moe_linear(a, cache, data, w)
-    y = mx_dense(data[0], *_pair(w, "weight"), a.get("act_format"), "moe_linear")
+    y = mx_dense(data[0], *_pair(w, "weight"), a.get("act_format"), "moe_linear", binding=call_binding(cache))
     return y + data[1] if a.get("residual") else y
 
 

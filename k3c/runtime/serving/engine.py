@@ -36,11 +36,12 @@ import torch
 from ...errors import ArgumentError
 from ...reference.kda import KDAState
 from ..caches.block_pool import BlockPool, CacheFullError
-from ..devices import target_for
-from ..caches.latent_format import check_kv_dtype, pool_dtype, row_width
+from ..caches.latent_format import kv_format, row_width
+from ..launcher import target_of
 from ..logits_processors import RowLogits, process
 from ..sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
 from ..caches.seq_state import SeqState
+from ..executor import graph_binding
 from ..session import _device, describe_graph, load_graph
 from .graph_pool import GraphPool
 from .ledger import PageLedger
@@ -76,13 +77,14 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_step_tokens, self.itl_target_ms = max_step_tokens, itl_target_ms
         self.dtype = weights["embed_tokens.weight"].dtype
-        self.kv_dtype = check_kv_dtype(kv_dtype)
-        self.kv_pool_dtype = pool_dtype(kv_dtype, self.dtype)     # the page pool's row format (latent_format)
+        self.kv = kv_format(kv_dtype)                          # the MLA cache's format (latent_format.KVFormat)
+        self.kv_pool_dtype = self.kv.pool_dtype(self.dtype)     # the page pool's rows
         # load_graph's graphs run the MLA mode the runner sets per call (batch_mla_mode)
         self.graph = graph if graph is not None else load_graph(compiled, weights, self.device, use_kernels,
                                                                 kernel_policy=kernel_policy)
         self.kernel_policy = kernel_policy
-        self.target = target_for(self.device)
+        self.binding = graph_binding(self.graph)     # its kernels on the device (session.bind_kernels), which the
+        self.target = target_of(self.binding, self.device)    # graph built with it (or given) holds
         self.kda_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "kda"]
         self.mla_layers = [i for i, k in enumerate(spec.layer_kinds) if k == "mla"]
         if not isinstance(max_graphs, int) or max_graphs < 1:
@@ -115,13 +117,13 @@ class Engine:
                                        None if self.itl_target_ms is None else self.itl_target_ms / 1000))
         if prefix_cache is not None:
             self.ledger.prefix = prefix_cache
-            prefix_cache.attach(self)
+            prefix_cache.attach(self.ledger, kda_layers=self.kda_layers, busy=lambda: bool(self.scheduler.running))
         self.graph_pool = GraphPool(self.compiled, self.graph, self.ledger, self.seqs, device=self.device,
-                                    dtype=self.dtype, kv_dtype=self.kv_dtype, use_kernels=self.use_kernels,
+                                    dtype=self.dtype, kv=self.kv, use_kernels=self.use_kernels,
                                     max_batch=self.max_batch, max_context=self.max_context,
                                     max_graphs=self.max_graphs, backend=graph_backend, stats=self.stats)
         self.runner = Runner(self.compiled, self.graph, self.ledger, self.graph_pool, target=self.target,
-                             kv_dtype=self.kv_dtype, dtype=self.dtype, device=self.device, max_batch=self.max_batch,
+                             kv=self.kv, dtype=self.dtype, device=self.device, max_batch=self.max_batch,
                              cuda_graphs=self.cuda_graphs, stats=self.stats)
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
         self.speculator = None if speculation is None else Speculator(

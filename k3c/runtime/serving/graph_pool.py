@@ -9,6 +9,7 @@ from collections import Counter, OrderedDict
 import torch
 
 from ...reference.kda import KDAState
+from ..caches.latent_format import KVFormat
 from ..caches.seq_state import SeqState, gather_kda
 from .ledger import PageLedger
 
@@ -21,12 +22,12 @@ class GraphPool:
     PADDED_CALLS = 8    # calls a batch size runs padded in a larger graph before its own is captured
 
     def __init__(self, compiled, graph, ledger: PageLedger, seqs: dict[int, SeqState], *, device, dtype,
-                 kv_dtype: str, use_kernels: bool, max_batch: int, max_context: int, max_graphs: int, backend,
+                 kv: KVFormat, use_kernels: bool, max_batch: int, max_context: int, max_graphs: int, backend,
                  stats: Counter):
         self.compiled, self.spec, self.graph = compiled, compiled.spec, graph
         self.ledger = ledger
         self.seqs = seqs                            # every sequence of the engine (rows to re-home), read only
-        self.device, self.dtype, self.kv_dtype, self.use_kernels = device, dtype, kv_dtype, use_kernels
+        self.device, self.dtype, self.kv, self.use_kernels = device, dtype, kv, use_kernels
         self.max_batch, self.max_context, self.max_graphs = max_batch, max_context, max_graphs
         self.backend = backend                      # a stand-in capture backend (tests); None: CUDA graphs
         self.stats = stats
@@ -112,7 +113,7 @@ class GraphPool:
             buckets.append(b)
             b *= 2
         dg = DecodeGraph(self.compiled, self.graph, batch=batch, capacity=self.max_context, device=self.device,
-                         use_kernels=self.use_kernels, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=ps,
+                         use_kernels=self.use_kernels, dtype=self.dtype, kv=self.kv, page_size=ps,
                          buckets=buckets, tokens=tokens,
                          kda_slots=next((g.kda for (b, _), g in self.graphs.items() if b == batch), None),
                          kda_tokens=self.verify_buffers(tokens) if tokens > 1 else None,

@@ -10,7 +10,8 @@ from collections import Counter
 import torch
 
 from ..caches.context import CallContext
-from ..executor import LayerCaches
+from ..caches.latent_format import KVFormat
+from ..executor import LayerCaches, graph_binding
 from ..caches.latent_store import LatentStore, PagedLatentCache
 from ..kernel_impls.mla import batch_mla_mode
 from ..caches.seq_state import SeqState, gather_kda
@@ -30,10 +31,10 @@ def auto_mla_layers(module) -> dict[int, tuple]:
 
 
 class Runner:
-    def __init__(self, compiled, graph, ledger: PageLedger, graphs: GraphPool, *, target, kv_dtype: str,
+    def __init__(self, compiled, graph, ledger: PageLedger, graphs: GraphPool, *, target, kv: KVFormat,
                  dtype, device, max_batch: int, cuda_graphs: bool, stats: Counter):
         self.spec, self.graph, self.ledger, self.graphs = compiled.spec, graph, ledger, graphs
-        self.target, self.kv_dtype, self.dtype, self.device = target, kv_dtype, dtype, device
+        self.target, self.kv, self.dtype, self.device = target, kv, dtype, device
         self.max_batch, self.cuda_graphs, self.stats = max_batch, cuda_graphs, stats
         self.kda_layers, self.mla_layers = graphs.kda_layers, graphs.mla_layers
         self._mla_auto = auto_mla_layers(compiled.module)
@@ -122,7 +123,7 @@ class Runner:
         the launch began)."""
         ids = self.ledger.h2d(torch.tensor(segments, dtype=torch.long))
         lens = [s.length for s in seqs]
-        ctx = CallContext(self.kv_dtype, mla_modes=modes, kda_trace={} if trace else None,
+        ctx = CallContext(graph_binding(self.graph), self.kv, mla_modes=modes, kda_trace={} if trace else None,
                           last_logits_only=not all_positions)
         cache = LayerCaches(self.spec.num_layers, ctx=ctx)
         for i in self.kda_layers:
