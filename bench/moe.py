@@ -43,7 +43,8 @@ import torch  # noqa: E402
 
 import moe_forms as forms  # noqa: E402
 import moe_peer  # noqa: E402
-from k3c.runtime.kernel_impls.moe_layout import to_lanes  # noqa: E402
+from k3c.runtime.kernel_impls.moe_layout import (from_hopper, from_hopper_scales, to_hopper,  # noqa: E402
+                                                 to_hopper_scales, to_lanes)
 from k3c.runtime.launcher import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
 from k3c.runtime.devices import target_for  # noqa: E402
 from k3c.frontend.spec import ActivationSpec  # noqa: E402
@@ -80,14 +81,18 @@ def random_mxfp4(e, n, k, dev, gen):
 _LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
-def dequant_rows(packed, scale, rows, out):
-    """Write bf16 [len(rows), N, K] of the experts `rows` into `out` (the values k3c.quant.mxfp4_dequantize gives)."""
+def dequant_rows(packed, scale, rows, out, layout="canonical"):
+    """Write bf16 [len(rows), N, K] of the experts `rows` into `out` (the values k3c.quant.mxfp4_dequantize gives);
+    layout "hopper": the stacks are in the hopper layout (those experts are read back to the canonical one)."""
     lut = _LUT.to(packed.device)
     for i in range(0, len(rows), 16):
         idx = rows[i:i + 16]
-        p = packed[idx].long()
+        p, sc = packed[idx], scale[idx]
+        if layout == "hopper":
+            p, sc = from_hopper(p), from_hopper_scales(sc)
+        p = p.long()
         v = torch.stack((lut[p & 15], lut[p >> 4]), dim=-1).flatten(-2)
-        out[i:i + len(idx)] = (v * torch.exp2(scale[idx].float() - 127.0).repeat_interleave(32, dim=-1))
+        out[i:i + len(idx)] = (v * torch.exp2(sc.float() - 127.0).repeat_interleave(32, dim=-1))
     return out
 
 
@@ -151,7 +156,7 @@ def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
     def gemm(kind, a, ws, plan, **kw):
         if isinstance(plan, forms.FormPlan):
             return forms.grouped_gemm(kind, a, ws, off, perm, top_k=k, plan=plan, **kw)
-        return M.grouped_gemm(kind, a, ws, off, perm, top_k=k, mx=mx, plan=plan, **kw)
+        return M.grouped_gemm(kind, a, ws, off, perm, top_k=k, mx=mx, plan=plan, layout=args.layout, **kw)
 
     def k3c_fn(pg=None, pd=None):
         def run():
@@ -176,9 +181,9 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
 
     act_cpu = active.cpu()
     w13 = torch.empty(n_act, 2 * mi, zdim, dtype=torch.bfloat16, device=dev)
-    dequant_rows(w1p, w1s, act_cpu, w13[:, :mi])
-    dequant_rows(w3p, w3s, act_cpu, w13[:, mi:])
-    w2 = dequant_rows(w2p, w2s, act_cpu, torch.empty(n_act, zdim, mi, dtype=torch.bfloat16, device=dev))
+    dequant_rows(w1p, w1s, act_cpu, w13[:, :mi], args.layout)
+    dequant_rows(w3p, w3s, act_cpu, w13[:, mi:], args.layout)
+    w2 = dequant_rows(w2p, w2s, act_cpu, torch.empty(n_act, zdim, mi, dtype=torch.bfloat16, device=dev), args.layout)
     base = baseline_fn(z, wt, ids, w13, w2, active)
     got, want = k3c_fn()(), base()
     err = rel(got, want)
@@ -186,8 +191,9 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
     bf_bytes = n_act * 3 * mi * zdim * 2
     t_base = timed(base, dev)
     t_k3c = timed(k3c_fn(), dev)
-    dg = M._plan("gate_up", mi, zdim, -(-tokens * k // e), mx, "bf16", tgt)
-    dd = M._plan("down", zdim, mi, -(-tokens * k // e), mx, "bf16", tgt)
+    hp = args.layout == "hopper" or None
+    dg = M._plan("gate_up", mi, zdim, -(-tokens * k // e), mx, "bf16", tgt, hopper=hp)
+    dd = M._plan("down", zdim, mi, -(-tokens * k // e), mx, "bf16", tgt, hopper=hp)
     best = ("default", t_k3c)
     t_var = time.time()
     for name, (pg, pd) in (plans or {}).items():
@@ -265,6 +271,16 @@ LANES_PREFILL = (
     ("lanes_m32", dict(lanes=True, rows=32, block_n=256, block_k=128, num_warps=8),
      dict(lanes=True, rows=32, block_n=256, block_k=128, num_warps=8)),
 )
+# the hopper form's tiles (weights in the hopper layout: no other form reads them), any row count
+HOPPER_VARIANTS = (
+    ("hopper_s3", dict(hopper=True, num_stages=3), dict(hopper=True, num_stages=3)),
+    ("hopper_n64", dict(hopper=True, block_n=64), dict(hopper=True, block_n=128)),
+    ("hopper_dn128", dict(hopper=True), dict(hopper=True, block_n=128)),
+    ("hopper_n256", dict(hopper=True, block_n=256), dict(hopper=True, block_n=256)),
+    ("hopper_w4", dict(hopper=True, num_warps=4), dict(hopper=True, num_warps=4)),
+    ("hopper_k256", dict(hopper=True, block_k=256, num_stages=2), dict(hopper=True, block_k=256, num_stages=2)),
+    ("hopper_m64", dict(hopper=True, rows=64), dict(hopper=True, rows=64)),
+)
 DECODE_VARIANTS = (
     ("gemv", dict(gemv="G"), dict(gemv="G")),
     ("gemv_bk512", dict(gemv="G", block_k=512), dict(gemv="G", block_k=512)),
@@ -315,7 +331,9 @@ def variants(args, dev, rows, specs):
     group = min(4, 1 << max(0, rows - 1).bit_length())
     out, seen = {}, set()
     for name, kg, kd in specs:
-        if mx != "upcast" and any(x in kg for x in ("gemv", "dequant", "pairs", "form", "lanes")):
+        if mx != "upcast" and any(x in kg for x in ("gemv", "dequant", "pairs", "form", "lanes", "hopper")):
+            continue
+        if (args.layout == "hopper") != bool(kg.get("hopper")):      # a variant must read the weights' layout
             continue
         kg, kd = ({k: group if v == "G" else v for k, v in kw.items()} for kw in (kg, kd))
         try:
@@ -514,6 +532,9 @@ def main():
     ap.add_argument("--sass", action="store_true", help="no GPU: SASS instruction counts of the decode plans")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-peer", action="store_true", help="do not run triton_kernels' matmul_ogs (bench/moe_peer.py)")
+    ap.add_argument("--layout", choices=("auto", "canonical", "hopper"), default="auto",
+                    help="the routed experts' layout: auto = the device target's (hopper on sm_90, as weight "
+                    "preparation chooses), canonical = k3c.quant's (the pre-hopper forms and their variants)")
     args = ap.parse_args()
     if args.sass:
         return sass_report(args)
@@ -525,8 +546,12 @@ def main():
         from k3c.codegen.triton_mode import prepare_interpreter
 
         prepare_interpreter()
-        args.experts, args.tokens, args.top_k, args.latent, args.inter = [8], [1, 5], 2, 64, 32
+        args.experts, args.tokens, args.top_k, args.latent, args.inter = [8], [1, 5], 2, 64, 64
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.layout == "auto":
+        from k3c.runtime.weight_prep import expert_layout
+
+        args.layout = expert_layout(target_for(dev))
     gen = torch.Generator(device=dev).manual_seed(0)
     t_start = time.time()
     budget_left = args.budget if args.sweep else None       # seconds of variant timing left, shared by the rows
@@ -553,8 +578,9 @@ def main():
             w2p, w2s = random_mxfp4(e, args.latent, args.inter, dev, gen)
             weights = ((None, None), (w1p, w1s, w3p, w3s), (w2p, w2s))
             rows_of = {t: -(-t * args.top_k // e) for t in args.tokens}
-            row_plans = {t: variants(args, dev, r, DECODE_COMPARE if args.decode else DECODE_VARIANTS if r <= 16
-                                     else PREFILL_VARIANTS) if args.sweep else None for t, r in rows_of.items()}
+            row_plans = {t: variants(args, dev, r, HOPPER_VARIANTS if args.layout == "hopper" else DECODE_COMPARE
+                                     if args.decode else DECODE_VARIANTS if r <= 16 else PREFILL_VARIANTS)
+                         if args.sweep else None for t, r in rows_of.items()}
             if pool is not None:
                 precompile_rows(pool, e, args, weights, dev, row_plans, args.compile_wait)
             peer = None
@@ -563,6 +589,15 @@ def main():
                     peer = moe_peer.PeerExperts(peer_mods, w1p, w1s, w3p, w3s, w2p, w2s)
                 except Exception as exc:  # noqa: BLE001 - reported; the rows run without the peer
                     print(f"peer weights for E={e} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            if args.layout == "hopper":     # as weight preparation does for sm_90 targets: in place, once
+                t0 = time.time()
+                for t in (w1p, w3p, w2p):
+                    to_hopper(t, in_place=True)
+                for t in (w1s, w3s, w2s):
+                    to_hopper_scales(t, in_place=True)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                print(f"  E={e}: expert stacks to the hopper layout in {time.time() - t0:.1f} s", flush=True)
             for t in args.tokens:
                 row_deadline = time.time() + max(0.0, budget_left) / rows_left if budget_left is not None else None
                 rows_left -= 1

@@ -16,6 +16,12 @@ from ..ir.mxfp4_weights import packed_name
 _FLOAT_DTYPES = ("f32", "bf16", "f16", "f64")
 
 
+def expert_layout(target) -> str:
+    """The load-time layout of routed MXFP4 expert stacks on `target` (Target.expert_layout): "hopper" on sm_90
+    targets, else "canonical" (k3c.quant's layout, which the native-MX targets read as it is)."""
+    return getattr(target, "expert_layout", "canonical") if target is not None else "canonical"
+
+
 def graph_params(module: Module) -> dict[str, object]:
     """name -> TensorType of every weight the graph reads."""
     return {op.attr("name"): op.types[0] for op in module.ops if op.op == "param"}

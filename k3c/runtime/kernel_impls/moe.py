@@ -109,14 +109,20 @@ def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
 
 
 def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtype, plan=None, ir_op="", loc="",
-             scales=()):
+             scales=(), hopper=False):
     """(GEMM kernel, dequant kernel or None) for these shapes: expert_plan + expert_gemm_kernels, the one choice
-    the AOT catalogue enumerates, with the weights' scale check answered here (only where the plan asks)."""
+    the AOT catalogue enumerates, with the weights' scale check answered here (only where the plan asks).
+    hopper: the weights are in the hopper layout (weight_layout)."""
     tgt = target_for(a.device)
     dt = tt_dtype(a.dtype)
-    first = plan or _plan(kind, n, k, rows, mx, dt, tgt)
+    hopper = hopper and mx == "upcast"
+    if hopper and plan is not None and not plan.hopper:
+        raise CodegenError(f"{ir_op or kind}: the expert weights are in the hopper layout, which only the hopper "
+                           f"form reads; got the plan {plan.tag}")
+    first = plan or _plan(kind, n, k, rows, mx, dt, tgt, hopper=hopper or None)
     fits = not first.one_mul or scales_fit_one_mul(list(scales))
-    chosen = _expert_plan(kind, n, k, rows, target=tgt, mx=mx, dtype=dt, one_mul_fits=fits, plan=plan)
+    chosen = _expert_plan(kind, n, k, rows, target=tgt, mx=mx, dtype=dt, one_mul_fits=fits, plan=plan,
+                          hopper=hopper)
     return _expert_kernels(kind, n, k, plan=chosen, target=tgt, mx=mx, dtype=dt,
                            w_dtype=None if mx != "none" else tt_dtype(w_dtype), out_dtype=tt_dtype(out_dtype),
                            act=act, num_experts=num_experts, top_k=top_k, ir_op=ir_op, loc=loc,
@@ -149,10 +155,11 @@ def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots):
 
 def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: torch.Tensor, perm: torch.Tensor, *,
                  top_k: int, mx: str = "none", act=None, slots: int | None = None, plan=None,
-                 ir_op: str = "", loc: str = "") -> torch.Tensor:
+                 ir_op: str = "", loc: str = "", layout: str = "canonical") -> torch.Tensor:
     """kind gate_up: a = z [T, K] (rows gathered through perm), weights [w1, w3] (bf16 [EL, M, K]) or
     [w1 packed, w1 scale, w3 packed, w3 scale]; returns h [S, M] in permuted order. kind down: a = h [S, K],
-    weights [w2] or [packed, scale]; returns y [S, Z] in slot order. S = T * k (slots)."""
+    weights [w2] or [packed, scale]; returns y [S, Z] in slot order. S = T * k (slots). layout: the MXFP4 stacks'
+    layout (weight_layout.EXPERT_LAYOUTS: "hopper" runs the hopper form, upcast only)."""
     el = weights[0].shape[0]
     n = weights[0].shape[1]
     k = a.shape[-1]
@@ -161,7 +168,8 @@ def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: t
     S = slots if slots is not None else (a.shape[0] * top_k if kind == "gate_up" else a.shape[0])
     rows = -(-S // max(1, el))
     ks, dq = _gemm_ks(kind, n, k, rows, a, weights[0].dtype, mx, el, top_k, act if kind == "gate_up" else None,
-                      a.dtype, plan, ir_op or f"moe_{kind}", loc, scales=weights[1::2] if mx != "none" else ())
+                      a.dtype, plan, ir_op or f"moe_{kind}", loc, scales=weights[1::2] if mx != "none" else (),
+                      hopper=layout == "hopper")
     out = torch.empty(S, n, dtype=a.dtype, device=a.device)
     if dq is not None:
         _dequant_run(ks, dq, a.contiguous(), [t.contiguous() for t in weights], off, perm, out, el=el, n=n, k=k,

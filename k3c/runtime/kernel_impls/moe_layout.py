@@ -1,4 +1,6 @@
-"""The load-time lanes layout of MXFP4 expert payloads (k3c.codegen.kernels.moe_lanes describes it and why): per
+"""Load-time layouts of MXFP4 expert stacks. The hopper layout (k3c.codegen.kernels.moe_hopper describes it and why:
+the routed experts' layout on sm_90 targets, chosen at weight preparation): to_hopper / from_hopper for payload and
+scales. The lanes layout of MXFP4 expert payloads (k3c.codegen.kernels.moe_lanes describes it and why): per
 64-byte group of a row, byte c * 16 + i <- canonical byte 4 i + c, then the 32 bits of every stored word in the
 perm order of the pair decode. Scales are not touched. Made once at load, in place (the stack is rewritten one
 slab at a time, so no second copy of it exists), and undone the same way (checkpoint writes, the torch reference)."""
@@ -8,6 +10,7 @@ import functools
 
 import torch
 
+from ...codegen.kernels.moe_hopper import HOPPER_K, HOPPER_ROWS
 from ...codegen.kernels.moe_lanes import LANES_GROUP_K, pairs_perm_bit_map
 
 _GROUP_BYTES = LANES_GROUP_K // 2
@@ -90,4 +93,90 @@ def from_lanes(stored: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
     return _rewrite(stored, _canonical_rows, in_place)
 
 
-__all__ = ["to_lanes", "from_lanes", "perm_words"]
+# -- the hopper layout (moe_hopper): per expert matrix, bytes rearranged (and the payload's words bit-permuted) ----
+# payload [N, K/2]: (B, h, s, p | t, j, i, c) <-> stored (B, s | t, p, c, j, i, h); scales [N, K/32]: (R, h, g | m, a)
+# <-> (R | m, g, a, h)
+_VALUE_DIMS = (16, 2, 4, 2), (32, 4, 2, 4)        # (rows per B: h, s, p), (bytes per t: j, i, c)
+_V_TO = (0, 2, 4, 3, 7, 5, 6, 1)                    # canonical (B, h, s, p, t, j, i, c) -> (B, s, t, p, c, j, i, h)
+_S_TO = (0, 3, 2, 4, 1)                             # canonical (R, h, g, m, a) -> (R, m, g, a, h)
+
+
+def _inverse(order):
+    inv = [0] * len(order)
+    for i, o in enumerate(order):
+        inv[o] = i
+    return tuple(inv)
+
+
+def _hopper_check(t: torch.Tensor, what: str, per_row: int) -> tuple[int, int]:
+    """(N, row bytes) of a payload (per_row = 2: K/2 bytes) or scale (per_row = 32: K/32) stack [..., N, K/per_row]."""
+    if t.dtype != torch.uint8 or t.dim() < 2:
+        raise ValueError(f"hopper layout: MXFP4 {what} bytes (uint8, [..., N, K/{per_row}]) expected, got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    n, cols = t.shape[-2], t.shape[-1]
+    if n % HOPPER_ROWS or (cols * per_row) % HOPPER_K:
+        raise ValueError(f"hopper layout: N a multiple of {HOPPER_ROWS} and K of {HOPPER_K} needed, got {what} "
+                         f"{tuple(t.shape)} (N {n}, K {cols * per_row})")
+    return n, cols
+
+
+def _values_to(m: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """[E', N, K/2] matrices, canonical <-> stored order (bytes; the bit step is apart)."""
+    e, n, kb = m.shape
+    if not inverse:
+        v = m.reshape(e, n // 16, 2, 4, 2, kb // 32, 4, 2, 4)
+        return v.permute(0, *(1 + d for d in _V_TO)).reshape(e, n, kb)
+    v = m.reshape(e, n // 16, 4, kb // 32, 2, 4, 4, 2, 2)      # (B, s, t, p, c, j, i, h)
+    return v.permute(0, *(1 + d for d in _inverse(_V_TO))).reshape(e, n, kb)
+
+
+def _scales_to(m: torch.Tensor, inverse: bool) -> torch.Tensor:
+    e, n, kc = m.shape
+    if not inverse:
+        v = m.reshape(e, n // 16, 2, 8, kc // 2, 2)
+        return v.permute(0, *(1 + d for d in _S_TO)).reshape(e, n, kc)
+    v = m.reshape(e, n // 16, kc // 2, 8, 2, 2)                # (R, m, g, a, h)
+    return v.permute(0, *(1 + d for d in _inverse(_S_TO))).reshape(e, n, kc)
+
+
+def _by_expert(t: torch.Tensor, fn, in_place: bool) -> torch.Tensor:
+    """fn over [E', N, cols] slabs of whole expert matrices (bounded temporaries), in place or into a new tensor."""
+    if in_place and not t.is_contiguous():
+        raise ValueError("hopper layout in place needs a contiguous tensor")
+    n, cols = t.shape[-2], t.shape[-1]
+    flat_in = t.reshape(-1, n, cols)
+    out = t if in_place else torch.empty_like(t)
+    flat_out = out.view(-1, n, cols)
+    step = max(1, _SLAB_BYTES // max(1, n * cols * 8))
+    for e in range(0, flat_in.shape[0], step):
+        flat_out[e:e + step] = fn(flat_in[e:e + step])
+    return out
+
+
+def to_hopper(packed: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """Canonical payload [..., N, K/2] -> the hopper layout (same shape and dtype; each matrix's bytes rearranged,
+    each stored word's bits in the perm order)."""
+    _hopper_check(packed, "payload", 2)
+    return _by_expert(packed, lambda m: _permute_bits(_values_to(m, False), inverse=False), in_place)
+
+
+def from_hopper(stored: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """The inverse of to_hopper: the canonical (k3c.quant / OCP) payload, bit for bit."""
+    _hopper_check(stored, "payload", 2)
+    return _by_expert(stored, lambda m: _values_to(_permute_bits(m, inverse=True), True), in_place)
+
+
+def to_hopper_scales(scales: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """Canonical E8M0 scales [..., N, K/32] -> the hopper scale layout (same shape)."""
+    _hopper_check(scales, "scale", 32)
+    return _by_expert(scales, lambda m: _scales_to(m, False), in_place)
+
+
+def from_hopper_scales(stored: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """The inverse of to_hopper_scales."""
+    _hopper_check(stored, "scale", 32)
+    return _by_expert(stored, lambda m: _scales_to(m, True), in_place)
+
+
+__all__ = ["to_lanes", "from_lanes", "perm_words", "to_hopper", "from_hopper", "to_hopper_scales",
+           "from_hopper_scales"]
