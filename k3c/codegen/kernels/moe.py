@@ -167,7 +167,7 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
     """The Hopper form's one plan over rows per expert (moe_hopper; the weights' layout, chosen by the target at
     weight preparation, leaves no other form): BLOCK_M = the rows' bucket (16..128), 128-K steps, 8 warps (two
     warpgroups over the weight rows), 128 weight rows per operand for gate_up (gate + up: 256 rows, as matmul_ogs'
-    w13 tile) and 256 for down, stages to fill shared memory (at most 4)."""
+    w13 tile; 64 at 128 rows per expert) and 256 for down, stages to fill shared memory (at most 4)."""
     if dtype != "bf16":
         raise CodegenError(f"the hopper form takes bf16 activations, got {dtype}")
     if n % HOPPER_ROWS or k % HOPPER_K:
@@ -175,7 +175,8 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
                            f"K {k}")
     bm = row_bucket(rows)
     n_b = 2 if kind == "gate_up" else 1
-    bn = block_n or min(256 // n_b, max(HOPPER_ROWS, pow2_ceil(n)))
+    # gate_up at 128 rows: 64 per weight (2 x [64, 128] fp32 accumulators; at 128 the tile spills on sm_90)
+    bn = block_n or min(256 // n_b // (2 if n_b == 2 and bm >= 128 else 1), max(HOPPER_ROWS, pow2_ceil(n)))
     bk = _divisor_block(k, block_k or 128, HOPPER_K)
     if bn % HOPPER_ROWS or not bk:
         raise CodegenError(f"hopper tiles: BLOCK_N a multiple of {HOPPER_ROWS}, BLOCK_K of {HOPPER_K} dividing K "

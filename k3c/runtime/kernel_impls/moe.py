@@ -31,6 +31,7 @@ from ...reference.norms import acc
 from .. import routing_replay
 from ..devices import interpreted, target_for, tt_dtype
 from ..launcher import launch
+from .moe_layout import from_hopper, from_hopper_scales
 
 _emit_topk = functools.lru_cache(maxsize=64)(emit_moe_topk)
 _emit_rank = functools.lru_cache(maxsize=64)(emit_moe_rank)
@@ -115,7 +116,9 @@ def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtyp
     hopper: the weights are in the hopper layout (weight_layout)."""
     tgt = target_for(a.device)
     dt = tt_dtype(a.dtype)
-    hopper = hopper and mx == "upcast"
+    if hopper and mx != "upcast":
+        raise CodegenError(f"{ir_op or kind}: the expert weights are in the hopper layout, which the upcast GEMMs "
+                           f"read; this device runs them as mx '{mx}'")
     if hopper and plan is not None and not plan.hopper:
         raise CodegenError(f"{ir_op or kind}: the expert weights are in the hopper layout, which only the hopper "
                            f"form reads; got the plan {plan.tag}")
@@ -230,6 +233,11 @@ def _mx(a, t: torch.Tensor) -> str:
     return mx_mode(a.get("expert_format", "bf16"), target_for(t.device), a.get("act_format"), a["mx"])
 
 
+def _layout(a) -> str:
+    """The op's expert stack layout (expert_layout attr: weight_prep rewrote the stacks into it)."""
+    return a.get("expert_layout", "canonical")
+
+
 def _experts(a, w, names):
     if a.get("expert_format", "bf16") == "mxfp4":
         return [w[f"experts.{n}.{p}"] for n in names for p in ("weight_packed", "weight_scale")]
@@ -274,14 +282,14 @@ def launch_moe_gate_up(a, cache, data, w):
     k = a["top_k"]
     z2 = z.reshape(-1, z.shape[-1])
     h = grouped_gemm("gate_up", z2, _experts(a, w, ("w1", "w3")), off, perm.reshape(-1), top_k=k, mx=_mx(a, z),
-                     act=ActivationSpec.from_attrs(a), ir_op="moe_gate_up")
+                     act=ActivationSpec.from_attrs(a), ir_op="moe_gate_up", layout=_layout(a))
     return h.view(*z.shape[:-1], k, h.shape[-1])
 
 
 def launch_moe_down(a, cache, data, w):
     h, off, perm = data
     y = grouped_gemm("down", h.reshape(-1, h.shape[-1]), _experts(a, w, ("w2",)), off, perm.reshape(-1),
-                     top_k=a["top_k"], mx=_mx(a, h), ir_op="moe_down")
+                     top_k=a["top_k"], mx=_mx(a, h), ir_op="moe_down", layout=_layout(a))
     return y.view(*h.shape[:-1], y.shape[-1])
 
 
@@ -296,7 +304,10 @@ def launch_moe_combine(a, cache, data, w):
 # ---- torch implementations (the per-op check's reference) ---------------------------------------------------------
 def _dequant(a, w, name, dtype):
     if a.get("expert_format", "bf16") == "mxfp4":
-        return mxfp4_dequantize(w[f"experts.{name}.weight_packed"], w[f"experts.{name}.weight_scale"], dtype)
+        p, s = w[f"experts.{name}.weight_packed"], w[f"experts.{name}.weight_scale"]
+        if _layout(a) == "hopper":      # read back to k3c.quant's layout (bit for bit)
+            p, s = from_hopper(p), from_hopper_scales(s)
+        return mxfp4_dequantize(p, s, dtype)
     return w[f"experts.{name}"]
 
 

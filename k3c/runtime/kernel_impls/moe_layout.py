@@ -149,7 +149,10 @@ def _by_expert(t: torch.Tensor, fn, in_place: bool) -> torch.Tensor:
     flat_out = out.view(-1, n, cols)
     step = max(1, _SLAB_BYTES // max(1, n * cols * 8))
     for e in range(0, flat_in.shape[0], step):
-        flat_out[e:e + step] = fn(flat_in[e:e + step])
+        part = fn(flat_in[e:e + step])
+        if in_place and part.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            part = part.clone()         # a view of the input (a permutation of size-1 dims): copy before writing
+        flat_out[e:e + step] = part
     return out
 
 
