@@ -258,3 +258,75 @@ def test_targets_choose_the_layout():
     assert expert_layout(get_target("h100")) == expert_layout(get_target("h200")) == "hopper"
     for name in ("mi355x", "b200", "mi300x", "cpu"):
         assert expert_layout(get_target(name)) == "canonical"
+
+
+def test_lowering_for_hopper_targets_marks_prepares_and_reads_back():
+    """moe-lower for h200 gives the grouped GEMMs expert_layout "hopper" (mi355x / b200 / the default: not);
+    prepare_weights rewrites exactly those stacks (new tensors, marked: preparing again changes nothing), from which
+    the generated kernels (interpreter) and the torch reference both give the reference MoE; the catalogue's
+    kernels for those ops are the hopper form's."""
+    from k3c.codegen.catalogue import EMITTERS
+    from k3c.ir import parse_module, print_module
+    from k3c.passes import run_pipeline
+    from k3c.runtime.executor import LayerCaches, build_graph_module
+    from k3c.runtime.weight_prep import in_hopper_layout, prepare_weights
+
+    from .test_moe_lower import moe_module, reference
+
+    kw = dict(latent=True, act="situ", dtype=torch.bfloat16, fmt="mxfp4", z=64, m=64, d=32)
+    module, weights, ref_w = moe_module(**kw)
+    for target in ("mi355x", "b200", None):
+        low, _ = run_pipeline(module, ["moe-lower", "codegen"], target=target)
+        assert all(op.attr("expert_layout", "canonical") == "canonical" for op in low.ops)
+    low, records = run_pipeline(module, ["moe-lower", "codegen"], target="h200")
+    assert records[0].counts.get("hopper_layout") == 1
+    grouped = [op for op in low.ops if op.op in ("moe_gate_up", "moe_down")]
+    assert len(grouped) == 2 and all(op.attr("expert_layout") == "hopper" for op in grouped)
+    assert parse_module(print_module(low)) == low
+    prepared = prepare_weights(low, weights)
+    stacks = [n for n in weights if ".experts." in n]
+    assert len(stacks) == 6
+    for n in stacks:
+        assert in_hopper_layout(prepared[n]) and not in_hopper_layout(weights[n])
+        back = from_hopper(prepared[n]) if n.endswith("weight_packed") else from_hopper_scales(prepared[n])
+        assert torch.equal(back, weights[n]) and not torch.equal(prepared[n], weights[n])
+    again = prepare_weights(low, prepared)
+    assert all(again[n] is prepared[n] for n in stacks)
+    x = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    want = reference(kw, ref_w, x)
+    assert rel(build_graph_module(low, prepared, use_kernels=True)(x, LayerCaches(2)), want) <= 1e-2
+    assert rel(build_graph_module(low, prepared, use_kernels=False)(x, LayerCaches(2)), want) <= 1e-2
+    h200 = get_target("h200")
+    for op in grouped:
+        names = [ks.name for ks in EMITTERS[op.op](op, low, h200)]
+        assert names and all("_hp" in n for n in names), names
+
+
+# ---- 6. the sm_90 cross-compile --------------------------------------------------------------------------------------
+def test_hopper_kernels_compile_spill_free_for_sm90(aot_dir):
+    """K3 expert shapes (896 experts, top-16, SiTU), the decode (rows 1) and prefill (rows 128) classes of the
+    catalogue: spill-free, wgmma with the decoded weights as the register A operand (a #ttg.dot_op opIdx 0 tensor, not
+    a shared-memory descriptor), the perm decode (rotates, prmt) and the bf16x2 scale multiplies. (All 16 classes,
+    rows 16-128 x both decodes, compile spill-free: docs/perf.md, issue 54.)"""
+    from k3c.codegen.aot import compile_kernels
+
+    h200 = get_target("h200")
+    ks = []
+    for rows in (1, 128):
+        for kind, n, k in K3_SHAPES:
+            plan = KM.expert_plan(kind, n, k, rows, target=h200, mx="upcast", dtype="bf16", hopper=True)
+            ks.append(emit_moe_gemm(kind, n, k, target=h200, plan=plan, num_experts=896, top_k=16, mx="upcast",
+                                    act=SITU if kind == "gate_up" else None, interpret=False))
+    out = aot_dir / "h200_hopper"
+    cks = compile_kernels(ks, h200, str(out), progress=False, cache=False)
+    assert len(cks) == 4
+    for ck in cks:
+        assert "_hp1" in ck.name and not ck.resources.has_spills, (ck.name, ck.resources)
+        ptx = (out / ck.files["ptx"]).read_text()
+        assert "wgmma" in ptx and "shf.r.wrap" in ptx and "prmt.b32" in ptx, ck.name
+        ttgir = (out / ck.files["ttgir"]).read_text()
+        dots = [ln for ln in ttgir.splitlines() if re.search(r"\bttng\.warp_group_dot\b", ln)]
+        assert dots, ck.name
+        for ln in dots:
+            a = re.search(r" : ((?:tensor|!ttg\.memdesc)<.*?) \* ", ln).group(1)
+            assert re.search(r"#ttg\.dot_op<\{opIdx = 0", a) and "!ttg.memdesc" not in a, (ck.name, ln)
