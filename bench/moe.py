@@ -167,6 +167,21 @@ def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
     return k3c_fn
 
 
+def k3c_layer(e, args, weights, lg, z, mx):
+    """k3c's whole routed-expert layer with the default plans: routing (4 launches), gate_up (GLU fused), down,
+    combine."""
+    k = args.top_k
+    _, (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
+
+    def run():
+        wt, ids, off, perm = M.route(lg, None, top_k=k)
+        h = M.grouped_gemm("gate_up", z, [w1p, w1s, w3p, w3s], off, perm, top_k=k, mx=mx, act=ACT,
+                           layout=args.layout)
+        y = M.grouped_gemm("down", h, [w2p, w2s], off, perm, top_k=k, mx=mx, layout=args.layout)
+        return M.combine(y, wt, ids, top_k=k, num_experts=e)
+    return run
+
+
 def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline=None, peer=None):
     zdim, mi, k = args.latent, args.inter, args.top_k
     lg = torch.randn(tokens, e, device=dev, generator=gen)
@@ -224,12 +239,17 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
     ROWS.append(row)
     t_route = timed(lambda: M.route(lg, None, top_k=k), dev, rep_ms=25)
     row["route_s"] = t_route
+    row["k3c_layer_s"] = timed(k3c_layer(e, args, weights, lg, z, mx), dev, rep_ms=50)
     peer_txt = ""
     if peer is not None:
         try:
             t_peer = peer.timed(lg, z, k, lambda f: timed(f, dev))
             row.update(peer_s=t_peer, peer_over_k3c=t_peer / t_k3c, peer_over_best=t_peer / best[1])
             peer_txt = f" | matmul_ogs {t_peer * 1e6:9.1f} us: peer/k3c {t_peer / t_k3c:4.2f} (best {t_peer / best[1]:4.2f})"
+            t_pl = peer.timed_layer(lg, z, k, lambda f: timed(f, dev, rep_ms=50))
+            row.update(peer_layer_s=t_pl, peer_layer_over_k3c_layer=t_pl / row["k3c_layer_s"])
+            peer_txt += (f" | layer (routing + GEMMs + act/combine) k3c {row['k3c_layer_s'] * 1e6:.1f} us, peer "
+                         f"{t_pl * 1e6:.1f} us: {t_pl / row['k3c_layer_s']:4.2f}")
         except Exception as exc:  # noqa: BLE001 - the peer failing is reported, k3c's row stands
             peer_txt = f" | matmul_ogs failed: {type(exc).__name__}: {str(exc)[:160]}"
     frac = f"{row['k3c_frac_of_copy'] * 100:5.1f}%" if copy_bw else "   - "
@@ -422,6 +442,22 @@ def decode_table(copy_bw):
     if copy_bw:
         print(f"copy {copy_bw / 1e12:.2f} TB/s (read + write); TB/s = packed weight + scale bytes of the active "
               "experts")
+
+
+def peer_table():
+    """k3c's default against matmul_ogs per row (GEMMs: k3c gate_up + down + combine, the peer's gate/up + down; and
+    the whole layer: routing + GEMMs + activation / combine on both sides)."""
+    rows = [r for r in ROWS if "variant" not in r and "peer_s" in r]
+    if not rows:
+        return
+    print("\n| E | tokens | k3c default us (plans) | matmul_ogs us | peer / k3c | best k3c us (variant) | peer / best | "
+          "k3c layer us | peer layer us | peer / k3c (layer) |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['experts']} | {r['tokens']} | {r['k3c_s'] * 1e6:.1f} ({r['default_plan_gate_up']} / "
+              f"{r['default_plan_down']}) | {r['peer_s'] * 1e6:.1f} | {r['peer_over_k3c']:.2f} | "
+              f"{r['best_variant_s'] * 1e6:.1f} ({r['best_variant']}) | {r['peer_over_best']:.2f} | "
+              + (f"{r['k3c_layer_s'] * 1e6:.1f} | {r['peer_layer_s'] * 1e6:.1f} | "
+                 f"{r['peer_layer_over_k3c_layer']:.2f} |" if "peer_layer_s" in r else "- | - | - |"))
 
 
 # --sass: (name, rows per expert, gate_up overrides, down overrides) cross-compiled for the h200 target
@@ -617,6 +653,7 @@ def main():
         pool.shutdown(cancel_futures=True)
     if args.decode:
         decode_table(copy_bw)
+    peer_table()
     print(f"total {time.time() - t_start:.0f} s", flush=True)
 
 
