@@ -165,8 +165,8 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
                  block_k: int | None, num_warps: int | None, num_stages: int | None,
                  one_mul: bool | None) -> MoEGemmPlan:
     """The Hopper form's one plan over rows per expert (moe_hopper; the weights' layout, chosen by the target at
-    weight preparation, leaves no other form): BLOCK_M = the rows' bucket (16..128), 128-K steps, 8 warps (two
-    warpgroups over the weight rows), 128 weight rows per operand for gate_up (gate + up: 256 rows, as matmul_ogs'
+    weight preparation, leaves no other form): BLOCK_M = the rows' bucket (16..128), 128-K steps, 4 warps at 16-row
+    tiles, 8 (two warpgroups over the weight rows) above, 128 weight rows per operand for gate_up (gate + up: 256 rows, as matmul_ogs'
     w13 tile; 64 at 128 rows per expert) and 256 for down, stages to fill shared memory (at most 4)."""
     if dtype != "bf16":
         raise CodegenError(f"the hopper form takes bf16 activations, got {dtype}")
@@ -181,7 +181,9 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
     if bn % HOPPER_ROWS or not bk:
         raise CodegenError(f"hopper tiles: BLOCK_N a multiple of {HOPPER_ROWS}, BLOCK_K of {HOPPER_K} dividing K "
                            f"{k}; got {bn} x {block_k}")
-    warps = num_warps or 8
+    # 16-row tiles: 4 warps (one warpgroup over 128 / 256 weight rows: 1.08-1.40x over 8 warps on the H200,
+    # docs/perf.md issue 54); from 32 rows 8 (at 4 the 32-row gate_up tile spills on sm_90)
+    warps = num_warps or (4 if bm <= 16 else 8)
     if target.shared_mem_bytes <= 0:
         stages = 1
     else:
