@@ -465,7 +465,8 @@ SASS_PLANS = (
     ("old gemv1 (1 row)", 1, dict(pairs=False), dict(pairs=False)),
     ("old joined (2-16 rows)", 2, dict(pairs=False), dict(pairs=False)),
 ) + tuple((f"new {name}", 1, kg, kd) for name, kg, kd in DECODE_COMPARE[1:]) + (("new default", 1, {}, {}),) + tuple(
-    (f"prefill {name}", 128, kg, kd) for name, kg, kd in LANES_PREFILL if "rows" not in kg)
+    (f"prefill {name}", 128, kg, kd) for name, kg, kd in LANES_PREFILL if "rows" not in kg) + tuple(
+    (f"hopper ({rows} rows)", rows, dict(hopper=True), dict(hopper=True)) for rows in (1, 32, 64, 128))
 
 
 def _sass_loop(sass: str) -> list[str]:
