@@ -294,12 +294,10 @@ LANES_PREFILL = (
 # the hopper form's tiles (weights in the hopper layout: no other form reads them), any row count
 HOPPER_VARIANTS = (
     ("hopper_w8", dict(hopper=True, num_warps=8), dict(hopper=True, num_warps=8)),
-    ("hopper_w4", dict(hopper=True, num_warps=4), dict(hopper=True, num_warps=4)),
     ("hopper_n256", dict(hopper=True, block_n=256), dict(hopper=True, block_n=256)),
     ("hopper_s3", dict(hopper=True, num_stages=3), dict(hopper=True, num_stages=3)),
-    ("hopper_dn128", dict(hopper=True), dict(hopper=True, block_n=128)),
+    ("hopper_gm64", dict(hopper=True, rows=64), dict(hopper=True)),
     ("hopper_m64", dict(hopper=True, rows=64), dict(hopper=True, rows=64)),
-    ("hopper_k256", dict(hopper=True, block_k=256, num_stages=2), dict(hopper=True, block_k=256, num_stages=2)),
 )
 DECODE_VARIANTS = (
     ("gemv", dict(gemv="G"), dict(gemv="G")),
