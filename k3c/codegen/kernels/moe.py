@@ -46,6 +46,11 @@ Weight formats (`mx`):
                         perm bit order: one prmt + one and per K pair), activations wgmma's B from shared memory,
                         acc [BLOCK_N, BLOCK_M]; 3.1-3.3 SASS per weight at decode tiles against the pairs form's
                         4.1-4.5, 1.27-1.34x the default plans at 64-128 rows per expert (docs/perf.md, issue 24).
+               hopper   (sm_90 targets, the default there: routed experts in the load-time hopper layout, which
+                        weight preparation makes and no other form reads; moe_hopper) the weight tile as wgmma's
+                        register A operand, one plan over all rows (_hopper_plan), the decode 11 integer ops per 8
+                        weights + one bf16x2 scale multiply per pair; 2.85-2.92 SASS per weight at decode tiles
+                        (docs/perf.md, issue 54).
                dequant  (prefill, >= DEQUANT_MIN_ROWS rows) emit_moe_dequant writes the experts' bf16 weights once
                         per call (chunks of experts within DEQUANT_WORKSPACE_BYTES), then the bf16 grouped GEMM
                         with expert_chunk runs those experts' tiles: the decode is not repeated per M tile.
