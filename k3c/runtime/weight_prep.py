@@ -90,7 +90,10 @@ def _to_expert_layouts(module: Module, out: dict[str, torch.Tensor]) -> None:
             if in_hopper_layout(t):
                 continue
             try:
-                t = to_hopper(t) if role.endswith("weight_packed") else to_hopper_scales(t)
+                if t.is_meta:           # no data to move (recordings of the launches on meta tensors)
+                    t = torch.empty_like(t)
+                else:
+                    t = to_hopper(t) if role.endswith("weight_packed") else to_hopper_scales(t)
             except ValueError as exc:
                 raise WeightError(f"weight '{name}': {exc}") from None
             setattr(t, _LAYOUT_MARK, "hopper")

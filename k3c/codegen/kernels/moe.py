@@ -186,7 +186,7 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
     if bn % HOPPER_ROWS or not bk:
         raise CodegenError(f"hopper tiles: BLOCK_N a multiple of {HOPPER_ROWS}, BLOCK_K of {HOPPER_K} dividing K "
                            f"{k}; got {bn} x {block_k}")
-    # 16-row tiles: 4 warps (one warpgroup over 128 / 256 weight rows: 1.08-1.40x over 8 warps on the H200,
+    # 16-row tiles: 4 warps (one warpgroup over 128 / 256 weight rows: 1.09-1.40x over 8 warps on the H200,
     # docs/perf.md issue 54); from 32 rows 8 (at 4 the 32-row gate_up tile spills on sm_90)
     warps = num_warps or (4 if bm <= 16 else 8)
     if target.shared_mem_bytes <= 0:
