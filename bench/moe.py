@@ -7,6 +7,9 @@
     python bench/moe.py --decode --json out.json   # decode rows (1, 16, 64 tokens): the plans without the pair
                                                    # decode ("old"), the default ("new") and DECODE_COMPARE
                                                    # variants, bf16, copy
+    python bench/moe.py --layout canonical ...     # sm_90: the routed experts in k3c.quant's layout (the pre-hopper
+                                                   # forms); default: the device target's (hopper on sm_90, converted
+                                                   # in place after the peer copied them; variants: HOPPER_VARIANTS)
     python bench/moe.py --smoke                    # tiny shapes on the CPU (interpreter): checks the code path
     python bench/moe.py --sass                     # no GPU: the decode plans cross-compiled for sm_90, SASS of the
                                                    # K loop counted per weight (nvdisasm from triton's bundle)
