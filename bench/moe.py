@@ -46,8 +46,8 @@ import torch  # noqa: E402
 
 import moe_forms as forms  # noqa: E402
 import moe_peer  # noqa: E402
-from k3c.runtime.kernel_impls.moe_layout import (from_hopper, from_hopper_scales, to_hopper,  # noqa: E402
-                                                 to_hopper_scales, to_lanes)
+from k3c.runtime.expert_layout import from_hopper, from_hopper_scales, to_hopper, to_hopper_scales  # noqa: E402
+from k3c.runtime.kernel_impls.moe_layout import to_lanes  # noqa: E402
 from k3c.runtime.launcher import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
 from k3c.runtime.devices import target_for  # noqa: E402
 from k3c.frontend.spec import ActivationSpec  # noqa: E402

@@ -72,7 +72,7 @@ def _to_expert_layouts(module: Module, out: dict[str, torch.Tensor]) -> None:
     """The MXFP4 expert stacks of ops with expert_layout "hopper" (moe-lower, the target's choice) rewritten into the
     hopper layout (k3c.codegen.kernels.moe_hopper): new tensors (the caller's, e.g. a checkpoint's, stay as they
     are), each marked so that preparing these weights again leaves them alone."""
-    from .kernel_impls.moe_layout import to_hopper, to_hopper_scales
+    from .expert_layout import to_hopper, to_hopper_scales
 
     from ..ir.ops import bind
 

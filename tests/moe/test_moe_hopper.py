@@ -1,4 +1,4 @@
-"""The hopper layout of routed MXFP4 experts (k3c.codegen.kernels.moe_hopper, k3c.runtime.kernel_impls.moe_layout) and
+"""The hopper layout of routed MXFP4 experts (k3c.codegen.kernels.moe_hopper, k3c.runtime.expert_layout) and
 the grouped GEMM form that reads it: the layout as its definition says and as a bit-exact round trip against
 k3c.quant's (OCP) layout; the decode's PTX op list run in Python with PTX semantics over the kernel's own reorder and
 scale layout (bit for bit the dequantized weights); the kernels through the Triton interpreter against the reference
@@ -21,7 +21,7 @@ from k3c.codegen.targets import get_target
 from k3c.codegen.writer import CodegenError
 from k3c.quant import mxfp4_dequantize, mxfp4_quantize
 from k3c.runtime.kernel_impls import moe as M
-from k3c.runtime.kernel_impls.moe_layout import from_hopper, from_hopper_scales, to_hopper, to_hopper_scales
+from k3c.runtime.expert_layout import from_hopper, from_hopper_scales, to_hopper, to_hopper_scales
 
 from .test_moe_kernels import SITU, rel
 from .test_moe_pairs_decode import _bf16x2_mul, run_ops
@@ -34,7 +34,7 @@ def test_value_layout_is_its_definition():
     """Stored [N/4, 2K] row 4 B + s, column 128 t + 64 p + 16 c + 4 j + 2 i + h holds canonical (16 B + 8 h + 2 s
     + p, 32 t + 8 j + 4 i + c) (before the bit step: bytes whose words are all equal keep their bits)."""
     n, kb = 32, 64
-    from k3c.runtime.kernel_impls.moe_layout import _values_to
+    from k3c.runtime.expert_layout import _values_to
 
     idx = torch.arange(n * kb).reshape(1, n, kb)
     stored = _values_to(idx, False)[0].reshape(n // 4, 4 * kb)
@@ -50,7 +50,7 @@ def test_value_layout_is_its_definition():
 
 
 def test_scale_layout_is_its_definition():
-    from k3c.runtime.kernel_impls.moe_layout import _scales_to
+    from k3c.runtime.expert_layout import _scales_to
 
     n, kc = 32, 6
     idx = torch.arange(n * kc).reshape(1, n, kc)
@@ -84,14 +84,14 @@ def test_hopper_round_trip_is_bit_exact(shape):
 def test_hopper_round_trip_of_quantized_weights_and_slabs(monkeypatch):
     """From k3c.quant's MXFP4 (the OCP layout) to the hopper layout and back: the same bytes; slab-wise rewriting
     (bounded temporaries) gives the same bytes as one slab."""
-    from k3c.runtime.kernel_impls import moe_layout
+    from k3c.runtime import expert_layout
 
     w = torch.randn(5, 32, 128, generator=torch.Generator().manual_seed(1))
     p, s = mxfp4_quantize(w)
     stored, sstored = to_hopper(p), to_hopper_scales(s)
     assert torch.equal(mxfp4_dequantize(from_hopper(stored), from_hopper_scales(sstored), torch.float32),
                        mxfp4_dequantize(p, s, torch.float32))
-    monkeypatch.setattr(moe_layout, "_SLAB_BYTES", 32 * 64 * 8 * 2)       # two experts per slab, the last partial
+    monkeypatch.setattr(expert_layout, "_SLAB_BYTES", 32 * 64 * 8 * 2)       # two experts per slab, the last partial
     assert torch.equal(to_hopper(p), stored) and torch.equal(to_hopper_scales(s), sstored)
     assert torch.equal(from_hopper(stored), p)
 
@@ -195,6 +195,19 @@ def test_hopper_experts_equal_reference():
     assert rel(_run(x, qs, routing, dims, plans), want) > 0.5
     with pytest.raises(CodegenError, match="hopper"):       # a plan of another form cannot read the layout
         _run(x, hq, routing, dims, (moe_gemm_plan("gate_up", m, z, rows, "upcast", "bf16", cpu), None))
+
+
+def test_hopper_experts_fp32_activations():
+    """fp32 activations (an fp32 run): the hopper form's portable decode and fp32 dots, to fp32 accuracy."""
+    dims, routing, x, qs = _case(t=3, m=64)
+    x = x.float()
+    want = ref.routed_experts(x, *(mxfp4_dequantize(p, s, torch.float32) for p, s in qs), routing[0],
+                              routing[1].long(), SITU)
+    g = GroupedGemm.checked("down", 128, 64, target=get_target("h100"), plan=moe_gemm_plan(
+        "down", 128, 64, 1, "upcast", "fp32", get_target("h100"), hopper=True), mx="upcast", dtype="fp32",
+        num_experts=6, top_k=3, interpret=False)
+    assert g.hopper and g.hopper_asm is None                  # no PTX decode for fp32: the portable one
+    assert rel(_run(x, _hopper(qs), routing, dims, (None, None)), want) <= 1e-5
 
 
 def test_hopper_exact_plan_on_large_scales():

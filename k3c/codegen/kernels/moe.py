@@ -173,8 +173,9 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
     weight preparation, leaves no other form): BLOCK_M = the rows' bucket (16..128), 128-K steps, 4 warps at 16-row
     tiles, 8 (two warpgroups over the weight rows) above, 128 weight rows per operand for gate_up (gate + up: 256 rows, as matmul_ogs'
     w13 tile; 64 at 128 rows per expert) and 256 for down, stages to fill shared memory (at most 4)."""
-    if dtype != "bf16":
-        raise CodegenError(f"the hopper form takes bf16 activations, got {dtype}")
+    if dtype not in ("bf16", "fp32"):
+        raise CodegenError(f"the hopper form takes bf16 (or fp32: the portable decode, fp32 dots) activations, got "
+                           f"{dtype}")
     if n % HOPPER_ROWS or k % HOPPER_K:
         raise CodegenError(f"the hopper layout needs N a multiple of {HOPPER_ROWS} and K of {HOPPER_K}; got N {n}, "
                            f"K {k}")
@@ -641,10 +642,10 @@ class GroupedGemm:
         if lanes and target.backend == "hip":
             raise CodegenError("the lanes form is wgmma's (sm_90); hip targets run the joined or dequant forms")
         hopper = plan.hopper and mx == "upcast"
-        if hopper and (kind == "dense" or dt != "bf16" or N % HOPPER_ROWS or K % HOPPER_K
+        if hopper and (kind == "dense" or dt not in ("bf16", "fp32") or N % HOPPER_ROWS or K % HOPPER_K
                        or plan.block_k % HOPPER_K or K % plan.block_k or plan.block_n % HOPPER_ROWS):
-            raise CodegenError(f"hopper form: routed experts, bf16 activations, N a multiple of {HOPPER_ROWS}, K and "
-                               f"BLOCK_K of {HOPPER_K} (BLOCK_K dividing K), BLOCK_N of {HOPPER_ROWS}; got {kind}, "
+            raise CodegenError(f"hopper form: routed experts, bf16 / fp32 activations, N a multiple of {HOPPER_ROWS}, "
+                               f"K and BLOCK_K of {HOPPER_K} (BLOCK_K dividing K), BLOCK_N of {HOPPER_ROWS}; got {kind}, "
                                f"{dt}, N {N}, K {K}, tiles {plan.block_n} x {plan.block_k}")
         if hopper and target.backend == "hip":
             raise CodegenError("the hopper layout is sm_90's; hip targets keep their native-MX / upcast layouts")
@@ -658,7 +659,7 @@ class GroupedGemm:
                    if lanes and target.backend == "cuda" and not interp else None,
                    use_asm=mx == "upcast" and target.backend == "cuda" and not interp, hopper=hopper,
                    hopper_asm=(HOPPER_DECODE_ASM if plan.one_mul else HOPPER_DECODE_EXACT_ASM)
-                   if hopper and target.backend == "cuda" and not interp else None)
+                   if hopper and target.backend == "cuda" and not interp and dt == "bf16" else None)
 
     @property
     def routed(self) -> bool:

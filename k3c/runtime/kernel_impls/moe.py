@@ -31,7 +31,7 @@ from ...reference.norms import acc
 from .. import routing_replay
 from ..devices import interpreted, target_for, tt_dtype
 from ..launcher import launch
-from .moe_layout import from_hopper, from_hopper_scales
+from ..expert_layout import from_hopper, from_hopper_scales
 
 _emit_topk = functools.lru_cache(maxsize=64)(emit_moe_topk)
 _emit_rank = functools.lru_cache(maxsize=64)(emit_moe_rank)
