@@ -184,6 +184,9 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
     # gate_up at 128 rows: 64 per weight (2 x [64, 128] fp32 accumulators; at 128 the tile spills on sm_90)
     bn = block_n or min(256 // n_b // (2 if n_b == 2 and bm >= 128 else 1), max(HOPPER_ROWS, pow2_ceil(n)))
     bk = _divisor_block(k, block_k or 128, HOPPER_K)
+    if dtype == "fp32" and target.backend != "cpu":     # fp32 runs (checks, not speed): FMA dots, small tiles
+        bn, bk = block_n or min(bn, 16 if n_b == 2 else 32), _divisor_block(k, block_k or HOPPER_K, HOPPER_K)
+        bm, num_warps, num_stages = 16, num_warps or 4, num_stages or 2     # (larger: the gate_up tile spills)
     if bn % HOPPER_ROWS or not bk:
         raise CodegenError(f"hopper tiles: BLOCK_N a multiple of {HOPPER_ROWS}, BLOCK_K of {HOPPER_K} dividing K "
                            f"{k}; got {bn} x {block_k}")
