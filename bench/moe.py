@@ -7,6 +7,9 @@
     python bench/moe.py --decode --json out.json   # decode rows (1, 16, 64 tokens): the plans without the pair
                                                    # decode ("old"), the default ("new") and DECODE_COMPARE
                                                    # variants, bf16, copy
+    python bench/moe.py --layout canonical ...     # sm_90: the routed experts in k3c.quant's layout (the pre-hopper
+                                                   # forms); default: the device target's (hopper on sm_90, converted
+                                                   # in place after the peer copied them; variants: HOPPER_VARIANTS)
     python bench/moe.py --smoke                    # tiny shapes on the CPU (interpreter): checks the code path
     python bench/moe.py --sass                     # no GPU: the decode plans cross-compiled for sm_90, SASS of the
                                                    # K loop counted per weight (nvdisasm from triton's bundle)
@@ -43,6 +46,7 @@ import torch  # noqa: E402
 
 import moe_forms as forms  # noqa: E402
 import moe_peer  # noqa: E402
+from k3c.runtime.expert_layout import from_hopper, from_hopper_scales, to_hopper, to_hopper_scales  # noqa: E402
 from k3c.runtime.kernel_impls.moe_layout import to_lanes  # noqa: E402
 from k3c.runtime.launcher import ENABLE_FP_FUSION, eval_grid, load_kernel  # noqa: E402
 from k3c.runtime.devices import target_for  # noqa: E402
@@ -80,14 +84,18 @@ def random_mxfp4(e, n, k, dev, gen):
 _LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
-def dequant_rows(packed, scale, rows, out):
-    """Write bf16 [len(rows), N, K] of the experts `rows` into `out` (the values k3c.quant.mxfp4_dequantize gives)."""
+def dequant_rows(packed, scale, rows, out, layout="canonical"):
+    """Write bf16 [len(rows), N, K] of the experts `rows` into `out` (the values k3c.quant.mxfp4_dequantize gives);
+    layout "hopper": the stacks are in the hopper layout (those experts are read back to the canonical one)."""
     lut = _LUT.to(packed.device)
     for i in range(0, len(rows), 16):
         idx = rows[i:i + 16]
-        p = packed[idx].long()
+        p, sc = packed[idx], scale[idx]
+        if layout == "hopper":
+            p, sc = from_hopper(p), from_hopper_scales(sc)
+        p = p.long()
         v = torch.stack((lut[p & 15], lut[p >> 4]), dim=-1).flatten(-2)
-        out[i:i + len(idx)] = (v * torch.exp2(scale[idx].float() - 127.0).repeat_interleave(32, dim=-1))
+        out[i:i + len(idx)] = (v * torch.exp2(sc.float() - 127.0).repeat_interleave(32, dim=-1))
     return out
 
 
@@ -151,7 +159,7 @@ def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
     def gemm(kind, a, ws, plan, **kw):
         if isinstance(plan, forms.FormPlan):
             return forms.grouped_gemm(kind, a, ws, off, perm, top_k=k, plan=plan, **kw)
-        return M.grouped_gemm(kind, a, ws, off, perm, top_k=k, mx=mx, plan=plan, **kw)
+        return M.grouped_gemm(kind, a, ws, off, perm, top_k=k, mx=mx, plan=plan, layout=args.layout, **kw)
 
     def k3c_fn(pg=None, pd=None):
         def run():
@@ -160,6 +168,21 @@ def k3c_runner(e, args, weights, z, wt, ids, off, perm, mx):
             return M.combine(y, wt, ids, top_k=k, num_experts=e)
         return run
     return k3c_fn
+
+
+def k3c_layer(e, args, weights, lg, z, mx):
+    """k3c's whole routed-expert layer with the default plans: routing (4 launches), gate_up (GLU fused), down,
+    combine."""
+    k = args.top_k
+    _, (w1p, w1s, w3p, w3s), (w2p, w2s) = weights
+
+    def run():
+        wt, ids, off, perm = M.route(lg, None, top_k=k)
+        h = M.grouped_gemm("gate_up", z, [w1p, w1s, w3p, w3s], off, perm, top_k=k, mx=mx, act=ACT,
+                           layout=args.layout)
+        y = M.grouped_gemm("down", h, [w2p, w2s], off, perm, top_k=k, mx=mx, layout=args.layout)
+        return M.combine(y, wt, ids, top_k=k, num_experts=e)
+    return run
 
 
 def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline=None, peer=None):
@@ -176,9 +199,9 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
 
     act_cpu = active.cpu()
     w13 = torch.empty(n_act, 2 * mi, zdim, dtype=torch.bfloat16, device=dev)
-    dequant_rows(w1p, w1s, act_cpu, w13[:, :mi])
-    dequant_rows(w3p, w3s, act_cpu, w13[:, mi:])
-    w2 = dequant_rows(w2p, w2s, act_cpu, torch.empty(n_act, zdim, mi, dtype=torch.bfloat16, device=dev))
+    dequant_rows(w1p, w1s, act_cpu, w13[:, :mi], args.layout)
+    dequant_rows(w3p, w3s, act_cpu, w13[:, mi:], args.layout)
+    w2 = dequant_rows(w2p, w2s, act_cpu, torch.empty(n_act, zdim, mi, dtype=torch.bfloat16, device=dev), args.layout)
     base = baseline_fn(z, wt, ids, w13, w2, active)
     got, want = k3c_fn()(), base()
     err = rel(got, want)
@@ -186,8 +209,9 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
     bf_bytes = n_act * 3 * mi * zdim * 2
     t_base = timed(base, dev)
     t_k3c = timed(k3c_fn(), dev)
-    dg = M._plan("gate_up", mi, zdim, -(-tokens * k // e), mx, "bf16", tgt)
-    dd = M._plan("down", zdim, mi, -(-tokens * k // e), mx, "bf16", tgt)
+    hp = args.layout == "hopper" or None
+    dg = M._plan("gate_up", mi, zdim, -(-tokens * k // e), mx, "bf16", tgt, hopper=hp)
+    dd = M._plan("down", zdim, mi, -(-tokens * k // e), mx, "bf16", tgt, hopper=hp)
     best = ("default", t_k3c)
     t_var = time.time()
     for name, (pg, pd) in (plans or {}).items():
@@ -218,12 +242,17 @@ def bench_case(e, tokens, args, weights, dev, gen, copy_bw, plans=None, deadline
     ROWS.append(row)
     t_route = timed(lambda: M.route(lg, None, top_k=k), dev, rep_ms=25)
     row["route_s"] = t_route
+    row["k3c_layer_s"] = timed(k3c_layer(e, args, weights, lg, z, mx), dev, rep_ms=50)
     peer_txt = ""
     if peer is not None:
         try:
             t_peer = peer.timed(lg, z, k, lambda f: timed(f, dev))
             row.update(peer_s=t_peer, peer_over_k3c=t_peer / t_k3c, peer_over_best=t_peer / best[1])
             peer_txt = f" | matmul_ogs {t_peer * 1e6:9.1f} us: peer/k3c {t_peer / t_k3c:4.2f} (best {t_peer / best[1]:4.2f})"
+            t_pl = peer.timed_layer(lg, z, k, lambda f: timed(f, dev, rep_ms=50))
+            row.update(peer_layer_s=t_pl, peer_layer_over_k3c_layer=t_pl / row["k3c_layer_s"])
+            peer_txt += (f" | layer (routing + GEMMs + act/combine) k3c {row['k3c_layer_s'] * 1e6:.1f} us, peer "
+                         f"{t_pl * 1e6:.1f} us: {t_pl / row['k3c_layer_s']:4.2f}")
         except Exception as exc:  # noqa: BLE001 - the peer failing is reported, k3c's row stands
             peer_txt = f" | matmul_ogs failed: {type(exc).__name__}: {str(exc)[:160]}"
     frac = f"{row['k3c_frac_of_copy'] * 100:5.1f}%" if copy_bw else "   - "
@@ -264,6 +293,14 @@ LANES_PREFILL = (
      dict(lanes=True, rows=64, block_n=256, num_warps=8, num_stages=4)),
     ("lanes_m32", dict(lanes=True, rows=32, block_n=256, block_k=128, num_warps=8),
      dict(lanes=True, rows=32, block_n=256, block_k=128, num_warps=8)),
+)
+# the hopper form's tiles (weights in the hopper layout: no other form reads them), any row count
+HOPPER_VARIANTS = (
+    ("hopper_w8", dict(hopper=True, num_warps=8), dict(hopper=True, num_warps=8)),
+    ("hopper_n256", dict(hopper=True, block_n=256), dict(hopper=True, block_n=256)),
+    ("hopper_s3", dict(hopper=True, num_stages=3), dict(hopper=True, num_stages=3)),
+    ("hopper_gm64", dict(hopper=True, rows=64), dict(hopper=True)),
+    ("hopper_m64", dict(hopper=True, rows=64), dict(hopper=True, rows=64)),
 )
 DECODE_VARIANTS = (
     ("gemv", dict(gemv="G"), dict(gemv="G")),
@@ -315,7 +352,9 @@ def variants(args, dev, rows, specs):
     group = min(4, 1 << max(0, rows - 1).bit_length())
     out, seen = {}, set()
     for name, kg, kd in specs:
-        if mx != "upcast" and any(x in kg for x in ("gemv", "dequant", "pairs", "form", "lanes")):
+        if mx != "upcast" and any(x in kg for x in ("gemv", "dequant", "pairs", "form", "lanes", "hopper")):
+            continue
+        if (args.layout == "hopper") != bool(kg.get("hopper")):      # a variant must read the weights' layout
             continue
         kg, kd = ({k: group if v == "G" else v for k, v in kw.items()} for kw in (kg, kd))
         try:
@@ -406,12 +445,29 @@ def decode_table(copy_bw):
               "experts")
 
 
+def peer_table():
+    """k3c's default against matmul_ogs per row (GEMMs: k3c gate_up + down + combine, the peer's gate/up + down; and
+    the whole layer: routing + GEMMs + activation / combine on both sides)."""
+    rows = [r for r in ROWS if "variant" not in r and "peer_s" in r]
+    if not rows:
+        return
+    print("\n| E | tokens | k3c default us (plans) | matmul_ogs us | peer / k3c | best k3c us (variant) | peer / best | "
+          "k3c layer us | peer layer us | peer / k3c (layer) |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['experts']} | {r['tokens']} | {r['k3c_s'] * 1e6:.1f} ({r['default_plan_gate_up']} / "
+              f"{r['default_plan_down']}) | {r['peer_s'] * 1e6:.1f} | {r['peer_over_k3c']:.2f} | "
+              f"{r['best_variant_s'] * 1e6:.1f} ({r['best_variant']}) | {r['peer_over_best']:.2f} | "
+              + (f"{r['k3c_layer_s'] * 1e6:.1f} | {r['peer_layer_s'] * 1e6:.1f} | "
+                 f"{r['peer_layer_over_k3c_layer']:.2f} |" if "peer_layer_s" in r else "- | - | - |"))
+
+
 # --sass: (name, rows per expert, gate_up overrides, down overrides) cross-compiled for the h200 target
 SASS_PLANS = (
     ("old gemv1 (1 row)", 1, dict(pairs=False), dict(pairs=False)),
     ("old joined (2-16 rows)", 2, dict(pairs=False), dict(pairs=False)),
 ) + tuple((f"new {name}", 1, kg, kd) for name, kg, kd in DECODE_COMPARE[1:]) + (("new default", 1, {}, {}),) + tuple(
-    (f"prefill {name}", 128, kg, kd) for name, kg, kd in LANES_PREFILL if "rows" not in kg)
+    (f"prefill {name}", 128, kg, kd) for name, kg, kd in LANES_PREFILL if "rows" not in kg) + tuple(
+    (f"hopper ({rows} rows)", rows, dict(hopper=True), dict(hopper=True)) for rows in (1, 32, 64, 128))
 
 
 def _sass_loop(sass: str) -> list[str]:
@@ -514,6 +570,9 @@ def main():
     ap.add_argument("--sass", action="store_true", help="no GPU: SASS instruction counts of the decode plans")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-peer", action="store_true", help="do not run triton_kernels' matmul_ogs (bench/moe_peer.py)")
+    ap.add_argument("--layout", choices=("auto", "canonical", "hopper"), default="auto",
+                    help="the routed experts' layout: auto = the device target's (hopper on sm_90, as weight "
+                    "preparation chooses), canonical = k3c.quant's (the pre-hopper forms and their variants)")
     args = ap.parse_args()
     if args.sass:
         return sass_report(args)
@@ -525,8 +584,12 @@ def main():
         from k3c.codegen.triton_mode import prepare_interpreter
 
         prepare_interpreter()
-        args.experts, args.tokens, args.top_k, args.latent, args.inter = [8], [1, 5], 2, 64, 32
+        args.experts, args.tokens, args.top_k, args.latent, args.inter = [8], [1, 5], 2, 64, 64
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.layout == "auto":
+        from k3c.runtime.weight_prep import expert_layout
+
+        args.layout = expert_layout(target_for(dev))
     gen = torch.Generator(device=dev).manual_seed(0)
     t_start = time.time()
     budget_left = args.budget if args.sweep else None       # seconds of variant timing left, shared by the rows
@@ -553,8 +616,9 @@ def main():
             w2p, w2s = random_mxfp4(e, args.latent, args.inter, dev, gen)
             weights = ((None, None), (w1p, w1s, w3p, w3s), (w2p, w2s))
             rows_of = {t: -(-t * args.top_k // e) for t in args.tokens}
-            row_plans = {t: variants(args, dev, r, DECODE_COMPARE if args.decode else DECODE_VARIANTS if r <= 16
-                                     else PREFILL_VARIANTS) if args.sweep else None for t, r in rows_of.items()}
+            row_plans = {t: variants(args, dev, r, HOPPER_VARIANTS if args.layout == "hopper" else DECODE_COMPARE
+                                     if args.decode else DECODE_VARIANTS if r <= 16 else PREFILL_VARIANTS)
+                         if args.sweep else None for t, r in rows_of.items()}
             if pool is not None:
                 precompile_rows(pool, e, args, weights, dev, row_plans, args.compile_wait)
             peer = None
@@ -563,6 +627,15 @@ def main():
                     peer = moe_peer.PeerExperts(peer_mods, w1p, w1s, w3p, w3s, w2p, w2s)
                 except Exception as exc:  # noqa: BLE001 - reported; the rows run without the peer
                     print(f"peer weights for E={e} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            if args.layout == "hopper":     # as weight preparation does for sm_90 targets: in place, once
+                t0 = time.time()
+                for t in (w1p, w3p, w2p):
+                    to_hopper(t, in_place=True)
+                for t in (w1s, w3s, w2s):
+                    to_hopper_scales(t, in_place=True)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                print(f"  E={e}: expert stacks to the hopper layout in {time.time() - t0:.1f} s", flush=True)
             for t in args.tokens:
                 row_deadline = time.time() + max(0.0, budget_left) / rows_left if budget_left is not None else None
                 rows_left -= 1
@@ -582,6 +655,7 @@ def main():
         pool.shutdown(cancel_futures=True)
     if args.decode:
         decode_table(copy_bw)
+    peer_table()
     print(f"total {time.time() - t_start:.0f} s", flush=True)
 
 

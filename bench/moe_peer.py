@@ -66,3 +66,19 @@ class PeerExperts:
         f2 = lambda: mo.matmul_ogs(h, self.w2, None, rd, scatter_indx=si, precision_config=self.pc2,  # noqa: E731
                                    gammas=rd.gate_scal)
         return timer(f1) + timer(f2)
+
+    def timed_layer(self, logits, z, top_k, timer):
+        """Seconds of the peer's whole routed-expert layer in one graph: its routing, gate/up, the activation (torch,
+        as vLLM runs it), down with the gammas and the scatter."""
+        import torch
+
+        mo = self.m["matmul_ogs"]
+
+        def layer():
+            rd, gi, si = self.m["routing"].routing(logits, top_k, sm_first=False)
+            y1 = mo.matmul_ogs(z, self.w13, None, rd, gather_indx=gi, precision_config=self.pc13)
+            y1 = y1.view(-1, 2 * self.inter)
+            h = (torch.nn.functional.silu(y1[:, :self.inter].float()) * y1[:, self.inter:].float()).to(z.dtype)
+            return mo.matmul_ogs(h, self.w2, None, rd, scatter_indx=si, precision_config=self.pc2,
+                                 gammas=rd.gate_scal)
+        return timer(layer)

@@ -29,6 +29,9 @@ class Target:
                                           # measured where a row sets it (docs/perf.md), assumed elsewhere
     plan_fraction: tuple[tuple[str, float, float], ...] = ()
     tiers: tuple[str, ...] = ()   # kernel tiers beyond the portable one (k3c.codegen.tiers) that plans may pick here
+    expert_layout: str = "canonical"   # load-time layout of routed MXFP4 expert stacks (weight_prep): "canonical"
+                                       # (k3c.quant's, the native-MX and upcast forms) or "hopper" (sm_90: the hopper
+                                       # form, k3c.codegen.kernels.moe_hopper)
     # (phase, low, high): the share of `k3c plan`'s roofline tokens/s that k3c's measured end-to-end runs reach on
     # this target (bench/plan_check.py over the checked-in JSONs); empty where nothing was measured
 
@@ -58,12 +61,12 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("mi355x", "hip", "gfx950", 64, 160 * KiB, True, 2.5e15, 5.0e15, 10.0e15, 8.0e12, 288 * GiB, 537.6e9),
     Target("mi300x", "hip", "gfx942", 64, 64 * KiB, False, 1.307e15, 2.615e15, 2.615e15, 5.3e12, 192 * GiB, 448e9),
     Target("h100", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 3.35e12, 80 * GiB, 450e9,
-           tiers=HOPPER_TIERS),
+           tiers=HOPPER_TIERS, expert_layout="hopper"),
     # h200: HBM bandwidth and size are the spec sheet's (what a device copy reaches: docs/perf.md)
     Target("h200", "cuda", "sm_90", 32, 227 * KiB, False, 0.989e15, 1.979e15, 1.979e15, 4.8e12, 141 * GiB, 450e9,
            collective_latency_s=9e-6,
            plan_fraction=(("prefill", 0.44, 0.63), ("decode", 0.48, 0.62)),   # bench/plan-check-h200.json
-           tiers=HOPPER_TIERS),
+           tiers=HOPPER_TIERS, expert_layout="hopper"),
     Target("b200", "cuda", "sm_100", 32, 227 * KiB, True, 2.25e15, 4.5e15, 9.0e15, 8.0e12, 180 * GiB, 900e9),
     # b300 (Blackwell Ultra, compute capability 10.3: triton 3.9 emits sm_103a cubins with tcgen05 kind::mxf4).
     # Spec-sheet values (HGX B300, per GPU): 288 GB HBM3e (8 x 36 GiB stacks, held as GiB like mi355x's 288), 8 TB/s,
@@ -115,4 +118,5 @@ def target_for_properties(backend: str, arch: str, name: str = "", total_memory_
     if backend == "hip":
         base = TARGETS["mi300x"]
         return replace(base, name=f"hip_{name_part(arch)}", arch=arch, shared_mem_bytes=smem or base.shared_mem_bytes)
-    return replace(TARGETS["h100"], name=f"cuda_{arch}", arch=arch, shared_mem_bytes=smem or 96 * KiB, tiers=())
+    return replace(TARGETS["h100"], name=f"cuda_{arch}", arch=arch, shared_mem_bytes=smem or 96 * KiB, tiers=(),
+                   expert_layout="canonical")

@@ -15,6 +15,8 @@
                   this rank's experts' slots (a partial sum the all_reduce completes)
 Expert weights: bf16 stacks `experts.w1` [E_local, M, Z] ..., or with expert_format "mxfp4" packed u8
 `experts.w1.weight_packed` [E_local, M, Z/2] + `experts.w1.weight_scale` [E_local, M, Z/32] pairs.
+`expert_layout` "hopper" (sm_90 targets, set by moe-lower): weight preparation rearranges those stacks' bytes into
+k3c.codegen.kernels.moe_hopper's layout (shapes unchanged; checkpoints stay in k3c.quant's layout).
 `mx` says how the MXFP4 GEMMs run: "upcast" (decoded in registers, bf16 dot) or "e4m3" / "e2m1" (tl.dot_scaled on
 the target's MX matrix units with the activations quantized per 32 in registers), "auto" (the pass's choice: decided
 by the target the kernels are emitted / run for, with `act_format`); "none" for bf16 weights.
@@ -31,6 +33,7 @@ from .opdef import AttrSpec, OpDef, Role, TypeCheck, activation, check_positive,
 U8 = frozenset({"u8"})
 OFFSET_ROWS = 5         # expert row offsets + tile offsets for the 4 BLOCK_M buckets (k3c.codegen.kernels.moe)
 MX = ("auto", "none", "upcast", "e4m3", "e2m1")
+EXPERT_LAYOUTS = ("canonical", "hopper")     # load-time layouts of MXFP4 expert stacks (runtime.weight_prep)
 
 
 def _local_experts(attrs) -> int:
@@ -125,6 +128,9 @@ def _check_grouped(attrs):
     fmt, mx = attrs.get("expert_format", "bf16"), attrs.get("mx", "none")
     if (fmt == "mxfp4") == (mx == "none"):
         raise TypeCheck(f"mx '{mx}' does not fit expert_format '{fmt}'")
+    if attrs.get("expert_layout", "canonical") == "hopper" and (fmt != "mxfp4" or mx not in ("auto", "upcast")):
+        raise TypeCheck(f"expert_layout 'hopper' is a layout of MXFP4 experts run by the upcast GEMMs; got "
+                        f"expert_format '{fmt}', mx '{mx}'")
 
 
 def _expert_shape(ins, name: str, fmt: str, el: int, rows, cols) -> tuple[Any, Any]:
@@ -164,6 +170,9 @@ GROUPED_ATTRS = {
                                           "k3c.codegen.kernels.moe.mx_mode) | upcast | e4m3 | e2m1; none for bf16"),
     "act_format": AttrSpec("str", required=False, choices=("bf16", "mxfp8", "mxfp4"),
                            doc="the spec's activation format (native MX GEMMs quantize to it); absent = bf16"),
+    "expert_layout": AttrSpec("str", required=False, choices=EXPERT_LAYOUTS,
+                              doc="load-time layout of the MXFP4 expert stacks (the target's, moe-lower): canonical "
+                                  "(k3c.quant's; absent) or hopper (k3c.codegen.kernels.moe_hopper; upcast only)"),
     **EP_ATTRS,
 }
 def _check_gate_up(attrs):

@@ -23,7 +23,10 @@ MXFP4 experts (expert_format "mxfp4", the mxfp4 pass) get mx = "auto" and the mo
 the kernels are emitted or run for decides (k3c.codegen.kernels.moe.mx_mode): natively through tl.dot_scaled with the
 activations quantized to MXFP8 (e4m3) on targets with MX matrix units (mi355x, b200), upcast in registers elsewhere
 (h200, mi300x, and wherever the activations stay bf16).
-Counts: `moe_layers`, `latent`, `shared`, `mxfp4`, `mxfp4_linears`, `all_reduce`.
+On targets whose expert layout is "hopper" (h100, h200: Target.expert_layout) the upcast grouped GEMMs of MXFP4
+experts get expert_layout "hopper" (weight preparation rearranges those stacks; the hopper form reads them) where
+the stacks' shapes allow it (N a multiple of 16, K of 64).
+Counts: `moe_layers`, `latent`, `shared`, `mxfp4`, `mxfp4_linears`, `all_reduce`, `hopper_layout`.
 """
 from __future__ import annotations
 
@@ -34,6 +37,21 @@ from ..ir.ops import bind_inputs
 from .registry import PassContext, register_pass
 
 _ACT_KEYS = ("activation", "situ_beta_gate", "situ_beta_up")
+
+
+def _hopper_layout(module: Module, w: dict, target, act_format: str) -> bool:
+    """Whether a layer's MXFP4 expert stacks take the hopper layout: the target's choice (Target.expert_layout) where
+    its GEMMs upcast (no MX matrix units, or bf16 activations) and every stack has N a multiple of 16 and K of 64."""
+    from ..codegen.kernels.moe import mx_mode
+    from ..codegen.kernels.moe_hopper import HOPPER_K, HOPPER_ROWS
+
+    if target is None or target.expert_layout != "hopper" or mx_mode("mxfp4", target, act_format) != "upcast":
+        return False
+    for name in ("w1", "w3", "w2"):
+        shape = module.type_of(w[f"experts.{name}.weight_packed"]).shape
+        if not all(isinstance(d, int) for d in shape[-2:]) or shape[-2] % HOPPER_ROWS or (2 * shape[-1]) % HOPPER_K:
+            return False
+    return True
 
 
 @register_pass("moe-lower")
@@ -87,6 +105,9 @@ def moe_lower(module: Module, ctx: PassContext) -> Module:
                    "mx": "auto" if fmt == "mxfp4" else "none", **ep}
         if fmt == "mxfp4":
             grouped["act_format"] = act_format
+            if _hopper_layout(module, w, ctx.target, act_format):
+                grouped["expert_layout"] = "hopper"
+                ctx.count("hopper_layout")
 
         def experts(*names):
             if fmt == "mxfp4":

@@ -16,6 +16,12 @@ from ..ir.mxfp4_weights import packed_name
 _FLOAT_DTYPES = ("f32", "bf16", "f16", "f64")
 
 
+def expert_layout(target) -> str:
+    """The load-time layout of routed MXFP4 expert stacks on `target` (Target.expert_layout): "hopper" on sm_90
+    targets, else "canonical" (k3c.quant's layout, which the native-MX targets read as it is)."""
+    return getattr(target, "expert_layout", "canonical") if target is not None else "canonical"
+
+
 def graph_params(module: Module) -> dict[str, object]:
     """name -> TensorType of every weight the graph reads."""
     return {op.attr("name"): op.types[0] for op in module.ops if op.op == "param"}
@@ -29,7 +35,10 @@ def prepare_weights(module: Module, weights: dict[str, torch.Tensor], spec=None)
     a linear `lm_head.weight`: k3c.ir.mxfp4_weights.packed_name), source P): packed tensors
     given under those names (a packed checkpoint) are used as they are; otherwise a float `P` is quantized here, once,
     with the param's scale rule. The other way round, a graph reading a float `P` given only packed tensors (a K3
-    checkpoint compiled without quantization) gets it dequantized."""
+    checkpoint compiled without quantization) gets it dequantized.
+
+    Routed MXFP4 expert stacks whose grouped GEMMs carry expert_layout "hopper" (sm_90 targets: moe-lower) are then
+    rewritten into that layout (_to_expert_layouts); checkpoints hold k3c.quant's layout either way."""
     out: dict[str, torch.Tensor] = {}
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}     # source -> (packed, scales) made here
     params = {op.attr("name"): op for op in module.ops if op.op == "param"}
@@ -51,7 +60,49 @@ def prepare_weights(module: Module, weights: dict[str, torch.Tensor], spec=None)
         if t.is_floating_point() != (ty.dtype in _FLOAT_DTYPES):       # float weights may be bf16 or f32
             raise WeightError(f"weight '{name}' has dtype {t.dtype}, the graph needs {ty.dtype}")
         out[name] = t
+    _to_expert_layouts(module, out)
     return out
+
+
+HOPPER_OPS = ("moe_gate_up", "moe_down")     # the ops whose expert_layout attr says how their stacks are laid out
+_LAYOUT_MARK = "_k3c_expert_layout"          # set on a stack rewritten here: preparing prepared weights again is a no-op
+
+
+def _to_expert_layouts(module: Module, out: dict[str, torch.Tensor]) -> None:
+    """The MXFP4 expert stacks of ops with expert_layout "hopper" (moe-lower, the target's choice) rewritten into the
+    hopper layout (k3c.codegen.kernels.moe_hopper): new tensors (the caller's, e.g. a checkpoint's, stay as they
+    are), each marked so that preparing these weights again leaves them alone."""
+    from .expert_layout import to_hopper, to_hopper_scales
+
+    from ..ir.ops import bind
+
+    defs = None
+    for op in module.ops:
+        if op.op not in HOPPER_OPS or op.attr("expert_layout", "canonical") != "hopper":
+            continue
+        defs = defs if defs is not None else module.defs
+        for role, v in bind(op).items():
+            src = defs.get(v)
+            if not role.startswith("experts.") or src is None or src.op != "param":
+                continue
+            name = src.attr("name")
+            t = out[name]
+            if in_hopper_layout(t):
+                continue
+            try:
+                if t.is_meta:           # no data to move (recordings of the launches on meta tensors)
+                    t = torch.empty_like(t)
+                else:
+                    t = to_hopper(t) if role.endswith("weight_packed") else to_hopper_scales(t)
+            except ValueError as exc:
+                raise WeightError(f"weight '{name}': {exc}") from None
+            setattr(t, _LAYOUT_MARK, "hopper")
+            out[name] = t
+
+
+def in_hopper_layout(t: torch.Tensor) -> bool:
+    """Whether prepare_weights rewrote `t` into the hopper layout (the mark does not survive .to() / copies)."""
+    return getattr(t, _LAYOUT_MARK, None) == "hopper"
 
 
 def _quantized_part(name: str, op, weights: dict, made: dict) -> torch.Tensor | None:

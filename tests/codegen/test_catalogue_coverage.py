@@ -66,7 +66,7 @@ def test_every_launch_is_in_the_catalogue(name, target):
 @pytest.mark.parametrize("target", ("h100", "h200"))
 def test_exact_pair_decode_is_in_the_catalogue(target, monkeypatch):
     """The other answer of the data-dependent scale check (a scale above PAIRS1_MAX_SCALE): the exact two-multiply
-    pair decode, planned as such (its narrower tiles), is in the artifact too."""
+    decode of the routed experts' hopper form (sm_90: weights in the hopper layout) is in the artifact too."""
     from k3c.runtime.kernel_impls import moe
 
     monkeypatch.setattr(moe, "META_SCALES_FIT", False)
@@ -75,7 +75,7 @@ def test_exact_pair_decode_is_in_the_catalogue(target, monkeypatch):
         catalogue = {ks.key for ks in model.kernels()}
         launched = record_launches(model, ((1, 1), (8, 1), (32, 17)))
         names = {ks.name for ks, _ in launched}
-        assert any(n.endswith("_jp") for n in names) and not any("_jp1" in n for n in names), names
+        assert any(n.endswith("_hp") for n in names) and not any("_hp1" in n for n in names), names
         missing = sorted({ks.name for ks, _ in launched if ks.key not in catalogue})
         assert not missing, missing
 
@@ -85,8 +85,8 @@ def test_recording_catches_a_missing_class():
     model = k3c.compile("examples/k3-wide.yaml", target="h200")
     launched = record_launches(model, ((1, 1),))
     names = {ks.name for ks, _ in launched}
-    assert any("_jp1" in n for n in names), names        # decode takes the one-multiply pair decode on meta
-    catalogue = {ks.key for ks in model.kernels() if "_jp1" not in ks.name}
+    assert any("_hp1" in n for n in names), names        # decode takes the one-multiply hopper decode on meta
+    catalogue = {ks.key for ks in model.kernels() if "_hp1" not in ks.name}
     assert any(ks.key not in catalogue for ks, _ in launched)
 
 

@@ -1,6 +1,7 @@
 """AOT emitters of the moe-lower pass's ops: the kernels k3c.runtime.kernel_impls.moe launches for them, with the same
 emit_* arguments (router / latent GEMMs per token bucket, the three routing kernels, the grouped GEMMs per
-rows-per-expert class, both answers of the scale check: expert_gemm_classes), the combine). moe_linear with MXFP4
+rows-per-expert class, both answers of the scale check: expert_gemm_classes; the hopper form's classes where the op's
+expert_layout is "hopper"), the combine). moe_linear with MXFP4
 weights: k3c.codegen.catalogue.mxfp4, whose entry picks this float emitter or the MXFP4 kernels."""
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def _grouped(op, module, target, kind: str, activations: str, first_weight: str)
     dt = IR_DTYPES[x.dtype]
     act = ActivationSpec.from_attrs(a) if kind == "gate_up" else None
     return expert_gemm_classes(kind, n, k, target=target, mx=mx, dtype=dt,
+                               hopper=mx == "upcast" and a.get("expert_layout", "canonical") == "hopper",
                                w_dtype=None if mx != "none" else IR_DTYPES[w.dtype], out_dtype=dt, act=act,
                                num_experts=el, top_k=a["top_k"], ir_op=f"moe_{kind}", interpret=False)
 

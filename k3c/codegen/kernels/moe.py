@@ -46,6 +46,11 @@ Weight formats (`mx`):
                         perm bit order: one prmt + one and per K pair), activations wgmma's B from shared memory,
                         acc [BLOCK_N, BLOCK_M]; 3.1-3.3 SASS per weight at decode tiles against the pairs form's
                         4.1-4.5, 1.27-1.34x the default plans at 64-128 rows per expert (docs/perf.md, issue 24).
+               hopper   (sm_90 targets, the default there: routed experts in the load-time hopper layout, which
+                        weight preparation makes and no other form reads; moe_hopper) the weight tile as wgmma's
+                        register A operand, one plan over all rows (_hopper_plan), the decode 11 integer ops per 8
+                        weights + one bf16x2 scale multiply per pair; 2.85-2.92 SASS per weight at decode tiles
+                        (docs/perf.md, issue 54).
                dequant  (prefill, >= DEQUANT_MIN_ROWS rows) emit_moe_dequant writes the experts' bf16 weights once
                         per call (chunks of experts within DEQUANT_WORKSPACE_BYTES), then the bf16 grouped GEMM
                         with expert_chunk runs those experts' tiles: the decode is not repeated per M tile.
@@ -68,6 +73,8 @@ from dataclasses import dataclass
 from ..kernel import KernelSource
 from ..targets import Target
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part, num
+from .moe_hopper import (HOPPER_DECODE_ASM, HOPPER_DECODE_EXACT_ASM, HOPPER_K, HOPPER_ROWS, hopper_pointers,
+                         hopper_step)
 from .moe_lanes import (E2M1_PAIRS1_PERM_ASM, E2M1_PAIRS_PERM_ASM, LANES_GROUP_K, LANES_ROWS, lanes_pointers,
                         lanes_step, ptx_text)
 from .common import (ELEM_BYTES, TL_DTYPE, check_dim, check_float, emit_math_helpers, glu_act, glu_helpers,
@@ -113,11 +120,14 @@ class MoEGemmPlan:
                                # runtime checks the weights' scales and else runs the two-multiply decode)
     lanes: bool = False        # upcast, sm_90: the weight tile is wgmma's register A operand, read from the payload in
                                # the load-time lanes layout (moe_lanes); acc [BLOCK_N, BLOCK_M]
+    hopper: bool = False       # upcast, sm_90: the routed experts in the load-time hopper layout (moe_hopper), the
+                               # weight tile wgmma's register A operand; acc [BLOCK_N, BLOCK_M]
 
     @property
     def tag(self) -> str:
         """Short name of the variant (bench tables)."""
         form = ("dequant" if self.dequant else f"gemv{self.gemv}" if self.gemv else
+                "hopper" + ("1" if self.one_mul else "") if self.hopper else
                 "lanes" + ("1" if self.one_mul else "") if self.lanes else
                 ("pairs" + ("1" if self.one_mul else "") if self.pairs else "joined") + ("T" if self.swap else "")
                 if self.joined else "mma")
@@ -156,6 +166,42 @@ def _dequant_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targ
     return MoEGemmPlan(base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages, dequant=True)
 
 
+def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Target, *, block_n: int | None,
+                 block_k: int | None, num_warps: int | None, num_stages: int | None,
+                 one_mul: bool | None) -> MoEGemmPlan:
+    """The Hopper form's one plan over rows per expert (moe_hopper; the weights' layout, chosen by the target at
+    weight preparation, leaves no other form): BLOCK_M = the rows' bucket (16..128), 128-K steps, 4 warps at 16-row
+    tiles, 8 (two warpgroups over the weight rows) above, 128 weight rows per operand for gate_up (gate + up: 256 rows, as matmul_ogs'
+    w13 tile; 64 at 128 rows per expert) and 256 for down, stages to fill shared memory (at most 4)."""
+    if dtype not in ("bf16", "fp32"):
+        raise CodegenError(f"the hopper form takes bf16 (or fp32: the portable decode, fp32 dots) activations, got "
+                           f"{dtype}")
+    if n % HOPPER_ROWS or k % HOPPER_K:
+        raise CodegenError(f"the hopper layout needs N a multiple of {HOPPER_ROWS} and K of {HOPPER_K}; got N {n}, "
+                           f"K {k}")
+    bm = row_bucket(rows)
+    n_b = 2 if kind == "gate_up" else 1
+    # gate_up at 128 rows: 64 per weight (2 x [64, 128] fp32 accumulators; at 128 the tile spills on sm_90)
+    bn = block_n or min(256 // n_b // (2 if n_b == 2 and bm >= 128 else 1), max(HOPPER_ROWS, pow2_ceil(n)))
+    bk = _divisor_block(k, block_k or 128, HOPPER_K)
+    if dtype == "fp32" and target.backend != "cpu":     # fp32 runs (checks, not speed): FMA dots, small tiles
+        bn, bk = block_n or min(bn, 16 if n_b == 2 else 32), _divisor_block(k, block_k or HOPPER_K, HOPPER_K)
+        bm, num_warps, num_stages = 16, num_warps or 4, num_stages or 2     # (larger: the gate_up tile spills)
+    if bn % HOPPER_ROWS or not bk:
+        raise CodegenError(f"hopper tiles: BLOCK_N a multiple of {HOPPER_ROWS}, BLOCK_K of {HOPPER_K} dividing K "
+                           f"{k}; got {bn} x {block_k}")
+    # 16-row tiles: 4 warps (one warpgroup over 128 / 256 weight rows: 1.09-1.40x over 8 warps on the H200,
+    # docs/perf.md issue 54); from 32 rows 8 (at 4 the 32-row gate_up tile spills on sm_90)
+    warps = num_warps or (4 if bm <= 16 else 8)
+    if target.shared_mem_bytes <= 0:
+        stages = 1
+    else:
+        stage = bm * bk * ELEM_BYTES[dtype] + n_b * bn * (bk // 2 + bk // 32)
+        budget = target.shared_mem_bytes - target.shared_mem_bytes // 8
+        stages = num_stages or max(2, min(4, budget // max(1, stage)))
+    return MoEGemmPlan(bm, bn, bk, warps, stages, hopper=True, one_mul=one_mul if one_mul is not None else True)
+
+
 def _lanes_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Target, *, block_n: int | None,
                 block_k: int | None, num_warps: int | None, num_stages: int | None,
                 one_mul: bool | None) -> MoEGemmPlan:
@@ -187,7 +233,7 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, gemv: int | None = None, dequant: bool | None = None,
                   pairs: bool | None = None, swap: bool | None = None, one_mul: bool | None = None,
-                  lanes: bool | None = None) -> MoEGemmPlan:
+                  lanes: bool | None = None, hopper: bool | None = None) -> MoEGemmPlan:
     """Tiles of the grouped expert GEMM. BLOCK_M = rows per expert rounded up to 16..128 (the tile-offset buckets).
     Decode (BLOCK_M 16-32; the weight stream dominates): narrow N tiles (32 columns, gate and up side by side for
     gate_up) so that the active experts' weights spread over many programs, long K steps (256) to keep bytes in
@@ -198,9 +244,13 @@ def moe_gemm_plan(kind: str, n: int, k: int, rows: int, mx: str, dtype: str, tar
     PAIRS_MAX_ROWS / GEMV_MAX_ROWS): pairs (CUDA, bf16: the joined form with the PTX pair decode, one_mul by
     default; swap puts the weights in the MMA's A operand), dequant (bf16 workspace + the bf16 tiles of this plan),
     gemv (FMA over the real rows of a 16-row tile), else the joined MMA form; lanes (sm_90 and the interpreter,
-    bf16: the weights as wgmma's register A operand, payload in the lanes layout; _lanes_plan). Overrides are for
+    bf16: the weights as wgmma's register A operand, payload in the lanes layout; _lanes_plan); hopper (weights in
+    the load-time hopper layout: the only form that reads it; _hopper_plan). Overrides are for
     benchmarks."""
     up = mx == "upcast"
+    if up and hopper:
+        return _hopper_plan(kind, n, k, rows, dtype, target, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                            num_stages=num_stages, one_mul=one_mul)
     if up and lanes:
         return _lanes_plan(kind, n, k, rows, dtype, target, block_n=block_n, block_k=block_k, num_warps=num_warps,
                            num_stages=num_stages, one_mul=one_mul)
@@ -555,6 +605,8 @@ class GroupedGemm:
     lanes: bool             # upcast lanes form (payload in the lanes layout)
     lanes_asm: str | None   # lanes form, CUDA, compiled: the PTX of the perm pair decode; else None (portable)
     use_asm: bool           # upcast, CUDA, compiled: the prmt decode of the nibbles (else Triton integer ops)
+    hopper: bool = False    # upcast hopper form (routed experts in the hopper layout)
+    hopper_asm: str | None = None   # hopper form, CUDA, compiled: the PTX of its decode; else None (portable)
 
     @classmethod
     def checked(cls, kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPlan, num_experts: int = 1,
@@ -592,15 +644,25 @@ class GroupedGemm:
                                f"BLOCK_N of {LANES_ROWS}; got {dt}, {plan.block_k} / {K}, {plan.block_n}")
         if lanes and target.backend == "hip":
             raise CodegenError("the lanes form is wgmma's (sm_90); hip targets run the joined or dequant forms")
+        hopper = plan.hopper and mx == "upcast"
+        if hopper and (kind == "dense" or dt not in ("bf16", "fp32") or N % HOPPER_ROWS or K % HOPPER_K
+                       or plan.block_k % HOPPER_K or K % plan.block_k or plan.block_n % HOPPER_ROWS):
+            raise CodegenError(f"hopper form: routed experts, bf16 / fp32 activations, N a multiple of {HOPPER_ROWS}, "
+                               f"K and BLOCK_K of {HOPPER_K} (BLOCK_K dividing K), BLOCK_N of {HOPPER_ROWS}; got {kind}, "
+                               f"{dt}, N {N}, K {K}, tiles {plan.block_n} x {plan.block_k}")
+        if hopper and target.backend == "hip":
+            raise CodegenError("the hopper layout is sm_90's; hip targets keep their native-MX / upcast layouts")
         return cls(kind, N, K, E, TK, dt, wdt, odt, mx, plan, target, interp,
                    glu=glu_act(act) if kind == "gate_up" else None, chunk=expert_chunk and kind != "dense",
                    gemv=gemv, joined=joined,
                    pairs_asm=(E2M1_PAIRS1_ASM if plan.one_mul else E2M1_PAIRS_ASM) if pairs else None,
                    # (also in the interpreter, with the portable decode: the same epilogue runs)
-                   swap=(joined and plan.swap) or lanes, lanes=lanes,
+                   swap=(joined and plan.swap) or lanes or hopper, lanes=lanes,
                    lanes_asm=(E2M1_PAIRS1_PERM_ASM if plan.one_mul else E2M1_PAIRS_PERM_ASM)
                    if lanes and target.backend == "cuda" and not interp else None,
-                   use_asm=mx == "upcast" and target.backend == "cuda" and not interp)
+                   use_asm=mx == "upcast" and target.backend == "cuda" and not interp, hopper=hopper,
+                   hopper_asm=(HOPPER_DECODE_ASM if plan.one_mul else HOPPER_DECODE_EXACT_ASM)
+                   if hopper and target.backend == "cuda" and not interp and dt == "bf16" else None)
 
     @property
     def routed(self) -> bool:
@@ -671,6 +733,8 @@ def gemm_kernel_name(g: GroupedGemm) -> str:
         tags.append(f"mx{g.mx}")
     if g.lanes:
         tags.append("ln" + ("1" if g.plan.one_mul else ""))
+    if g.hopper:
+        tags.append("hp" + ("1" if g.plan.one_mul else ""))
     if g.gemv or g.joined:
         tags.append(f"gv{g.gemv}" if g.gemv else ("jp" + ("1" if g.plan.one_mul else "") if g.pairs else "j")
                     + ("t" if g.swap else ""))
@@ -684,7 +748,7 @@ def gemm_kernel_name(g: GroupedGemm) -> str:
 def gemm_form_words(g: GroupedGemm) -> str:
     """The form's words in the header note."""
     return ((" gemv" if g.gemv else "") + (" joined" if g.joined else "") + (" pairs" if g.pairs else "")
-            + (" lanes" if g.lanes else "")
+            + (" lanes" if g.lanes else "") + (" hopper" if g.hopper else "")
             + (" expert_chunk" if g.chunk else ""))
 
 
@@ -816,6 +880,8 @@ def operand_form(g: GroupedGemm):
         return _joined_pointers, _joined_step
     if g.lanes:
         return lanes_pointers, lanes_step
+    if g.hopper:
+        return hopper_pointers, hopper_step
     if g.native:
         return _native_pointers, _native_step
     if g.mx == "none":
@@ -1141,16 +1207,18 @@ __all__ = ["expert_plan", "expert_gemm_kernels", "expert_gemm_classes", "EXPERT_
 
 # -- the one choice of the expert GEMM kernels (runtime and AOT) ----------------------------------------------------
 def expert_plan(kind: str, n: int, k: int, rows: int, *, target: Target, mx: str, dtype: str,
-                one_mul_fits: bool = True, plan: MoEGemmPlan | None = None) -> MoEGemmPlan:
+                one_mul_fits: bool = True, plan: MoEGemmPlan | None = None, hopper: bool = False) -> MoEGemmPlan:
     """The plan for `rows` rows per expert (the dense kind: rows = tokens, already a token bucket when `plan` is
     the dense rule's). `one_mul_fits` is the data-dependent answer of the weights' scale check
     (runtime.kernel_impls.moe.scales_fit_one_mul); False takes the exact two-multiply pair decode, planned as such
     (narrower tiles: the 128-wide exact decode spills on sm_90). An explicit `plan` (the dense linears' rule,
-    benchmarks) gets its exact twin by flipping the flag."""
+    benchmarks) gets its exact twin by flipping the flag. `hopper`: the weights are in the hopper layout
+    (weight_layout), so the hopper form's plan."""
     if plan is None:
-        plan = moe_gemm_plan(kind, n, k, rows, mx, dtype, target)
+        hp = hopper or None     # weights in the hopper layout (routed experts, sm_90 targets): its form only
+        plan = moe_gemm_plan(kind, n, k, rows, mx, dtype, target, hopper=hp)
         if plan.one_mul and not one_mul_fits:
-            plan = moe_gemm_plan(kind, n, k, rows, mx, dtype, target, one_mul=False)
+            plan = moe_gemm_plan(kind, n, k, rows, mx, dtype, target, one_mul=False, hopper=hp)
     elif plan.one_mul and not one_mul_fits:
         plan = dataclasses.replace(plan, one_mul=False)
     return plan
@@ -1181,7 +1249,7 @@ EXPERT_ROW_CLASSES = tuple(range(1, 2 * max(DEQUANT_MIN_ROWS, ROW_BUCKETS[-1]) +
 
 
 def expert_gemm_classes(kind: str, n: int, k: int, *, target: Target, mx: str, dtype: str,
-                        rows=EXPERT_ROW_CLASSES, plan_for=None, **kw) -> list[KernelSource]:
+                        rows=EXPERT_ROW_CLASSES, plan_for=None, hopper: bool = False, **kw) -> list[KernelSource]:
     """Every kernel the runtime can launch for these weights: expert_plan over `rows`, with both answers of the
     scale check, through expert_gemm_kernels (distinct plans only). plan_for(rows) gives the explicit plan a caller
     passes (the dense linears' token-bucket rule)."""
@@ -1189,7 +1257,7 @@ def expert_gemm_classes(kind: str, n: int, k: int, *, target: Target, mx: str, d
     for r in rows:
         for fits in (True, False):
             p = expert_plan(kind, n, k, r, target=target, mx=mx, dtype=dtype, one_mul_fits=fits,
-                            plan=plan_for(r) if plan_for else None)
+                            plan=plan_for(r) if plan_for else None, hopper=hopper)
             plans.setdefault(p, r)
     out: dict[str, KernelSource] = {}
     for p in plans:

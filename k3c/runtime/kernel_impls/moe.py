@@ -31,6 +31,7 @@ from ...reference.norms import acc
 from .. import routing_replay
 from ..caches.context import call_binding
 from ..devices import interpreted, tt_dtype
+from ..expert_layout import from_hopper, from_hopper_scales
 from ..launcher import Binding, launch, target_of
 
 _emit_topk = functools.lru_cache(maxsize=64)(emit_moe_topk)
@@ -111,14 +112,22 @@ def scales_fit_one_mul(scales: list[torch.Tensor]) -> bool:
 
 
 def _gemm_ks(kind, n, k, rows, a, w_dtype, mx, num_experts, top_k, act, out_dtype, plan=None, ir_op="", loc="",
-             scales=(), binding: Binding | None = None):
+             scales=(), hopper=False, binding: Binding | None = None):
     """(GEMM kernel, dequant kernel or None) for these shapes: expert_plan + expert_gemm_kernels, the one choice
-    the AOT catalogue enumerates, with the weights' scale check answered here (only where the plan asks)."""
+    the AOT catalogue enumerates, with the weights' scale check answered here (only where the plan asks).
+    hopper: the weights are in the hopper layout (weight_layout)."""
     tgt = target_of(binding, a.device)
     dt = tt_dtype(a.dtype)
-    first = plan or _plan(kind, n, k, rows, mx, dt, tgt)
+    if hopper and mx != "upcast":
+        raise CodegenError(f"{ir_op or kind}: the expert weights are in the hopper layout, which the upcast GEMMs "
+                           f"read; this device runs them as mx '{mx}'")
+    if hopper and plan is not None and not plan.hopper:
+        raise CodegenError(f"{ir_op or kind}: the expert weights are in the hopper layout, which only the hopper "
+                           f"form reads; got the plan {plan.tag}")
+    first = plan or _plan(kind, n, k, rows, mx, dt, tgt, hopper=hopper or None)
     fits = not first.one_mul or scales_fit_one_mul(list(scales))
-    chosen = _expert_plan(kind, n, k, rows, target=tgt, mx=mx, dtype=dt, one_mul_fits=fits, plan=plan)
+    chosen = _expert_plan(kind, n, k, rows, target=tgt, mx=mx, dtype=dt, one_mul_fits=fits, plan=plan,
+                          hopper=hopper)
     return _expert_kernels(kind, n, k, plan=chosen, target=tgt, mx=mx, dtype=dt,
                            w_dtype=None if mx != "none" else tt_dtype(w_dtype), out_dtype=tt_dtype(out_dtype),
                            act=act, num_experts=num_experts, top_k=top_k, ir_op=ir_op, loc=loc,
@@ -151,10 +160,12 @@ def _dequant_run(ks, dq, a, weights, off, *tail, el, n, k, slots, binding: Bindi
 
 def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: torch.Tensor, perm: torch.Tensor, *,
                  top_k: int, mx: str = "none", act=None, slots: int | None = None, plan=None,
-                 ir_op: str = "", loc: str = "", binding: Binding | None = None) -> torch.Tensor:
+                 ir_op: str = "", loc: str = "", layout: str = "canonical",
+                 binding: Binding | None = None) -> torch.Tensor:
     """kind gate_up: a = z [T, K] (rows gathered through perm), weights [w1, w3] (bf16 [EL, M, K]) or
     [w1 packed, w1 scale, w3 packed, w3 scale]; returns h [S, M] in permuted order. kind down: a = h [S, K],
-    weights [w2] or [packed, scale]; returns y [S, Z] in slot order. S = T * k (slots)."""
+    weights [w2] or [packed, scale]; returns y [S, Z] in slot order. S = T * k (slots). layout: the MXFP4 stacks'
+    layout (weight_layout.EXPERT_LAYOUTS: "hopper" runs the hopper form, upcast only)."""
     el = weights[0].shape[0]
     n = weights[0].shape[1]
     k = a.shape[-1]
@@ -164,7 +175,7 @@ def grouped_gemm(kind: str, a: torch.Tensor, weights: list[torch.Tensor], off: t
     rows = -(-S // max(1, el))
     ks, dq = _gemm_ks(kind, n, k, rows, a, weights[0].dtype, mx, el, top_k, act if kind == "gate_up" else None,
                       a.dtype, plan, ir_op or f"moe_{kind}", loc, scales=weights[1::2] if mx != "none" else (),
-                      binding=binding)
+                      hopper=layout == "hopper", binding=binding)
     out = torch.empty(S, n, dtype=a.dtype, device=a.device)
     if dq is not None:
         _dequant_run(ks, dq, a.contiguous(), [t.contiguous() for t in weights], off, perm, out, el=el, n=n, k=k,
@@ -226,6 +237,11 @@ def _mx(a, t: torch.Tensor, cache) -> str:
                    a["mx"])
 
 
+def _layout(a) -> str:
+    """The op's expert stack layout (expert_layout attr: weight_prep rewrote the stacks into it)."""
+    return a.get("expert_layout", "canonical")
+
+
 def _experts(a, w, names):
     if a.get("expert_format", "bf16") == "mxfp4":
         return [w[f"experts.{n}.{p}"] for n in names for p in ("weight_packed", "weight_scale")]
@@ -270,14 +286,16 @@ def launch_moe_gate_up(a, cache, data, w):
     k = a["top_k"]
     z2 = z.reshape(-1, z.shape[-1])
     h = grouped_gemm("gate_up", z2, _experts(a, w, ("w1", "w3")), off, perm.reshape(-1), top_k=k, mx=_mx(a, z, cache),
-                     act=ActivationSpec.from_attrs(a), ir_op="moe_gate_up", binding=call_binding(cache))
+                     act=ActivationSpec.from_attrs(a), ir_op="moe_gate_up", layout=_layout(a),
+                     binding=call_binding(cache))
     return h.view(*z.shape[:-1], k, h.shape[-1])
 
 
 def launch_moe_down(a, cache, data, w):
     h, off, perm = data
     y = grouped_gemm("down", h.reshape(-1, h.shape[-1]), _experts(a, w, ("w2",)), off, perm.reshape(-1),
-                     top_k=a["top_k"], mx=_mx(a, h, cache), ir_op="moe_down", binding=call_binding(cache))
+                     top_k=a["top_k"], mx=_mx(a, h, cache), ir_op="moe_down", layout=_layout(a),
+                     binding=call_binding(cache))
     return y.view(*h.shape[:-1], y.shape[-1])
 
 
@@ -292,7 +310,10 @@ def launch_moe_combine(a, cache, data, w):
 # ---- torch implementations (the per-op check's reference) ---------------------------------------------------------
 def _dequant(a, w, name, dtype):
     if a.get("expert_format", "bf16") == "mxfp4":
-        return mxfp4_dequantize(w[f"experts.{name}.weight_packed"], w[f"experts.{name}.weight_scale"], dtype)
+        p, s = w[f"experts.{name}.weight_packed"], w[f"experts.{name}.weight_scale"]
+        if _layout(a) == "hopper":      # read back to k3c.quant's layout (bit for bit)
+            p, s = from_hopper(p), from_hopper_scales(s)
+        return mxfp4_dequantize(p, s, dtype)
     return w[f"experts.{name}"]
 
 

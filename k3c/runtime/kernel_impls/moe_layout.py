@@ -4,38 +4,13 @@ perm order of the pair decode. Scales are not touched. Made once at load, in pla
 slab at a time, so no second copy of it exists), and undone the same way (checkpoint writes, the torch reference)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ...codegen.kernels.moe_lanes import LANES_GROUP_K, pairs_perm_bit_map
+from ...codegen.kernels.moe_lanes import LANES_GROUP_K
+from ..expert_layout import _permute_bits
 
 _GROUP_BYTES = LANES_GROUP_K // 2
 _SLAB_BYTES = 1 << 26       # rows rewritten per step: bounded temporaries for K3's 36 GiB stacks
-
-
-@functools.lru_cache(maxsize=None)
-def _byte_tables(inverse: bool) -> tuple[tuple[int, ...], ...]:
-    """Four 256-entry tables, one per byte k of a word: the 32-bit contribution of each value of that byte in the
-    stored (perm) order, or (inverse) in the canonical order from a stored word."""
-    stored_to_canon = pairs_perm_bit_map()
-    if inverse:
-        place = stored_to_canon                          # stored bit b -> canonical bit
-    else:
-        place = [0] * 32
-        for stored, canon in enumerate(stored_to_canon):
-            place[canon] = stored                        # canonical bit -> stored bit
-    return tuple(tuple(sum(((v >> t) & 1) << place[8 * k + t] for t in range(8)) for v in range(256))
-                 for k in range(4))
-
-
-def _permute_bits(b: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """u8 [..., 4m] -> the same bytes with each aligned word's bits moved (forward: canonical -> perm)."""
-    tables = [torch.tensor(t, dtype=torch.int64, device=b.device) for t in _byte_tables(inverse)]
-    w = b.reshape(*b.shape[:-1], b.shape[-1] // 4, 4).to(torch.int64)
-    out = tables[0][w[..., 0]] | tables[1][w[..., 1]] | tables[2][w[..., 2]] | tables[3][w[..., 3]]
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=b.device)
-    return ((out[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(b.shape)
 
 
 def perm_words(packed: torch.Tensor) -> torch.Tensor:
