@@ -222,6 +222,27 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _build_ranks(args, lay):
+    """(build_engine's result, the Leader of the other ranks or None): one process, or rank 0 of a sharded server
+    (the other ranks started unless torchrun did; every rank hears whether all of them built; a failure stops them)."""
+    from . import serve_ranks
+
+    if lay is None:
+        return build_engine(args), None
+    leader = serve_ranks.Leader.start(args, lay)
+    try:
+        try:
+            b = build_engine(args, rank=leader.setup)
+        except BaseException as exc:
+            serve_ranks.exchange_ready(leader.setup, exc)      # every rank hears of it, then raises it
+            raise
+        serve_ranks.exchange_ready(leader.setup, None)
+    except BaseException:
+        leader.abort()
+        raise
+    return b, leader
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -258,16 +279,7 @@ def cmd_serve(args) -> int:
     leader = None
     try:
         t0 = time.perf_counter()
-        if lay is None:
-            b = build_engine(args)
-        else:
-            leader = serve_ranks.Leader.start(args, lay)       # the other ranks started (unless torchrun did)
-            try:
-                b = build_engine(args, rank=leader.setup)
-            except BaseException as exc:
-                serve_ranks.exchange_ready(leader.setup, exc)  # every rank hears of it, then raises it
-                raise
-            serve_ranks.exchange_ready(leader.setup, None)
+        b, leader = _build_ranks(args, lay)
         model, eng, context = b["model"], b["eng"], [b["context"]]
         tok = load_tokenizer(args.tokenizer, model.spec.vocab_size) if args.tokenizer else model.tokenizer
         if tok is None:

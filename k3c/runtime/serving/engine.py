@@ -249,7 +249,7 @@ class Engine:
         bookkeeping = 0.0 if drafts else time.perf_counter() - t_draft
         decoding = sum(1 for s, g in plan if len(g) == 1 and s.generated)
         if drafts:
-            drafts, logits = self._verification_call(plan, drafts)
+            drafts, logits = spec.verification_call(plan, drafts)
         if not drafts:
             if self.admission == "optimistic":
                 self.scheduler.fit(step)
@@ -276,20 +276,6 @@ class Engine:
         self.graph_pool.untimed = False
         self.stats["steps"] += 1
         return outs
-
-    def _verification_call(self, plan, drafts):
-        """(the drafts still verified, the logits of the call) for a step whose decoding rows drafted; drafts are
-        optional: where their pages are not free they are dropped ({}), never paid for by preempting a sequence or
-        evicting a prefix checkpoint (the plain plan then does what plain decoding would)."""
-        spec_plan = [(s, drafts[s.rid][1] if s.rid in drafts else g) for s, g in plan]
-        if self.admission == "optimistic" and self.ledger.pages_needed(spec_plan) > self.pool.num_free:
-            self.stats["spec_fallbacks"] += 1
-            return {}, {}
-        try:
-            return drafts, self.runner.run(spec_plan, evict=True, trace=set(drafts), all_positions=False)
-        except CacheFullError:        # the padded drafts do not fit beside the batch: decode plainly
-            self.stats["spec_fallbacks"] += 1
-            return {}, {}
 
     def _sample(self, ready: list[SeqState]) -> list[StepOutput]:
         """The next token of every sequence in `ready`: one sample (greedy rows: one argmax) and one device sync for

@@ -14,6 +14,7 @@ from collections import Counter
 
 import torch
 
+from ..caches.block_pool import CacheFullError
 from ..caches.kda_rollback import restore
 from ..caches.seq_state import SeqState
 from ..logits_processors import mask_words, process
@@ -94,6 +95,21 @@ class Speculator:
             out[s.rid] = (d, seg)
         self._drafted = {r: d for r, (d, _) in out.items()}
         return out, True, False
+
+    def verification_call(self, plan, drafts):
+        """(the drafts still verified, the logits of the call) for a step whose decoding rows drafted; drafts are
+        optional: where their pages are not free they are dropped ({}), never paid for by preempting a sequence or
+        evicting a prefix checkpoint (the plain plan then does what plain decoding would)."""
+        spec_plan = [(s, drafts[s.rid][1] if s.rid in drafts else g) for s, g in plan]
+        if self.scheduler.admission == "optimistic" and \
+                self.ledger.pages_needed(spec_plan) > self.ledger.pool.num_free:
+            self.stats["spec_fallbacks"] += 1
+            return {}, {}
+        try:
+            return drafts, self.runner.run(spec_plan, evict=True, trace=set(drafts), all_positions=False)
+        except CacheFullError:        # the padded drafts do not fit beside the batch: decode plainly
+            self.stats["spec_fallbacks"] += 1
+            return {}, {}
 
     def while_device_runs(self, plan, shadowing: bool) -> None:
         """Speculation's host work that no launch waits for, done after the step's call is launched (the device's
