@@ -133,9 +133,12 @@ def test_sigterm_or_sigint_stops_every_rank(sharded):
     assert not any(_alive(p) for p in ranks)
 
 
-@pytest.mark.parametrize("sig, said", [(signal.SIGKILL, "rank 1 was killed by signal 9"),
-                                       (signal.SIGSTOP, "a step has not finished in 6 s (--dist-timeout): a rank "
-                                                        "hangs")], ids=["killed", "hung"])
+# a hang is seen by the watchdog (a step over --dist-timeout) or by gloo's own timeout of the next plan's broadcast
+# (the same 6 s): whichever fires first names it
+@pytest.mark.parametrize("sig, said", [(signal.SIGKILL, ("rank 1 was killed by signal 9",)),
+                                       (signal.SIGSTOP, ("a step has not finished in 6 s (--dist-timeout): a rank "
+                                                         "hangs", "to the other ranks failed: ")),
+                                       ], ids=["killed", "hung"])
 def test_a_failed_rank_gives_503_and_exit_1(sig, said):
     """Rank 1 killed (SIGKILL) or hung (SIGSTOP) during a stream and a plain request: both get 503 (the stream its
     last error event), rank 0 says what happened and exits 1 (a hang: after --dist-timeout), no rank is left."""
@@ -165,7 +168,7 @@ def test_a_failed_rank_gives_503_and_exit_1(sig, said):
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    assert code == 1 and said in out and "Traceback" not in out, out
+    assert code == 1 and any(x in out for x in said) and "Traceback" not in out, out
     assert waited < 30
     assert not any(_alive(p) for p in ranks)
 
