@@ -25,7 +25,8 @@ between ranks): the server fails its requests with 503 and exits (serve/engine_l
 """
 from __future__ import annotations
 
-import pickle
+import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -52,7 +53,8 @@ class DivergedError(RankFailure):
 
 @dataclass
 class LockstepPlan:
-    """What one step changes, from rank 0 (plain values: pickled for the broadcast)."""
+    """What one step changes, from rank 0 (plain values: JSON for the broadcast, never pickle: a follower
+    runs nothing it receives)."""
     number: int                                 # plans sent before this one
     kind: str                                   # "step": run a step | "beat": only apply | "stop": followers exit
     clock: float                                # rank 0's clock for this step (the prefix cache's time)
@@ -86,7 +88,7 @@ class ControlChannel:
     def send(self, plan: LockstepPlan) -> None:
         import torch.distributed as dist
 
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode(plan)
         buf = torch.zeros(self.HEADER, dtype=torch.uint8)
         buf[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
         head = data[:self.HEADER - 8]
@@ -107,7 +109,23 @@ class ControlChannel:
             rest = torch.empty(n - len(data), dtype=torch.uint8)
             dist.broadcast(rest, src=0, group=self.group)
             data += bytes(rest.numpy())
-        return pickle.loads(data)      # noqa: S301  (rank 0 of this job wrote it: the same trust as its weights)
+        return decode(data)
+
+
+def encode(plan: LockstepPlan) -> bytes:
+    """A plan as JSON (plain values only: a follower runs nothing it receives, unlike a pickle)."""
+    return json.dumps(dataclasses.asdict(plan), separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> LockstepPlan:
+    """encode's inverse: the tuples JSON made lists restored (an account then compares equal to a rank's own)."""
+    d = json.loads(data)
+    return LockstepPlan(d["number"], d["kind"], d["clock"], [tuple(o) for o in d["outputs"]],
+                        [tuple(op) for op in d["ops"]], _tuples(d["account"]), d["measured"])
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 class StepAccount:
