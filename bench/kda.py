@@ -465,9 +465,20 @@ def prep_inputs(raw: Raw, h):
     return (xq, xk, xv, xf, raw.beta.view(t, h), conv_w, raw.a_log, raw.dt_bias.reshape(-1), None, raw.cu.int())
 
 
-def run_prep(pin, h, max_len):
+def run_prep(pin, h, max_len, block_t=None):
     return kda_prep(*pin, num_heads=h, head_dim=D, gate="safe", gate_lower_bound=LB, l2norm_eps=1e-6,
-                    max_len=max_len, qkv_dtype=torch.bfloat16)
+                    max_len=max_len, qkv_dtype=torch.bfloat16, block_t=block_t)
+
+
+# tokens per prep program: the plan's default (None) and the others timed beside it
+PREP_BLOCK_T = (None, 16, 32, 64)
+
+
+def copy_seconds(nbytes: int) -> float:
+    """A device copy moving `nbytes` (half read, half written): the bandwidth a memory-bound kernel is held to."""
+    src = torch.empty(nbytes // 4, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    return bench(lambda: dst.copy_(src)) * nbytes / (2 * src.numel())
 
 
 def prep_rows(raw, x, seqs, h, shape, var, flops, nio, peer_t):
@@ -480,8 +491,17 @@ def prep_rows(raw, x, seqs, h, shape, var, flops, nio, peer_t):
                          max_len=max_len, **{"dot": "bf16", **var})
     try:
         full()
-        record("prefill", shape, "  prep kernel alone", bench(lambda: run_prep(pin, h, max_len)), flops, nio,
-               k3c_b=prep_bytes(seqs, h), seqs=seqs)
+        nbytes = prep_bytes(seqs, h)
+        t_copy = copy_seconds(nbytes)
+        record("prefill", shape, "  copy of the prep's bytes", t_copy, 0, nio, k3c_b=nbytes, seqs=seqs,
+               note=f"{nbytes / t_copy / 1e12:.2f} TB/s: copy bandwidth reference")
+        for bt in PREP_BLOCK_T:
+            if bt is not None and bt == kda_plan(D, "bf16", target_for(DEV)).prep_block_t:
+                continue
+            t = bench(lambda: run_prep(pin, h, max_len, bt))
+            record("prefill", shape, f"  prep kernel alone ({'default' if bt is None else f'block_t={bt}'})", t,
+                   flops, nio, k3c_b=nbytes, seqs=seqs,
+                   note=f"{nbytes / t / 1e12:.2f} TB/s, {100 * t_copy / t:.0f}% of copy BW")
         record("prefill", shape, f"k3c prep+chunk ({tag(var)})", bench(full), flops, nio,
                k3c_b=prep_bytes(seqs, h) + k3c_bytes(seqs, h, D, *plan_of(var)), variant=var, seqs=seqs,
                note="incl. short conv, which the peers' rows do not do", **peer_t)

@@ -124,14 +124,17 @@ def reference_prep(x, xb, conv, a_log, dt_bias, tails, lengths, h, d, gate, lb):
     return {k_: torch.cat(v_) for k_, v_ in outs.items()}, [torch.cat(t) for t in new_tails]
 
 
-@pytest.mark.parametrize("dtype, gate", [(torch.float32, "safe"), (torch.bfloat16, "softplus")])
-def test_prep_conv_tails_norms_gates(dtype, gate):
-    lengths = [1, 2, 19]          # shorter than the conv window: the old tail carries through
+@pytest.mark.parametrize("dtype, gate, block_t", [(torch.float32, "safe", None), (torch.bfloat16, "softplus", None),
+                                                  (torch.float32, "safe", 2)])
+def test_prep_conv_tails_norms_gates(dtype, gate, block_t):
+    # lengths 1 and 2 are shorter than the conv window (the old tail carries through); block_t 2 gives 19 tokens ten
+    # time blocks, the second of which still reaches back into the tail
+    lengths = [1, 2, 19]
     h, d, kw = 2, 64, 4
     x, xb, conv, a_log, dt_bias, tails = prep_inputs(sum(lengths), h, d, kw, dtype, seed=31, n_seq=len(lengths))
     packed, new_tails = kda_prep(*x, xb, conv, a_log, dt_bias, tails, cu_seqlens(lengths, "cpu"), num_heads=h,
                                  head_dim=d, gate=gate, gate_lower_bound=-5.0, l2norm_eps=1e-6,
-                                 max_len=max(lengths))
+                                 max_len=max(lengths), block_t=block_t)
     ref, ref_tails = reference_prep(x, xb, conv, a_log, dt_bias, tails, lengths, h, d, gate, -5.0)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     for name, got in zip(("q", "k", "v", "g", "beta"), unpack(packed, h, d)):

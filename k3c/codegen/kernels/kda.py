@@ -182,7 +182,7 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
     """Args: xq, xk, xv, xf [total, H*D], xb [total, H] (projections, `dtype`), wq, wk, wv [H*D, KW] (conv weights),
     a_log [H], dt_bias [H*D], tq_in, tk_in, tv_in [N, H*D, KW-1] (conv tails, `dtype`), tq_out, tk_out, tv_out,
     qkv [total, 3*H*D] (`qkv_dtype`: bf16 halves the bytes for bf16 models, whose chunk matmuls take bf16 operands),
-    gb [total, H*D + H] fp32 (g, beta), cu [N + 1] i32 (sequence starts), N, T_MAX. Grid (cdiv(T_MAX, BT), N * H)."""
+    gb [total, H*D + H] fp32 (g, beta), cu [N + 1] i32 (sequence starts), N, T_MAX. Grid (cdiv(T_MAX, BT) * N * H,)."""
     H, D, KW = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim"), check_dim(conv_kernel, "conv")
     if KW < 2:
         raise CodegenError(f"conv_kernel must be >= 2, got {KW}")
@@ -209,29 +209,50 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
     emit_math_helpers(w, sigmoid=True, rtne_bf16=interp and "bf16" in (dtype, qkv_dtype))
     R = HD + H
     with w.jit_function(kname, list(sig), list(const)):
+        # one program per (time block, sequence, head), heads fastest: the programs resident at once cover whole
+        # [tokens, H*D] rows instead of 256-byte pieces of one head at a 24 KB stride, and a 1-D grid has no 65,535
+        # limit on the time blocks of a long prompt
         w.lines([
-            "tb = tl.program_id(0)",
-            *_SEQUENCE_HEAD,
-            "rt = tb * BT + tl.arange(0, BT).to(tl.int64)",
+            "pid = tl.program_id(0)",
+            "nh = pid % (N * H)",
+            "tb = pid // (N * H)",
+            "n = nh // H",
+            "h = nh % H",
+            "bos = tl.load(cu + n).to(tl.int64)",
+            "L = tl.load(cu + n + 1).to(tl.int64) - bos",
+            "t0 = tb.to(tl.int64) * BT",
+            "rt = t0 + tl.arange(0, BT).to(tl.int64)",
             "tm = rt < L",
             "rd = tl.arange(0, D)",
             "col = h * D + rd",
+            f"row = (bos + rt) * {HD}",
             f"tail_base = (n.to(tl.int64) * {HD} + col) * (KW - 1)",
         ])
         for x, wt, tin, tout, slot in (("xq", "wq", "tq_in", "tq_out", 0), ("xk", "wk", "tk_in", "tk_out", 1),
                                        ("xv", "wv", "tv_in", "tv_out", 2)):
-            w.line("acc = tl.zeros([BT, D], dtype=tl.float32)")
+            # tap j reads the row KW-1-j tokens back; rows before the segment start come from the conv tail, read
+            # only by the time blocks that reach back that far (a scalar branch: the others issue no tail loads)
+            w.lines([
+                f"xp = {x} + row[:, None] + col[None, :]",
+                "acc = tl.zeros([BT, D], dtype=tl.float32)",
+            ])
             w.line("for j in tl.static_range(KW):")
             with w.indent():
                 w.lines([
-                    "p = rt - (KW - 1) + j",
-                    "inseq = tm[:, None] & (p[:, None] >= 0)",
-                    "intail = tm[:, None] & (p[:, None] < 0)",
-                    f"xs = tl.load({x} + (bos + p)[:, None] * {HD} + col[None, :], mask=inseq, other=0.0)",
-                    f"ts = tl.load({tin} + tail_base[None, :] + (KW - 1 + p)[:, None], mask=intail, other=0.0)",
-                    f"cw = tl.load({wt} + col * KW + j).to(tl.float32)",
-                    "acc += (xs.to(tl.float32) + ts.to(tl.float32)) * cw[None, :]",
+                    f"xs = tl.load(xp - (KW - 1 - j) * {HD}, mask=tm[:, None] & (rt[:, None] >= KW - 1 - j), "
+                    "other=0.0)",
+                    f"acc += xs.to(tl.float32) * tl.load({wt} + col * KW + j).to(tl.float32)[None, :]",
                 ])
+            w.line("if t0 < KW - 1:")
+            with w.indent():
+                w.line("for j in tl.static_range(KW - 1):")
+                with w.indent():
+                    w.lines([
+                        "p = rt - (KW - 1) + j",
+                        "intail = tm[:, None] & (p[:, None] < 0)",
+                        f"ts = tl.load({tin} + tail_base[None, :] + (KW - 1 + p)[:, None], mask=intail, other=0.0)",
+                        f"acc += ts.to(tl.float32) * tl.load({wt} + col * KW + j).to(tl.float32)[None, :]",
+                    ])
             w.line(f"acc = {_round_like('acc', dtype, interp)}")
             w.line(f"y = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
             if slot < 2:
@@ -250,7 +271,7 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
                 for j in range(KW - 1):
                     w.line(f"tl.store({tout} + tail_base + {j}, n{j})")
         w.lines([
-            "f = tl.load(xf + (bos + rt)[:, None] * " + str(HD) + " + col[None, :], mask=tm[:, None], other=0.0)",
+            "f = tl.load(xf + row[:, None] + col[None, :], mask=tm[:, None], other=0.0)",
             "f = f.to(tl.float32) + tl.load(dt_bias + col)[None, :]",
             "a = tl.exp(tl.load(a_log + h))",
         ])
@@ -261,7 +282,7 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
             f"tl.store(gb + (bos + rt) * {R} + {HD} + h, _k3c_sigmoid(bb), mask=tm)",
         ])
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
-                        grid=("cdiv(T_MAX, BT)", "N * H"), num_warps=max(4, min(8, BT * D // 256)), num_stages=1,
+                        grid=("cdiv(T_MAX, BT) * N * H",), num_warps=max(4, min(8, BT * D // 256)), num_stages=1,
                         ir_op=ir_op, loc=loc)
 
 

@@ -65,18 +65,19 @@ def _plan(head_dim: int, dtype: torch.dtype, tgt, chunk=None, block_v=None, dot=
 
 def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads: int, head_dim: int, gate: str,
              gate_lower_bound: float, l2norm_eps: float, max_len: int, qkv_dtype=torch.float32,
-             binding: Binding | None = None, ir_op: str = "kda_attn", loc: str = ""):
+             block_t: int | None = None, binding: Binding | None = None, ir_op: str = "kda_attn", loc: str = ""):
     """Projections [total, H*D] (xb [total, H]), conv_w (q, k, v) each [H*D, 1, KW] or [H*D, KW], tails (q, k, v) each
     [N, H*D, KW-1] or None (zeros). Returns ((qkv [total, 3HD] in qkv_dtype, g|beta [total, HD+H] fp32), new tails);
-    `unpack` gives the q, k, v, g, beta views."""
+    `unpack` gives the q, k, v, g, beta views. `block_t` (tokens per program) overrides the plan's, for benches and
+    tests."""
     H, D = num_heads, head_dim
     dt = xq.dtype
     total, N = xq.shape[0], cu.numel() - 1
     kw = conv_w[0].shape[-1]
     tgt = target_of(binding, xq.device)
     ks = _emit_prep(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
-                    target=tgt, dtype=tt_dtype(dt), qkv_dtype=tt_dtype(qkv_dtype), ir_op=ir_op, loc=loc,
-                    interpret=interpreted(xq))
+                    target=tgt, dtype=tt_dtype(dt), qkv_dtype=tt_dtype(qkv_dtype), block_t=block_t, ir_op=ir_op,
+                    loc=loc, interpret=interpreted(xq))
     if tails is None:
         z = torch.zeros(N, H * D, kw - 1, dtype=dt, device=xq.device)
         tails = (z, z, z)
