@@ -51,6 +51,9 @@ import torch  # noqa: E402
 
 from k3c.codegen.kernels.kda import inter_dtype, kda_plan  # noqa: E402
 from k3c.reference import kda_chunked, kda_recurrent  # noqa: E402
+from k3c.reference.kda import kda_gate, short_conv  # noqa: E402
+from k3c.reference.norms import l2_norm  # noqa: E402
+from k3c.frontend.spec import KDASpec  # noqa: E402
 from k3c.runtime.devices import target_for  # noqa: E402
 from k3c.runtime.kernel_impls.kda import (cu_seqlens, kda_chunk, kda_chunk_launches, kda_decode, kda_out,  # noqa: E402
                                           kda_prep, unpack)
@@ -481,6 +484,24 @@ def copy_seconds(nbytes: int) -> float:
     return bench(lambda: dst.copy_(src)) * nbytes / (2 * src.numel())
 
 
+def prep_error(pin, packed, seqs, h) -> float:
+    """Largest relative L2 error of the prep's q, k, v, g, beta against the torch reference (k3c.reference: short
+    conv + SiLU, L2 norms, the safe gate), sequence by sequence from zero conv tails."""
+    xq, xk, xv, xf, xb, conv_w, a_log, dt_bias = pin[:8]
+    cfg = KDASpec(num_heads=h, head_dim=D, gate="safe", gate_lower_bound=LB)
+    got = unpack(packed, h, D)
+    worst, start = 0.0, 0
+    for n in seqs:
+        sl = slice(start, start + n)
+        ref = [short_conv(x_[sl][None], w_)[0][0].unflatten(-1, (h, D)).float() for x_, w_ in zip((xq, xk, xv), conv_w)]
+        ref = [l2_norm(ref[0], 1e-6), l2_norm(ref[1], 1e-6), ref[2], kda_gate(xf[sl], a_log, dt_bias, cfg),
+               torch.sigmoid(xb[sl].float())]
+        for r, g in zip(ref, got):
+            worst = max(worst, ((g[sl].float() - r).norm() / r.norm().clamp_min(1e-30)).item())
+        start += n
+    return worst
+
+
 def prep_rows(raw, x, seqs, h, shape, var, flops, nio, peer_t):
     """The prep kernel alone and prep + chunk (the IR path for a bf16 model: bf16 q / k / v rows from the prep)."""
     pin, max_len = prep_inputs(raw, h), max(seqs)
@@ -498,10 +519,12 @@ def prep_rows(raw, x, seqs, h, shape, var, flops, nio, peer_t):
         for bt in PREP_BLOCK_T:
             if bt is not None and bt == kda_plan(D, "bf16", target_for(DEV)).prep_block_t:
                 continue
+            err = prep_error(pin, run_prep(pin, h, max_len, bt)[0], seqs, h)
             t = bench(lambda: run_prep(pin, h, max_len, bt))
             record("prefill", shape, f"  prep kernel alone ({'default' if bt is None else f'block_t={bt}'})", t,
                    flops, nio, k3c_b=nbytes, seqs=seqs,
-                   note=f"{nbytes / t / 1e12:.2f} TB/s, {100 * t_copy / t:.0f}% of copy BW")
+                   note=f"{nbytes / t / 1e12:.2f} TB/s, {100 * t_copy / t:.0f}% of copy BW; rel err vs torch "
+                        f"ref {err:.1e}" + (" WRONG" if err > 2e-2 else ""))
         record("prefill", shape, f"k3c prep+chunk ({tag(var)})", bench(full), flops, nio,
                k3c_b=prep_bytes(seqs, h) + k3c_bytes(seqs, h, D, *plan_of(var)), variant=var, seqs=seqs,
                note="incl. short conv, which the peers' rows do not do", **peer_t)
