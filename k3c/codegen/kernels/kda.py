@@ -182,7 +182,7 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
     """Args: xq, xk, xv, xf [total, H*D], xb [total, H] (projections, `dtype`), wq, wk, wv [H*D, KW] (conv weights),
     a_log [H], dt_bias [H*D], tq_in, tk_in, tv_in [N, H*D, KW-1] (conv tails, `dtype`), tq_out, tk_out, tv_out,
     qkv [total, 3*H*D] (`qkv_dtype`: bf16 halves the bytes for bf16 models, whose chunk matmuls take bf16 operands),
-    gb [total, H*D + H] fp32 (g, beta), cu [N + 1] i32 (sequence starts), N, T_MAX. Grid (cdiv(T_MAX, BT) * N * H,)."""
+    gb [total, H*D + H] fp32 (g, beta), cu [N + 1] i32 (sequence starts), N, T_MAX. Grid (cdiv(T_MAX, BT) * N * H * 4,): q, k, v and g|beta programs."""
     H, D, KW = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim"), check_dim(conv_kernel, "conv")
     if KW < 2:
         raise CodegenError(f"conv_kernel must be >= 2, got {KW}")
@@ -193,7 +193,7 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
     BT = _check_pow2(block_t or kda_plan(D, dtype, target).prep_block_t, "block_t")
     HD = H * D
     kname = ident(f"k3c_kda_prep_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}"
-                  + ("" if qkv_dtype == "fp32" else f"_o{name_part(qkv_dtype)}"))
+                  + ("" if qkv_dtype == "fp32" else f"_o{name_part(qkv_dtype)}") + f"_t{BT}")
     sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb")}
     sig.update({n: f"*{dtype}" for n in ("wq", "wk", "wv")})
     sig.update({"a_log": "*fp32", "dt_bias": "*fp32"})
@@ -209,13 +209,16 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
     emit_math_helpers(w, sigmoid=True, rtne_bf16=interp and "bf16" in (dtype, qkv_dtype))
     R = HD + H
     with w.jit_function(kname, list(sig), list(const)):
-        # one program per (time block, sequence, head), heads fastest: the programs resident at once cover whole
-        # [tokens, H*D] rows instead of 256-byte pieces of one head at a 24 KB stride, and a 1-D grid has no 65,535
-        # limit on the time blocks of a long prompt
+        # one program per (time block, sequence, head, role), roles then heads fastest: the programs resident at
+        # once cover whole [tokens, H*D] rows instead of 256-byte pieces of one head at a 24 KB stride, and a 1-D
+        # grid has no 65,535 limit on the time blocks of a long prompt. A role is one output: q, k, v (conv, SiLU,
+        # L2 norm for q / k) or g|beta. One body serves q, k and v with the role's pointers: unrolled side by side
+        # they kept every conv weight and shifted tile live at once (144 registers at 16 tokens, spills at 32)
         w.lines([
             "pid = tl.program_id(0)",
-            "nh = pid % (N * H)",
-            "tb = pid // (N * H)",
+            "role = pid % 4",
+            "nh = (pid // 4) % (N * H)",
+            "tb = pid // (4 * N * H)",
             "n = nh // H",
             "h = nh % H",
             "bos = tl.load(cu + n).to(tl.int64)",
@@ -226,14 +229,20 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
             "rd = tl.arange(0, D)",
             "col = h * D + rd",
             f"row = (bos + rt) * {HD}",
-            f"tail_base = (n.to(tl.int64) * {HD} + col) * (KW - 1)",
         ])
-        for x, wt, tin, tout, slot in (("xq", "wq", "tq_in", "tq_out", 0), ("xk", "wk", "tk_in", "tk_out", 1),
-                                       ("xv", "wv", "tv_in", "tv_out", 2)):
+        w.line("if role < 3:")
+        with w.indent():
+            w.line("if role == 0:")
+            w.line("    x, wt, tin, tout = xq, wq, tq_in, tq_out")
+            w.line("elif role == 1:")
+            w.line("    x, wt, tin, tout = xk, wk, tk_in, tk_out")
+            w.line("else:")
+            w.line("    x, wt, tin, tout = xv, wv, tv_in, tv_out")
             # tap j reads the row KW-1-j tokens back; rows before the segment start come from the conv tail, read
             # only by the time blocks that reach back that far (a scalar branch: the others issue no tail loads)
             w.lines([
-                f"xp = {x} + row[:, None] + col[None, :]",
+                f"tail_base = (n.to(tl.int64) * {HD} + col) * (KW - 1)",
+                "xp = x + row[:, None] + col[None, :]",
                 "acc = tl.zeros([BT, D], dtype=tl.float32)",
             ])
             w.line("for j in tl.static_range(KW):")
@@ -241,7 +250,7 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
                 w.lines([
                     f"xs = tl.load(xp - (KW - 1 - j) * {HD}, mask=tm[:, None] & (rt[:, None] >= KW - 1 - j), "
                     "other=0.0)",
-                    f"acc += xs.to(tl.float32) * tl.load({wt} + col * KW + j).to(tl.float32)[None, :]",
+                    "acc += xs.to(tl.float32) * tl.load(wt + col * KW + j).to(tl.float32)[None, :]",
                 ])
             w.line("if t0 < KW - 1:")
             with w.indent():
@@ -250,14 +259,14 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
                     w.lines([
                         "p = rt - (KW - 1) + j",
                         "intail = tm[:, None] & (p[:, None] < 0)",
-                        f"ts = tl.load({tin} + tail_base[None, :] + (KW - 1 + p)[:, None], mask=intail, other=0.0)",
-                        f"acc += ts.to(tl.float32) * tl.load({wt} + col * KW + j).to(tl.float32)[None, :]",
+                        "ts = tl.load(tin + tail_base[None, :] + (KW - 1 + p)[:, None], mask=intail, other=0.0)",
+                        "acc += ts.to(tl.float32) * tl.load(wt + col * KW + j).to(tl.float32)[None, :]",
                     ])
             w.line(f"acc = {_round_like('acc', dtype, interp)}")
             w.line(f"y = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
-            if slot < 2:
-                w.line(f"y = y / tl.sqrt(tl.sum(y * y, axis=1) + {fnum(l2norm_eps)})[:, None]")
-            w.line(f"tl.store(qkv + (bos + rt)[:, None] * {3 * HD} + {slot * HD} + col[None, :], "
+            w.line("if role < 2:")
+            w.line(f"    y = y / tl.sqrt(tl.sum(y * y, axis=1) + {fnum(l2norm_eps)})[:, None]")
+            w.line(f"tl.store(qkv + (bos + rt)[:, None] * {3 * HD} + role * {HD} + col[None, :], "
                    f"{to_dtype('y', qkv_dtype, interp)}, mask=tm[:, None])")
             # the new tail: the last KW-1 pre-conv inputs (older tail entries when the segment is short)
             w.line("if tb == 0:")
@@ -265,24 +274,26 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
                 for j in range(KW - 1):
                     w.lines([
                         f"p{j} = rd.to(tl.int64) * 0 + (L - (KW - 1) + {j})",
-                        f"n{j} = tl.load({x} + (bos + p{j}) * {HD} + col, mask=p{j} >= 0, other=0.0)"
-                        f" + tl.load({tin} + tail_base + (KW - 1 + p{j}), mask=p{j} < 0, other=0.0)",
+                        f"n{j} = tl.load(x + (bos + p{j}) * {HD} + col, mask=p{j} >= 0, other=0.0)"
+                        f" + tl.load(tin + tail_base + (KW - 1 + p{j}), mask=p{j} < 0, other=0.0)",
                     ])
                 for j in range(KW - 1):
-                    w.line(f"tl.store({tout} + tail_base + {j}, n{j})")
-        w.lines([
-            "f = tl.load(xf + row[:, None] + col[None, :], mask=tm[:, None], other=0.0)",
-            "f = f.to(tl.float32) + tl.load(dt_bias + col)[None, :]",
-            "a = tl.exp(tl.load(a_log + h))",
-        ])
-        w.lines(_gate_lines(gate, gate_lower_bound, "f", "a", "g"))
-        w.lines([
-            f"tl.store(gb + (bos + rt)[:, None] * {R} + col[None, :], g, mask=tm[:, None])",
-            "bb = tl.load(xb + (bos + rt) * H + h, mask=tm, other=0.0).to(tl.float32)",
-            f"tl.store(gb + (bos + rt) * {R} + {HD} + h, _k3c_sigmoid(bb), mask=tm)",
-        ])
+                    w.line(f"tl.store(tout + tail_base + {j}, n{j})")
+        w.line("else:")
+        with w.indent():
+            w.lines([
+                "f = tl.load(xf + row[:, None] + col[None, :], mask=tm[:, None], other=0.0)",
+                "f = f.to(tl.float32) + tl.load(dt_bias + col)[None, :]",
+                "a = tl.exp(tl.load(a_log + h))",
+            ])
+            w.lines(_gate_lines(gate, gate_lower_bound, "f", "a", "g"))
+            w.lines([
+                f"tl.store(gb + (bos + rt)[:, None] * {R} + col[None, :], g, mask=tm[:, None])",
+                "bb = tl.load(xb + (bos + rt) * H + h, mask=tm, other=0.0).to(tl.float32)",
+                f"tl.store(gb + (bos + rt) * {R} + {HD} + h, _k3c_sigmoid(bb), mask=tm)",
+            ])
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
-                        grid=("cdiv(T_MAX, BT) * N * H",), num_warps=max(4, min(8, BT * D // 256)), num_stages=1,
+                        grid=("cdiv(T_MAX, BT) * N * H * 4",), num_warps=max(4, min(8, BT * D // 256)), num_stages=1,
                         ir_op=ir_op, loc=loc)
 
 
