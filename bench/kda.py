@@ -601,10 +601,11 @@ def decode(peers: Peers, b, h):
 
     def step(var):          # the recurrence (conv + norms + gates + step), o out in fp32
         return kda_decode(xq, xk, xv, xf, xb, None, conv_w, a_log, dt_bias, None, tails, state, fuse_out=False,
-                          **var, **common)
+                          binding=decode_binding(var), **var, **common)
 
     def layer(var):         # the whole layer in one kernel (RMSNorm x gate fused)
-        return kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, nw, tails, state, **var, **common)
+        return kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, nw, tails, state,
+                          binding=decode_binding(var), **var, **common)
 
     timing = (shape, flops, nbytes, t_rec, t_copy)
     best_rec = decode_sweep("k3c decode step ", DECODE_REC_VARIANTS, step, o_ref, check, *timing)
@@ -764,10 +765,30 @@ def prefill_jobs(shapes, variants, peers: Peers, prep: bool):
     return jobs
 
 
+HOPPER = {}     # the hopper decode's Binding (--hopper-bin)
+
+
+def hopper_decode(root: str) -> None:
+    """Add the hopper-tier decode variants (prebuilt binaries: the GPU box's Triton may not build Gluon) to the
+    decode sweeps, launched through a Binding over `root`."""
+    sys.path.insert(0, str(ROOT / "tests" / "kda"))
+    from test_kda_decode_hopper_gpu import VARIANTS, binding_from
+
+    HOPPER["binding"] = binding_from(root, target_for(DEV))
+    for bv, w, lk in VARIANTS:
+        var = dict(decode_tier="hopper", decode_block_v=bv, decode_warps=w, decode_lanes_k=lk)
+        DECODE_REC_VARIANTS.append(var)
+        DECODE_LAYER_VARIANTS.append(dict(var))
+
+
+def decode_binding(var):
+    return HOPPER.get("binding") if var.get("decode_tier") == "hopper" else None
+
+
 def decode_jobs(h, peers: Peers):
     """decode B=16 has the specialisation of 64 / 256 (divisible by 16)."""
-    jobs = [("decode_rec", 16, h, v) for v in DECODE_REC_VARIANTS]
-    jobs += [("decode_layer", 16, h, v) for v in DECODE_LAYER_VARIANTS]
+    jobs = [("decode_rec", 16, h, v) for v in DECODE_REC_VARIANTS if "decode_tier" not in v]
+    jobs += [("decode_layer", 16, h, v) for v in DECODE_LAYER_VARIANTS if "decode_tier" not in v]
     return jobs + [("decode_rec", 16, h, "out")] + ([("decode_rec", 16, h, "fla")] if peers.fla else [])
 
 
@@ -851,7 +872,12 @@ def main(argv=None):
     ap.add_argument("--no-flashkda", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-precompile", action="store_true")
+    ap.add_argument("--hopper-bin", help="folder of the hopper-tier decode binaries (built on a box whose Triton "
+                    "builds the Gluon source: python tests/kda/test_kda_decode_hopper_gpu.py build DIR): its "
+                    "variants join the decode rows")
     args = ap.parse_args(argv)
+    if args.hopper_bin:
+        hopper_decode(args.hopper_bin)
     variants = parse_variants(args.variants) if args.variants else PREFILL_VARIANTS
     dev_name = "cpu (Triton interpreter)" if DEV == "cpu" else torch.cuda.get_device_name()
     print(f"device {dev_name} torch {torch.__version__}", flush=True)

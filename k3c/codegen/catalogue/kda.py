@@ -5,8 +5,9 @@ from __future__ import annotations
 from ..kernel import KernelSource
 from ..kernels.common import IR_DTYPES
 from ..kernels.gemm import emit_gemm
-from ..kernels.kda import (DECODE_NORM_EPS, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
-                           emit_kda_prep, kda_plan, prep_qkv_dtype, run_dot)
+from ..kernels.kda import (DECODE_NORM_EPS, emit_kda_inter, emit_kda_intra, emit_kda_out, emit_kda_prep, kda_plan,
+                           prep_qkv_dtype, run_dot)
+from ..kernels.kda_decode_hopper import decode_kernel
 
 
 def _dtype(module, value: str) -> str:
@@ -28,7 +29,7 @@ def emit_attn(op, module, target) -> list[KernelSource]:
     return [emit_kda_prep(h, d, a["conv_kernel"], qkv_dtype=qkv, **common),
             emit_kda_intra(h, d, target=target, qk_dtype=qkv, plan=plan, ir_op="kda_attn", loc=loc),
             emit_kda_inter(h, d, target=target, v_dtype=qkv, plan=plan, ir_op="kda_attn", loc=loc),
-            emit_kda_decode(h, d, a["conv_kernel"], norm_eps=DECODE_NORM_EPS, fuse_out=False, **common)]
+            decode_kernel(h, d, a["conv_kernel"], norm_eps=DECODE_NORM_EPS, fuse_out=False, plan=plan, **common)]
 
 
 def emit_out(op, module, target) -> list[KernelSource]:

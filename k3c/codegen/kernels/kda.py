@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..kernel import KernelSource
 from ..targets import Target
+from ..tiers import PORTABLE
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
 from .common import check_dim, check_float, emit_math_helpers, interpreted, to_dtype
 
@@ -61,6 +62,8 @@ class KDAPlan:
     decode_block_v: int = 32   # V columns per decode slice (looped) or program (split)
     decode_split: bool = False  # decode: V slices over programs (True) or looped inside one program per head
     intra_warps: int = 4  # warps of the intra-chunk kernel
+    decode_tier: str = PORTABLE   # the decode step's kernel tier (kda_decode_hopper.py: "hopper")
+    decode_lanes_k: int = 8       # hopper decode: lanes of a warp along K (8 or 32; the rest run along V)
 
 
 def inter_dtype(dot: str) -> str:
@@ -86,7 +89,8 @@ def run_dot(dtype: str, ir_dot: str) -> str:
 def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = None, block_v: int | None = None,
              dot: str | None = None, chunk_warps: int | None = None,
              decode_block_v: int | None = None, decode_warps: int | None = None,
-             decode_split: bool | None = None, intra_warps: int | None = None) -> KDAPlan:
+             decode_split: bool | None = None, intra_warps: int | None = None, decode_tier: str | None = None,
+             decode_lanes_k: int | None = None) -> KDAPlan:
     """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
     parallel, k e^Gamma, q e^Gamma, k e^(Gamma_C - Gamma), A_qk, T diag(beta) and e^Gamma_C; the state-passing
     kernel walks the chunks
@@ -128,8 +132,16 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     iwarps = 1 if target.backend == "cpu" else (8 if bt * D >= 4096 else 2)
     if intra_warps is not None:
         iwarps = intra_warps
+    # the hopper decode is not the default until bench/kda.py has timed it on a GPU (docs/perf.md, KDA)
+    tier = decode_tier or PORTABLE
+    if not target.has_tier(tier):
+        raise CodegenError(f"KDA decode tier {tier!r} is not available on target {target.name} "
+                           f"(its tiers: {', '.join((PORTABLE, *target.tiers))})")
+    lanes_k = 8 if decode_lanes_k is None else decode_lanes_k
+    if lanes_k not in (8, 32):
+        raise CodegenError(f"decode_lanes_k must be 8 or 32, got {lanes_k}")
     return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
-                   bool(decode_split), iwarps)
+                   bool(decode_split), iwarps, tier, lanes_k)
 
 
 # the prefill programs' (sequence, head) from grid dim 1 and the sequence's tokens [bos, bos + L) of the packed rows

@@ -15,8 +15,9 @@ import functools
 
 import torch
 
-from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_decode, emit_kda_inter, emit_kda_intra, emit_kda_out,
-                                    emit_kda_prep, inter_dtype, kda_plan, prep_qkv_dtype, run_dot)
+from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_inter, emit_kda_intra, emit_kda_out, emit_kda_prep,
+                                    inter_dtype, kda_plan, prep_qkv_dtype, run_dot)
+from ...codegen.kernels.kda_decode_hopper import decode_kernel
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
 from ... import reference as ref
@@ -31,7 +32,7 @@ from .basic import gemm
 _emit_prep = functools.lru_cache(maxsize=128)(emit_kda_prep)
 _emit_intra = functools.lru_cache(maxsize=128)(emit_kda_intra)
 _emit_inter = functools.lru_cache(maxsize=128)(emit_kda_inter)
-_emit_decode = functools.lru_cache(maxsize=128)(emit_kda_decode)
+_emit_decode = functools.lru_cache(maxsize=128)(decode_kernel)
 _emit_out = functools.lru_cache(maxsize=128)(emit_kda_out)
 
 
@@ -161,20 +162,22 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
 def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, state, *, num_heads: int,
                head_dim: int, gate: str, gate_lower_bound: float, l2norm_eps: float, norm_eps: float,
                inplace: bool = False, fuse_out: bool = True, decode_block_v: int | None = None,
-               decode_warps: int | None = None, decode_split: bool | None = None, ir_op: str = "kda_attn",
+               decode_warps: int | None = None, decode_split: bool | None = None, decode_tier: str | None = None,
+               decode_lanes_k: int | None = None, ir_op: str = "kda_attn",
                loc: str = "", out: KDAState | None = None, binding: Binding | None = None):
     """One token per sequence: x* [B, H*D] (xb [B, H]), tails (q, k, v) [B, H*D, KW-1], state [B, H, D, D] fp32.
     Returns (y [B, H*D] = RMSNorm(o) x sigmoid(xg), new tails, new state); with inplace the tails and the state are
     updated in place (and returned); with `out` (a KDAState of contiguous buffers) they are written there. Without
     fuse_out (xg, o_norm_w ignored), y is the fp32 o [B, H*D].
-    decode_block_v / decode_warps / decode_split override the target's plan (benchmarks, tests)."""
+    decode_block_v / decode_warps / decode_split / decode_tier / decode_lanes_k override the target's plan
+    (benchmarks, tests)."""
     H, D = num_heads, head_dim
     B = xq.shape[0]
     dt = xq.dtype
     kw = conv_w[0].shape[-1]
     tgt = target_of(binding, xq.device)
     plan = _plan(D, dt, tgt, decode_block_v=decode_block_v, decode_warps=decode_warps,
-                 decode_split=decode_split)
+                 decode_split=decode_split, decode_tier=decode_tier, decode_lanes_k=decode_lanes_k)
     ks = _emit_decode(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
                       norm_eps=float(norm_eps), target=tgt, dtype=tt_dtype(dt), plan=plan, fuse_out=fuse_out,
                       ir_op=ir_op, loc=loc, interpret=interpreted(xq))
