@@ -477,7 +477,7 @@ def run_prep(pin, h, max_len, block_t=None):
 
 
 # tokens per prep program: the plan's default (None) and the others timed beside it
-PREP_BLOCK_T = (None, 16, 32, 64)
+PREP_BLOCKS = (None, 16, 32, 64)
 
 
 def copy_seconds(nbytes: int) -> float:
@@ -519,7 +519,7 @@ def prep_rows(raw, x, seqs, h, shape, var, flops, nio, peer_t):
         t_copy = copy_seconds(nbytes)
         record("prefill", shape, "  copy of the prep's bytes", t_copy, 0, nio, k3c_b=nbytes, seqs=seqs,
                note=f"{nbytes / t_copy / 1e12:.2f} TB/s: copy bandwidth reference")
-        for bt in PREP_BLOCK_T:
+        for bt in PREP_BLOCKS:
             if bt is not None and bt == kda_plan(D, "bf16", target_for(DEV)).prep_block_t:
                 continue
             err = prep_error(pin, run_prep(pin, h, max_len, bt)[0], seqs, h)
@@ -831,7 +831,8 @@ def later_variants(ranked, variants):
 
 
 def plan_steps(args, peers: Peers, variants):
-    """(name, thunk) in run order: the headline prefill shape and decode 64x96 first."""
+    """(name, thunk) in run order: the headline prefill shape and decode 64x96 first, then the other decode shape,
+    then the other prefill shapes."""
     pick = QUICK_PREFILL if args.quick else range(len(PREFILL_SHAPES))
     shapes = [(tiny if args.tiny else seqs, TINY_H if args.tiny else h) for seqs, h, tiny in
               (PREFILL_SHAPES[i] for i in pick)]
@@ -851,11 +852,11 @@ def plan_steps(args, peers: Peers, variants):
         steps.append(("precompile the rest", lambda: precompile(
             prefill_jobs(rest, later_variants(ranked, variants), peers, False)
             + [j for _, h in decodes[1:] for j in decode_jobs(h, peers)])))
+    for b, h in decodes[1:]:          # short: before the other prefill shapes, so a tight --budget keeps them
+        steps.append((f"decode {b}x{h}", lambda b=b, h=h: decode(peers, b, h)))
     for seqs, h in rest:
         steps.append((f"prefill {shape_label(seqs, h)}",
                       lambda s=seqs, h=h: prefill(peers, s, h, later_variants(ranked, variants), extras=False)))
-    for b, h in decodes[1:]:
-        steps.append((f"decode {b}x{h}", lambda b=b, h=h: decode(peers, b, h)))
     return steps
 
 

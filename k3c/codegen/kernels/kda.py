@@ -41,6 +41,8 @@ DOT_MODES = ("ieee", "tf32", "bf16")
 DECODE_NORM_EPS = 1e-5
 EXP_CLAMP = 80.0          # |exponent| cap of the anchored intra-chunk factors (e^88 overflows fp32)
 SUB = 16                  # tokens per intra-chunk sub-chunk: the unit of the anchored decays and of the inverse
+# tokens per prep program on GPUs: 32 beat 16 by 1.24x and 64 by 1.04x at B=1 T=8192 H=96 (H100, docs/perf.md, KDA)
+PREP_BLOCK_T = 32
 
 
 def _check_pow2(value: int, what: str) -> int:
@@ -140,7 +142,7 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     lanes_k = 8 if decode_lanes_k is None else decode_lanes_k
     if lanes_k not in (8, 32):
         raise CodegenError(f"decode_lanes_k must be 8 or 32, got {lanes_k}")
-    return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
+    return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else PREP_BLOCK_T, dwarps, dot, dbv,
                    bool(decode_split), iwarps, tier, lanes_k)
 
 
