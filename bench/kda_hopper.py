@@ -10,10 +10,10 @@ Two steps, because the GPU box cannot build Gluon (Triton 3.6 there; the kernel 
 goes through the runtime's kda_chunk_launches, so it times exactly what a plan with inter_tier "hopper" launches.
 Per shape (issue 53's rows; random inputs by bench/kda.py's formulas, bf16 o): the intra-chunk kernel runs once, then
 the state-passing kernel of each plan is timed alone (the portable default BV=64 / 4 warps and its BV=32 / BV=128
-variants, the Gluon kernel at BV = 32 / 64 / 128, 16 V columns a warp) and the pair intra + inter of the best of
-each tier. us/step = the inter kernel's time / the serial chunk steps of its longest sequence (ceil(max len / 16)):
-what the chain of one chunk costs when every program is resident. Each Gluon row is checked against the portable
-kernel's o and final state (relative L2; > 1e-2 is marked WRONG and not timed).
+variants; the Gluon kernel at BV = 32 / 64 / 128, 16 V columns a warp, with the state in 1 or 2 K parts), and the
+pair intra + inter of each. us/step = the inter kernel's time / the serial chunk steps of its longest sequence
+(ceil(max len / 16)): what the chain of one chunk costs when every program is resident. Each Gluon row is checked
+against the portable kernel's o and final state (relative L2; > 1e-2 is marked WRONG and not timed).
 ms = median of triton.testing.do_bench.
 """
 from __future__ import annotations
@@ -41,13 +41,14 @@ SHAPES = [                                                # (label, sequence len
 ]
 QUICK = (0, 4)
 PORTABLE_VARIANTS = [dict(), dict(block_v=32), dict(block_v=128, chunk_warps=8)]
-HOPPER_VARIANTS = [dict(block_v=bv, inter_tier="hopper") for bv in (32, 64, 128)]
+HOPPER_VARIANTS = [dict(block_v=bv, inter_tier="hopper", inter_k_split=nk) for bv in (32, 64, 128) for nk in (1, 2)]
 WRONG_BOUND = 1e-2
 
 
 def tag(var: dict) -> str:
     tier = var.get("inter_tier", "portable")
-    return f"{tier} BV={var.get('block_v', 64)}" + (f" w{var['chunk_warps']}" if "chunk_warps" in var else "")
+    return (f"{tier} BV={var.get('block_v', 64)}" + (f" w{var['chunk_warps']}" if "chunk_warps" in var else "")
+            + (f" k{var['inter_k_split']}" if "inter_k_split" in var else ""))
 
 
 def kernels(target) -> list:

@@ -12,7 +12,7 @@ import pytest
 
 from k3c.codegen.aot import compile_kernels
 from k3c.codegen.kernels.kda import emit_kda_inter, kda_plan
-from k3c.codegen.kernels.kda_hopper import emit_kda_inter_hopper
+from k3c.codegen.kernels.kda_hopper import K_SPLIT, emit_kda_inter_hopper
 from k3c.codegen.targets import get_target
 from k3c.codegen.writer import CodegenError
 
@@ -22,9 +22,10 @@ H, D = 96, 128
 @pytest.fixture(scope="module")
 def compiled(aot_dir):
     t = get_target("h200")
-    kernels = [emit_kda_inter(H, D, target=t, v_dtype="bf16", o_dtype="bf16",
-                              plan=kda_plan(D, "bf16", t, inter_tier="hopper", block_v=bv), has_initial_state=s0)
-               for bv, s0 in ((64, True), (64, False), (128, True), (32, True))]
+    kernels = [emit_kda_inter(H, D, target=t, v_dtype="bf16", o_dtype="bf16", has_initial_state=s0,
+                              plan=kda_plan(D, "bf16", t, inter_tier="hopper", block_v=bv, inter_k_split=nk))
+               for bv, s0, nk in ((64, True, None), (64, False, 1), (128, True, None), (32, True, None),
+                                  (128, False, 1))]
     cks = compile_kernels(kernels, t, str(aot_dir / "out"), progress=False, keep_asm=True)
     return kernels, cks, aot_dir / "out"
 
@@ -40,7 +41,7 @@ def test_compiles_for_sm90a_spill_free_on_mma_sync(compiled):
         ptx = (out / ck.files["ptx"]).read_text()
         assert ".target sm_90a" in ptx and "wgmma" not in ptx
         # the chunk body twice (the loop is unrolled by two over the ring's stages), nothing else: per chunk X^T
-        # 8 k-steps x 2 n-tiles, Vn^T 2, O^T 16 + 2, S^T 16 n-tiles of m16n8k16
+        # 8 k-steps x 2 n-tiles, Vn^T 2, O^T 16 + 2, S^T 16 n-tiles of m16n8k16 (over all K parts)
         assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)) == 2 * 52
         assert len(re.findall(r"ldmatrix\.sync", ptx)) == 2 * 24       # K e^G^T, Q e^G^T (trans), K_d
         assert len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)) > 0
@@ -59,14 +60,18 @@ def test_same_runtime_contract_as_the_portable_kernel():
     assert list(hop.signature.items()) == list(port.signature.items())
     assert hop.grid == port.grid == ("D // BV", "N * H")
     assert hop.constexprs == port.constexprs
-    assert hop.source.startswith("# k3c generated Triton kernel: k3c_kda_inter_hopper_h96_d128_bt16_bv64_w4")
+    assert hop.name == f"k3c_kda_inter_hopper_h96_d128_bt16_bv64_w4_k{K_SPLIT}_vbf16_obf16"
+    assert hop.source.startswith(f"# k3c generated Triton kernel: {hop.name}")
     assert "@gluon.jit" in hop.source and "IR op: kda_inter" in hop.source
     assert port.tier == "portable" and hop.tier == "hopper"
 
 
 def test_the_portable_tier_stays_the_default():
     for name in ("h100", "h200", "mi355x"):
-        assert kda_plan(D, "bf16", get_target(name)).inter_tier == "portable"
+        p = kda_plan(D, "bf16", get_target(name))
+        assert p.inter_tier == "portable" and p.inter_k_split == 1
+    hop = kda_plan(D, "bf16", get_target("h200"), inter_tier="hopper")
+    assert (hop.block_v, hop.chunk_warps, hop.inter_k_split) == (64, 4, K_SPLIT)
 
 
 @pytest.mark.parametrize("kw, what", [
@@ -80,6 +85,9 @@ def test_the_portable_tier_stays_the_default():
     (dict(chunk_warps=3, block_v=48), "power of two"),
     (dict(head_dim=256), "head_dim a power of two in [16, 128]"),
     (dict(inter_tier="blackwell"), "unknown kernel tier"),
+    (dict(inter_k_split=4), "k_split in (1, 2)"),
+    (dict(head_dim=16, block_v=16, inter_k_split=2), "head_dim / k_split >= 16"),
+    (dict(inter_tier=None, inter_k_split=2), "hopper-tier option"),
 ])
 def test_the_plan_option_refuses_what_the_kernel_does_not_serve(kw, what):
     args = dict(head_dim=D, dtype="bf16", target="h200", inter_tier="hopper")

@@ -1,7 +1,7 @@
 """The hopper tier's KDA state passing through the runtime on a GPU: binaries compiled ahead of time by the Triton its
 Gluon source is written for, bound to the device under the strict policy (a launch the catalogue lacks is an error),
-then `kda_chunk` with the Gluon state-passing kernel (KDAPlan.inter_tier "hopper", every block_v it serves) and with
-the portable one, both against an fp32 torch reference (k3c.reference.kda_chunked per sequence): o and the final
+then `kda_chunk` with the Gluon state-passing kernel (KDAPlan.inter_tier "hopper": every block_v and K split) and
+with the portable one, both against an fp32 torch reference (k3c.reference.kda_chunked per sequence): o and the final
 states, on random inputs (one and several sequences, ragged lengths that end mid-chunk, 1-token sequences, H 2..96,
 with and without initial states).
 
@@ -29,16 +29,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 D = 128
 SCALE = D ** -0.5
 LB = -5.0
-HOPPER_BV = (32, 64, 128)            # block_v the Gluon kernel serves at D = 128 (16 V columns a warp)
+# the Gluon kernel's plans at D = 128: every block_v it serves (16 V columns a warp) and every K split at BV 64
+HOPPER = [dict(block_v=32), dict(block_v=64, inter_k_split=1), dict(block_v=64, inter_k_split=2),
+          dict(block_v=128, inter_k_split=1), dict(block_v=128, inter_k_split=2)]
 CASES = [(2, [16], True), (2, [1, 17, 100], False), (12, [4096], True), (32, [512, 33, 1000, 15, 2048], True),
          (96, [8192], True), (96, [1300, 547, 2048, 963, 271, 3063], False), (64, [1, 2, 3, 31], True)]
 # (heads, sequence lengths, initial state)
 
 
 def plans(target) -> list:
-    """The portable default plan and the hopper plan of every block_v (the runtime's _plan with these overrides)."""
-    return [kda_plan(D, "bf16", target)] + [kda_plan(D, "bf16", target, block_v=bv, inter_tier="hopper")
-                                           for bv in HOPPER_BV]
+    """The portable default plan and the hopper plans (the runtime's _plan with these overrides)."""
+    return [kda_plan(D, "bf16", target)] + [kda_plan(D, "bf16", target, inter_tier="hopper", **var) for var in HOPPER]
 
 
 def kernels(target) -> list:
@@ -137,12 +138,12 @@ def test_hopper_state_passing_matches_the_portable_kernel(bound, case):
     common = dict(scale=SCALE, out_dtype=torch.float32, max_len=max(lens), binding=binding)
     o_p, s_p = kda_chunk(*args, **common)
     e_port = (rel(o_p, o_ref), rel(s_p, s_ref))
-    for bv in HOPPER_BV:
-        o_h, s_h = kda_chunk(*args, block_v=bv, inter_tier="hopper", **common)
+    for var in HOPPER:
+        o_h, s_h = kda_chunk(*args, inter_tier="hopper", **var, **common)
         torch.cuda.synchronize()
         assert torch.isfinite(o_h).all() and torch.isfinite(s_h).all()
         e_hop = (rel(o_h, o_ref), rel(s_h, s_ref))
-        print(f"H={heads} lens={lens} s0={s0} BV={bv}: hopper o {e_hop[0]:.2e} state {e_hop[1]:.2e}; portable o "
+        print(f"H={heads} lens={lens} s0={s0} {var}: hopper o {e_hop[0]:.2e} state {e_hop[1]:.2e}; portable o "
               f"{e_port[0]:.2e} state {e_port[1]:.2e}; hopper - portable o {rel(o_h, o_p):.2e} state "
               f"{rel(s_h, s_p):.2e}")
         # the same bf16 rounding points as the portable dot="bf16" path: only the summation order differs

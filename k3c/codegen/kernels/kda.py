@@ -34,7 +34,7 @@ from ..targets import Target
 from ..tiers import PORTABLE, tier_of
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
 from .common import check_dim, check_float, emit_math_helpers, interpreted, to_dtype
-from .kda_hopper import emit_kda_inter_hopper, hopper_inter_problem
+from .kda_hopper import K_SPLIT, emit_kda_inter_hopper, hopper_inter_problem
 
 GATES = ("softplus", "safe")
 DOT_MODES = ("ieee", "tf32", "bf16")
@@ -65,6 +65,7 @@ class KDAPlan:
     intra_warps: int = 4  # warps of the intra-chunk kernel
     inter_tier: str = PORTABLE  # the state-passing kernel's tier: "portable" (emit_kda_inter's Triton kernel) or
                                 # "hopper" (kernels/kda_hopper.py, Gluon; opt-in until measured: docs/perf.md)
+    inter_k_split: int = 1      # hopper tier: the state's K columns in this many parts (independent MMA chains)
 
 
 def inter_dtype(dot: str) -> str:
@@ -91,7 +92,7 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
              dot: str | None = None, chunk_warps: int | None = None,
              decode_block_v: int | None = None, decode_warps: int | None = None,
              decode_split: bool | None = None, intra_warps: int | None = None,
-             inter_tier: str | None = None) -> KDAPlan:
+             inter_tier: str | None = None, inter_k_split: int | None = None) -> KDAPlan:
     """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
     parallel, k e^Gamma, q e^Gamma, k e^(Gamma_C - Gamma), A_qk, T diag(beta) and e^Gamma_C; the state-passing
     kernel walks the chunks
@@ -99,8 +100,8 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     anchored decays exact at lb = -5 (32 is exact too, at the clamp's edge); BV / warps: see the defaults below.
     Decode: one program per (b, h) looping over V slices of 32 columns, 4 warps on 32-lane GPUs.
     inter_tier "hopper" asks for the Gluon state-passing kernel (kernels/kda_hopper.py: its warps own 16 V columns
-    each, so chunk_warps defaults to BV / 16); it is never the default (unmeasured), and a target without the hopper
-    tier or a shape that kernel does not serve is refused.
+    each, so chunk_warps defaults to BV / 16; inter_k_split defaults to kda_hopper.K_SPLIT); it is never the default
+    (unmeasured), and a target without the hopper tier or a shape that kernel does not serve is refused.
     Overrides are for benchmarks and tests."""
     D = _check_pow2(head_dim, "head_dim")
     if D < 16:
@@ -137,6 +138,10 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     if intra_warps is not None:
         iwarps = intra_warps
     tier = PORTABLE if inter_tier is None else inter_tier
+    k_split = 1
+    if tier == PORTABLE and inter_k_split not in (None, 1):
+        raise CodegenError(f"inter_k_split={inter_k_split}: the portable state-passing kernel holds its state whole "
+                           "(inter_k_split is a hopper-tier option)")
     if tier != PORTABLE:
         try:
             tier_of(tier)
@@ -147,11 +152,12 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
                                f"{', '.join(target.tiers) or 'none'})")
         if chunk_warps is None:
             warps = max(1, min(8, bv // 16))
-        why = hopper_inter_problem(D, bt, bv, warps, dot, target)
+        k_split = K_SPLIT if inter_k_split is None else inter_k_split
+        why = hopper_inter_problem(D, bt, bv, warps, dot, target, k_split)
         if why:
             raise CodegenError(f"inter_tier {tier!r}: the Gluon state-passing kernel {why}")
     return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else 16, dwarps, dot, dbv,
-                   bool(decode_split), iwarps, tier)
+                   bool(decode_split), iwarps, tier, k_split)
 
 
 # the prefill programs' (sequence, head) from grid dim 1 and the sequence's tokens [bos, bos + L) of the packed rows
@@ -502,7 +508,8 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
                                "Triton's interpreter (plan the portable tier there)")
         tier = tier_of(p.inter_tier)
         ks = emit_kda_inter_hopper(H, D, target=target, chunk=p.chunk, block_v=p.block_v, warps=p.chunk_warps,
-                                   dot=p.dot, v_dtype=v_dtype, o_dtype=o_dtype, has_initial_state=has_initial_state,
+                                   k_split=p.inter_k_split, dot=p.dot, v_dtype=v_dtype, o_dtype=o_dtype,
+                                   has_initial_state=has_initial_state,
                                    ir_op=ir_op, loc=loc)
         return replace(ks, tier=tier.name, builds_with=tier.builds_with)
     BT, BV = p.chunk, p.block_v
