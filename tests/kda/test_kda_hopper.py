@@ -104,3 +104,21 @@ def test_the_emitter_refuses_what_it_does_not_serve():
         emit_kda_inter_hopper(H, D, target=t, block_v=64, warps=8)
     with pytest.raises(CodegenError, match="interpreter"):
         emit_kda_inter(H, D, target=t, plan=kda_plan(D, "bf16", t, inter_tier="hopper"), interpret=True)
+
+
+def test_the_gpu_test_and_the_bench_build_what_their_runs_launch():
+    """`build` of tests/kda/test_kda_hopper_gpu.py and bench/kda_hopper.py: the kernels of every plan they run, for
+    h200 and h100 alike (same keys: a folder built for one serves the other under the strict binding)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for path, n_hopper in (("tests/kda/test_kda_hopper_gpu.py", 5), ("bench/kda_hopper.py", 6)):
+        spec = importlib.util.spec_from_file_location(f"_k3c_{Path(path).stem}", root / path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        built = mod.kernels(get_target("h200"))
+        assert {ks.key for ks in built} == {ks.key for ks in mod.kernels(get_target("h100"))}
+        hopper = {re.search(r"_bv\d+_w\d+_k\d", ks.name).group() for ks in built if ks.tier == "hopper"}
+        assert len(hopper) == n_hopper, (path, sorted(hopper))
+        assert any(ks.tier == "portable" and "_inter_" in ks.name for ks in built)
