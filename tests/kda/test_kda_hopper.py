@@ -84,7 +84,7 @@ def test_the_portable_tier_stays_the_default():
     (dict(block_v=128, chunk_warps=4), "block_v = 16 x warps"),
     (dict(chunk_warps=3, block_v=48), "power of two"),
     (dict(head_dim=256), "head_dim a power of two in [16, 128]"),
-    (dict(inter_tier="blackwell"), "unknown kernel tier"),
+    (dict(inter_tier="blackwell"), "inter_tier must be one of ('portable', 'hopper')"),
     (dict(inter_k_split=4), "k_split in (1, 2)"),
     (dict(head_dim=16, block_v=16, inter_k_split=2), "head_dim / k_split >= 16"),
     (dict(inter_tier=None, inter_k_split=2), "hopper-tier option"),

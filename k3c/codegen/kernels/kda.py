@@ -38,6 +38,7 @@ from .kda_hopper import K_SPLIT, emit_kda_inter_hopper, hopper_inter_problem
 
 GATES = ("softplus", "safe")
 DOT_MODES = ("ieee", "tf32", "bf16")
+INTER_TIERS = (PORTABLE, "hopper")     # tiers with a state-passing kernel (hopper: kernels/kda_hopper.py)
 # the decode step without its fused output norm (kda_out follows) still bakes an eps into its source
 DECODE_NORM_EPS = 1e-5
 EXP_CLAMP = 80.0          # |exponent| cap of the anchored intra-chunk factors (e^88 overflows fp32)
@@ -142,11 +143,9 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     if tier == PORTABLE and inter_k_split not in (None, 1):
         raise CodegenError(f"inter_k_split={inter_k_split}: the portable state-passing kernel holds its state whole "
                            "(inter_k_split is a hopper-tier option)")
+    if tier not in INTER_TIERS:
+        raise CodegenError(f"inter_tier must be one of {INTER_TIERS}, got {tier!r}")
     if tier != PORTABLE:
-        try:
-            tier_of(tier)
-        except ValueError as e:
-            raise CodegenError(f"inter_tier: {e}") from None
         if not target.has_tier(tier):
             raise CodegenError(f"inter_tier {tier!r}: target {target.name} has no {tier} tier (its tiers: "
                                f"{', '.join(target.tiers) or 'none'})")
@@ -509,8 +508,7 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
         tier = tier_of(p.inter_tier)
         ks = emit_kda_inter_hopper(H, D, target=target, chunk=p.chunk, block_v=p.block_v, warps=p.chunk_warps,
                                    k_split=p.inter_k_split, dot=p.dot, v_dtype=v_dtype, o_dtype=o_dtype,
-                                   has_initial_state=has_initial_state,
-                                   ir_op=ir_op, loc=loc)
+                                   has_initial_state=has_initial_state, ir_op=ir_op, loc=loc)
         return replace(ks, tier=tier.name, builds_with=tier.builds_with)
     BT, BV = p.chunk, p.block_v
     idt = inter_dtype(p.dot)
