@@ -93,7 +93,8 @@ def bind(bin_dir: str):
     dev = torch.device("cuda", torch.cuda.current_device())
     target = target_for(dev)
     if not target.has_tier("hopper"):
-        raise SystemExit(f"{target.name}: no hopper tier on this device")
+        print(f"bench/kda_hopper.py run: {target.name} has no hopper tier (an sm_90 GPU is needed)", file=sys.stderr)
+        raise SystemExit(2)
     with open(os.path.join(bin_dir, "kernels.json"), encoding="utf-8") as f:
         compiled = [CompiledKernel.from_dict(d) for d in json.load(f)]
     cat = launcher.Catalogue(target, os.path.abspath(bin_dir), {ck.catalogue_key: ck for ck in compiled})
@@ -196,8 +197,12 @@ def main(argv=None) -> int:
         print(f"{a.bin_dir}: no kernels.json (run `python bench/kda_hopper.py build {a.bin_dir}` on a box with "
               "Triton 3.9 first)", file=sys.stderr)
         return 2
-    dev, binding = bind(a.bin_dir)
     import torch
+
+    if not torch.cuda.is_available():
+        print("bench/kda_hopper.py run: needs a CUDA GPU (sm_90)", file=sys.stderr)
+        return 2
+    dev, binding = bind(a.bin_dir)
 
     print(f"device: {torch.cuda.get_device_name(dev)}; target {binding.target.name}", flush=True)
     rows = []
