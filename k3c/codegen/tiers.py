@@ -24,7 +24,8 @@ class Tier:
 
 
 TIERS: dict[str, Tier] = {t.name: t for t in (
-    Tier("hopper", "sm_90", "3.9", "Gluon for sm_90a: warpgroup MMA, TMA, mbarriers, warp specialisation"),
+    Tier("hopper", "sm_90", "3.9", "Gluon for sm_90a: warpgroup MMA, TMA, mbarriers, warp specialisation; mma.sync "
+                                   "with register operands, cp.async"),
 )}
 
 

@@ -27,16 +27,18 @@ cores, what fla does) or `tf32` for bf16 models on GPUs. The interpreter always 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..kernel import KernelSource
 from ..targets import Target
-from ..tiers import PORTABLE
+from ..tiers import PORTABLE, tier_of
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
 from .common import check_dim, check_float, emit_math_helpers, interpreted, to_dtype
+from .kda_hopper import K_SPLIT, emit_kda_inter_hopper, hopper_inter_problem
 
 GATES = ("softplus", "safe")
 DOT_MODES = ("ieee", "tf32", "bf16")
+INTER_TIERS = (PORTABLE, "hopper")     # tiers with a state-passing kernel (hopper: kernels/kda_hopper.py)
 # the decode step without its fused output norm (kda_out follows) still bakes an eps into its source
 DECODE_NORM_EPS = 1e-5
 EXP_CLAMP = 80.0          # |exponent| cap of the anchored intra-chunk factors (e^88 overflows fp32)
@@ -64,6 +66,9 @@ class KDAPlan:
     decode_block_v: int = 32   # V columns per decode slice (looped) or program (split)
     decode_split: bool = False  # decode: V slices over programs (True) or looped inside one program per head
     intra_warps: int = 4  # warps of the intra-chunk kernel
+    inter_tier: str = PORTABLE  # the state-passing kernel's tier: "portable" (emit_kda_inter's Triton kernel) or
+                                # "hopper" (kernels/kda_hopper.py, Gluon; opt-in until measured: docs/perf.md)
+    inter_k_split: int = 1      # hopper tier: the state's K columns in this many parts (independent MMA chains)
     decode_tier: str = PORTABLE   # the decode step's kernel tier (kda_decode_hopper.py: "hopper")
     decode_lanes_k: int = 8       # hopper decode: lanes of a warp along K (8 or 32; the rest run along V)
 
@@ -91,7 +96,8 @@ def run_dot(dtype: str, ir_dot: str) -> str:
 def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = None, block_v: int | None = None,
              dot: str | None = None, chunk_warps: int | None = None,
              decode_block_v: int | None = None, decode_warps: int | None = None,
-             decode_split: bool | None = None, intra_warps: int | None = None, decode_tier: str | None = None,
+             decode_split: bool | None = None, intra_warps: int | None = None,
+             inter_tier: str | None = None, inter_k_split: int | None = None, decode_tier: str | None = None,
              decode_lanes_k: int | None = None) -> KDAPlan:
     """Prefill: two kernels (FlashKDA's split): the intra-chunk kernel computes, for all chunks of BT tokens in
     parallel, k e^Gamma, q e^Gamma, k e^(Gamma_C - Gamma), A_qk, T diag(beta) and e^Gamma_C; the state-passing
@@ -99,6 +105,9 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     of one (sequence, head, V block) with only the three state-dependent matmuls on its serial path. BT = 16 keeps the
     anchored decays exact at lb = -5 (32 is exact too, at the clamp's edge); BV / warps: see the defaults below.
     Decode: one program per (b, h) looping over V slices of 32 columns, 4 warps on 32-lane GPUs.
+    inter_tier "hopper" asks for the Gluon state-passing kernel (kernels/kda_hopper.py: its warps own 16 V columns
+    each, so chunk_warps defaults to BV / 16; inter_k_split defaults to kda_hopper.K_SPLIT); it is never the default
+    (unmeasured), and a target without the hopper tier or a shape that kernel does not serve is refused.
     Overrides are for benchmarks and tests."""
     D = _check_pow2(head_dim, "head_dim")
     if D < 16:
@@ -134,16 +143,33 @@ def kda_plan(head_dim: int, dtype: str, target: Target, *, chunk: int | None = N
     iwarps = 1 if target.backend == "cpu" else (8 if bt * D >= 4096 else 2)
     if intra_warps is not None:
         iwarps = intra_warps
+    tier = PORTABLE if inter_tier is None else inter_tier
+    k_split = 1
+    if tier == PORTABLE and inter_k_split not in (None, 1):
+        raise CodegenError(f"inter_k_split={inter_k_split}: the portable state-passing kernel holds its state whole "
+                           "(inter_k_split is a hopper-tier option)")
+    if tier not in INTER_TIERS:
+        raise CodegenError(f"inter_tier must be one of {INTER_TIERS}, got {tier!r}")
+    if tier != PORTABLE:
+        if not target.has_tier(tier):
+            raise CodegenError(f"inter_tier {tier!r}: target {target.name} has no {tier} tier (its tiers: "
+                               f"{', '.join(target.tiers) or 'none'})")
+        if chunk_warps is None:
+            warps = max(1, min(8, bv // 16))
+        k_split = K_SPLIT if inter_k_split is None else inter_k_split
+        why = hopper_inter_problem(D, bt, bv, warps, dot, target, k_split)
+        if why:
+            raise CodegenError(f"inter_tier {tier!r}: the Gluon state-passing kernel {why}")
     # the hopper decode is not the default until bench/kda.py has timed it on a GPU (docs/perf.md, KDA)
-    tier = decode_tier or PORTABLE
-    if not target.has_tier(tier):
-        raise CodegenError(f"KDA decode tier {tier!r} is not available on target {target.name} "
+    dtier = decode_tier or PORTABLE
+    if not target.has_tier(dtier):
+        raise CodegenError(f"KDA decode tier {dtier!r} is not available on target {target.name} "
                            f"(its tiers: {', '.join((PORTABLE, *target.tiers))})")
     lanes_k = 8 if decode_lanes_k is None else decode_lanes_k
     if lanes_k not in (8, 32):
         raise CodegenError(f"decode_lanes_k must be 8 or 32, got {lanes_k}")
     return KDAPlan(bt, bv, warps, 64 if target.backend == "cpu" else PREP_BLOCK_T, dwarps, dot, dbv,
-                   bool(decode_split), iwarps, tier, lanes_k)
+                   bool(decode_split), iwarps, tier, k_split, dtier, lanes_k)
 
 
 # the prefill programs' (sequence, head) from grid dim 1 and the sequence's tokens [bos, bos + L) of the packed rows
@@ -480,12 +506,23 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
         S = diag(e^Gamma_C) S + (K e^(Gamma_C - Gamma))^T V_new
     Args: ki, qi, di [total, H, D], ai, ti [total, H, BT], ei [slots, H, D] fp32 (emit_kda_intra's outputs), v
     [*, H, D] rows at token stride sv (head stride D, v_dtype), o [total, H, D] (o_dtype), s0 / sT [N, H, D, D]
-    fp32 (s0 read when has_initial_state; may alias sT), cu, N. Grid (D // BV, N * H)."""
+    fp32 (s0 read when has_initial_state; may alias sT), cu, N. Grid (D // BV, N * H).
+    A plan whose inter_tier is not "portable" gets that tier's kernel (same signature, outputs and grid), so the
+    catalogue and the runtime swap the two by plan alone."""
     H, D = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim")
     check_float(o_dtype)
     check_float(v_dtype, "v_dtype")
     p = plan or kda_plan(D, "fp32", target)
     interp = interpreted(target, interpret)
+    if p.inter_tier != PORTABLE:
+        if interp:
+            raise CodegenError(f"kda state passing: the {p.inter_tier} tier's Gluon kernel does not run in "
+                               "Triton's interpreter (plan the portable tier there)")
+        tier = tier_of(p.inter_tier)
+        ks = emit_kda_inter_hopper(H, D, target=target, chunk=p.chunk, block_v=p.block_v, warps=p.chunk_warps,
+                                   k_split=p.inter_k_split, dot=p.dot, v_dtype=v_dtype, o_dtype=o_dtype,
+                                   has_initial_state=has_initial_state, ir_op=ir_op, loc=loc)
+        return replace(ks, tier=tier.name, builds_with=tier.builds_with)
     BT, BV = p.chunk, p.block_v
     idt = inter_dtype(p.dot)
     kname = ident(f"k3c_kda_inter_fwd_h{H}_d{D}_bt{BT}_bv{BV}_w{p.chunk_warps}_{p.dot}"

@@ -12,12 +12,14 @@ Tensors are token-major: [total tokens, H*D] with sequences packed by `cu` (int3
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
 from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_inter, emit_kda_intra, emit_kda_out, emit_kda_prep,
                                     inter_dtype, kda_plan, prep_qkv_dtype, run_dot)
 from ...codegen.kernels.kda_decode_hopper import decode_kernel
+from ...codegen.tiers import PORTABLE
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
 from ... import reference as ref
@@ -26,7 +28,7 @@ from ...reference.norms import acc
 from ..caches.kda_rollback import step_tokens, traced
 from ..caches.context import call_binding
 from ..devices import TT_TO_TORCH, interpreted, torch_dtype, tt_dtype
-from ..launcher import Binding, launch, target_of
+from ..launcher import Binding, launch, target_of, tier_fallback
 from .basic import gemm
 
 _emit_prep = functools.lru_cache(maxsize=128)(emit_kda_prep)
@@ -115,11 +117,13 @@ def kda_chunk(q, k, v, g, beta, cu, initial_state=None, **kw):
 def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float | None = None,
                        out_dtype=torch.float32, chunk: int | None = None, block_v: int | None = None,
                        dot: str | None = None, chunk_warps: int | None = None, intra_warps: int | None = None,
+                       inter_tier: str | None = None, inter_k_split: int | None = None,
                        max_len: int | None = None, final_state: torch.Tensor | None = None,
                        binding: Binding | None = None, ir_op: str = "kda_attn", loc: str = ""):
     """kda_chunk's two launches, unlaunched: (intra(), inter(), o, final state); the outputs are filled once both
     ran (benchmarks time each kernel alone). max_len: the longest sequence (the intra kernel's grid; computed from
-    cu, a device sync, when not given); chunk .. intra_warps override the target's plan (benchmarks, tests)."""
+    cu, a device sync, when not given); chunk .. intra_warps, inter_tier ("hopper": the Gluon state-passing
+    kernel, opt-in) and inter_k_split override the target's plan (benchmarks, tests)."""
     total, H, D = q.shape
     N = cu.numel() - 1
     for name, t, hs in (("q", q, D), ("k", k, D), ("v", v, D), ("g", g, D)):
@@ -129,7 +133,8 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
     if beta.shape != (total, H) or beta.stride(1) != 1:
         raise CodegenError(f"kda_chunk: beta must be [total, H] with unit head stride, got {tuple(beta.shape)}")
     tgt = target_of(binding, q.device)
-    plan = _plan(D, q.dtype, tgt, chunk, block_v, dot, chunk_warps, intra_warps=intra_warps)
+    plan = _plan(D, q.dtype, tgt, chunk, block_v, dot, chunk_warps, intra_warps=intra_warps, inter_tier=inter_tier,
+                 inter_k_split=inter_k_split)
     has_s0 = initial_state is not None
     interp = interpreted(q)
     o = torch.empty(total, H, D, dtype=out_dtype, device=q.device)
@@ -146,6 +151,10 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
                      beta_dtype=tt_dtype(beta.dtype), scale=scale, plan=plan, ir_op=ir_op, loc=loc, interpret=interp)
     kx = _emit_inter(H, D, target=tgt, v_dtype=tt_dtype(v.dtype), o_dtype=tt_dtype(out_dtype), plan=plan,
                      has_initial_state=has_s0, ir_op=ir_op, loc=loc, interpret=interp)
+    if plan.inter_tier != PORTABLE and tier_fallback(kx, q.device, binding):   # neither loadable nor buildable here
+        kx = _emit_inter(H, D, target=tgt, v_dtype=tt_dtype(v.dtype), o_dtype=tt_dtype(out_dtype),
+                         plan=replace(plan, inter_tier=PORTABLE, inter_k_split=1), has_initial_state=has_s0,
+                         ir_op=ir_op, loc=loc, interpret=interp)
     kqd = torch.empty(3, total, H, D, dtype=idt, device=q.device)      # K e^Gamma, Q e^Gamma, K e^(Gamma_C - Gamma)
     at = torch.empty(2, total, H, BT, dtype=idt, device=q.device)      # A_qk, T diag(beta)
     eg = torch.empty(total // BT + N + 1, H, D, dtype=torch.float32, device=q.device)
