@@ -247,7 +247,6 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
                     + (" [interpreter variant]" if interp else "")])
     w.imports()
     emit_math_helpers(w, sigmoid=True, rtne_bf16=interp and "bf16" in (dtype, qkv_dtype))
-    R = HD + H
     with w.jit_function(kname, list(sig), list(const)):
         # one program per (time block, sequence, head, role), roles then heads fastest: the programs resident at
         # once cover whole [tokens, H*D] rows instead of 256-byte pieces of one head at a 24 KB stride, and a 1-D
@@ -272,69 +271,83 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
         ])
         w.line("if role < 3:")
         with w.indent():
-            w.line("if role == 0:")
-            w.line("    x, wt, tin, tout = xq, wq, tq_in, tq_out")
-            w.line("elif role == 1:")
-            w.line("    x, wt, tin, tout = xk, wk, tk_in, tk_out")
-            w.line("else:")
-            w.line("    x, wt, tin, tout = xv, wv, tv_in, tv_out")
-            # tap j reads the row KW-1-j tokens back; rows before the segment start come from the conv tail, read
-            # only by the time blocks that reach back that far (a scalar branch: the others issue no tail loads)
-            w.lines([
-                f"tail_base = (n.to(tl.int64) * {HD} + col) * (KW - 1)",
-                "xp = x + row[:, None] + col[None, :]",
-                "acc = tl.zeros([BT, D], dtype=tl.float32)",
-            ])
-            w.line("for j in tl.static_range(KW):")
-            with w.indent():
-                w.lines([
-                    f"xs = tl.load(xp - (KW - 1 - j) * {HD}, mask=tm[:, None] & (rt[:, None] >= KW - 1 - j), "
-                    "other=0.0)",
-                    "acc += xs.to(tl.float32) * tl.load(wt + col * KW + j).to(tl.float32)[None, :]",
-                ])
-            w.line("if t0 < KW - 1:")
-            with w.indent():
-                w.line("for j in tl.static_range(KW - 1):")
-                with w.indent():
-                    w.lines([
-                        "p = rt - (KW - 1) + j",
-                        "intail = tm[:, None] & (p[:, None] < 0)",
-                        "ts = tl.load(tin + tail_base[None, :] + (KW - 1 + p)[:, None], mask=intail, other=0.0)",
-                        "acc += ts.to(tl.float32) * tl.load(wt + col * KW + j).to(tl.float32)[None, :]",
-                    ])
-            w.line(f"acc = {_round_like('acc', dtype, interp)}")
-            w.line(f"y = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
-            w.line("if role < 2:")
-            w.line(f"    y = y / tl.sqrt(tl.sum(y * y, axis=1) + {fnum(l2norm_eps)})[:, None]")
-            w.line(f"tl.store(qkv + (bos + rt)[:, None] * {3 * HD} + role * {HD} + col[None, :], "
-                   f"{to_dtype('y', qkv_dtype, interp)}, mask=tm[:, None])")
-            # the new tail: the last KW-1 pre-conv inputs (older tail entries when the segment is short)
-            w.line("if tb == 0:")
-            with w.indent():
-                for j in range(KW - 1):
-                    w.lines([
-                        f"p{j} = rd.to(tl.int64) * 0 + (L - (KW - 1) + {j})",
-                        f"n{j} = tl.load(x + (bos + p{j}) * {HD} + col, mask=p{j} >= 0, other=0.0)"
-                        f" + tl.load(tin + tail_base + (KW - 1 + p{j}), mask=p{j} < 0, other=0.0)",
-                    ])
-                for j in range(KW - 1):
-                    w.line(f"tl.store(tout + tail_base + {j}, n{j})")
+            _emit_prep_conv_role(w, H, D, KW, dtype, qkv_dtype, l2norm_eps, interp)
         w.line("else:")
         with w.indent():
-            w.lines([
-                "f = tl.load(xf + row[:, None] + col[None, :], mask=tm[:, None], other=0.0)",
-                "f = f.to(tl.float32) + tl.load(dt_bias + col)[None, :]",
-                "a = tl.exp(tl.load(a_log + h))",
-            ])
-            w.lines(_gate_lines(gate, gate_lower_bound, "f", "a", "g"))
-            w.lines([
-                f"tl.store(gb + (bos + rt)[:, None] * {R} + col[None, :], g, mask=tm[:, None])",
-                "bb = tl.load(xb + (bos + rt) * H + h, mask=tm, other=0.0).to(tl.float32)",
-                f"tl.store(gb + (bos + rt) * {R} + {HD} + h, _k3c_sigmoid(bb), mask=tm)",
-            ])
+            _emit_prep_gate_role(w, H, D, gate, gate_lower_bound)
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,
                         grid=("cdiv(T_MAX, BT) * N * H * 4",), num_warps=max(4, min(8, BT * D // 256)), num_stages=1,
                         ir_op=ir_op, loc=loc)
+
+
+def _emit_prep_conv_role(w: SourceWriter, H: int, D: int, KW: int, dtype: str, qkv_dtype: str, l2norm_eps: float,
+                         interp: bool) -> None:
+    """The prep's q, k and v programs (role 0, 1, 2): one body over the role's pointers: causal conv, SiLU, the L2
+    norm of q and k, the qkv row, and the new conv tail from the first time block."""
+    HD = H * D
+    w.line("if role == 0:")
+    w.line("    x, wt, tin, tout = xq, wq, tq_in, tq_out")
+    w.line("elif role == 1:")
+    w.line("    x, wt, tin, tout = xk, wk, tk_in, tk_out")
+    w.line("else:")
+    w.line("    x, wt, tin, tout = xv, wv, tv_in, tv_out")
+    # tap j reads the row KW-1-j tokens back; rows before the segment start come from the conv tail, read
+    # only by the time blocks that reach back that far (a scalar branch: the others issue no tail loads)
+    w.lines([
+        f"tail_base = (n.to(tl.int64) * {HD} + col) * (KW - 1)",
+        "xp = x + row[:, None] + col[None, :]",
+        "acc = tl.zeros([BT, D], dtype=tl.float32)",
+    ])
+    w.line("for j in tl.static_range(KW):")
+    with w.indent():
+        w.lines([
+            f"xs = tl.load(xp - (KW - 1 - j) * {HD}, mask=tm[:, None] & (rt[:, None] >= KW - 1 - j), "
+            "other=0.0)",
+            "acc += xs.to(tl.float32) * tl.load(wt + col * KW + j).to(tl.float32)[None, :]",
+        ])
+    w.line("if t0 < KW - 1:")
+    with w.indent():
+        w.line("for j in tl.static_range(KW - 1):")
+        with w.indent():
+            w.lines([
+                "p = rt - (KW - 1) + j",
+                "intail = tm[:, None] & (p[:, None] < 0)",
+                "ts = tl.load(tin + tail_base[None, :] + (KW - 1 + p)[:, None], mask=intail, other=0.0)",
+                "acc += ts.to(tl.float32) * tl.load(wt + col * KW + j).to(tl.float32)[None, :]",
+            ])
+    w.line(f"acc = {_round_like('acc', dtype, interp)}")
+    w.line(f"y = {_round_like('acc * _k3c_sigmoid(acc)', dtype, interp)}")
+    w.line("if role < 2:")
+    w.line(f"    y = y / tl.sqrt(tl.sum(y * y, axis=1) + {fnum(l2norm_eps)})[:, None]")
+    w.line(f"tl.store(qkv + (bos + rt)[:, None] * {3 * HD} + role * {HD} + col[None, :], "
+           f"{to_dtype('y', qkv_dtype, interp)}, mask=tm[:, None])")
+    # the new tail: the last KW-1 pre-conv inputs (older tail entries when the segment is short)
+    w.line("if tb == 0:")
+    with w.indent():
+        for j in range(KW - 1):
+            w.lines([
+                f"p{j} = rd.to(tl.int64) * 0 + (L - (KW - 1) + {j})",
+                f"n{j} = tl.load(x + (bos + p{j}) * {HD} + col, mask=p{j} >= 0, other=0.0)"
+                f" + tl.load(tin + tail_base + (KW - 1 + p{j}), mask=p{j} < 0, other=0.0)",
+            ])
+        for j in range(KW - 1):
+            w.line(f"tl.store(tout + tail_base + {j}, n{j})")
+
+
+def _emit_prep_gate_role(w: SourceWriter, H: int, D: int, gate: str, gate_lower_bound: float) -> None:
+    """The prep's g|beta program (role 3): the gate from the forget projection, beta = sigmoid(b)."""
+    HD, R = H * D, H * D + H
+    w.lines([
+        "f = tl.load(xf + row[:, None] + col[None, :], mask=tm[:, None], other=0.0)",
+        "f = f.to(tl.float32) + tl.load(dt_bias + col)[None, :]",
+        "a = tl.exp(tl.load(a_log + h))",
+    ])
+    w.lines(_gate_lines(gate, gate_lower_bound, "f", "a", "g"))
+    w.lines([
+        f"tl.store(gb + (bos + rt)[:, None] * {R} + col[None, :], g, mask=tm[:, None])",
+        "bb = tl.load(xb + (bos + rt) * H + h, mask=tm, other=0.0).to(tl.float32)",
+        f"tl.store(gb + (bos + rt) * {R} + {HD} + h, _k3c_sigmoid(bb), mask=tm)",
+    ])
 
 
 # ---- two-kernel prefill: intra-chunk (all chunks in parallel) + state passing (sequential over chunks) -----------

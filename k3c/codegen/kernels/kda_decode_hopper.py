@@ -100,7 +100,6 @@ def emit_kda_decode_hopper(num_heads: int, head_dim: int, conv_kernel: int, *, g
         for c in const:
             w.line(f"{ident(c)}: gl.constexpr,")
     w.line("):")
-    pending: list[tuple[str, str]] = []          # (tail out pointer expression, value): written after every read
     with w.indent():
         w.lines([
             f"SL: gl.constexpr = gl.BlockedLayout([D // {TK}, BV // {(32 // TK) * NW}], [{TK}, {32 // TK}], [1, {NW}], "
@@ -121,59 +120,8 @@ def emit_kda_decode_hopper(num_heads: int, head_dim: int, conv_kernel: int, *, g
             f"xo = b * {HD} + col",
             "tb = xo * (KW - 1)",
         ])
-        # the head's q, k, v convs, norms and decay over all D columns in one flat layout (an element a thread,
-        # replicated only when D < the threads), then into the slices' layouts
-        for x, wt, tin, tout, name in (("xq", "wq", "tq_in", "tq_out", "qf"), ("xk", "wk", "tk_in", "tk_out", "kf"),
-                                       ("xv", "wv", "tv_in", "tv_out", "vf")):
-            tag = name[0]
-            w.lines([f"c{tag} = gl.load({x} + xo)",
-                     f"acc = c{tag}.to(gl.float32) * gl.load({wt} + col * KW + KW - 1).to(gl.float32)"])
-            for j in range(KW - 1):
-                w.lines([f"t{tag}_{j} = gl.load({tin} + tb + {j})",
-                         f"acc += t{tag}_{j}.to(gl.float32) * gl.load({wt} + col * KW + {j}).to(gl.float32)"])
-            for j in range(KW - 2):
-                pending.append((f"{tout} + tb + {j}", f"t{tag}_{j + 1}"))
-            pending.append((f"{tout} + tb + {KW - 2}", f"c{tag}"))
-            w.line(f"acc = {_round('acc', dtype)}")
-            w.line(f"{name} = {_round('acc * _sigmoid(acc)', dtype)}")
-            if tag != "v":
-                w.line(f"{name} = {name} / gl.sqrt(gl.sum({name} * {name}, axis=0) + {fnum(l2norm_eps)})")
-        w.lines([
-            f"f = gl.load(xf + xo).to(gl.float32) + gl.load(dt_bias + col)",
-            "a = gl.exp(gl.load(a_log + h))",
-            _gate(gate, gate_lower_bound, "f", "a", "gk"),
-            "beta = _sigmoid(gl.load(xb + b * H + h).to(gl.float32))",
-            f"qv = gl.convert_layout(qf * {fnum(scale)}, KV)",
-            "kv = gl.convert_layout(kf, KV)",
-            "eg = gl.convert_layout(gl.exp(gk), KV)[:, None]",
-            "v_sh = gl.allocate_shared_memory(gl.float32, [D], VS, vf)",
-        ])
-        # the tails update in place: a replicated element is read by one thread and written by another, so every
-        # read of the program comes before the first write (the barrier also publishes v_sh)
-        w.line("gl.barrier()")
-        for ptr, val in pending:
-            w.line(f"gl.store({ptr}, {val})")
-        for j in range(NS):
-            w.line("S = S_next")
-            if j + 1 < NS:
-                w.line(f"S_next = gl.load(s_in + s_base + ({(j + 1) * BV} + rv)[None, :])   # next slice in flight")
-            w.lines([
-                f"vv = v_sh.slice({j * BV}, BV).load(VV)",
-                "S = S * eg",
-                "u = beta * (vv - gl.sum(kv[:, None] * S, axis=0))",
-                "S = S + kv[:, None] * u[None, :]",
-                f"o{j} = gl.sum(qv[:, None] * S, axis=0)",
-                f"gl.store(s_out + s_base + ({j * BV} + rv)[None, :], S)",
-            ])
-        w.line(f"yb = b * {HD} + h * D")
-        if fuse_out:
-            w.line("ss = " + " + ".join(f"gl.sum(o{j} * o{j}, axis=0)" for j in range(NS)))
-            w.line(f"rinv = gl.rsqrt(ss / D + {fnum(norm_eps)})")
-            for j in range(NS):
-                w.line(f"o{j} = o{j} * rinv * gl.load(nw + {j * BV} + rv) * "
-                       f"_sigmoid(gl.load(xg + yb + {j * BV} + rv).to(gl.float32))")
-        for j in range(NS):
-            w.line(f"gl.store(y + yb + {j * BV} + rv, {_cast(f'o{j}', ydt)})")
+        _emit_head_inputs(w, HD, KW, dtype, gate, gate_lower_bound, l2norm_eps, scale)
+        _emit_slices(w, NS, BV, HD, fuse_out, norm_eps, ydt)
     tier = tier_of("hopper")
     ks = KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const, grid=("B * H",),
                       num_warps=NW, num_stages=1, ir_op=ir_op, loc=loc)
@@ -188,3 +136,67 @@ def decode_kernel(num_heads: int, head_dim: int, conv_kernel: int, *, plan: KDAP
             raise CodegenError("the hopper KDA decode is a Gluon kernel: the interpreter cannot run it")
         return emit_kda_decode_hopper(num_heads, head_dim, conv_kernel, plan=plan, **kw)
     return emit_kda_decode(num_heads, head_dim, conv_kernel, plan=plan, interpret=interpret, **kw)
+
+
+def _emit_head_inputs(w: SourceWriter, HD: int, KW: int, dtype: str, gate: str, lb: float, l2norm_eps: float,
+                      scale: float) -> None:
+    """q, k (conv, SiLU, L2 norm; q scaled), v, the decay and beta of the program's head, in the slices' layouts
+    (v through shared memory: v_sh); the conv tails written in place once every read is done."""
+    pending: list[tuple[str, str]] = []          # (tail out pointer expression, value): written after every read
+    # the head's q, k, v convs, norms and decay over all D columns in one flat layout (an element a thread,
+    # replicated only when D < the threads), then into the slices' layouts
+    for x, wt, tin, tout, name in (("xq", "wq", "tq_in", "tq_out", "qf"), ("xk", "wk", "tk_in", "tk_out", "kf"),
+                                   ("xv", "wv", "tv_in", "tv_out", "vf")):
+        tag = name[0]
+        w.lines([f"c{tag} = gl.load({x} + xo)",
+                 f"acc = c{tag}.to(gl.float32) * gl.load({wt} + col * KW + KW - 1).to(gl.float32)"])
+        for j in range(KW - 1):
+            w.lines([f"t{tag}_{j} = gl.load({tin} + tb + {j})",
+                     f"acc += t{tag}_{j}.to(gl.float32) * gl.load({wt} + col * KW + {j}).to(gl.float32)"])
+        for j in range(KW - 2):
+            pending.append((f"{tout} + tb + {j}", f"t{tag}_{j + 1}"))
+        pending.append((f"{tout} + tb + {KW - 2}", f"c{tag}"))
+        w.line(f"acc = {_round('acc', dtype)}")
+        w.line(f"{name} = {_round('acc * _sigmoid(acc)', dtype)}")
+        if tag != "v":
+            w.line(f"{name} = {name} / gl.sqrt(gl.sum({name} * {name}, axis=0) + {fnum(l2norm_eps)})")
+    w.lines([
+        "f = gl.load(xf + xo).to(gl.float32) + gl.load(dt_bias + col)",
+        "a = gl.exp(gl.load(a_log + h))",
+        _gate(gate, lb, "f", "a", "gk"),
+        "beta = _sigmoid(gl.load(xb + b * H + h).to(gl.float32))",
+        f"qv = gl.convert_layout(qf * {fnum(scale)}, KV)",
+        "kv = gl.convert_layout(kf, KV)",
+        "eg = gl.convert_layout(gl.exp(gk), KV)[:, None]",
+        "v_sh = gl.allocate_shared_memory(gl.float32, [D], VS, vf)",
+    ])
+    # the tails update in place: a replicated element is read by one thread and written by another, so every
+    # read of the program comes before the first write (the barrier also publishes v_sh)
+    w.line("gl.barrier()")
+    for ptr, val in pending:
+        w.line(f"gl.store({ptr}, {val})")
+
+
+def _emit_slices(w: SourceWriter, NS: int, BV: int, HD: int, fuse_out: bool, norm_eps: float, ydt: str) -> None:
+    """The state update slice by slice (the next slice's load in flight), then o (or the fused y) out."""
+    for j in range(NS):
+        w.line("S = S_next")
+        if j + 1 < NS:
+            w.line(f"S_next = gl.load(s_in + s_base + ({(j + 1) * BV} + rv)[None, :])   # next slice in flight")
+        w.lines([
+            f"vv = v_sh.slice({j * BV}, BV).load(VV)",
+            "S = S * eg",
+            "u = beta * (vv - gl.sum(kv[:, None] * S, axis=0))",
+            "S = S + kv[:, None] * u[None, :]",
+            f"o{j} = gl.sum(qv[:, None] * S, axis=0)",
+            f"gl.store(s_out + s_base + ({j * BV} + rv)[None, :], S)",
+        ])
+    w.line(f"yb = b * {HD} + h * D")
+    if fuse_out:
+        w.line("ss = " + " + ".join(f"gl.sum(o{j} * o{j}, axis=0)" for j in range(NS)))
+        w.line(f"rinv = gl.rsqrt(ss / D + {fnum(norm_eps)})")
+        for j in range(NS):
+            w.line(f"o{j} = o{j} * rinv * gl.load(nw + {j * BV} + rv) * "
+                   f"_sigmoid(gl.load(xg + yb + {j * BV} + rv).to(gl.float32))")
+    for j in range(NS):
+        w.line(f"gl.store(y + yb + {j * BV} + rv, {_cast(f'o{j}', ydt)})")
