@@ -22,6 +22,9 @@ FLOPs: K3.md's per-chunk formula 12 C^3 + 8 C^2 D + 6 C D^2 with C = 64, per hea
 sequence (the same count for every side). Bytes: `io` = what any implementation must move (the peer script's count:
 q, k, v, gate, o in bf16, beta, the fp32 states in and out); `k3c` = what k3c's two kernels move (k3c_bytes).
 Decode: B=64 H=96 and B=256 H=12; state TB/s = 8 D^2 bytes per head and token against the measured copy bandwidth.
+Prep (the headline shape): the prep kernel (conv, norms, gate) at 16 / 32 / 64 tokens a program against a device copy
+of the same bytes, each checked against the torch reference. --hopper-bin DIR adds the hopper-tier decode variants
+(Gluon; binaries built here by `python tests/kda/test_kda_decode_hopper_gpu.py build DIR`).
 
 Steps run headline first, each one writes the JSON ($OUT/NAME) so a run cut short keeps its rows; no step starts
 after --budget seconds. Kernels are compiled first in parallel worker processes (Triton's disk cache is then hit).
