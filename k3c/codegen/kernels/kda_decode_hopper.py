@@ -4,11 +4,11 @@ arguments, grid (B * H,), outputs, conv tails updated in place), with the layout
 Why a tier kernel: the step is a stream of the fp32 state (8 D^2 bytes per head and token, read and written), and
 each V slice of the state needs two reductions over K (k^T S and q^T S). Plain Triton lays a [D, BV] slice out with
 its warps along K, so both reductions and the q / k vectors' layout changes go through shared memory with a barrier
-each: the sm_90 SASS of the portable kernel has a dozen BAR.SYNC per slice, and at 159 registers three heads share an
+each: the sm_90 SASS of the portable kernel has 42 BAR.SYNC for 4 slices, and at 159 registers three heads share an
 SM, which left the step at 57-78% of copy bandwidth on the H200 (docs/perf.md, KDA). Here the 32 lanes of a warp
 run along K (D / 32 rows each) and the warps along V: every reduction over K is a warp's shuffle, the [D] vectors
-(q, k, the decay) are each warp's own replica, and the only cross-warp step is the output RMSNorm's sum, once per
-head. The next slice's state load is issued before the current slice's update, as in the portable kernel.
+(q, k, the decay) are each warp's own replica; the cross-warp steps (the head's conv, norms and layout changes in a
+flat layout, the output RMSNorm's sum) happen once per head, outside the slice loop. The next slice's state load is issued before the current slice's update, as in the portable kernel.
 """
 from __future__ import annotations
 
