@@ -24,7 +24,7 @@ q, k, v, gate, o in bf16, beta, the fp32 states in and out); `k3c` = what k3c's 
 Decode: B=64 H=96 and B=256 H=12; state TB/s = 8 D^2 bytes per head and token against the measured copy bandwidth.
 Prep (the headline shape): the prep kernel (conv, norms, gate) at 16 / 32 / 64 tokens a program against a device copy
 of the same bytes, each checked against the torch reference. --hopper-bin DIR adds the hopper-tier decode variants
-(Gluon; binaries built here by `python tests/kda/test_kda_decode_hopper_gpu.py build DIR`).
+and prep (Gluon; binaries built here by `python tests/kda/test_kda_decode_hopper_gpu.py build DIR`).
 
 Steps run headline first, each one writes the JSON ($OUT/NAME) so a run cut short keeps its rows; no step starts
 after --budget seconds. Kernels are compiled first in parallel worker processes (Triton's disk cache is then hit).
@@ -474,13 +474,15 @@ def prep_inputs(raw: Raw, h):
     return (xq, xk, xv, xf, raw.beta.view(t, h), conv_w, raw.a_log, raw.dt_bias.reshape(-1), None, raw.cu.int())
 
 
-def run_prep(pin, h, max_len, block_t=None):
+def run_prep(pin, h, max_len, block_t=None, tier=None):
     return kda_prep(*pin, num_heads=h, head_dim=D, gate="safe", gate_lower_bound=LB, l2norm_eps=1e-6,
-                    max_len=max_len, qkv_dtype=torch.bfloat16, block_t=block_t)
+                    max_len=max_len, qkv_dtype=torch.bfloat16, block_t=block_t, tier=tier,
+                    binding=HOPPER.get("binding") if tier == "hopper" else None)
 
 
 # tokens per prep program: the plan's default (None) and the others timed beside it
 PREP_BLOCKS = (None, 16, 32, 64)
+HOPPER = {}     # --hopper-bin: the Binding over the hopper-tier binaries and the prep block sizes built there
 
 
 def copy_seconds(nbytes: int) -> float:
@@ -522,13 +524,14 @@ def prep_rows(raw, x, seqs, h, shape, var, flops, nio, peer_t):
         t_copy = copy_seconds(nbytes)
         record("prefill", shape, "  copy of the prep's bytes", t_copy, 0, nio, k3c_b=nbytes, seqs=seqs,
                note=f"{nbytes / t_copy / 1e12:.2f} TB/s: copy bandwidth reference")
-        for bt in PREP_BLOCKS:
-            if bt is not None and bt == kda_plan(D, "bf16", target_for(DEV)).prep_block_t:
-                continue
-            err = prep_error(pin, run_prep(pin, h, max_len, bt)[0], seqs, h)
-            t = bench(lambda: run_prep(pin, h, max_len, bt))
-            record("prefill", shape, f"  prep kernel alone ({'default' if bt is None else f'block_t={bt}'})", t,
-                   flops, nio, k3c_b=nbytes, seqs=seqs,
+        default = kda_plan(D, "bf16", target_for(DEV)).prep_block_t
+        runs = [(bt, None) for bt in PREP_BLOCKS if bt is None or bt != default]
+        runs += [(bt, "hopper") for bt in HOPPER.get("prep_blocks", ())]
+        for bt, tier in runs:
+            err = prep_error(pin, run_prep(pin, h, max_len, bt, tier)[0], seqs, h)
+            t = bench(lambda: run_prep(pin, h, max_len, bt, tier))  # noqa: B023 - timed before the next one
+            label = ("hopper, " if tier else "") + ("default" if bt is None else f"block_t={bt}")
+            record("prefill", shape, f"  prep kernel alone ({label})", t, flops, nio, k3c_b=nbytes, seqs=seqs,
                    note=f"{nbytes / t / 1e12:.2f} TB/s, {100 * t_copy / t:.0f}% of copy BW; rel err vs torch "
                         f"ref {err:.1e}" + (" WRONG" if err > 2e-2 else ""))
         record("prefill", shape, f"k3c prep+chunk ({tag(var)})", bench(full), flops, nio,
@@ -768,16 +771,14 @@ def prefill_jobs(shapes, variants, peers: Peers, prep: bool):
     return jobs
 
 
-HOPPER = {}     # the hopper decode's Binding (--hopper-bin)
-
-
 def hopper_decode(root: str) -> None:
-    """Add the hopper-tier decode variants (prebuilt binaries: the GPU box's Triton may not build Gluon) to the
-    decode sweeps, launched through a Binding over `root`."""
+    """Add the hopper-tier decode variants and prep block sizes (prebuilt binaries: the GPU box's Triton may not
+    build Gluon) to the decode sweeps and the prep rows, launched through a Binding over `root`."""
     sys.path.insert(0, str(ROOT / "tests" / "kda"))
-    from test_kda_decode_hopper_gpu import VARIANTS, binding_from
+    from test_kda_decode_hopper_gpu import PREP_BLOCKS as HOPPER_PREP_BLOCKS, VARIANTS, binding_from
 
     HOPPER["binding"] = binding_from(root, target_for(DEV))
+    HOPPER["prep_blocks"] = HOPPER_PREP_BLOCKS
     for bv, w, lk in VARIANTS:
         var = dict(decode_tier="hopper", decode_block_v=bv, decode_warps=w, decode_lanes_k=lk)
         DECODE_REC_VARIANTS.append(var)

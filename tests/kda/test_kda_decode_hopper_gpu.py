@@ -1,8 +1,9 @@
-"""The hopper tier's KDA decode step (k3c/codegen/kernels/kda_decode_hopper.py) through the runtime on a GPU:
+"""The hopper tier's KDA decode step (k3c/codegen/kernels/kda_decode_hopper.py) and prep (kda_prep_hopper.py) through
+the runtime on a GPU:
 binaries compiled ahead of time by the Triton its Gluon source is written for, bound to the device, then
 `kda_decode` with the hopper plan against the portable plan on the same inputs (which tests/kda/test_kda_kernels.py
 checks against the torch recurrence): the fp32 o or the fused y, the state (in place and out of place) and the conv
-tails (bit-exact: they are copies).
+tails (bit-exact: they are copies); the prep's q, k, v, g, beta rows and new tails against the portable prep's.
 
 The GPU machine's Triton may not build the Gluon source, so the binaries come from a folder built elsewhere; the
 folder also holds the variants bench/kda.py times (`--hopper-bin`):
@@ -23,6 +24,7 @@ import torch
 from k3c.codegen.aot import CompiledKernel, compile_kernels
 from k3c.codegen.kernels.kda import kda_plan
 from k3c.codegen.kernels.kda_decode_hopper import emit_kda_decode_hopper
+from k3c.codegen.kernels.kda_prep_hopper import emit_kda_prep_hopper
 from k3c.codegen.targets import get_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -33,6 +35,8 @@ EPS = dict(l2norm_eps=1e-6, norm_eps=1e-5)
 VARIANTS = [(32, 4, 8), (32, 4, 32), (64, 4, 8), (64, 8, 8), (64, 8, 32)]
 BENCH_HEADS = (12, 96)
 CASES = [(3, 2, "bf16", "safe"), (5, 12, "fp32", "safe"), (2, 96, "bf16", "softplus")]   # (B, H, dtype, gate)
+PREP_BLOCKS = (32, 64)            # the prep's tokens a program: the cases run the first, bench/kda.py times both
+PREP_CASES = [([1, 2, 70, 33], 2, "bf16", "safe"), ([5, 130], 12, "fp32", "softplus"), ([300], 96, "bf16", "safe")]
 
 
 def plan_of(target, dtype: str, variant=VARIANTS[0]):
@@ -56,6 +60,16 @@ def kernels(target) -> list:
         for variant in VARIANTS:
             for fuse_out in (True, False):
                 add(h, "bf16", "safe", variant, fuse_out)
+
+    def add_prep(h, dtype, gate, block_t):
+        ks = emit_kda_prep_hopper(h, D, KW, gate=gate, gate_lower_bound=LB, l2norm_eps=EPS["l2norm_eps"],
+                                  target=target, dtype=dtype, qkv_dtype=dtype, block_t=block_t)
+        out[ks.key] = ks
+
+    for _, h, dtype, gate in PREP_CASES:
+        add_prep(h, dtype, gate, PREP_BLOCKS[0])
+    for block_t in PREP_BLOCKS:
+        add_prep(96, "bf16", "safe", block_t)          # bench/kda.py's headline
     return list(out.values())
 
 
@@ -137,6 +151,34 @@ def test_hopper_decode_matches_the_portable_one(bound, case):
                                       **kw, **hop)
         assert s_ip is s_in and torch.equal(s_in, got_s) and torch.equal(y_ip, got_y)
         assert all(a is b and torch.equal(a, c) for a, b, c in zip(t_ip, t_in, want_t))
+
+
+@pytest.mark.parametrize("case", PREP_CASES, ids=lambda c: f"N{len(c[0])}_H{c[1]}_{c[2]}_{c[3]}")
+def test_hopper_prep_matches_the_portable_one(bound, case):
+    from k3c.runtime.kernel_impls.kda import cu_seqlens, kda_prep, unpack
+
+    dev, binding = bound
+    lengths, H, dtype, gate = case
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    gen = torch.Generator(device=dev).manual_seed(sum(lengths) + H)
+    total, N = sum(lengths), len(lengths)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=dev) * scale
+
+    x = [rnd(total, H * D).to(dt) for _ in range(4)]
+    xb = rnd(total, H).to(dt)
+    conv = [rnd(H * D, 1, KW, scale=0.5).to(dt) for _ in range(3)]
+    a_log, dt_bias = torch.linspace(-0.7, 2.0, H, device=dev), rnd(H * D) - 1.0
+    tails = [rnd(N, H * D, KW - 1).to(dt) for _ in range(3)]
+    kw = dict(num_heads=H, head_dim=D, gate=gate, gate_lower_bound=LB, l2norm_eps=EPS["l2norm_eps"],
+              max_len=max(lengths), qkv_dtype=dt, block_t=PREP_BLOCKS[0])
+    cu = cu_seqlens(lengths, dev)
+    want, want_t = kda_prep(*x, xb, conv, a_log, dt_bias, tails, cu, **kw)
+    got, got_t = kda_prep(*x, xb, conv, a_log, dt_bias, tails, cu, tier="hopper", binding=binding, **kw)
+    for name, g, w_ in zip("q k v g beta".split(), unpack(got, H, D), unpack(want, H, D)):
+        assert rel(g, w_) < (1e-5 if dtype == "fp32" or name in ("g", "beta") else 1e-2), name
+    assert all(torch.equal(a, b) for a, b in zip(got_t, want_t))
 
 
 def test_the_hopper_kernels_came_from_binaries(bound):

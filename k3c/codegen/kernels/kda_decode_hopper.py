@@ -32,18 +32,18 @@ def hopper_decode_supported(head_dim: int, block_v: int, warps: int, target: Tar
             and block_v & (block_v - 1) == 0 and head_dim % block_v == 0 and warps & (warps - 1) == 0)
 
 
-def _gate(gate: str, lb: float, x: str, a: str, out: str) -> str:
+def gl_gate(gate: str, lb: float, x: str, a: str, out: str) -> str:
     if gate == "softplus":
         return f"{out} = -{a} * gl.where({x} > 20.0, {x}, gl.log(1.0 + gl.exp(gl.minimum({x}, 20.0))))"
     return f"{out} = {fnum(lb)} * _sigmoid({a} * {x})"
 
 
-def _cast(expr: str, dtype: str) -> str:
+def gl_cast(expr: str, dtype: str) -> str:
     return f"({expr}).to({'gl.float32' if dtype == 'fp32' else {'bf16': 'gl.bfloat16', 'fp16': 'gl.float16'}[dtype]})"
 
 
-def _round(expr: str, dtype: str) -> str:
-    return expr if dtype == "fp32" else f"{_cast(expr, dtype)}.to(gl.float32)"
+def gl_round(expr: str, dtype: str) -> str:
+    return expr if dtype == "fp32" else f"{gl_cast(expr, dtype)}.to(gl.float32)"
 
 
 def emit_kda_decode_hopper(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str, gate_lower_bound: float,
@@ -156,14 +156,14 @@ def _emit_head_inputs(w: SourceWriter, HD: int, KW: int, dtype: str, gate: str, 
         for j in range(KW - 2):
             pending.append((f"{tout} + tb + {j}", f"t{tag}_{j + 1}"))
         pending.append((f"{tout} + tb + {KW - 2}", f"c{tag}"))
-        w.line(f"acc = {_round('acc', dtype)}")
-        w.line(f"{name} = {_round('acc * _sigmoid(acc)', dtype)}")
+        w.line(f"acc = {gl_round('acc', dtype)}")
+        w.line(f"{name} = {gl_round('acc * _sigmoid(acc)', dtype)}")
         if tag != "v":
             w.line(f"{name} = {name} / gl.sqrt(gl.sum({name} * {name}, axis=0) + {fnum(l2norm_eps)})")
     w.lines([
         "f = gl.load(xf + xo).to(gl.float32) + gl.load(dt_bias + col)",
         "a = gl.exp(gl.load(a_log + h))",
-        _gate(gate, lb, "f", "a", "gk"),
+        gl_gate(gate, lb, "f", "a", "gk"),
         "beta = _sigmoid(gl.load(xb + b * H + h).to(gl.float32))",
         f"qv = gl.convert_layout(qf * {fnum(scale)}, KV)",
         "kv = gl.convert_layout(kf, KV)",
@@ -199,4 +199,4 @@ def _emit_slices(w: SourceWriter, NS: int, BV: int, HD: int, fuse_out: bool, nor
             w.line(f"o{j} = o{j} * rinv * gl.load(nw + {j * BV} + rv) * "
                    f"_sigmoid(gl.load(xg + yb + {j * BV} + rv).to(gl.float32))")
     for j in range(NS):
-        w.line(f"gl.store(y + yb + {j * BV} + rv, {_cast(f'o{j}', ydt)})")
+        w.line(f"gl.store(y + yb + {j * BV} + rv, {gl_cast(f'o{j}', ydt)})")

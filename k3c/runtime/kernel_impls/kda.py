@@ -16,9 +16,10 @@ from dataclasses import replace
 
 import torch
 
-from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_inter, emit_kda_intra, emit_kda_out, emit_kda_prep,
+from ...codegen.kernels.kda import (DECODE_NORM_EPS, emit_kda_inter, emit_kda_intra, emit_kda_out,
                                     inter_dtype, kda_plan, prep_qkv_dtype, run_dot)
 from ...codegen.kernels.kda_decode_hopper import decode_kernel
+from ...codegen.kernels.kda_prep_hopper import prep_kernel
 from ...codegen.tiers import PORTABLE
 from ...codegen.writer import CodegenError
 from ...frontend.spec import KDASpec
@@ -31,7 +32,7 @@ from ..devices import TT_TO_TORCH, interpreted, torch_dtype, tt_dtype
 from ..launcher import Binding, launch, target_of, tier_fallback
 from .basic import gemm
 
-_emit_prep = functools.lru_cache(maxsize=128)(emit_kda_prep)
+_emit_prep = functools.lru_cache(maxsize=128)(prep_kernel)
 _emit_intra = functools.lru_cache(maxsize=128)(emit_kda_intra)
 _emit_inter = functools.lru_cache(maxsize=128)(emit_kda_inter)
 _emit_decode = functools.lru_cache(maxsize=128)(decode_kernel)
@@ -68,19 +69,20 @@ def _plan(head_dim: int, dtype: torch.dtype, tgt, chunk=None, block_v=None, dot=
 
 def kda_prep(xq, xk, xv, xf, xb, conv_w, a_log, dt_bias, tails, cu, *, num_heads: int, head_dim: int, gate: str,
              gate_lower_bound: float, l2norm_eps: float, max_len: int, qkv_dtype=torch.float32,
-             block_t: int | None = None, binding: Binding | None = None, ir_op: str = "kda_attn", loc: str = ""):
+             block_t: int | None = None, tier: str | None = None, binding: Binding | None = None,
+             ir_op: str = "kda_attn", loc: str = ""):
     """Projections [total, H*D] (xb [total, H]), conv_w (q, k, v) each [H*D, 1, KW] or [H*D, KW], tails (q, k, v) each
     [N, H*D, KW-1] or None (zeros). Returns ((qkv [total, 3HD] in qkv_dtype, g|beta [total, HD+H] fp32), new tails);
-    `unpack` gives the q, k, v, g, beta views. `block_t` (tokens per program) overrides the plan's, for benches and
-    tests."""
+    `unpack` gives the q, k, v, g, beta views. `block_t` (tokens per program) overrides the plan's and `tier`
+    ("hopper": kda_prep_hopper.py's Gluon kernel, opt-in) the portable kernel, for benches and tests."""
     H, D = num_heads, head_dim
     dt = xq.dtype
     total, N = xq.shape[0], cu.numel() - 1
     kw = conv_w[0].shape[-1]
     tgt = target_of(binding, xq.device)
     ks = _emit_prep(H, D, kw, gate=gate, gate_lower_bound=float(gate_lower_bound), l2norm_eps=float(l2norm_eps),
-                    target=tgt, dtype=tt_dtype(dt), qkv_dtype=tt_dtype(qkv_dtype), block_t=block_t, ir_op=ir_op,
-                    loc=loc, interpret=interpreted(xq))
+                    target=tgt, dtype=tt_dtype(dt), qkv_dtype=tt_dtype(qkv_dtype), block_t=block_t, tier=tier,
+                    ir_op=ir_op, loc=loc, interpret=interpreted(xq))
     if tails is None:
         z = torch.zeros(N, H * D, kw - 1, dtype=dt, device=xq.device)
         tails = (z, z, z)
