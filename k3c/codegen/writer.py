@@ -149,6 +149,30 @@ class SourceWriter:
         self.line("import triton.language as tl")
         self.blank()
 
+    def gluon_imports(self, *extra: str) -> None:
+        """A tier module's imports: gluon and its language as gl, then `extra` lines (arch modules)."""
+        self.line("from triton.experimental import gluon")
+        self.line("from triton.experimental.gluon import language as gl")
+        for line in extra:
+            self.line(line)
+
+    @contextmanager
+    def gluon_function(self, name: str, args: Iterable[str], constexprs: Iterable[str] = ()) -> Iterator[None]:
+        """Two blank lines, then `@gluon.jit def name(args..., C: gl.constexpr, ...):` one parameter a line, with
+        the body indented inside the block."""
+        self.blank()
+        self.blank()
+        self.line("@gluon.jit")
+        self.line(f"def {ident(name)}(")
+        with self.indent(2):
+            for a in args:
+                self.line(ident(a) + ",")
+            for c in constexprs:
+                self.line(f"{ident(c)}: gl.constexpr,")
+        self.line("):")
+        with self.indent():
+            yield
+
     @contextmanager
     def jit_function(self, name: str, args: Iterable[str], constexprs: Iterable[str] = ()) -> Iterator[None]:
         """`@triton.jit def name(args..., C: tl.constexpr, ...):` with the body indented inside the block."""

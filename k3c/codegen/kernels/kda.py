@@ -215,6 +215,24 @@ def _round_like(expr: str, dtype: str, interp: bool) -> str:
 
 
 # ---- prep -----------------------------------------------------------------------------------------------------
+def prep_signature(dtype: str, qkv_dtype: str) -> dict[str, str]:
+    """The prep kernel's arguments (emit_kda_prep's doc), for every tier's prep: one contract, one place."""
+    sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb", "wq", "wk", "wv")}
+    sig.update({"a_log": "*fp32", "dt_bias": "*fp32"})
+    sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
+    sig.update({"qkv": f"*{qkv_dtype}", "gb": "*fp32", "cu": "*i32", "N": "i32", "T_MAX": "i32"})
+    return sig
+
+
+def decode_signature(dtype: str, fuse_out: bool) -> dict[str, str]:
+    """The decode step's arguments (emit_kda_decode's doc), for every tier's decode; y is fp32 without fuse_out."""
+    sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb", *(("xg",) if fuse_out else ()), "wq", "wk", "wv")}
+    sig.update({"a_log": "*fp32", "dt_bias": "*fp32", **({"nw": "*fp32"} if fuse_out else {})})
+    sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
+    sig.update({"s_in": "*fp32", "s_out": "*fp32", "y": f"*{dtype if fuse_out else 'fp32'}", "B": "i32"})
+    return sig
+
+
 def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str, gate_lower_bound: float,
                   l2norm_eps: float, target: Target, dtype: str = "bf16", qkv_dtype: str = "fp32",
                   block_t: int | None = None, ir_op: str = "kda_prep", loc: str = "",
@@ -234,11 +252,7 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
     HD = H * D
     kname = ident(f"k3c_kda_prep_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}"
                   + ("" if qkv_dtype == "fp32" else f"_o{name_part(qkv_dtype)}") + f"_t{BT}")
-    sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb")}
-    sig.update({n: f"*{dtype}" for n in ("wq", "wk", "wv")})
-    sig.update({"a_log": "*fp32", "dt_bias": "*fp32"})
-    sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
-    sig.update({"qkv": f"*{qkv_dtype}", "gb": "*fp32", "cu": "*i32", "N": "i32", "T_MAX": "i32"})
+    sig = prep_signature(dtype, qkv_dtype)
     const = {"H": H, "D": D, "KW": KW, "BT": BT}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
@@ -713,10 +727,7 @@ def emit_kda_decode(num_heads: int, head_dim: int, conv_kernel: int, *, gate: st
     warps = p.decode_warps
     kname = ident(f"k3c_kda_decode_fwd_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}_bv{BV}_w{warps}"
                   + ("_split" if split else "") + ("" if fuse_out else "_noout"))
-    sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb", *(("xg",) if fuse_out else ()), "wq", "wk", "wv")}
-    sig.update({"a_log": "*fp32", "dt_bias": "*fp32", **({"nw": "*fp32"} if fuse_out else {})})
-    sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
-    sig.update({"s_in": "*fp32", "s_out": "*fp32", "y": f"*{ydt}", "B": "i32"})
+    sig = decode_signature(dtype, fuse_out)
     const = {"H": H, "D": D, "KW": KW, "BV": BV}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,

@@ -19,7 +19,7 @@ from ..targets import Target
 from ..tiers import tier_of
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
 from .common import check_dim, check_float
-from .kda import KDAPlan, _check_gate, _check_pow2, emit_kda_decode, kda_plan
+from .kda import KDAPlan, _check_gate, _check_pow2, decode_signature, emit_kda_decode, kda_plan
 
 HOPPER_ARCH = "sm_90"
 
@@ -30,6 +30,16 @@ def hopper_decode_supported(head_dim: int, block_v: int, warps: int, target: Tar
     return (target.backend == "cuda" and target.arch == HOPPER_ARCH and target.has_tier("hopper")
             and head_dim >= 32 and head_dim & (head_dim - 1) == 0 and block_v >= warps
             and block_v & (block_v - 1) == 0 and head_dim % block_v == 0 and warps & (warps - 1) == 0)
+
+
+def gl_module_head(w: SourceWriter) -> None:
+    """The imports of a KDA tier module and its _sigmoid helper (gl_gate's safe gate and the kernels call it)."""
+    w.gluon_imports()
+    w.blank()
+    w.blank()
+    w.line("@gluon.jit")
+    w.line("def _sigmoid(x):")
+    w.line("    return 1.0 / (1.0 + gl.exp(-x))")
 
 
 def gl_gate(gate: str, lb: float, x: str, a: str, out: str) -> str:
@@ -74,33 +84,14 @@ def emit_kda_decode_hopper(num_heads: int, head_dim: int, conv_kernel: int, *, g
     ydt = dtype if fuse_out else "fp32"
     kname = ident(f"k3c_kda_decode_hopper_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}_bv{BV}_w{NW}_lk{TK}"
                   + ("" if fuse_out else "_noout"))
-    sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb", *(("xg",) if fuse_out else ()), "wq", "wk", "wv")}
-    sig.update({"a_log": "*fp32", "dt_bias": "*fp32", **({"nw": "*fp32"} if fuse_out else {})})
-    sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
-    sig.update({"s_in": "*fp32", "s_out": "*fp32", "y": f"*{ydt}", "B": "i32"})
+    sig = decode_signature(dtype, fuse_out)
     const = {"H": H, "D": D, "KW": KW, "BV": BV}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"kda fused decode, Hopper tier (Gluon, sm_90a): H={H} D={D} conv={KW} gate={gate} x:{dtype} "
                     f"BV={BV} warps={NW} (lanes along K, warps along V) output norm x gate fused: {fuse_out}"])
-    w.line("from triton.experimental import gluon")
-    w.line("from triton.experimental.gluon import language as gl")
-    w.blank()
-    w.blank()
-    w.line("@gluon.jit")
-    w.line("def _sigmoid(x):")
-    w.line("    return 1.0 / (1.0 + gl.exp(-x))")
-    w.blank()
-    w.blank()
-    w.line("@gluon.jit")
-    w.line(f"def {kname}(")
-    with w.indent(2):
-        for a in sig:
-            w.line(ident(a) + ",")
-        for c in const:
-            w.line(f"{ident(c)}: gl.constexpr,")
-    w.line("):")
-    with w.indent():
+    gl_module_head(w)
+    with w.gluon_function(kname, sig, const):
         w.lines([
             f"SL: gl.constexpr = gl.BlockedLayout([D // {TK}, BV // {(32 // TK) * NW}], [{TK}, {32 // TK}], [1, {NW}], "
             "[1, 0])",

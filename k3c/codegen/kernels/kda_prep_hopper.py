@@ -17,8 +17,8 @@ from ..targets import Target
 from ..tiers import tier_of
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
 from .common import check_dim, check_float
-from .kda import PREP_BLOCK_T, _check_gate, _check_pow2, emit_kda_prep
-from .kda_decode_hopper import HOPPER_ARCH, gl_cast, gl_gate, gl_round
+from .kda import PREP_BLOCK_T, _check_gate, _check_pow2, emit_kda_prep, prep_signature
+from .kda_decode_hopper import HOPPER_ARCH, gl_cast, gl_gate, gl_module_head, gl_round
 
 
 def hopper_prep_supported(head_dim: int, block_t: int, conv_kernel: int, warps: int, target: Target) -> bool:
@@ -54,33 +54,14 @@ def emit_kda_prep_hopper(num_heads: int, head_dim: int, conv_kernel: int, *, gat
     HD, HALO, LD = H * D, _halo(KW), D // 8
     kname = ident(f"k3c_kda_prep_hopper_h{H}_d{D}_k{KW}_{gate}_{name_part(dtype)}"
                   + ("" if qkv_dtype == "fp32" else f"_o{name_part(qkv_dtype)}") + f"_t{BT}")
-    sig = {n: f"*{dtype}" for n in ("xq", "xk", "xv", "xf", "xb", "wq", "wk", "wv")}
-    sig.update({"a_log": "*fp32", "dt_bias": "*fp32"})
-    sig.update({n: f"*{dtype}" for n in ("tq_in", "tk_in", "tv_in", "tq_out", "tk_out", "tv_out")})
-    sig.update({"qkv": f"*{qkv_dtype}", "gb": "*fp32", "cu": "*i32", "N": "i32", "T_MAX": "i32"})
+    sig = prep_signature(dtype, qkv_dtype)
     const = {"H": H, "D": D, "KW": KW, "BT": BT}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"kda prep, Hopper tier (Gluon, sm_90a): H={H} D={D} conv={KW} gate={gate} x:{dtype} "
                     f"q/k/v out:{qkv_dtype} BT={BT} warps={NW} (conv windows from shared memory)"])
-    w.line("from triton.experimental import gluon")
-    w.line("from triton.experimental.gluon import language as gl")
-    w.blank()
-    w.blank()
-    w.line("@gluon.jit")
-    w.line("def _sigmoid(x):")
-    w.line("    return 1.0 / (1.0 + gl.exp(-x))")
-    w.blank()
-    w.blank()
-    w.line("@gluon.jit")
-    w.line(f"def {kname}(")
-    with w.indent(2):
-        for a in sig:
-            w.line(ident(a) + ",")
-        for c in const:
-            w.line(f"{ident(c)}: gl.constexpr,")
-    w.line("):")
-    with w.indent():
+    gl_module_head(w)
+    with w.gluon_function(kname, sig, const):
         w.lines([
             f"TL: gl.constexpr = gl.BlockedLayout([1, 8], [{32 // LD}, {LD}], [{NW}, 1], [1, 0])",
             "ROW: gl.constexpr = gl.SliceLayout(1, TL)",

@@ -97,21 +97,9 @@ def emit_mla_decode_hopper(kv_lora_rank: int, rope_dim: int, page_size: int, sca
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
              notes=[f"mla MQA split-KV decode, Hopper tier (Gluon, sm_90a): L={L} R={R} PS={PS} "
                     f"scale={fnum(scale)} {dt}", f"BLOCK_H={BLOCK_H} num_warps={NUM_WARPS} TMA pieces of {PIECE}"])
-    w.line("from triton.experimental import gluon")
-    w.line("from triton.experimental.gluon import language as gl")
-    w.line("from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, "
-           "warpgroup_mma, warpgroup_mma_wait")
-    w.blank()
-    w.blank()
-    w.line("@gluon.jit")
-    w.line(f"def {kname}(")
-    with w.indent(2):
-        for a in sig:
-            w.line(ident(a) + ",")
-        for c in cx:
-            w.line(f"{ident(c)}: gl.constexpr,")
-    w.line("):")
-    with w.indent():
+    w.gluon_imports("from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, "
+                    "tma, warpgroup_mma, warpgroup_mma_wait")
+    with w.gluon_function(kname, sig, cx):
         _emit_body(w, gdt, scale)
     w.blank()
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=cx,
