@@ -11,12 +11,14 @@ request at a time, not streamed). Localhost only; bounded by --timeout.
 
 --mixed: the engine in this process (no server), the workload chunked prefill is for: --streams sequences decode
 while --long prompts of --long-min to --long-max tokens (log-uniform) arrive every --arrive-ms; each configuration
-runs the same workload on the same graph; --compare runs the step budget off, then on (--max-step-tokens,
---itl-target-ms), in one invocation. Reports per configuration the inter-token latency p50/p90/p99 of every
-request's consecutive tokens after the first long prompt arrived (as the engine emitted them: no HTTP), TTFT
-p50/p90 of the long prompts (arrival to first token), total tokens/s (prompt and generated tokens the engine ran
-over the wall time) and generated tokens/s, peak GPU memory (torch.cuda.max_memory_allocated; None on a CPU), the
-most tokens one step ran, and how many decode calls replayed a captured CUDA graph.
+runs the same workload on the same graph; --compare runs the step budget off (the engine before it: whole prompts,
+one call per segment length), then on (--max-step-tokens, --itl-target-ms, packed steps: decode rows and chunks in
+one call), in one invocation; --split adds the budget with one call per segment length. Reports per configuration
+the inter-token latency p50/p90/p99 of every request's consecutive tokens after the first long prompt arrived (as
+the engine emitted them: no HTTP), TTFT p50/p90 of the long prompts (arrival to first token), total tokens/s (prompt
+and generated tokens the engine ran over the wall time) and generated tokens/s, peak GPU memory
+(torch.cuda.max_memory_allocated; None on a CPU), the most tokens one step ran, and how many decode calls replayed a
+captured CUDA graph.
 
     python bench/serve_load.py --mixed --spec examples/k3-wide.yaml --device cuda --streams 32 --long 16 \
         --compare --out bench/serve-mixed-h200.json
@@ -192,8 +194,10 @@ def run_mixed(make_engine, work: dict, *, long_new: int, stream_new: int, arrive
             "tokens_per_s": tokens / wall, "generated_tokens_per_s": sum(len(v) for v in stamps.values()) / wall,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "most_step_tokens": most, "steps": ran.get("steps", 0), "streams_ended_early": ended_early,
-            # decode calls that replayed a captured CUDA graph (the decode rows of a step with a chunk included)
+            # decode calls that replayed a captured CUDA graph (the decode rows of a step with a chunk included, when
+            # steps are not packed); mixed calls: packed steps (decode rows and chunks in one call)
             "decode_calls": ran.get("decode_calls", 0), "decode_graph_calls": ran.get("decode_graph_calls", 0),
+            "mixed_calls": ran.get("mixed_calls", 0),
             "long_prompt_tokens": [len(p) for p in work["long"]]}
 
 
@@ -226,28 +230,33 @@ def mixed_main(args) -> dict:
     pages = sum(-(-(len(p) + args.stream_new) // ps) + 1 for p in work["streams"]) + \
         sum(-(-(len(p) + args.long_new) // ps) + 1 for p in work["long"])
     batch = max(1, args.streams + args.long)
-    configs = [("off", None, None)] if args.compare else []
-    configs.append(("on", args.max_step_tokens, args.itl_target_ms))
+    # (name, budget, latency target, packed steps): "off" is the engine before the budget (whole prompts, a call per
+    # segment length); "split" the budget with a call per segment length; "on" the budget with packed steps
+    configs = [("off", None, None, False)] if args.compare else []
+    if args.split:
+        configs.append(("split", args.max_step_tokens, args.itl_target_ms, False))
+    configs.append(("on", args.max_step_tokens, args.itl_target_ms, True))
 
-    def engine(budget, target):
+    def engine(budget, target, packed):
         return lambda: Engine(model, w, device=args.device, max_batch=batch, max_context=max_ctx, num_pages=pages,
                               page_size=args.page_size, use_kernels=not args.no_kernels, graph=graph,
-                              kv_dtype=args.kv_dtype, max_step_tokens=budget, itl_target_ms=target)
+                              kv_dtype=args.kv_dtype, max_step_tokens=budget, itl_target_ms=target,
+                              packed_steps=packed)
 
     mixed = dict(long_new=args.long_new, stream_new=args.stream_new, warm_steps=args.warm_steps, device=args.device)
     if args.warmup:           # JIT and first launches off the clock: two long prompts of the shortest length
         warm = mixed_workload(spec.vocab_size, streams=min(args.streams, 2), stream_prompt=args.stream_prompt,
                               long=2, long_min=args.long_min, long_max=args.long_min, seed=args.seed + 1)
-        for _, budget, target in configs:
-            run_mixed(engine(budget, target), warm, arrive_s=0.0, **mixed)
+        for _, budget, target, packed in configs:
+            run_mixed(engine(budget, target, packed), warm, arrive_s=0.0, **mixed)
     print(f"{spec.name} on {args.device} ({str(dtype)[6:]}): {args.streams} streams decoding, {args.long} prompts of "
           f"{args.long_min}-{args.long_max} tokens every {args.arrive_ms:g} ms")
     print(f"{'budget':>14s} | {'ITL p50/p90/p99 ms':>22s} {'p99/p50':>7s} | {'TTFT long p50 ms':>16s} | "
           f"{'tok/s':>9s} {'gen tok/s':>9s} | {'peak GiB':>8s} {'max step':>8s}")
     out = {"spec": spec.name, "device": args.device, "dtype": str(dtype)[6:], "args": vars(args), "configs": {}}
-    for name, budget, target in configs:
+    for name, budget, target, packed in configs:
         try:
-            r = run_mixed(engine(budget, target), work, arrive_s=args.arrive_ms / 1e3, **mixed)
+            r = run_mixed(engine(budget, target, packed), work, arrive_s=args.arrive_ms / 1e3, **mixed)
         except torch.cuda.OutOfMemoryError as exc:     # the budget-off run of a large burst may not fit: say so
             out["configs"][name] = {"max_step_tokens": budget, "error": f"out of memory: {str(exc).splitlines()[0]}"}
             print(f"{name:>14s} | out of memory ({str(exc).splitlines()[0][:100]})", flush=True)
@@ -255,7 +264,8 @@ def mixed_main(args) -> dict:
             continue
         out["configs"][name] = r
         i = r["itl_ms"]
-        label = "off" if budget is None else f"{budget}" + (f" <{target:g}ms" if target else "")
+        label = "off" if budget is None else f"{budget}" + (f" <{target:g}ms" if target else "") + \
+            ("" if packed else " split")
         peak = f"{r['peak_gpu_bytes'] / 2**30:8.2f}" if r["peak_gpu_bytes"] is not None else f"{'-':>8s}"
         print(f"{label:>14s} | {i['p50']:6.1f} {i['p90']:7.1f} {i['p99']:7.1f} {r['itl_p99_over_p50'] or 0:7.2f} | "
               f"{r['ttft_long_ms']['p50']:16.1f} | {r['tokens_per_s']:9.0f} {r['generated_tokens_per_s']:9.1f} | "
@@ -290,6 +300,8 @@ def _mixed_args(ap) -> None:
     m.add_argument("--max-step-tokens", type=int, default=2048, help="the budget of the 'on' configuration")
     m.add_argument("--itl-target-ms", type=float, help="its latency target (default none)")
     m.add_argument("--compare", action="store_true", help="run the budget off first, then on, same workload")
+    m.add_argument("--split", action="store_true",
+                   help="also the budget with one call per segment length (packed_steps=False) before 'on'")
     m.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="an untimed short pass of each configuration first (default on)")
     m.add_argument("--seed", type=int, default=0)

@@ -67,7 +67,7 @@ part() {
     serve) run constrained 240 python3 bench/constrained_decode.py --device cuda --models wide --batch 32 \
                --new-tokens 64 --repeats 3 --out "$OUT/constrained-wide.json"
            run mixed 300 python3 bench/serve_load.py --mixed --spec examples/k3-wide.yaml --device cuda \
-               --streams 32 --long 16 --compare --out "$OUT/serve-mixed.json" ;;
+               --streams 32 --long 16 --compare --split --out "$OUT/serve-mixed.json" ;;
     rooms) run rooms-serve 300 bash .before55/ab.sh serve ;;
     *) echo "unknown part $1 (tests kda inter moe stack serve rooms; prepare here)" >&2; return 2 ;;
     esac

@@ -62,7 +62,7 @@ KDA_ATTN = OpDef("kda_attn", fixed_roles("q", "k", "v", "f", "b", params=ATTN_PA
     "chunk": AttrSpec("int", doc="tokens per chunk step of the prefill kernel (sub-chunk of the target's chunk)"),
     "block_v": AttrSpec("int", doc="V columns per prefill program"),
     "dot": AttrSpec("str", choices=("ieee", "tf32", "bf16"), doc="matmul precision of the prefill kernel"),
-}, _infer_attn, _check_attn, pure=False,
+}, _infer_attn, _check_attn, pure=False, sequence_state=True,
     doc="KDA core (stateful: reads and writes the layer's KDAState): prep + chunked prefill / fused decode")
 
 

@@ -78,7 +78,7 @@ KDA = OpDef("kda", kda_roles, {
     "output_gate": AttrSpec("str", choices=("low_rank", "full_rank")),
     "norm_eps": AttrSpec("float", doc="per-head output RMSNorm eps"),
     "l2norm_eps": AttrSpec("float", doc="q/k L2 norm eps, inside the sqrt"),
-}, _infer_kda, _check_kda, doc="Kimi Delta Attention sublayer, prefill (K3.md section 2)")
+}, _infer_kda, _check_kda, sequence_state=True, doc="Kimi Delta Attention sublayer, prefill (K3.md section 2)")
 
 
 # ---- MLA -------------------------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ MLA_ATTRS = {   # shared with the kernel-level mla_absorbed op (mla_ops.py)
     "lora_norm_eps": AttrSpec("float", doc="eps of the q_a / kv_a RMSNorms"),
     "causal": AttrSpec("bool"),
 }
-MLA = OpDef("mla", mla_roles, MLA_ATTRS, _infer_mla, _check_mla,
+MLA = OpDef("mla", mla_roles, MLA_ATTRS, _infer_mla, _check_mla, sequence_state=True,
             doc="gated multi-head latent attention sublayer, prefill / MHA form (K3.md section 3)")
 
 

@@ -74,7 +74,7 @@ MLA_ABSORBED = OpDef("mla_absorbed", absorbed_roles, {
     "mode": AttrSpec("str", choices=("auto", "mha", "mqa"),
                      doc="auto: the cost model picks per call from (new, cached) tokens on the device's target"),
     "prefill_chunk": AttrSpec("int", doc="MHA mode: context tokens whose K/V are expanded at once"),
-}, _infer_absorbed, _check_absorbed, pure=False,
+}, _infer_absorbed, _check_absorbed, pure=False, sequence_state=True,
     doc="MLA sublayer over its layer's paged latent cache, absorbed (MQA) or expanded (MHA) per call")
 
 OP_DEFS = (MLA_KVB_SPLIT, MLA_ABSORBED)

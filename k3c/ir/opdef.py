@@ -87,6 +87,9 @@ class OpDef:
     pure: bool = True                      # CSE may merge two identical ops
     keep: bool = False                     # never dead (model inputs): DCE keeps it, the verifier allows it unused
     weight_transform: bool = False         # over weights only: evaluated once when weights load (impl "extern")
+    sequence_state: bool = False           # reads and writes its layer's per-sequence cache entry (KDA state, MLA
+    #                                        latents): a packed call of unequal segments runs it per group of equal
+    #                                        lengths (runtime/caches/packed.py)
     doc: str = ""
 
     def all_attrs(self) -> dict[str, AttrSpec]:

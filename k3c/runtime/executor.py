@@ -11,6 +11,7 @@ k3c.runtime.distributed) with kernel_impls.TORCH_IMPLS (the kernel families' ops
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from . import distributed, kernel_impls, routing_replay
 from .caches import kda_rollback
 from .kernel_impls import mxfp4_linear
 from .caches.context import CallContext
+from .caches.packed import GroupedEntry, aligned, entry_rows
 from .launcher import Binding
 
 
@@ -198,13 +200,40 @@ def _implementation(op, use_kernels: bool) -> Callable:
 def _last_rows_when_asked(impl: Callable) -> Callable:
     """An lm_head implementation that projects only each row's last position when the call's context says so
     (CallContext.last_logits_only): a prefill of n tokens needs one row of logits, not n ([n, vocab] is most of a
-    long prefill's activation memory)."""
+    long prefill's activation memory). In a packed call the rows' last positions: logits [1, rows, V]."""
     def lm_head(a, cache, data, w):
         x = data[0]
         if cache is not None and cache.ctx.last_logits_only and x.dim() == 3 and x.shape[1] > 1:
-            data = (x[:, -1:].contiguous(),) + tuple(data[1:])
+            if cache.ctx.groups:
+                last = torch.cat([torch.arange(g.token + g.length - 1, g.token + g.tokens, g.length)
+                                  for g in cache.ctx.groups]).to(x.device)
+                data = (x[:, last],) + tuple(data[1:])
+            else:
+                data = (x[:, -1:].contiguous(),) + tuple(data[1:])
         return impl(a, cache, data, w)
     return lm_head
+
+
+def _per_segment_group(impl: Callable) -> Callable:
+    """An implementation of an op with per-sequence state (OpDef.sequence_state) that, in a packed call, runs once
+    per group of equal segment lengths on [rows, length] views of the packed tokens and its rows of the layer's
+    cache entry, with the group's MLA modes; the layer's entry becomes a GroupedEntry (caches/packed.py)."""
+    def op(a, cache, data, w):
+        groups = None if cache is None else cache.ctx.groups
+        if not groups:
+            return impl(a, cache, data, w)
+        layer = a["layer"]
+        entry = cache.layers[layer]
+        outs, parts = [], []
+        for g in groups:
+            sub = LayerCaches(len(cache.layers), dataclasses.replace(cache.ctx, groups=None, mla_modes=g.mla_modes))
+            sub.layers[layer] = entry_rows(entry, g.row, g.row + g.rows)
+            rows = tuple(aligned(x[0, g.token:g.token + g.tokens].unflatten(0, (g.rows, g.length))) for x in data)
+            outs.append(impl(a, sub, rows, w).flatten(0, 1))
+            parts.append(sub.layers[layer])
+        cache.layers[layer] = GroupedEntry(tuple(parts), groups)
+        return torch.cat(outs)[None]
+    return op
 
 
 def _inputs(op, value_of: Callable) -> tuple[tuple, dict]:
@@ -252,6 +281,8 @@ def build_graph_module(module: Module, weights: dict[str, torch.Tensor], *, use_
         impl = _implementation(op, use_kernels)
         if op.op == "lm_head":
             impl = _last_rows_when_asked(impl)
+        if get_op_def(op.op).sequence_state:
+            impl = _per_segment_group(impl)
         if _is_weight_transform(op) and all(v in folded for v in op.inputs):
             # evaluated once here, when the weights load, and held as buffers: no per-call cost
             fdata, fparams = _inputs(op, folded.__getitem__)

@@ -89,20 +89,46 @@ def test_chunks_across_prefix_checkpoints_and_a_resumed_prompt(tiny, graph, one_
         assert not eng.seqs and pc.stats["hits"] == 1
 
 
-def test_decoding_rows_and_chunks_share_steps_and_calls(tiny, graph, one_thread):
+@pytest.mark.parametrize("packed", [True, False])
+def test_decoding_rows_and_chunks_share_steps_and_calls(tiny, graph, one_thread, packed):
     """Two requests decode while two longer prompts arrive; with a budget of 4 every step runs the decoding rows
-    and a chunk; with a budget of (decoding rows + 1) the chunks are one token and share the decode call."""
+    and a chunk, in one packed call (packed_steps) or one call per segment length; with a budget of (decoding rows
+    + 1) the chunks are one token and share the decode call."""
     spec = tiny[0]
     ps = prompts(spec, (5, 6, PROMPT_LEN, 17), seed=5)
     joins = {0: 0, 1: 0, 2: 3, 3: 4}
     new = 8
-    whole, _ = serve(engine(tiny, graph, max_batch=4), ps, new, joins)
+    whole, _ = serve(engine(tiny, graph, max_batch=4, packed_steps=False), ps, new, joins)
     for budget in (4, 7, 3):
-        eng = engine(tiny, graph, max_batch=4, max_step_tokens=budget)
+        eng = engine(tiny, graph, max_batch=4, max_step_tokens=budget, packed_steps=packed)
         got, plans = serve(eng, ps, new, joins)
         assert_same(got, whole)
         mixed = [(d, p) for d, p in plans if d and p]
         assert mixed and all(p <= max(budget - d, min(PREFILL_FLOOR, budget)) for d, p in plans)
+        calls = sum(eng.stats[f"{k}_calls"] for k in ("decode", "prefill", "mixed"))
+        if packed:      # one call a step; a step is mixed when its rows' lengths differ
+            assert calls == sum(1 for d, p in plans if d + p) and eng.stats["mixed_calls"] > 0
+        else:
+            assert calls > sum(1 for d, p in plans if d + p) and eng.stats["mixed_calls"] == 0
+
+
+def test_a_packed_call_equals_its_rows_run_apart(tiny, graph, one_thread):
+    """Rows of unequal lengths (fresh prompts, a resumed prompt, a decode row) in one packed call through extend():
+    each row's logits and the states it leaves equal those of the rows run one call per length (fp32)."""
+    spec = tiny[0]
+    ps = prompts(spec, (9, 4, 13, 6, 1), seed=8)
+    out = {}
+    for packed in (True, False):
+        eng = engine(tiny, graph, max_batch=5, packed_steps=packed)
+        rids = [eng.open() for _ in ps]
+        eng.extend(rids[2:4], [ps[2][:5], ps[3][:5]])      # two rows with cached context
+        eng.extend(rids[4:], [ps[4]])
+        first = eng.extend(rids, [ps[0], ps[1], ps[2][5:], ps[3][5:], ps[1][:1]])
+        again = eng.extend(rids, [[7]] * len(rids))         # the states and pages each row left
+        out[packed] = (first, again, eng.stats["mixed_calls"])
+    assert out[True][2] == 1 and out[False][2] == 0
+    for got, want in zip(out[True][0] + out[True][1], out[False][0] + out[False][1]):
+        assert got.shape == want.shape and rel(got, want) <= 2e-5
 
 
 def test_one_token_chunks_share_the_decode_call(tiny, graph, one_thread):

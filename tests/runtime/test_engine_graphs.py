@@ -24,9 +24,10 @@ def four_layer_tiny():
     return parse_spec_text(text.replace("count: 8\n", "count: 4\n"), TINY)
 
 
-def run(model, w, graphs: bool, prompts, news, joins, max_graphs: int = 4):
+def run(model, w, graphs: bool, prompts, news, joins, max_graphs: int = 4, packed: bool = True):
     eng = Engine(model, w, device="cpu", max_batch=3, max_context=48, page_size=8, use_kernels=True,
-                 cuda_graphs=graphs, graph_backend=EagerBackend() if graphs else None, max_graphs=max_graphs)
+                 cuda_graphs=graphs, graph_backend=EagerBackend() if graphs else None, max_graphs=max_graphs,
+                 packed_steps=packed)
     return drive(eng, prompts, news, joins, 30)
 
 
@@ -46,7 +47,7 @@ def drive(eng, prompts, news, joins, max_steps: int):
 
 
 PROMPT_LENS, NEWS, JOINS = (11, 17, 9), (8, 3, 6), {0: [0], 3: [1], 6: [2]}
-# the engine's calls: decode B=1 x3, prefill, B=2 x2, B=1 (request 1 left), prefill, B=2, B=1 x4
+# the engine's calls (steps not packed): decode B=1 x3, prefill, B=2 x2, B=1 (request 1 left), prefill, B=2, B=1 x4
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def case():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _, without = run(model, w, False, prompts, NEWS, JOINS)
+        _, without = run(model, w, False, prompts, NEWS, JOINS, packed=False)
     finally:
         torch.set_num_threads(before)
     return model, w, prompts, without
@@ -74,7 +75,7 @@ def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case
     graph, beside a padding row (the scratch page, length 0), and the third request joins it in the free row: the
     same tokens and logits."""
     model, w, prompts, without = case
-    eng, with_graphs = run(model, w, True, prompts, NEWS, JOINS, max_graphs)
+    eng, with_graphs = run(model, w, True, prompts, NEWS, JOINS, max_graphs, packed=False)
     assert eng.stats["padded_graph_rows"] == 5
     assert eng.stats["graph_slot_gathers"] == gathers and eng.stats["graph_slot_joins"] == 1
     assert eng.stats["decode_graph_calls"] > 0
@@ -83,6 +84,20 @@ def test_graph_decode_equals_eager_decode_with_joins_and_leaves(one_thread, case
     assert eng.stats["decode_graphs_created"] == created
     assert eng.stats["decode_calls"] > eng.stats["decode_graph_calls"]    # each new size's first step is eager
     for a, b in zip(with_graphs, without):
+        assert [o.token for o in a] == [o.token for o in b]
+        assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5
+
+
+@pytest.mark.slow
+def test_packed_steps_beside_graph_decode(one_thread, case):
+    """Steps packed: a joining prompt's prefill and the decoding rows run in one eager call (the rows leave their
+    graph slots for it, their new states are the packed call's, gathered back into a graph's slots by the next
+    decode-only step): the tokens and logits of the ordinary decode."""
+    model, w, prompts, without = case
+    eng, got = run(model, w, True, prompts, NEWS, JOINS, packed=True)
+    assert eng.stats["mixed_calls"] == 2 and eng.stats["prefill_calls"] == 1      # the first prompt ran alone
+    assert eng.stats["decode_graph_calls"] > 0
+    for a, b in zip(got, without):
         assert [o.token for o in a] == [o.token for o in b]
         assert rel(torch.stack([o.logits for o in a]), torch.stack([o.logits for o in b])) <= 1e-5
 
@@ -107,16 +122,16 @@ def test_graphs_off_by_default_and_skipped_without_capture():
 
 @pytest.mark.slow
 def test_a_request_joining_takes_a_free_row_in_place(one_thread, case):
-    """Three requests start together and the first finishes early: the two left run on in rows 1 and 2 of the B=3
-    graph's KDA slots beside a padding row (no copy of their states: the one gather is the batch's first graph
-    step). Then a fourth takes the free row (a busy server): its states are copied into it, the others stay where
-    they are. The tokens and logits of the ordinary decode throughout."""
+    """Steps not packed. Three requests start together and the first finishes early: the two left run on in rows 1
+    and 2 of the B=3 graph's KDA slots beside a padding row (no copy of their states: the one gather is the batch's
+    first graph step). Then a fourth takes the free row (a busy server): its states are copied into it, the others
+    stay where they are. The tokens and logits of the ordinary decode throughout."""
     model, w, prompts, _ = case
     prompts = list(prompts) + [prompts[0][::-1]]
     news, joins = (4, 12, 12, 5), {0: [0, 1, 2], 6: [3]}
-    _, without = run(model, w, False, prompts, news, joins)
-    eng, with_graphs = run(model, w, True, prompts, news, joins)
-    assert eng.stats["graph_slot_gathers"] == 1 and eng.stats["graph_slot_joins"] == 1
+    _, without = run(model, w, False, prompts, news, joins, packed=False)
+    eng, with_graphs = run(model, w, True, prompts, news, joins, packed=False)   # packed, the join's step would
+    assert eng.stats["graph_slot_gathers"] == 1 and eng.stats["graph_slot_joins"] == 1   # be one eager call
     assert eng.stats["padded_graph_rows"] > 0 and set(eng.graph_pool.graphs) == {(3, 1)}
     for a, b in zip(with_graphs, without):
         assert [o.token for o in a] == [o.token for o in b]

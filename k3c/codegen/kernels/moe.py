@@ -170,9 +170,10 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
                  block_k: int | None, num_warps: int | None, num_stages: int | None,
                  one_mul: bool | None) -> MoEGemmPlan:
     """The Hopper form's one plan over rows per expert (moe_hopper; the weights' layout, chosen by the target at
-    weight preparation, leaves no other form): BLOCK_M = the rows' bucket (16..128), 128-K steps, 4 warps at 16-row
-    tiles, 8 (two warpgroups over the weight rows) above, 128 weight rows per operand for gate_up (gate + up: 256 rows, as matmul_ogs'
-    w13 tile; 64 at 128 rows per expert) and 256 for down, stages to fill shared memory (at most 4)."""
+    weight preparation, leaves no other form): BLOCK_M = the rows' bucket (16..128; gate_up at most 64), 128-K
+    steps, 4 warps at 16-row tiles, 8 (two warpgroups over the weight rows) above, 128 weight rows per operand for
+    gate_up (gate + up: 256 rows, as matmul_ogs' w13 tile; 256 at 64 rows per expert) and 256 for down, stages to
+    fill shared memory (at most 4)."""
     if dtype not in ("bf16", "fp32"):
         raise CodegenError(f"the hopper form takes bf16 (or fp32: the portable decode, fp32 dots) activations, got "
                            f"{dtype}")
@@ -181,8 +182,17 @@ def _hopper_plan(kind: str, n: int, k: int, rows: int, dtype: str, target: Targe
                            f"K {k}")
     bm = row_bucket(rows)
     n_b = 2 if kind == "gate_up" else 1
-    # gate_up at 128 rows: 64 per weight (2 x [64, 128] fp32 accumulators; at 128 the tile spills on sm_90)
-    bn = block_n or min(256 // n_b // (2 if n_b == 2 and bm >= 128 else 1), max(HOPPER_ROWS, pow2_ceil(n)))
+    if n_b == 2 and bm >= 64 and dtype == "bf16":
+        # gate_up from 64 rows per expert: 64-row tiles, 2 x 256 weight rows at 64 rows per expert, 2 x 128 above
+        # (a 128-row tile splits its 8 warps 4 x 2 over 2 x 64 weight rows, decoding each weight twice). H100,
+        # bench/moe.py --sweep, E=128: 512 tokens 2063 us against 2529 (m64 n128), 4096 tokens 13207 against
+        # 15343 (m128 n64); docs/perf.md issue 54
+        bn_default = 256 if bm == 64 else 128
+        bm = 64
+    else:
+        # gate_up at 128 rows: 64 per weight (2 x [64, 128] fp32 accumulators; at 128 the tile spills on sm_90)
+        bn_default = 256 // n_b // (2 if n_b == 2 and bm >= 128 else 1)
+    bn = block_n or min(bn_default, max(HOPPER_ROWS, pow2_ceil(n)))
     bk = _divisor_block(k, block_k or 128, HOPPER_K)
     if dtype == "fp32" and target.backend != "cpu":     # fp32 runs (checks, not speed): FMA dots, small tiles
         bn, bk = block_n or min(bn, 16 if n_b == 2 else 32), _divisor_block(k, block_k or HOPPER_K, HOPPER_K)

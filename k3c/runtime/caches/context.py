@@ -24,6 +24,8 @@ class CallContext:
     kda_token_buffers: dict = field(default_factory=dict)  # static per-token buffers to trace into (a CUDA graph's)
     last_logits_only: bool = False              # lm_head on each row's last position only (logits [B, 1, V]): a
     #                                             prefill whose prompt-position logits nobody asked for
+    groups: tuple | None = None                 # a packed call (input ids [1, N]): its rows' SegmentGroups
+    #                                             (caches/packed.py); None: rows of equal length, ids [B, T]
 
     @property
     def traced(self) -> bool:
@@ -33,7 +35,7 @@ class CallContext:
     def next_call(self) -> "CallContext":
         """The context of the caller's next call: the same binding and cache format, nothing this call chose or
         wrote."""
-        return dataclasses.replace(self, mla_modes=None, modes={}, kda_trace=None, kda_token_buffers={})
+        return dataclasses.replace(self, mla_modes=None, modes={}, kda_trace=None, kda_token_buffers={}, groups=None)
 
 
 def call_binding(cache) -> Binding | None:

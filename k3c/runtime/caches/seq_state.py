@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...frontend.spec import KDASpec
-from ...reference.kda import KDAState, kda_zero_state
+from ...reference.kda import KDAState
 
 RowRef = tuple[KDAState, int]
 
@@ -64,7 +63,7 @@ def clone_row(ref: RowRef) -> KDAState:
     return KDAState(st.state.clone(), tuple(t.clone() for t in st.conv))
 
 
-def gather_kda(refs: list[RowRef | None], cfg: KDASpec, dtype: torch.dtype, device) -> KDAState | None:
+def gather_kda(refs: list[RowRef | None]) -> KDAState | None:
     """The batch state of these rows; None when every sequence is fresh (the op starts from zeros)."""
     if all(r is None for r in refs):
         return None
@@ -82,7 +81,11 @@ def gather_kda(refs: list[RowRef | None], cfg: KDASpec, dtype: torch.dtype, devi
             last[2] += 1
         else:
             runs.append([src, i, i + 1])
-    parts = [kda_zero_state(cfg, stop - start, dtype, device) if src is None
+    # a fresh row's zeros take their shape from a state of the call (a sharded model's states hold its rank's heads,
+    # not the spec's)
+    like = next(src for src, _, _ in runs if src is not None)
+    parts = [KDAState(like.state.new_zeros((stop - start,) + like.state.shape[1:]),
+                      tuple(t.new_zeros((stop - start,) + t.shape[1:]) for t in like.conv)) if src is None
              else KDAState(src.state[start:stop], tuple(t[start:stop] for t in src.conv))
              for src, start, stop in runs]
     if len(parts) == 1:

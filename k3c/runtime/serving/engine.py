@@ -11,13 +11,14 @@ on top of what running requests may still claim, so a step never runs out of pag
 its next segment (its last generated token, or the rest of its prompt cut at prefix-cache checkpoint boundaries,
 `prefill_chunk` and the step token budget: `max_step_tokens` bounds a step's tokens, decoding rows first, prompts
 taking chunks of the rest in admission order; `itl_target_ms` further limits the prompt tokens of a step beside
-decoding rows to what measured costs say fits the inter-token latency target: scheduler.StepBudget), one graph
-call per group of equal segment length, and samples (runtime/sampling.py: greedy by
-default; a request with a temperature draws from its own seeded generator). A prompt chunk resumes from the
-state its previous chunk left (KDA states and conv tails per row, MLA latent rows in its pages), so chunked and
-whole prefill compute the same thing; only each prompt's last position goes through lm_head in a step. Sequences of different
-lengths share a call: MLA reads each one's pages and length from the block table, KDA states are per row, and the
-MLA mode (MHA / MQA) is chosen per call from the cost model over all of them (runner.batch_mla_mode).
+decoding rows to what measured costs say fits the inter-token latency target: scheduler.StepBudget), runs them in
+one graph call (rows of unequal lengths packed: decode rows and prompt chunks together, `packed_steps`; a
+decode-only step replays its CUDA graph), and samples (runtime/sampling.py: greedy by default; a request with a
+temperature draws from its own seeded generator). A prompt chunk resumes from the state its previous chunk left (KDA
+states and conv tails per row, MLA latent rows in its pages), so chunked and whole prefill compute the same thing;
+only each prompt's last position goes through lm_head in a step. Sequences of different lengths share a call: MLA
+reads each one's pages and length from the block table, KDA states are per row, and the MLA mode (MHA / MQA) is
+chosen per group of equal segment length from the cost model over all of them (runner.batch_mla_mode).
 
 Lower level (what Session-like callers and tests drive): `open()` a sequence, `extend(rids, segments)` appends
 segments and returns their logits; running out of pages there raises CacheFullError before anything changes.
@@ -58,7 +59,8 @@ class Engine:
                  use_kernels: bool = True, prefix_cache=None, prefill_chunk: int | None = None, graph=None,
                  cuda_graphs: bool | None = None, graph_backend=None, max_graphs: int = 4,
                  kernel_policy: str = "artifact", kv_dtype: str = "auto", admission: str = "reserve",
-                 speculation=None, max_step_tokens: int | None = None, itl_target_ms: float | None = None):
+                 speculation=None, max_step_tokens: int | None = None, itl_target_ms: float | None = None,
+                 packed_steps: bool = True):
         spec = compiled.spec
         if any(op.op == "mla" for op in compiled.module.ops):
             raise ArgumentError("the serving engine needs the paged MLA cache: compile with the mla-absorb pass "
@@ -75,7 +77,7 @@ class Engine:
         self.max_context = max_context or spec.max_context
         self.use_kernels = use_kernels
         self.prefill_chunk = prefill_chunk
-        self.max_step_tokens, self.itl_target_ms = max_step_tokens, itl_target_ms
+        self.max_step_tokens, self.itl_target_ms, self.packed_steps = max_step_tokens, itl_target_ms, packed_steps
         self.dtype = weights["embed_tokens.weight"].dtype
         self.kv = kv_format(kv_dtype)                          # the MLA cache's format (latent_format.KVFormat)
         self.kv_pool_dtype = self.kv.pool_dtype(self.dtype)     # the page pool's rows
@@ -124,7 +126,7 @@ class Engine:
                                     max_graphs=self.max_graphs, backend=graph_backend, stats=self.stats)
         self.runner = Runner(self.compiled, self.graph, self.ledger, self.graph_pool, target=self.target,
                              kv=self.kv, dtype=self.dtype, device=self.device, max_batch=self.max_batch,
-                             cuda_graphs=self.cuda_graphs, stats=self.stats)
+                             cuda_graphs=self.cuda_graphs, stats=self.stats, packed=self.packed_steps)
         self.speculation = speculation              # runtime/speculative.py Speculation, or None
         self.speculator = None if speculation is None else Speculator(
             speculation, scheduler=self.scheduler, ledger=self.ledger, runner=self.runner, seqs=self.seqs,

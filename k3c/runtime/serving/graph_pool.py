@@ -269,7 +269,7 @@ class GraphPool:
             def put(d, src):
                 d.index_copy_(0, rows, src)
         for i in self.kda_layers:
-            g = gather_kda([s.kda.get(i) for s in seqs], self.spec.kda, self.dtype, self.device)
+            g = gather_kda([s.kda.get(i) for s in seqs])
             slot = dg.kda[i]
             if g is None:                      # no state yet: zeros
                 for d in (slot.state, *slot.conv):
