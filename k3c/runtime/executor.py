@@ -205,8 +205,9 @@ def _last_rows_when_asked(impl: Callable) -> Callable:
         x = data[0]
         if cache is not None and cache.ctx.last_logits_only and x.dim() == 3 and x.shape[1] > 1:
             if cache.ctx.groups:
-                last = torch.cat([torch.arange(g.token + g.length - 1, g.token + g.tokens, g.length)
-                                  for g in cache.ctx.groups]).to(x.device)
+                # made on the device: a host tensor's copy would wait for the launched layers (no overlap)
+                last = torch.cat([torch.arange(g.token + g.length - 1, g.token + g.tokens, g.length, device=x.device)
+                                  for g in cache.ctx.groups])
                 data = (x[:, last],) + tuple(data[1:])
             else:
                 data = (x[:, -1:].contiguous(),) + tuple(data[1:])
