@@ -735,8 +735,10 @@ def emit_moe_gemm(kind: str, n: int, k: int, *, target: Target, plan: MoEGemmPla
 
 # -- the parts emit_moe_gemm composes ---------------------------------------------------------------------------
 def gemm_kernel_name(g: GroupedGemm) -> str:
-    """The descriptive kernel name: kind, activation, shapes, dtype, BLOCK_M, weight format and form."""
-    tags = ["k3c_moe", g.kind, f"n{g.N}", f"k{g.K}", name_part(g.dt), f"m{g.plan.block_m}"]
+    """The descriptive kernel name: kind, activation, shapes, dtype, BLOCK_M (the hopper form: and its weight rows
+    per operand, which differ between plans of one BLOCK_M), weight format and form."""
+    tags = ["k3c_moe", g.kind, f"n{g.N}", f"k{g.K}", name_part(g.dt),
+            f"m{g.plan.block_m}" + (f"r{g.plan.block_n}" if g.hopper else "")]
     if g.routed:
         tags.insert(3, f"e{g.E}")
     if g.mx != "none":
