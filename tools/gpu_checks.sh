@@ -15,6 +15,7 @@
 #   stack   bench/stack.py from the k3-wide h100 artifact          (.art/k3-wide-h100 .peers/stack_carry)
 #   serve   constrained decode (k3-wide) and the mixed serve load  (.whl .peers/stack_carry)
 #   rooms   the serve-load before/after of issue 55                (.whl .before55 .peers/stack_carry)
+#   rooms2  its agentic-load and speculative before/after           (.whl .before55 .peers/stack_carry)
 # .peers/stack_carry: bench/stack.py's docstring; .whl: the serving wheels (docs/perf.md, issue 55 section);
 # .before55: `git archive d19ba20 | tar -x -C .before55` plus its ab.sh (docs/perf.md, the rooms before/after).
 set -o pipefail
@@ -69,7 +70,9 @@ part() {
            run mixed 300 python3 bench/serve_load.py --mixed --spec examples/k3-wide.yaml --device cuda \
                --streams 32 --long 16 --compare --split --out "$OUT/serve-mixed.json" ;;
     rooms) run rooms-serve 300 bash .before55/ab.sh serve ;;
-    *) echo "unknown part $1 (tests kda inter moe stack serve rooms; prepare here)" >&2; return 2 ;;
+    rooms2) run rooms-agentic 250 bash .before55/ab.sh agentic
+            run rooms-spec 300 bash .before55/ab.sh spec ;;
+    *) echo "unknown part $1 (tests kda inter moe stack serve rooms rooms2; prepare here)" >&2; return 2 ;;
     esac
 }
 
