@@ -95,6 +95,39 @@ def test_chunk_state_handover_equals_one_segment():
     assert rel_err(torch.cat([o1, o2]), o) <= 1e-5 and rel_err(s2, s) <= 1e-5
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_checkpoint_states_inside_a_prefill(chunk):
+    """States exported at chunk boundaries inside each sequence of one varlen prefill (two, one or none per
+    sequence; one at a sequence's end): the recurrence's state after those tokens, with the outputs and final
+    states of the prefill without checkpoints."""
+    lengths = [70, 40, 33, 16]
+    h, d = 2, 32
+    q, k, v, g, beta, s0 = scan_inputs(sum(lengths), h, d, "safe", seed=31, n_seq=len(lengths))
+    cu = cu_seqlens(lengths, "cpu")
+    want_ck = [[chunk, 2 * chunk], [chunk, -1], [-1, -1], [16 if chunk == 16 else -1, -1]]
+    ck = torch.tensor(want_ck, dtype=torch.int32)
+    o, (s, sk) = kda_chunk(q, k, v, g, beta, cu, s0, chunk=chunk, checkpoints=ck)
+    o_plain, s_plain = kda_chunk(q, k, v, g, beta, cu, s0, chunk=chunk)
+    assert torch.equal(o, o_plain) and torch.equal(s, s_plain)
+    assert sk.shape == (len(lengths), 2, h, d, d)
+    starts = [0] + list(torch.tensor(lengths).cumsum(0)[:-1].tolist())
+    for i, (b, n) in enumerate(zip(starts, lengths)):
+        for j, at in enumerate(want_ck[i]):
+            if at < 0:
+                continue
+            sl = slice(b, b + at)
+            _, ref = kda_recurrent(q[sl][None], k[sl][None], v[sl][None], g[sl][None], beta[sl][None],
+                                   initial_state=s0[i:i + 1])
+            assert rel_err(sk[i, j], ref[0]) <= 1e-5, (i, j, at)
+    with pytest.raises(CodegenError, match="int32"):
+        kda_chunk(q, k, v, g, beta, cu, s0, checkpoints=ck.long())
+    with pytest.raises(CodegenError, match="checkpoints per sequence"):
+        emit_kda_inter(h, d, target=get_target("h100"), checkpoints=3)
+    with pytest.raises(CodegenError, match="portable tier only"):
+        emit_kda_inter(128, 128, target=get_target("h100"), checkpoints=1,
+                       plan=kda_plan(128, "bf16", get_target("h100"), inter_tier="hopper"))
+
+
 # ---- prep ---------------------------------------------------------------------------------------------------
 def prep_inputs(total, h, d, kw, dtype, seed, n_seq):
     x = [rnd(total, h * d, seed=seed + i).to(dtype) for i in range(4)]

@@ -45,6 +45,7 @@ EXP_CLAMP = 80.0          # |exponent| cap of the anchored intra-chunk factors (
 SUB = 16                  # tokens per intra-chunk sub-chunk: the unit of the anchored decays and of the inverse
 # tokens per prep program on GPUs: 32 beat 16 by 1.24x and 64 by 1.04x at B=1 T=8192 H=96 (H100, docs/perf.md, KDA)
 PREP_BLOCK_T = 32
+MAX_CHECKPOINTS = 2       # states a prefill exports per sequence (emit_kda_inter; FlashKDA's fork exports two)
 
 
 def _check_pow2(value: int, what: str) -> int:
@@ -526,14 +527,17 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
 
 
 def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: str = "fp32", o_dtype: str = "fp32",
-                   plan: KDAPlan | None = None, has_initial_state: bool = True, ir_op: str = "kda_inter",
-                   loc: str = "", interpret: bool | None = None) -> KernelSource:
+                   plan: KDAPlan | None = None, has_initial_state: bool = True, checkpoints: int = 0,
+                   ir_op: str = "kda_inter", loc: str = "", interpret: bool | None = None) -> KernelSource:
     """The sequential half of the prefill: one program per (V block, sequence x head) walks the chunks:
         V_new = T diag(beta) (V - K e^Gamma S);  O = (scale Q e^Gamma) S + A_qk V_new;
         S = diag(e^Gamma_C) S + (K e^(Gamma_C - Gamma))^T V_new
     Args: ki, qi, di [total, H, D], ai, ti [total, H, BT], ei [slots, H, D] fp32 (emit_kda_intra's outputs), v
     [*, H, D] rows at token stride sv (head stride D, v_dtype), o [total, H, D] (o_dtype), s0 / sT [N, H, D, D]
     fp32 (s0 read when has_initial_state; may alias sT), cu, N. Grid (D // BV, N * H).
+    checkpoints C > 0 (portable tier): also ck i32 [N, C], each sequence's token offsets whose state it exports
+    (multiples of BT inside the sequence; -1: none), and sk fp32 [N, C, H, D, D], the state after those tokens
+    (what a prefix checkpoint or a rollback inside the prefill keeps, without splitting the prefill there).
     A plan whose inter_tier is not "portable" gets that tier's kernel (same signature, outputs and grid), so the
     catalogue and the runtime swap the two by plan alone."""
     H, D = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim")
@@ -541,6 +545,11 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
     check_float(v_dtype, "v_dtype")
     p = plan or kda_plan(D, "fp32", target)
     interp = interpreted(target, interpret)
+    if checkpoints < 0 or checkpoints > MAX_CHECKPOINTS:
+        raise CodegenError(f"kda state passing: 0..{MAX_CHECKPOINTS} checkpoints per sequence, got {checkpoints}")
+    if checkpoints and p.inter_tier != PORTABLE:
+        raise CodegenError(f"kda state passing: checkpoint states are written by the portable tier only (plan "
+                           f"{p.inter_tier})")
     if p.inter_tier != PORTABLE:
         if interp:
             raise CodegenError(f"kda state passing: the {p.inter_tier} tier's Gluon kernel does not run in "
@@ -553,10 +562,13 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
     BT, BV = p.chunk, p.block_v
     idt = inter_dtype(p.dot)
     kname = ident(f"k3c_kda_inter_fwd_h{H}_d{D}_bt{BT}_bv{BV}_w{p.chunk_warps}_{p.dot}"
-                  f"_v{name_part(v_dtype)}" + ("" if has_initial_state else "_nos0"))
+                  f"_v{name_part(v_dtype)}" + ("" if has_initial_state else "_nos0")
+                  + (f"_ck{checkpoints}" if checkpoints else ""))
     sig = {"ki": f"*{idt}", "qi": f"*{idt}", "di": f"*{idt}", "ai": f"*{idt}", "ti": f"*{idt}", "ei": "*fp32",
            "v": f"*{v_dtype}", "o": f"*{o_dtype}", "s0": "*fp32", "sT": "*fp32", "cu": "*i32", "sv": "i32",
            "N": "i32"}
+    if checkpoints:
+        sig.update({"ck": "*i32", "sk": "*fp32"})
     const = {"H": H, "D": D, "BT": BT, "BV": BV}
     w = SourceWriter()
     w.header(kernel=kname, ir_op=ir_op, loc=loc, target=target, emitter=__name__,
@@ -583,6 +595,8 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
             "slot0 = bos // BT + n",
         ])
         w.line("S = tl.load(s0 + s_off)" if has_initial_state else "S = tl.zeros([D, BV], dtype=tl.float32)")
+        w.lines([f"ck{j} = tl.load(ck + n * {checkpoints} + {j})" for j in range(checkpoints)])
+
         def loads(at: str, suffix: str = "") -> list[str]:
             """The chunk at token offset `at`: its rows' operands (zeros past the sequence's end)."""
             x = suffix
@@ -618,6 +632,10 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
         with w.indent():
             w.lines(loads("c0 + BT", "_n"))
             w.lines(step)
+            for j in range(checkpoints):        # the state after this chunk, where a checkpoint asks for it
+                w.line(f"if c0 + BT == ck{j}:")
+                w.line(f"    tl.store(sk + (n * {checkpoints} + {j}).to(tl.int64) * {H * D * D} + s_off - "
+                       f"n.to(tl.int64) * {H * D * D}, S)")
             w.lines([f"{x} = {x}_n" for x in ("row", "m2", "kg", "qg", "kd", "vc", "aq", "tb", "eG")])
         w.line("tl.store(sT + s_off, S)")
     return KernelSource(name=kname, source=w.getvalue(), signature=sig, constexprs=const,

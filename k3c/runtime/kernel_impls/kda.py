@@ -121,11 +121,15 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
                        dot: str | None = None, chunk_warps: int | None = None, intra_warps: int | None = None,
                        inter_tier: str | None = None, inter_k_split: int | None = None,
                        max_len: int | None = None, final_state: torch.Tensor | None = None,
+                       checkpoints: torch.Tensor | None = None,
                        binding: Binding | None = None, ir_op: str = "kda_attn", loc: str = ""):
     """kda_chunk's two launches, unlaunched: (intra(), inter(), o, final state); the outputs are filled once both
     ran (benchmarks time each kernel alone). max_len: the longest sequence (the intra kernel's grid; computed from
     cu, a device sync, when not given); chunk .. intra_warps, inter_tier ("hopper": the Gluon state-passing
-    kernel, opt-in) and inter_k_split override the target's plan (benchmarks, tests)."""
+    kernel, opt-in) and inter_k_split override the target's plan (benchmarks, tests). checkpoints: int32 [N, C]
+    (C <= MAX_CHECKPOINTS) token offsets into each sequence, multiples of the plan's chunk, -1 for none: the final
+    state is then (the state at the end, the states after those offsets [N, C, H, D, D]) (the portable state
+    passing writes them; a checkpoint the caller did not fill is left unwritten)."""
     total, H, D = q.shape
     N = cu.numel() - 1
     for name, t, hs in (("q", q, D), ("k", k, D), ("v", v, D), ("g", g, D)):
@@ -151,8 +155,14 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
     idt = torch_dtype(inter_dtype(plan.dot))
     ki = _emit_intra(H, D, target=tgt, qk_dtype=tt_dtype(q.dtype), g_dtype=tt_dtype(g.dtype),
                      beta_dtype=tt_dtype(beta.dtype), scale=scale, plan=plan, ir_op=ir_op, loc=loc, interpret=interp)
+    ck = 0 if checkpoints is None else checkpoints.shape[1]
+    if ck:
+        if checkpoints.shape[0] != N or checkpoints.dtype != torch.int32:
+            raise CodegenError(f"kda_chunk: checkpoints must be int32 [N={N}, C], got {checkpoints.dtype} "
+                               f"{tuple(checkpoints.shape)}")
+        plan = replace(plan, inter_tier=PORTABLE, inter_k_split=1)     # the tier that writes them
     kx = _emit_inter(H, D, target=tgt, v_dtype=tt_dtype(v.dtype), o_dtype=tt_dtype(out_dtype), plan=plan,
-                     has_initial_state=has_s0, ir_op=ir_op, loc=loc, interpret=interp)
+                     has_initial_state=has_s0, checkpoints=ck, ir_op=ir_op, loc=loc, interpret=interp)
     if plan.inter_tier != PORTABLE and tier_fallback(kx, q.device, binding):   # neither loadable nor buildable here
         kx = _emit_inter(H, D, target=tgt, v_dtype=tt_dtype(v.dtype), o_dtype=tt_dtype(out_dtype),
                          plan=replace(plan, inter_tier=PORTABLE, inter_k_split=1), has_initial_state=has_s0,
@@ -165,9 +175,15 @@ def kda_chunk_launches(q, k, v, g, beta, cu, initial_state=None, *, scale: float
         launch(ki, q, k, g, beta, kqd[0], kqd[1], kqd[2], at[0], at[1], eg, cu, q.stride(0), k.stride(0),
                g.stride(0), beta.stride(0), N, int(max_len), binding=binding)
 
+    extra = ()
+    if ck:
+        sk = torch.empty(N, ck, H, D, D, dtype=torch.float32, device=q.device)
+        extra = (_c(checkpoints, torch.int32), sk)
+
     def inter():
-        launch(kx, kqd[0], kqd[1], kqd[2], at[0], at[1], eg, v, o, s0, sT, cu, v.stride(0), N, binding=binding)
-    return intra, inter, o, sT
+        launch(kx, kqd[0], kqd[1], kqd[2], at[0], at[1], eg, v, o, s0, sT, cu, v.stride(0), N, *extra,
+               binding=binding)
+    return intra, inter, o, (sT, extra[1]) if ck else sT
 
 
 def kda_decode(xq, xk, xv, xf, xb, xg, conv_w, a_log, dt_bias, o_norm_w, tails, state, *, num_heads: int,
