@@ -232,6 +232,8 @@ def _per_segment_group(impl: Callable) -> Callable:
             rows = tuple(aligned(x[0, g.token:g.token + g.tokens].unflatten(0, (g.rows, g.length))) for x in data)
             outs.append(impl(a, sub, rows, w).flatten(0, 1))
             parts.append(sub.layers[layer])
+            if layer in cache.ctx.modes:                    # an MLA op: what this group ran (modes is shared)
+                cache.ctx.group_modes.append((layer, cache.ctx.modes[layer]))
         cache.layers[layer] = GroupedEntry(tuple(parts), groups)
         return torch.cat(outs)[None]
     return op

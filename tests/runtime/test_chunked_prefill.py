@@ -123,9 +123,13 @@ def test_a_packed_call_equals_its_rows_run_apart(tiny, graph, one_thread):
         rids = [eng.open() for _ in ps]
         eng.extend(rids[2:4], [ps[2][:5], ps[3][:5]])      # two rows with cached context
         eng.extend(rids[4:], [ps[4]])
+        counted = sum(eng.mode_counts.values())
         first = eng.extend(rids, [ps[0], ps[1], ps[2][5:], ps[3][5:], ps[1][:1]])
+        counted = sum(eng.mode_counts.values()) - counted
         again = eng.extend(rids, [[7]] * len(rids))         # the states and pages each row left
         out[packed] = (first, again, eng.stats["mixed_calls"])
+        # an MLA mode counted per group of equal lengths (9, 8, 4, 1 tokens), as the calls run apart count them
+        assert counted == 4 * len(eng.mla_layers) > 0
     assert out[True][2] == 1 and out[False][2] == 0
     for got, want in zip(out[True][0] + out[True][1], out[False][0] + out[False][1]):
         assert got.shape == want.shape and rel(got, want) <= 2e-5

@@ -26,6 +26,7 @@ class CallContext:
     #                                             prefill whose prompt-position logits nobody asked for
     groups: tuple | None = None                 # a packed call (input ids [1, N]): its rows' SegmentGroups
     #                                             (caches/packed.py); None: rows of equal length, ids [B, T]
+    group_modes: list = field(default_factory=list)     # a packed call: (MLA layer, mode) of each group's op
 
     @property
     def traced(self) -> bool:
@@ -35,7 +36,8 @@ class CallContext:
     def next_call(self) -> "CallContext":
         """The context of the caller's next call: the same binding and cache format, nothing this call chose or
         wrote."""
-        return dataclasses.replace(self, mla_modes=None, modes={}, kda_trace=None, kda_token_buffers={}, groups=None)
+        return dataclasses.replace(self, mla_modes=None, modes={}, kda_trace=None, kda_token_buffers={}, groups=None,
+                                   group_modes=[])
 
 
 def call_binding(cache) -> Binding | None:

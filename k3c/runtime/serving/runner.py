@@ -111,11 +111,12 @@ class Runner:
         if dg is not None:
             t0 = time.perf_counter()
             logits, slots = self.graphs.call(dg, seqs, segments, slots, joining)
-            states, ran, kda_trace = dg.kda, modes, dg.trace
+            states, ran, kda_trace, group_modes = dg.kda, modes, dg.trace, ()
             rows = list(logits.unbind(0))
         else:
             slots = range(B)                           # the KDA state row of each sequence after the call
-            rows, states, ran, kda_trace, t0 = self._eager(seqs, segments, modes, trace, all_positions)
+            rows, states, (ran, group_modes), kda_trace, t0 = self._eager(seqs, segments, modes, trace,
+                                                                          all_positions)
         kind = "mixed" if packed else "decode" if T == 1 else "verify" if trace else "prefill"
         if trace:
             for j, seq in zip(slots, seqs):
@@ -135,15 +136,15 @@ class Runner:
             self.ledger.written(seq, len(seg))
             seq.length += len(seg)
         self.last_modes = ran
-        for layer, mode in ran.items():
+        for layer, mode in group_modes or ran.items():       # a packed call: every group's
             self.mode_counts[(layer, mode)] += 1
         return rows
 
     def _eager(self, seqs: list[SeqState], segments: list[list[int]], modes: dict[int, str], trace: bool,
                all_positions: bool = True):
-        """The call through the fx graph: (each row's logits, the KDA states after it, the MLA modes it ran, its
-        KDA trace, when the launch began). Rows of unequal lengths run packed: ids [1, N], the groups and each
-        group's MLA modes in the call context (caches/packed.py)."""
+        """The call through the fx graph: (each row's logits, the KDA states after it, (the MLA modes it ran, a
+        packed call's (layer, mode) per group), its KDA trace, when the launch began). Rows of unequal lengths run
+        packed: ids [1, N], the groups and each group's MLA modes in the call context (caches/packed.py)."""
         lens = [s.length for s in seqs]
         groups = None
         if any(len(g) != len(segments[0]) for g in segments):
@@ -172,4 +173,4 @@ class Runner:
             rows = list(logits[0].split([len(g) for g in segments]))
         else:
             rows = list(logits[0].unsqueeze(1).unbind(0))
-        return rows, cache.layers, dict(ctx.modes), ctx.kda_trace, t0
+        return rows, cache.layers, (dict(ctx.modes), list(ctx.group_modes)), ctx.kda_trace, t0
