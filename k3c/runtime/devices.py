@@ -75,3 +75,11 @@ def interpreted(t: torch.Tensor) -> bool:
     """Whether kernels on `t` run through the Triton interpreter (a CPU tensor): such a launch takes the
     interpreter variant of its kernel, whatever target its binding plans for."""
     return t.device.type == "cpu"
+
+
+def host_to_device(device: torch.device):
+    """A function putting a host tensor on `device` without a device sync (pinned staging, non-blocking copy; the
+    caching host allocator keeps the staging block until the copy has run)."""
+    if device.type != "cuda":
+        return lambda t: t.to(device)
+    return lambda t: t.pin_memory().to(device, non_blocking=True)

@@ -241,7 +241,8 @@ def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str,
     """Args: xq, xk, xv, xf [total, H*D], xb [total, H] (projections, `dtype`), wq, wk, wv [H*D, KW] (conv weights),
     a_log [H], dt_bias [H*D], tq_in, tk_in, tv_in [N, H*D, KW-1] (conv tails, `dtype`), tq_out, tk_out, tv_out,
     qkv [total, 3*H*D] (`qkv_dtype`: bf16 halves the bytes for bf16 models, whose chunk matmuls take bf16 operands),
-    gb [total, H*D + H] fp32 (g, beta), cu [N + 1] i32 (sequence starts), N, T_MAX. Grid (cdiv(T_MAX, BT) * N * H * 4,): q, k, v and g|beta programs."""
+    gb [total, H*D + H] fp32 (g, beta), cu [N + 1] i32 (sequence starts), N, T_MAX. Grid
+    (cdiv(T_MAX, BT) * N * H * 4,): q, k, v and g|beta programs."""
     H, D, KW = check_dim(num_heads, "num_heads"), _check_pow2(head_dim, "head_dim"), check_dim(conv_kernel, "conv")
     if KW < 2:
         raise CodegenError(f"conv_kernel must be >= 2, got {KW}")
@@ -526,6 +527,25 @@ def emit_kda_intra(num_heads: int, head_dim: int, *, target: Target, qk_dtype: s
                         ir_op=ir_op, loc=loc)
 
 
+def _inter_loads(at: str, x: str, H: int, D: int, BT: int, op_dt: str) -> list[str]:
+    """The state-passing kernel's loads of the chunk at token offset `at` (names suffixed `x`): its rows' operands,
+    zeros past the sequence's end."""
+    return [
+        f"row{x} = bos + ({at}) + rt",
+        f"m2{x} = (({at}) + rt < L)[:, None]",
+        f"kof = row{x}[:, None] * {H * D} + h * D + rk[None, :]",
+        f"rof = row{x}[:, None] * {H * BT} + h * BT + rt[None, :]",
+        f"kg{x} = tl.load(ki + kof, mask=m2{x}, other=0.0).to({op_dt})",
+        f"qg{x} = tl.load(qi + kof, mask=m2{x}, other=0.0).to({op_dt})",
+        f"kd{x} = tl.load(di + kof, mask=m2{x}, other=0.0).to({op_dt})",
+        f"vc{x} = tl.load(v + row{x}[:, None] * sv + h * D + rv[None, :], mask=m2{x}, other=0.0).to(tl.float32)",
+        f"aq{x} = tl.load(ai + rof, mask=m2{x}, other=0.0).to({op_dt})",
+        f"tb{x} = tl.load(ti + rof, mask=m2{x}, other=0.0).to({op_dt})",
+        f"eG{x} = tl.load(ei + ((slot0 + ({at}) // BT) * H + h) * D + rk, "
+        f"mask=rk < tl.minimum(L - ({at}), 1) * D, other=0.0)",
+    ]
+
+
 def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: str = "fp32", o_dtype: str = "fp32",
                    plan: KDAPlan | None = None, has_initial_state: bool = True, checkpoints: int = 0,
                    ir_op: str = "kda_inter", loc: str = "", interpret: bool | None = None) -> KernelSource:
@@ -597,25 +617,6 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
         w.line("S = tl.load(s0 + s_off)" if has_initial_state else "S = tl.zeros([D, BV], dtype=tl.float32)")
         w.lines([f"ck{j} = tl.load(ck + n * {checkpoints} + {j})" for j in range(checkpoints)])
 
-        def loads(at: str, suffix: str = "") -> list[str]:
-            """The chunk at token offset `at`: its rows' operands (zeros past the sequence's end)."""
-            x = suffix
-            return [
-                f"row{x} = bos + ({at}) + rt",
-                f"m2{x} = (({at}) + rt < L)[:, None]",
-                f"kof = row{x}[:, None] * {H * D} + h * D + rk[None, :]",
-                f"rof = row{x}[:, None] * {H * BT} + h * BT + rt[None, :]",
-                f"kg{x} = tl.load(ki + kof, mask=m2{x}, other=0.0).to({op_dt})",
-                f"qg{x} = tl.load(qi + kof, mask=m2{x}, other=0.0).to({op_dt})",
-                f"kd{x} = tl.load(di + kof, mask=m2{x}, other=0.0).to({op_dt})",
-                f"vc{x} = tl.load(v + row{x}[:, None] * sv + h * D + rv[None, :], mask=m2{x}, other=0.0)"
-                ".to(tl.float32)",
-                f"aq{x} = tl.load(ai + rof, mask=m2{x}, other=0.0).to({op_dt})",
-                f"tb{x} = tl.load(ti + rof, mask=m2{x}, other=0.0).to({op_dt})",
-                f"eG{x} = tl.load(ei + ((slot0 + ({at}) // BT) * H + h) * D + rk, "
-                f"mask=rk < tl.minimum(L - ({at}), 1) * D, other=0.0)",
-            ]
-
         step = [
             f"Sb = S.to({op_dt})",
             f"xb = (vc - {dot('kg', 'Sb')}).to({op_dt})",
@@ -627,10 +628,10 @@ def emit_kda_inter(num_heads: int, head_dim: int, *, target: Target, v_dtype: st
         ]
         # register double buffer: chunk c + 1's loads are issued before chunk c's serial matmul chain, so their
         # latency hides behind it (a plain loop issues them after it; tl.range's pipelining was slower: docs/perf.md)
-        w.lines(loads("0"))
+        w.lines(_inter_loads("0", "", H, D, BT, op_dt))
         w.line("for c0 in range(0, L, BT):")
         with w.indent():
-            w.lines(loads("c0 + BT", "_n"))
+            w.lines(_inter_loads("c0 + BT", "_n", H, D, BT, op_dt))
             w.lines(step)
             for j in range(checkpoints):        # the state after this chunk, where a checkpoint asks for it
                 w.line(f"if c0 + BT == ck{j}:")

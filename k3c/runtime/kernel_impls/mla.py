@@ -21,7 +21,7 @@ from ...codegen.targets import Target
 from ...frontend.spec import MLASpec
 from ... import reference as ref
 from ...reference.norms import acc
-from ..devices import interpreted, tt_dtype
+from ..devices import host_to_device, interpreted, tt_dtype
 from ..launcher import Binding, fixed_launcher, launch, target_of, tier_fallback
 from ..caches.latent_format import decode_rows, encode_rows, pool_args, row_width
 from ..caches.latent_store import (DeviceLenLatentCache, LatentStore, PagedLatentCache, interleaved_block_table,
@@ -49,13 +49,14 @@ def torch_mla_kvb_split(a, cache, data, w):
 
 
 def lens_tensor(lens, device) -> torch.Tensor:
-    """Lengths as i32 [B] on `device`: a device tensor is used as is (no copy); host ints are copied (a pageable
-    host-to-device copy: a device sync, and not allowed while a CUDA graph is being captured)."""
+    """Lengths as i32 [B] on `device`: a device tensor is used as is (no copy); host ints are copied through pinned
+    staging without a device sync (a pageable copy would make the host wait for every kernel launched before it, in
+    each MLA layer of an eager call; no copy is allowed while a CUDA graph is being captured)."""
     if isinstance(lens, torch.Tensor):
         if lens.dtype != torch.int32 or lens.device != torch.device(device):
             raise ValueError(f"lengths tensor must be int32 on {device}, got {lens.dtype} on {lens.device}")
         return lens
-    return torch.tensor(list(lens), dtype=torch.int32, device=device)
+    return host_to_device(torch.device(device))(torch.tensor(list(lens), dtype=torch.int32))
 
 
 # -- kernel launchers -------------------------------------------------------------------------------------------------

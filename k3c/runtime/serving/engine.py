@@ -38,6 +38,7 @@ from ...errors import ArgumentError
 from ...reference.kda import KDAState
 from ..caches.block_pool import BlockPool, CacheFullError
 from ..caches.latent_format import kv_format, row_width
+from ..devices import host_to_device
 from ..launcher import target_of
 from ..logits_processors import RowLogits, process
 from ..sampling import GREEDY, as_params, make_generator, params_for_rows, sample_rows
@@ -46,7 +47,7 @@ from ..executor import graph_binding
 from ..session import _device, describe_graph, load_graph
 from .graph_pool import GraphPool
 from .ledger import PageLedger
-from .requests import (ADMISSIONS, StepOutput, check_adopted, host_to_device, positive_ints, positive_number,
+from .requests import (ADMISSIONS, StepOutput, check_adopted, positive_ints, positive_number,
                        row_logits, segment_plan, stop_ids, token_ids)
 from .runner import Runner
 from .scheduler import Scheduler, StepBudget

@@ -127,11 +127,3 @@ class StepOutput:
     def __repr__(self) -> str:
         err = f", error={type(self.error).__name__}" if self.error is not None else ""
         return f"StepOutput(rid={self.rid}, token={self.token}, finished={self.finished}, seed={self.seed}{err})"
-
-
-def host_to_device(device: torch.device):
-    """A function putting a host tensor on `device` without a device sync (pinned staging, non-blocking copy; the
-    caching host allocator keeps the staging block until the copy has run)."""
-    if device.type != "cuda":
-        return lambda t: t.to(device)
-    return lambda t: t.pin_memory().to(device, non_blocking=True)
