@@ -234,6 +234,32 @@ def decode_signature(dtype: str, fuse_out: bool) -> dict[str, str]:
     return sig
 
 
+def prep_role_pointers(w: SourceWriter) -> None:
+    """The prep's q / k / v programs (role 0, 1, 2) pick their input, conv weight and tails: one body over all three
+    (both tiers)."""
+    w.line("if role == 0:")
+    w.line("    x, wt, tin, tout = xq, wq, tq_in, tq_out")
+    w.line("elif role == 1:")
+    w.line("    x, wt, tin, tout = xk, wk, tk_in, tk_out")
+    w.line("else:")
+    w.line("    x, wt, tin, tout = xv, wv, tv_in, tv_out")
+
+
+def prep_tail_update(w: SourceWriter, ns: str, HD: int, KW: int) -> None:
+    """The prep's new conv tail, written by the first time block: the last KW-1 pre-conv inputs (older tail entries
+    when the segment is short). ns: the dialect's module ("tl" Triton, "gl" Gluon)."""
+    w.line("if tb == 0:")
+    with w.indent():
+        for j in range(KW - 1):
+            w.lines([
+                f"p{j} = rd.to({ns}.int64) * 0 + (L - (KW - 1) + {j})",
+                f"n{j} = {ns}.load(x + (bos + p{j}) * {HD} + col, mask=p{j} >= 0, other=0.0)"
+                f" + {ns}.load(tin + tail_base + (KW - 1 + p{j}), mask=p{j} < 0, other=0.0)",
+            ])
+        for j in range(KW - 1):
+            w.line(f"{ns}.store(tout + tail_base + {j}, n{j})")
+
+
 def emit_kda_prep(num_heads: int, head_dim: int, conv_kernel: int, *, gate: str, gate_lower_bound: float,
                   l2norm_eps: float, target: Target, dtype: str = "bf16", qkv_dtype: str = "fp32",
                   block_t: int | None = None, ir_op: str = "kda_prep", loc: str = "",
@@ -301,12 +327,7 @@ def _emit_prep_conv_role(w: SourceWriter, H: int, D: int, KW: int, dtype: str, q
     """The prep's q, k and v programs (role 0, 1, 2): one body over the role's pointers: causal conv, SiLU, the L2
     norm of q and k, the qkv row, and the new conv tail from the first time block."""
     HD = H * D
-    w.line("if role == 0:")
-    w.line("    x, wt, tin, tout = xq, wq, tq_in, tq_out")
-    w.line("elif role == 1:")
-    w.line("    x, wt, tin, tout = xk, wk, tk_in, tk_out")
-    w.line("else:")
-    w.line("    x, wt, tin, tout = xv, wv, tv_in, tv_out")
+    prep_role_pointers(w)
     # tap j reads the row KW-1-j tokens back; rows before the segment start come from the conv tail, read
     # only by the time blocks that reach back that far (a scalar branch: the others issue no tail loads)
     w.lines([
@@ -337,17 +358,7 @@ def _emit_prep_conv_role(w: SourceWriter, H: int, D: int, KW: int, dtype: str, q
     w.line(f"    y = y / tl.sqrt(tl.sum(y * y, axis=1) + {fnum(l2norm_eps)})[:, None]")
     w.line(f"tl.store(qkv + (bos + rt)[:, None] * {3 * HD} + role * {HD} + col[None, :], "
            f"{to_dtype('y', qkv_dtype, interp)}, mask=tm[:, None])")
-    # the new tail: the last KW-1 pre-conv inputs (older tail entries when the segment is short)
-    w.line("if tb == 0:")
-    with w.indent():
-        for j in range(KW - 1):
-            w.lines([
-                f"p{j} = rd.to(tl.int64) * 0 + (L - (KW - 1) + {j})",
-                f"n{j} = tl.load(x + (bos + p{j}) * {HD} + col, mask=p{j} >= 0, other=0.0)"
-                f" + tl.load(tin + tail_base + (KW - 1 + p{j}), mask=p{j} < 0, other=0.0)",
-            ])
-        for j in range(KW - 1):
-            w.line(f"tl.store(tout + tail_base + {j}, n{j})")
+    prep_tail_update(w, "tl", HD, KW)
 
 
 def _emit_prep_gate_role(w: SourceWriter, H: int, D: int, gate: str, gate_lower_bound: float) -> None:

@@ -17,7 +17,8 @@ from ..targets import Target
 from ..tiers import tier_of
 from ..writer import CodegenError, SourceWriter, fnum, ident, name_part
 from .common import check_dim, check_float
-from .kda import PREP_BLOCK_T, _check_gate, _check_pow2, emit_kda_prep, prep_signature
+from .kda import (PREP_BLOCK_T, _check_gate, _check_pow2, emit_kda_prep, prep_role_pointers, prep_signature,
+                  prep_tail_update)
 from .kda_decode_hopper import HOPPER_ARCH, gl_cast, gl_gate, gl_module_head, gl_round
 
 
@@ -106,12 +107,7 @@ def _emit_conv_role(w: SourceWriter, HD: int, KW: int, HALO: int, dtype: str, qk
     """A q / k / v program: its rows and the HALO rows before them (x rows inside the segment, conv-tail entries
     before its start, zeros before those) into shared memory once, the KW shifted windows read from there."""
     gdt = {"bf16": "gl.bfloat16", "fp16": "gl.float16", "fp32": "gl.float32"}[dtype]
-    w.line("if role == 0:")
-    w.line("    x, wt, tin, tout = xq, wq, tq_in, tq_out")
-    w.line("elif role == 1:")
-    w.line("    x, wt, tin, tout = xk, wk, tk_in, tk_out")
-    w.line("else:")
-    w.line("    x, wt, tin, tout = xv, wv, tv_in, tv_out")
+    prep_role_pointers(w)
     w.lines([
         f"tail_base = (n.to(gl.int64) * {HD} + col) * (KW - 1)",
         f"xm = gl.load(x + (bos + rt)[:, None] * {HD} + col[None, :], mask=tm[:, None], other=0.0)",
@@ -140,18 +136,8 @@ def _emit_conv_role(w: SourceWriter, HD: int, KW: int, HALO: int, dtype: str, qk
     w.line(f"    y = y / gl.sqrt(gl.sum(y * y, axis=1) + {fnum(l2norm_eps)})[:, None]")
     w.line(f"gl.store(qkv + (bos + rt)[:, None] * {3 * HD} + role * {HD} + col[None, :], {gl_cast('y', qkv_dtype)}, "
            "mask=tm[:, None])")
-    # the new tail: the last KW-1 pre-conv inputs (older tail entries when the segment is short); the program
-    # reads only rows before t0 + BT of its own column set, and the first time block is the only writer
-    w.line("if tb == 0:")
-    with w.indent():
-        for j in range(KW - 1):
-            w.lines([
-                f"p{j} = rd.to(gl.int64) * 0 + (L - (KW - 1) + {j})",
-                f"n{j} = gl.load(x + (bos + p{j}) * {HD} + col, mask=p{j} >= 0, other=0.0)"
-                f" + gl.load(tin + tail_base + (KW - 1 + p{j}), mask=p{j} < 0, other=0.0)",
-            ])
-        for j in range(KW - 1):
-            w.line(f"gl.store(tout + tail_base + {j}, n{j})")
+    # the program reads only rows before t0 + BT of its own column set, and the first time block is the only writer
+    prep_tail_update(w, "gl", HD, KW)
 
 
 def prep_kernel(num_heads: int, head_dim: int, conv_kernel: int, *, tier: str | None = None,
